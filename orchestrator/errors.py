@@ -1,0 +1,27 @@
+"""The two classes of call errors, named for who must act (Codex's `FunctionCallError`).
+
+`RespondToModel`: the model can fix it; the message becomes that call's output and the turn goes
+on. `Fatal`: a runtime contract broke (a registered tool got a payload kind it does not take);
+the turn ends with an error naming the tool, and the history still gets a paired output.
+"""
+
+from __future__ import annotations
+
+
+class RespondToModel(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class Fatal(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"Fatal error: {self.message}"
+
+
+class ConfigurationError(Exception):
+    """A mistake in how toolq was set up (duplicate tool, bad setting): the developer acts."""
