@@ -18,6 +18,56 @@ def _cmd_fake_model(args: argparse.Namespace) -> int:
     return serve_forever(port=args.port, script=args.script)
 
 
+def _settings(args: argparse.Namespace, **extra: object):
+    from orchestrator.settings import Settings
+
+    return Settings.load(
+        model=getattr(args, "model", None),
+        workspace=getattr(args, "workspace", None),
+        tools=getattr(args, "tools", None) or None,
+        **extra,
+    )
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from orchestrator.settings import Settings
+
+    settings = Settings.load(tools=args.tools or None, concurrency=args.concurrency,
+                             queues=args.queues.split(",") if args.queues else None)
+    if not settings.redis_url:
+        print("toolq worker: set REDIS_URL (or CELERY_BROKER_URL) to the broker the orchestrator uses", file=sys.stderr)
+        return 2
+    import os
+
+    os.environ["REDIS_URL"] = settings.redis_url  # pool children and the app read the same settings
+    if settings.tools:
+        os.environ["TOOLQ_TOOLS"] = ",".join(settings.tools)
+    from workers.app import app, catalog, configure
+
+    configure(settings)
+    queues = settings.queues or catalog().queues()
+    argv = ["worker", "--pool", "prefork", "--concurrency", str(settings.concurrency), "--queues", ",".join(queues),
+            "--events", "--without-gossip", "--without-mingle", "--loglevel", args.loglevel]
+    if args.name:
+        argv += ["--hostname", args.name]
+    if args.logfile:
+        argv += ["--logfile", args.logfile]
+    app.worker_main(argv)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from orchestrator.runner import run_prompt
+
+    return run_prompt(_settings(args), args.prompt, json_events=args.json)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from orchestrator.runner import run_demo
+
+    return run_demo(_settings(args), json_events=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toolq", description="Run an LLM agent's tool calls on a Celery fleet.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -30,12 +80,40 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
     f.add_argument("--script", help="JSON script file; default: the built-in demo conversation")
     f.set_defaults(func=_cmd_fake_model)
+
+    r = sub.add_parser("run", help="run one turn: the model's tool calls execute on the worker fleet")
+    r.add_argument("prompt")
+    r.add_argument("--model", help="model name (default gpt-5.5, or TOOLQ_MODEL)")
+    r.add_argument("--json", action="store_true", help="one JSON event per line, like `codex exec --json`")
+    r.add_argument("--workspace", help="directory the tools work in (default: the current directory)")
+    r.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
+    r.set_defaults(func=_cmd_run)
+
+    w = sub.add_parser("worker", help="a Celery worker that executes toolq's tools")
+    w.add_argument("--queues", help="comma-separated queues (default: every queue of the loaded tools)")
+    w.add_argument("--concurrency", type=int, help="pool processes (default 4, or TOOLQ_CONCURRENCY)")
+    w.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
+    w.add_argument("--name", help="worker node name, e.g. gpu1@%%h")
+    w.add_argument("--logfile")
+    w.add_argument("--loglevel", default="INFO")
+    w.set_defaults(func=_cmd_worker)
+
+    m = sub.add_parser("demo", help="the built-in demo end to end against the fake model")
+    m.add_argument("--json", action="store_true")
+    m.add_argument("--workspace", help="default: a fresh temporary directory")
+    m.set_defaults(func=_cmd_demo)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from orchestrator.errors import ConfigurationError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConfigurationError as e:
+        print(f"toolq: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""Every Redis key and channel toolq uses, in one place (like arq's `constants.py`).
+
+Celery's own keys (`celery-task-meta-<task id>`) belong to Celery; these are ours. All are
+written by the orchestrator, the workers and `toolq cancel`, so they must agree.
+"""
+
+PREFIX = "toolq"
+
+#: ZSET of turn ids scored by start time, for `toolq turns`.
+TURNS = f"{PREFIX}:turns"
+
+#: Celery result meta: the backend publishes each state change on a channel of the same name.
+CELERY_META = "celery-task-meta-"
+
+
+def turn(turn_id: str) -> str:
+    """HASH: the turn's own record (state, started_at, finished_at, prompt, error)."""
+    return f"{PREFIX}:turn:{turn_id}"
+
+
+def turn_calls(turn_id: str) -> str:
+    """LIST of the turn's task ids in dispatch order."""
+    return f"{PREFIX}:turn:{turn_id}:calls"
+
+
+def call(task_id: str) -> str:
+    """HASH: one call's ledger record (call_id, tool, state, worker, times)."""
+    return f"{PREFIX}:call:{task_id}"
+
+
+def call_ids(turn_id: str) -> str:
+    """HASH call_id -> space-separated task ids (two calls may share a call_id)."""
+    return f"{PREFIX}:turn:{turn_id}:call_ids"
+
+
+def started(task_id: str) -> str:
+    """STRING set once, NX, by the first worker to start the call (at-most-once guard)."""
+    return f"{PREFIX}:started:{task_id}"
+
+
+def attempts(task_id: str) -> str:
+    """Counter of deliveries for idempotent calls (redelivery cap)."""
+    return f"{PREFIX}:attempts:{task_id}"
+
+
+def cancel_turn(turn_id: str) -> str:
+    """The durable cancel record of a turn: workers check it before starting a call."""
+    return f"{PREFIX}:cancel:{turn_id}"
+
+
+def cancel_call(task_id: str) -> str:
+    """The durable cancel record of one call."""
+    return f"{PREFIX}:cancel-call:{task_id}"
+
+
+def cancel_channel(turn_id: str) -> str:
+    """Pub/sub channel: the orchestrator running the turn hears cancels here at once."""
+    return f"{PREFIX}:cancel-events:{turn_id}"
+
+
+def celery_meta(task_id: str) -> str:
+    return f"{CELERY_META}{task_id}"
+
+
+def celery_meta_pattern(turn_id: str) -> str:
+    """One pattern subscription per turn covers all its calls (task ids start with the turn id)."""
+    return f"{CELERY_META}{turn_id}:*"
+
+
+#: How long ledger and cancel records live: well beyond any turn.
+RECORD_TTL = 7 * 24 * 3600

@@ -1,0 +1,124 @@
+"""The ledger: toolq's own record of every turn and call, in Redis, apart from Celery's.
+
+It maps call_id <-> task id both ways, keeps each call's state (queued, started, succeeded,
+failed, cancelled, lost, timed_out), makes dispatch at-most-once (a claim is set only if absent),
+and holds the durable cancel records that workers check before they start a call.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from orchestrator import keys
+from orchestrator.calls import ToolInvocation
+
+TERMINAL = {"succeeded", "failed", "cancelled", "lost", "timed_out", "rejected"}
+
+
+def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in h.items()}
+
+
+class Ledger:
+    def __init__(self, r: aioredis.Redis) -> None:
+        self.r = r
+
+    @classmethod
+    def from_url(cls, url: str) -> Ledger:
+        return cls(aioredis.Redis.from_url(url))
+
+    async def aclose(self) -> None:
+        await self.r.aclose()
+
+    # --- turns -------------------------------------------------------------------------------
+
+    async def start_turn(self, turn_id: str, prompt: str, workspace: str) -> None:
+        now = time.time()
+        async with self.r.pipeline(transaction=True) as p:
+            p.hset(keys.turn(turn_id), mapping={"state": "running", "started_at": now, "prompt": prompt[:500],
+                                                "workspace": workspace})
+            p.expire(keys.turn(turn_id), keys.RECORD_TTL)
+            p.zadd(keys.TURNS, {turn_id: now})
+            await p.execute()
+
+    async def finish_turn(self, turn_id: str, state: str, error: str | None = None) -> None:
+        fields: dict[str, Any] = {"state": state, "finished_at": time.time()}
+        if error:
+            fields["error"] = error[:2000]
+        await self.r.hset(keys.turn(turn_id), mapping=fields)
+
+    async def turn(self, turn_id: str) -> dict[str, str]:
+        return _decode(await self.r.hgetall(keys.turn(turn_id)))
+
+    async def recent_turns(self, limit: int = 20) -> list[tuple[str, dict[str, str]]]:
+        ids = [i.decode() for i in await self.r.zrevrange(keys.TURNS, 0, limit - 1)]
+        async with self.r.pipeline(transaction=False) as p:
+            for i in ids:
+                p.hgetall(keys.turn(i))
+            rows = await p.execute()
+        return [(i, _decode(h)) for i, h in zip(ids, rows)]
+
+    # --- calls -------------------------------------------------------------------------------
+
+    async def claim(self, inv: ToolInvocation, queue: str) -> bool:
+        """Record the call as queued; False if it was already dispatched (never send twice)."""
+        key = keys.call(inv.task_id)
+        if not await self.r.hsetnx(key, "call_id", inv.call_id):
+            return False
+        record = {"task_id": inv.task_id, "turn_id": inv.turn_id, "tool": str(inv.tool_name), "state": "queued",
+                  "queue": queue, "step": inv.step, "output_index": inv.output_index, "queued_at": time.time()}
+        async with self.r.pipeline(transaction=False) as p:
+            p.hset(key, mapping=record)
+            p.expire(key, keys.RECORD_TTL)
+            p.rpush(keys.turn_calls(inv.turn_id), inv.task_id)
+            p.expire(keys.turn_calls(inv.turn_id), keys.RECORD_TTL)
+            p.hset(keys.call_ids(inv.turn_id), inv.call_id, inv.task_id)  # last wins; all in turn_calls
+            p.expire(keys.call_ids(inv.turn_id), keys.RECORD_TTL)
+            await p.execute()
+        return True
+
+    async def record_unqueued(self, turn_id: str, step: int, output_index: int, call_id: str, tool: str,
+                              state: str, task_id: str) -> None:
+        """A call that never reached the queue (bad arguments, unknown tool): still listed."""
+        async with self.r.pipeline(transaction=False) as p:
+            p.hset(keys.call(task_id), mapping={"task_id": "", "call_id": call_id, "turn_id": turn_id, "tool": tool,
+                                                "state": state, "step": step, "output_index": output_index,
+                                                "queued_at": time.time(), "finished_at": time.time()})
+            p.expire(keys.call(task_id), keys.RECORD_TTL)
+            p.rpush(keys.turn_calls(turn_id), task_id)
+            await p.execute()
+
+    async def set_state(self, task_id: str, state: str, **fields: Any) -> None:
+        """Record a state the orchestrator decided (timed out, lost, cancelled...)."""
+        mapping = {"state": state, **{k: v for k, v in fields.items() if v is not None}}
+        await self.r.hset(keys.call(task_id), mapping={k: str(v) for k, v in mapping.items()})
+
+    async def calls(self, turn_id: str) -> list[dict[str, str]]:
+        ids = [i.decode() for i in await self.r.lrange(keys.turn_calls(turn_id), 0, -1)]
+        async with self.r.pipeline(transaction=False) as p:
+            for i in ids:
+                p.hgetall(keys.call(i))
+            rows = await p.execute()
+        return [_decode(h) for h in rows]
+
+    async def task_ids_for(self, turn_id: str, call_id: str) -> list[str]:
+        return [c["task_id"] for c in await self.calls(turn_id) if c.get("call_id") == call_id and c.get("task_id")]
+
+    # --- cancel ------------------------------------------------------------------------------
+
+    async def cancel_turn(self, turn_id: str, reason: str = "user") -> None:
+        """Durable first (workers check it before starting), then tell the running orchestrator."""
+        await self.r.set(keys.cancel_turn(turn_id), json.dumps({"reason": reason, "at": time.time()}),
+                         ex=keys.RECORD_TTL)
+        await self.r.publish(keys.cancel_channel(turn_id), json.dumps({"scope": "turn"}))
+
+    async def cancel_call(self, turn_id: str, task_id: str) -> None:
+        await self.r.set(keys.cancel_call(task_id), "1", ex=keys.RECORD_TTL)
+        await self.r.publish(keys.cancel_channel(turn_id), json.dumps({"scope": "call", "task_id": task_id}))
+
+    async def is_cancelled(self, turn_id: str) -> bool:
+        return bool(await self.r.exists(keys.cancel_turn(turn_id)))

@@ -1,0 +1,66 @@
+"""What `toolq run` shows: a live line per call transition, or one JSON event per line.
+
+The JSON events follow `codex exec --json` (`turn.started`, `item.started`/`item.updated`/
+`item.completed`, `error`, `turn.completed`/`turn.failed`), with toolq's `tool_call` items.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import IO, Any
+
+_GLYPH = {"queued": "→", "running": "▸", "completed": "✓", "failed": "✗", "aborted": "⊘", "timed_out": "⏱",
+          "lost": "!", "rejected": "✗"}
+
+
+class JsonView:
+    def __init__(self, out: IO[str] = sys.stdout) -> None:
+        self.out = out
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        self.out.write(json.dumps(event, ensure_ascii=False) + "\n")
+        self.out.flush()
+
+
+class LiveView:
+    """One line per transition: glyph, tool, call id, state, duration, worker."""
+
+    def __init__(self, out: IO[str] = sys.stdout) -> None:
+        self.out = out
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        kind, item = event["type"], event.get("item") or {}
+        line: str | None = None
+        if kind == "turn.started":
+            line = f"toolq turn {event['turn_id']}"
+        elif kind.startswith("item.") and item.get("type") == "tool_call":
+            line = self._call_line(item)
+        elif kind == "item.completed" and item.get("type") == "reasoning":
+            line = f"  · thinking: {item['text'][:200]}"
+        elif kind == "item.completed" and item.get("type") == "agent_message":
+            line = f"\n{item['text']}\n"
+        elif kind == "error":
+            line = f"  ! {event['message']}"
+        elif kind == "turn.completed":
+            u = event.get("usage") or {}
+            line = f"turn completed ({u.get('input_tokens', 0)} input / {u.get('output_tokens', 0)} output tokens)"
+        elif kind == "turn.failed":
+            line = f"turn failed: {event['error']['message']}"
+        elif kind == "turn.aborted":
+            line = "turn cancelled"
+        if line is not None:
+            self.out.write(line + "\n")
+            self.out.flush()
+
+    @staticmethod
+    def _call_line(item: dict[str, Any]) -> str:
+        status = item.get("status", "")
+        parts = [f"  {_GLYPH.get(status, '·')} {item['tool']:<16} {item['id']:<24} {status:<9}"]
+        if item.get("duration") is not None:
+            parts.append(f"{item['duration']:.2f}s")
+        if item.get("worker"):
+            parts.append(f"on {item['worker']}")
+        if item.get("status") in ("failed", "rejected", "lost", "timed_out") and item.get("output"):
+            parts.append("— " + item["output"].splitlines()[0][:120])
+        return " ".join(parts)

@@ -1,0 +1,103 @@
+"""toolq's Celery app: the only worker-side module that imports Celery.
+
+One task runs one `ToolInvocation`. Settings follow celery-lab.md's measurements: JSON only,
+prefork, `acks_late` + prefetch 1 (fair, and queued revokes are honoured), STARTED tracked
+(to tell lost from queued), events on for Flower, a visibility timeout above the longest tool.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.signals import worker_process_init
+
+from orchestrator.settings import Settings
+from workers.catalog import Catalog, load_catalog
+from workers.execute import execute
+
+TASK = "toolq.run"
+#: Same body, but a call whose worker died is redelivered (only idempotent tools go here).
+TASK_IDEMPOTENT = "toolq.run_idempotent"
+
+#: Slack between a tool's own timeout and Celery's hard kill, and above it for redelivery.
+TIME_LIMIT_MARGIN = 5.0
+
+app = Celery("toolq")
+_catalog: Catalog | None = None
+_redis: redis.Redis | None = None
+
+
+def catalog() -> Catalog:
+    global _catalog
+    if _catalog is None:
+        _catalog = load_catalog(Settings.load().tools)
+    return _catalog
+
+
+def configure(settings: Settings) -> Celery:
+    """Point the app at the settings' Redis. Call before the first send or worker start."""
+    longest = max((s.timeout for s in catalog()), default=60.0)
+    broker = settings.redis_url or "redis://127.0.0.1:6379/0"
+    backend = settings.result_backend_url() or broker
+    app.conf.update(
+        broker_url=broker,
+        result_backend=f"workers.backend:NoSubscribeRedisBackend+{backend}",
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        task_track_started=True,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        result_expires=6 * 3600,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            # Never below the longest tool, or healthy calls get delivered twice (celery-lab §6).
+            "visibility_timeout": int(longest + 2 * TIME_LIMIT_MARGIN + 60),
+            "unacked_restore_interval": 10,
+            "unacked_restore_throttle": 1,
+        },
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+    )
+    return app
+
+
+def redis_client() -> redis.Redis:
+    """This process's connection to the ledger (the broker's Redis)."""
+    global _redis
+    if _redis is None:
+        _redis = redis.Redis.from_url(app.conf.broker_url)
+    return _redis
+
+
+@worker_process_init.connect
+def _child_init(**_: Any) -> None:
+    global _redis
+    _redis = None  # never share a socket across fork
+    from workers.sandbox import install_sigterm_handler
+
+    # revoke(terminate=True) SIGTERMs the pool child; its command's process group must die too.
+    install_sigterm_handler()
+
+
+def _hostname(task: Any) -> str:
+    return task.request.hostname or f"{os.getpid()}@{socket.gethostname()}"
+
+
+@app.task(name=TASK, bind=True, acks_late=True, reject_on_worker_lost=False, track_started=True)
+def run_tool(self: Any, invocation: dict) -> dict:
+    return execute(invocation, hostname=_hostname(self), r=redis_client(), catalog=catalog())
+
+
+@app.task(name=TASK_IDEMPOTENT, bind=True, acks_late=True, reject_on_worker_lost=True, track_started=True)
+def run_tool_idempotent(self: Any, invocation: dict) -> dict:
+    return execute(invocation, hostname=_hostname(self), r=redis_client(), catalog=catalog(), redelivery=True)
+
+
+configure(Settings.load())
