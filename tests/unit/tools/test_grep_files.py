@@ -1,0 +1,104 @@
+"""grep_files: matching file paths newest first, include globs, limits, and confinement."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from orchestrator.errors import RespondToModel
+from tests.unit.tools import call
+from workers.catalog import ToolReturn
+from workers.tools.grep_files import grep_files
+
+
+def run(tmp_path, **arguments) -> ToolReturn:
+    return call(grep_files, tmp_path, json.dumps(arguments))
+
+
+def error(tmp_path, **arguments) -> str:
+    with pytest.raises(RespondToModel) as e:
+        run(tmp_path, **arguments)
+    return e.value.message
+
+
+def write(path, text: str, mtime: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    os.utime(path, (mtime, mtime))
+
+
+@pytest.fixture
+def files(tmp_path):
+    write(tmp_path / "old.py", "def alpha():\n    pass\n", 1_000)
+    write(tmp_path / "pkg" / "new.py", "alpha = 1\n", 3_000)
+    write(tmp_path / "mid.ts", "const alpha = 2;\n", 2_000)
+    write(tmp_path / "other.py", "beta\n", 4_000)
+    write(tmp_path / ".hidden" / "h.py", "alpha\n", 5_000)
+    (tmp_path / "blob.bin").write_bytes(b"alpha\0\x01")
+    return tmp_path.resolve()
+
+
+def test_matching_files_come_back_newest_first_as_absolute_paths(files):
+    r = run(files, pattern="alpha")
+    assert r.output.splitlines() == [str(files / "pkg/new.py"), str(files / "mid.ts"), str(files / "old.py")]
+    assert r.success
+
+
+def test_regex_is_line_oriented(files):
+    assert run(files, pattern=r"^def \w+\(").output == str(files / "old.py")
+
+
+def test_include_glob_filters_by_name_at_any_depth(files):
+    assert run(files, pattern="alpha", include="*.py").output.splitlines() == [
+        str(files / "pkg/new.py"), str(files / "old.py"),
+    ]
+    assert run(files, pattern="alpha", include="*.{ts,tsx}").output == str(files / "mid.ts")
+
+
+def test_path_narrows_the_search_to_a_directory_or_file(files):
+    assert run(files, pattern="alpha", path="pkg").output == str(files / "pkg/new.py")
+    assert run(files, pattern="alpha", path="old.py").output == str(files / "old.py")
+
+
+def test_limit_keeps_the_newest_matches(files):
+    assert run(files, pattern="alpha", limit=1).output == str(files / "pkg/new.py")
+
+
+def test_no_match_is_reported_as_codex_does(files):
+    r = run(files, pattern="gamma")
+    assert (r.output, r.success) == ("No matches found.", False)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"pattern": "  "}, "pattern must not be empty"),
+        ({"pattern": "x", "limit": 0}, "limit must be greater than zero"),
+        ({"pattern": "("}, "invalid regex `(`: missing ), unterminated subpattern at position 0"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(files, arguments, message):
+    assert error(files, **arguments) == message
+
+
+def test_missing_path_is_a_clear_error(files):
+    assert error(files, pattern="x", path="nope") == f"unable to access `{files}/nope`: No such file or directory (os error 2)"
+
+
+@pytest.mark.parametrize("path", ["..", "/etc", "out"])
+def test_search_roots_outside_the_workspace_are_refused(tmp_path, path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "out").symlink_to(tmp_path)
+    assert f"`{path}`" in error(ws, pattern="x", path=path)
+
+
+def test_symlinks_inside_the_tree_are_not_followed(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (tmp_path / "secret.txt").write_text("needle\n")
+    (ws / "link.txt").symlink_to(tmp_path / "secret.txt")
+    (ws / "dirlink").symlink_to(tmp_path)
+    assert run(ws, pattern="needle").output == "No matches found."
