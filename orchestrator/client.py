@@ -172,9 +172,10 @@ class ModelClient:
         """
         response = await self._open(body)
         decoder = EventDecoder()
+        frames = EventSource(response).aiter_sse()
         pending: ModelError | None = None
         try:
-            async for sse in EventSource(response).aiter_sse():
+            async for sse in frames:
                 event = decoder.decode(sse.data)
                 if event is None:
                     continue
@@ -205,6 +206,7 @@ class ModelClient:
             raise ModelError(STREAM_DISCONNECTED + f"transport error: {_describe(e)}", retryable=True) from e
         finally:
             self.skipped.update(decoder.skipped)
+            await frames.aclose()
             await response.aclose()
         if pending is not None:
             raise pending

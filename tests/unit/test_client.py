@@ -12,6 +12,7 @@ import socket
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from orchestrator.client import (
@@ -155,6 +156,24 @@ def test_every_recorded_fixture_goes_through_the_client():
         assert [type(i) for i in runs[name].items] == types, name
         assert isinstance(runs[name].events[-1], Completed)
     assert runs["sse-text-message.txt"].events[-1].usage == Usage(input_tokens=114, output_tokens=15, total_tokens=129)
+
+
+def test_any_httpx_transport_can_serve_the_stream():
+    path = SHARED / "fixtures" / "sse" / "sse-parallel-function-calls.txt"
+    if not path.is_file():
+        pytest.skip(f"shared fixtures not found at {path.parent}")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=path.read_bytes())
+
+    async def main() -> list:
+        settings = ModelSettings(base_url="http://recorded.invalid/v1", api_key="x")
+        async with ModelClient(settings, transport=httpx.MockTransport(handler)) as client:
+            return [e async for e in client.stream(BODY)]
+
+    events = asyncio.run(main())
+    assert [e.item.name for e in events if isinstance(e, OutputItemDone)] == ["search", "weather"]
+    assert isinstance(events[-1], Completed)
 
 
 def test_recorded_quota_failure_ends_the_turn_after_its_events():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -181,8 +183,13 @@ def test_malformed_frame_is_written_where_it_sits():
     assert resp.text.index("data: {\"type\": \"response.output_text.delta\", \"delta\": \n") < resp.text.index('"b"')
 
 
-def test_gate_holds_the_stream_until_released():
-    with FakeModel([[function_call("f", "{}", "call_1"), gate()]]) as fake:
+@pytest.mark.parametrize(
+    "scripted",
+    [[function_call("f", "{}", "call_1"), gate()], response(function_call("f", "{}", "call_1"), gate=True)],
+    ids=["gate-step", "gate-option"],
+)
+def test_gate_holds_the_stream_until_released(scripted):
+    with FakeModel([scripted]) as fake:
         with httpx.Client(timeout=10) as client, client.stream("POST", fake.base_url + "/responses", json={}) as resp:
             lines = resp.iter_lines()
             seen = []
@@ -242,6 +249,25 @@ def test_built_in_demo_is_the_documented_deterministic_conversation():
     assert patch["input"] == "*** Begin Patch\n*** Add File: hello.txt\n+Hello from toolq\n*** End Patch\n"
     assert (plan["name"], sorted(json.loads(plan["arguments"]))) == ("update_plan", ["explanation", "plan"])
     assert [i["type"] for i in done[2]] == ["message"]
+
+
+def test_toolq_fake_model_prints_its_base_url_and_serves_the_demo():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "fake-model", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        base_url = proc.stdout.readline().strip()
+        assert base_url.startswith("http://127.0.0.1:") and base_url.endswith("/v1")
+        resp = httpx.post(base_url + "/responses", json={"model": "m", "input": []}, timeout=10)
+        names = [e["item"].get("name") for e in frames(resp) if e["type"] == "response.output_item.done"]
+        assert names == [None, "exec_command", "exec_command"]
+        assert proc.stderr.readline().startswith("serving 3 scripted responses")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def test_unknown_path_is_404_and_not_recorded():
