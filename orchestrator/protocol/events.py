@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal, Union
 
 import httpx
@@ -256,48 +256,27 @@ def _created(obj: dict[str, Any]) -> ResponseCreated:
     return ResponseCreated(response_id=_response_id(obj))
 
 
-def _item_added(obj: dict[str, Any]) -> OutputItemAdded | None:
-    item = obj.get("item")
-    if not isinstance(item, dict):
-        return None
-    return OutputItemAdded.model_construct(output_index=_opt_int(obj.get("output_index")), item=decode_item(item))
+def _item(cls: type[OutputItemAdded] | type[OutputItemDone]) -> Callable[[dict[str, Any]], Any]:
+    def handler(obj: dict[str, Any]) -> OutputItemAdded | OutputItemDone | None:
+        item = obj.get("item")
+        if not isinstance(item, dict):
+            return None
+        return cls.model_construct(output_index=_opt_int(obj.get("output_index")), item=decode_item(item))
+
+    return handler
 
 
-def _item_done(obj: dict[str, Any]) -> OutputItemDone | None:
-    item = obj.get("item")
-    if not isinstance(item, dict):
-        return None
-    return OutputItemDone.model_construct(output_index=_opt_int(obj.get("output_index")), item=decode_item(item))
+def _delta(cls: type[TextDelta] | type[ReasoningDelta] | type[ToolInputDelta]) -> Callable[[dict[str, Any]], Any]:
+    def handler(obj: dict[str, Any]) -> TextDelta | ReasoningDelta | ToolInputDelta | None:
+        delta = obj.get("delta")
+        if not isinstance(delta, str):
+            return None
+        fields = {"item_id": _opt_str(obj.get("item_id")), "output_index": _opt_int(obj.get("output_index"))}
+        if cls is ToolInputDelta:
+            fields["call_id"] = _opt_str(obj.get("call_id"))  # custom tool input deltas may carry it
+        return cls(**fields, delta=delta)
 
-
-def _text_delta(obj: dict[str, Any]) -> TextDelta | None:
-    delta = obj.get("delta")
-    if not isinstance(delta, str):
-        return None
-    return TextDelta(
-        item_id=_opt_str(obj.get("item_id")), output_index=_opt_int(obj.get("output_index")), delta=delta
-    )
-
-
-def _reasoning_delta(obj: dict[str, Any]) -> ReasoningDelta | None:
-    delta = obj.get("delta")
-    if not isinstance(delta, str):
-        return None
-    return ReasoningDelta(
-        item_id=_opt_str(obj.get("item_id")), output_index=_opt_int(obj.get("output_index")), delta=delta
-    )
-
-
-def _tool_input_delta(obj: dict[str, Any]) -> ToolInputDelta | None:
-    delta = obj.get("delta")
-    if not isinstance(delta, str):
-        return None
-    return ToolInputDelta(
-        item_id=_opt_str(obj.get("item_id")),
-        call_id=_opt_str(obj.get("call_id")),
-        output_index=_opt_int(obj.get("output_index")),
-        delta=delta,
-    )
+    return handler
 
 
 def _completed(obj: dict[str, Any]) -> Completed:
@@ -312,7 +291,7 @@ def _failed(obj: dict[str, Any]) -> Failed:
     response = obj.get("response")
     error = response.get("error") if isinstance(response, dict) else None
     if not isinstance(error, dict):
-        return Failed(code=None, message=None)
+        return Failed()
     return Failed(code=_opt_str(error.get("code")), message=_opt_str(error.get("message")))
 
 
@@ -330,13 +309,13 @@ def _error(obj: dict[str, Any]) -> ErrorEvent:
 
 _HANDLERS = {
     "response.created": _created,
-    "response.output_item.added": _item_added,
-    "response.output_item.done": _item_done,
-    "response.output_text.delta": _text_delta,
-    "response.reasoning_summary_text.delta": _reasoning_delta,
-    "response.reasoning_text.delta": _reasoning_delta,
-    "response.function_call_arguments.delta": _tool_input_delta,
-    "response.custom_tool_call_input.delta": _tool_input_delta,
+    "response.output_item.added": _item(OutputItemAdded),
+    "response.output_item.done": _item(OutputItemDone),
+    "response.output_text.delta": _delta(TextDelta),
+    "response.reasoning_summary_text.delta": _delta(ReasoningDelta),
+    "response.reasoning_text.delta": _delta(ReasoningDelta),
+    "response.function_call_arguments.delta": _delta(ToolInputDelta),
+    "response.custom_tool_call_input.delta": _delta(ToolInputDelta),
     "response.completed": _completed,
     "response.failed": _failed,
     "response.incomplete": _incomplete,
