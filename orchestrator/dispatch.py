@@ -17,7 +17,7 @@ from kombu.exceptions import OperationalError
 from orchestrator.calls import ToolInvocation
 from orchestrator.ledger import Ledger
 from orchestrator.settings import Settings
-from workers.app import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, app, configure
+from workers.app import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, make_app
 from workers.catalog import ToolSpec
 
 log = logging.getLogger("toolq.dispatch")
@@ -32,7 +32,7 @@ class DispatchError(Exception):
 
 class Dispatcher:
     def __init__(self, settings: Settings, ledger: Ledger) -> None:
-        configure(settings)
+        self.app = make_app(settings)
         self.ledger = ledger
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="toolq-dispatch")
 
@@ -52,7 +52,7 @@ class Dispatcher:
         return True
 
     def _send(self, inv: ToolInvocation, spec: ToolSpec) -> None:
-        app.send_task(
+        self.app.send_task(
             TASK_IDEMPOTENT if spec.idempotent else TASK,
             args=[inv.model_dump(mode="json")],
             task_id=inv.task_id,
@@ -71,16 +71,16 @@ class Dispatcher:
 
     async def revoke(self, task_ids: list[str], terminate: bool = True) -> None:
         if task_ids:
-            await self._run(app.control.revoke, task_ids, terminate=terminate, signal="SIGTERM")
+            await self._run(self.app.control.revoke, task_ids, terminate=terminate, signal="SIGTERM")
 
     async def ping(self, hostname: str, timeout: float = 1.0) -> bool:
         """Whether a worker answers (2-3 ms when alive; the full timeout when it is gone)."""
-        replies = await self._run(app.control.ping, destination=[hostname], timeout=timeout)
+        replies = await self._run(self.app.control.ping, destination=[hostname], timeout=timeout)
         return any(hostname in r for r in replies or [])
 
     async def active_task_ids(self, timeout: float = 1.0) -> set[str]:
         """Task ids some live worker holds (running or prefetched)."""
-        inspect = app.control.inspect(timeout=timeout)
+        inspect = self.app.control.inspect(timeout=timeout)
         ids: set[str] = set()
         for fn in (inspect.active, inspect.reserved):
             for tasks in (await self._run(fn) or {}).values():
@@ -89,3 +89,4 @@ class Dispatcher:
 
     async def aclose(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.app.close()

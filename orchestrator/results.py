@@ -142,7 +142,7 @@ class ResultRouter:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 try:
-                    await self.pubsub.reset()
+                    await self.pubsub.aclose()
                     patterns = [keys.celery_meta_pattern(t) for t in self._turns]
                     if patterns:
                         await self.pubsub.psubscribe(*patterns)

@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_process_init
 
 from orchestrator.settings import Settings
@@ -26,7 +27,6 @@ TASK_IDEMPOTENT = "toolq.run_idempotent"
 #: Slack between a tool's own timeout and Celery's hard kill, and above it for redelivery.
 TIME_LIMIT_MARGIN = 5.0
 
-app = Celery("toolq")
 _catalog: Catalog | None = None
 _redis: redis.Redis | None = None
 
@@ -38,12 +38,11 @@ def catalog() -> Catalog:
     return _catalog
 
 
-def configure(settings: Settings) -> Celery:
-    """Point the app at the settings' Redis. Call before the first send or worker start."""
+def celery_config(settings: Settings) -> dict[str, Any]:
     longest = max((s.timeout for s in catalog()), default=60.0)
     broker = settings.redis_url or "redis://127.0.0.1:6379/0"
     backend = settings.result_backend_url() or broker
-    app.conf.update(
+    return dict(
         broker_url=broker,
         result_backend=f"workers.backend:NoSubscribeRedisBackend+{backend}",
         task_serializer="json",
@@ -65,6 +64,22 @@ def configure(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
     )
+
+
+def make_app(settings: Settings) -> Celery:
+    """A Celery app on the settings' Redis. Workers use the module's `app`; each orchestrator
+    runtime makes its own, so one process can talk to several brokers (tests do)."""
+    app = Celery("toolq", set_as_current=False)
+    app.conf.update(celery_config(settings))
+    return app
+
+
+app = make_app(Settings.load())
+
+
+def configure(settings: Settings) -> Celery:
+    """Re-point the worker app (before the worker starts) at the given settings."""
+    app.conf.update(celery_config(settings))
     return app
 
 
@@ -92,12 +107,12 @@ def _hostname(task: Any) -> str:
 
 @app.task(name=TASK, bind=True, acks_late=True, reject_on_worker_lost=False, track_started=True)
 def run_tool(self: Any, invocation: dict) -> dict:
-    return execute(invocation, hostname=_hostname(self), r=redis_client(), catalog=catalog())
+    return execute(invocation, hostname=_hostname(self), r=redis_client(), catalog=catalog(),
+                   time_limit_errors=(SoftTimeLimitExceeded,))
 
 
 @app.task(name=TASK_IDEMPOTENT, bind=True, acks_late=True, reject_on_worker_lost=True, track_started=True)
 def run_tool_idempotent(self: Any, invocation: dict) -> dict:
-    return execute(invocation, hostname=_hostname(self), r=redis_client(), catalog=catalog(), redelivery=True)
+    return execute(invocation, hostname=_hostname(self), r=redis_client(), catalog=catalog(), redelivery=True,
+                   time_limit_errors=(SoftTimeLimitExceeded,))
 
-
-configure(Settings.load())

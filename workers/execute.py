@@ -58,7 +58,9 @@ def _set_state(r: redis.Redis, inv: ToolInvocation, **fields: Any) -> None:
     r.expire(key, keys.RECORD_TTL)
 
 
-def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redelivery: bool = False) -> dict:
+def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redelivery: bool = False,
+            time_limit_errors: tuple[type[BaseException], ...] = ()) -> dict:
+    """`time_limit_errors`: what the pool raises inside a tool at its soft time limit."""
     inv = ToolInvocation.model_validate(raw)
     spec = catalog.get(inv.tool_name)
 
@@ -89,7 +91,7 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
     _set_state(r, inv, state="started", worker=hostname, started_at=started_at, pid=os.getpid())
     log.info("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
 
-    status, output, extra = _run(inv, spec, r, catalog, hostname)
+    status, output, extra = _run(inv, spec, r, catalog, hostname, time_limit_errors)
     _set_state(r, inv, state=_LEDGER_STATE[status], finished_at=time.time())
     log.info("← %s %s %s in %.3fs", inv.call_id, inv.tool_name, status, time.time() - started_at)
     return _result(inv, output, status, hostname, started_at=started_at, **extra)
@@ -99,7 +101,8 @@ _LEDGER_STATE = {"completed": "succeeded", "failed": "failed", "aborted": "cance
                  "timed_out": "timed_out", "lost": "lost"}
 
 
-def _run(inv: ToolInvocation, spec: ToolSpec | None, r: redis.Redis, catalog: Catalog, hostname: str):
+def _run(inv: ToolInvocation, spec: ToolSpec | None, r: redis.Redis, catalog: Catalog, hostname: str,
+         time_limit_errors: tuple[type[BaseException], ...]):
     if spec is None:
         return "rejected", f"tool {inv.tool_name} is not loaded on worker {hostname}; not run", {"success": False}
     if spec.digest() != inv.spec_digest:
@@ -127,6 +130,8 @@ def _run(inv: ToolInvocation, spec: ToolSpec | None, r: redis.Redis, catalog: Ca
         return "failed", e.message, {"success": False}
     except CallCancelled:
         return "aborted", "aborted by user", {"success": False}
+    except time_limit_errors:
+        return "timed_out", f"call timed out after {spec.timeout:g}s and was stopped", {"success": False}
     except Exception as e:  # a tool's own bug still becomes an output the model can read
         log.error("tool %s raised:\n%s", inv.tool_name, traceback.format_exc())
         return "failed", f"tool {inv.tool_name} failed: {type(e).__name__}: {e}", {"success": False}

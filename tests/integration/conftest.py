@@ -1,0 +1,121 @@
+"""Real parts for integration tests: a private Redis, real prefork workers, the fake model.
+
+Factory fixtures in the arq style: `redis_server`, `worker(queues=...)`, `drive(script)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.embedded import RedisServer, WorkerProcess
+from orchestrator.fake_model.server import FakeModel
+from orchestrator.history import pairing_problems
+from orchestrator.settings import Settings
+from orchestrator.turn import Runtime, Session, TurnOutcome
+from workers.catalog import load_catalog
+
+ROOT = Path(__file__).resolve().parents[2]
+TEST_TOOLS = "tests.integration.testtools"
+WORKER_ENV = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def fleet(redis_server, tmp_path_factory):
+    """Two worker processes x 2 pool children on the default queue, shared by most tests."""
+    logdir = tmp_path_factory.mktemp("workers")
+    workers = [WorkerProcess(redis_server.url, queues=["toolq"], concurrency=2, tools=[TEST_TOOLS],
+                             env=WORKER_ENV, logdir=logdir, name=f"fleet{i}@test") for i in range(2)]
+    for w in workers:
+        w.start(wait=False)
+    for w in workers:
+        w.wait_ready()
+    yield workers
+    for w in workers:
+        w.stop()
+
+
+@pytest.fixture
+def worker(redis_server, tmp_path):
+    """Factory: extra workers for one test (fault tests kill them)."""
+    started: list[WorkerProcess] = []
+
+    def make(queues: list[str], concurrency: int = 1, redis_url: str | None = None, **kw: Any) -> WorkerProcess:
+        w = WorkerProcess(redis_url or redis_server.url, queues=queues, concurrency=concurrency, tools=[TEST_TOOLS],
+                          env=WORKER_ENV, logdir=tmp_path, **kw)
+        started.append(w.start())
+        return w
+
+    yield make
+    for w in started:
+        w.stop(grace=3)
+
+
+@dataclass
+class Driven:
+    outcome: TurnOutcome
+    fake: FakeModel
+    events: list[dict[str, Any]] = field(default_factory=list)
+    session: Session | None = None
+
+    @property
+    def requests(self) -> list[dict[str, Any]]:
+        return self.fake.requests
+
+    def input_of(self, k: int) -> list[dict[str, Any]]:
+        return self.fake.requests[k]["input"]
+
+    def outputs_of(self, k: int) -> list[dict[str, Any]]:
+        return [i for i in self.input_of(k) if i.get("type", "").endswith("_output")]
+
+
+def settings_for(redis_url: str, fake: FakeModel, workspace: Path, **kw: Any) -> Settings:
+    return Settings(redis_url=redis_url, openai_base_url=fake.base_url, openai_api_key="test", workspace=workspace,
+                    tools=[TEST_TOOLS], **kw)
+
+
+async def run_session(settings: Settings, prompts: list[str], events: list, during=None) -> tuple[list[TurnOutcome], Session]:
+    runtime = await Runtime.create(settings, catalog=load_catalog([TEST_TOOLS]))
+    try:
+        session = Session(runtime)
+        outcomes = []
+        for prompt in prompts:
+            turn = asyncio.create_task(session.run_turn(prompt, events.append))
+            if during is not None:
+                await during(session, runtime)
+            outcomes.append(await turn)
+        return outcomes, session
+    finally:
+        await runtime.aclose()
+
+
+@pytest.fixture
+def drive(redis_server, tmp_path):
+    """Run one turn of a scripted conversation against the fleet; every request body must pair."""
+
+    def run(script: list, prompt: str = "go", *, redis_url: str | None = None, during=None, timeout: float = 60,
+            **settings_kw: Any) -> Driven:
+        with FakeModel(script) as fake:
+            workspace = settings_kw.pop("workspace", tmp_path)
+            settings = settings_for(redis_url or redis_server.url, fake, workspace, **settings_kw)
+            events: list[dict[str, Any]] = []
+            (outcome,), session = asyncio.run(
+                asyncio.wait_for(run_session(settings, [prompt], events, during), timeout))
+            for body in fake.requests:
+                assert pairing_problems(body["input"]) == [], body["input"]
+            return Driven(outcome, fake, events, session)
+
+    return run

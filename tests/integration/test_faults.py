@@ -1,0 +1,89 @@
+"""Dead workers, a killed pool child, a Redis restart, a tool past its limit: every call still
+gets exactly one output, the turn ends, and nothing hangs (DESIGN §1, contract 11)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from orchestrator.embedded import RedisServer
+from orchestrator.fake_model import builders as b
+
+pytestmark = pytest.mark.integration
+
+
+def final(text="done"):
+    return [b.message(text)]
+
+
+def wait_for_pid(path, timeout=20.0) -> int:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists() and path.read_text():
+            return int(path.read_text())
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never appeared")
+
+
+def killer(pidfile, action):
+    async def during(session, runtime):
+        pid = await asyncio.to_thread(wait_for_pid, pidfile)
+        action(pid)
+    return during
+
+
+def test_a_killed_pool_child_gives_the_call_an_output(worker, drive, tmp_path):
+    worker(["faults"])
+    run = drive([[b.function_call("hang", {"seconds": 30}, "call_child")], final()],
+                during=killer(tmp_path / "hang-call_child.pid", lambda pid: os.kill(pid, signal.SIGKILL)))
+    assert run.outcome.status == "completed", run.outcome.error
+    (out,) = run.outputs_of(1)
+    assert "worker process running this call died" in out["output"]
+    assert "may have partially executed" in out["output"]
+
+
+def test_a_killed_worker_is_detected_and_the_call_gets_an_output(worker, drive, tmp_path):
+    w = worker(["faults"])
+    started = time.monotonic()
+    run = drive([[b.function_call("hang", {"seconds": 30}, "call_worker")], final()],
+                during=killer(tmp_path / "hang-call_worker.pid", lambda pid: w.kill()))
+    assert run.outcome.status == "completed"
+    (out,) = run.outputs_of(1)
+    assert "stopped answering" in out["output"] and w.name in out["output"]
+    assert time.monotonic() - started < 25, "the watchdog took as long as the tool would have"
+
+
+def test_a_call_past_its_time_limit_is_stopped_with_an_output(worker, drive):
+    worker(["faults"])
+    run = drive([[b.function_call("quick_timeout", {"seconds": 20}, "call_slow")], final()])
+    (out,) = run.outputs_of(1)
+    assert "time limit" in out["output"] or "timed out" in out["output"]
+
+
+def test_a_workspace_the_worker_cannot_see_is_a_clear_error(fleet, drive, tmp_path):
+    missing = tmp_path / "not-there"
+    run = drive([[b.function_call("sleep_echo", {"text": "x"}, "call_ws")], final()], workspace=missing)
+    (out,) = run.outputs_of(1)
+    assert out["output"].startswith(f"workspace {missing} is not visible on worker ")
+
+
+def test_redis_restarted_mid_turn_never_hangs_or_loses_a_call(tmp_path, worker, drive):
+    with RedisServer() as server:
+        worker(["faults"], redis_url=server.url)
+
+        async def restart_while_running(session, runtime):
+            await asyncio.to_thread(wait_for_pid, tmp_path / "hang-call_r.pid")
+            await asyncio.to_thread(server.restart)
+
+        started = time.monotonic()
+        run = drive([[b.function_call("hang", {"seconds": 3}, "call_r")], final()],
+                    redis_url=server.url, during=restart_while_running, timeout=90)
+        # Either the real result made it through the restart, or a clear "lost" output: never a hang.
+        (out,) = run.outputs_of(1)
+        assert out["output"] == "woke up" or "Redis" in out["output"], out["output"]
+        assert run.outcome.status == "completed"
+        assert time.monotonic() - started < 60

@@ -1,0 +1,191 @@
+"""The turn loop on real Redis, real prefork workers and the fake model over TCP (contracts 2, 5, 6, 8, 9)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from orchestrator.fake_model import builders as b
+from orchestrator.protocol.items import FunctionCallItem
+
+pytestmark = pytest.mark.integration
+
+
+def final(text="done"):
+    return [b.message(text)]
+
+
+def test_parallel_calls_run_at_once_and_outputs_come_back_in_call_order(fleet, drive):
+    run = drive([
+        [b.function_call("sleep_echo", {"ms": 800, "text": "slow"}, "call_slow"),
+         b.function_call("sleep_echo", {"ms": 50, "text": "fast"}, "call_fast")],
+        final(),
+    ])
+    assert run.outcome.status == "completed"
+    second = run.input_of(1)
+    kinds = [i["type"] for i in second]
+    # calls first (in emitted order), then outputs in call order, not completion order
+    assert kinds[-4:] == ["function_call", "function_call", "function_call_output", "function_call_output"]
+    assert [i["call_id"] for i in second[-2:]] == ["call_slow", "call_fast"]
+    slow, fast = (json.loads(o["output"]) for o in second[-2:])
+    assert slow["pid"] != fast["pid"], "both calls ran in one process"
+    assert fast["end"] < slow["end"], "the fast call should finish first"
+    assert fast["start"] < slow["end"], "the calls did not overlap"
+
+
+def test_calls_start_before_response_completed(fleet, drive, tmp_path):
+    """Contract 2: a call is queued at output_item.done, while the model may still be streaming."""
+    marker = tmp_path / "started.txt"
+    script = [
+        b.response(b.function_call("exec_command", {"cmd": f"echo hi > {marker}"}, "call_early"), gate=True),
+        final(),
+    ]
+
+    async def during(session, runtime):
+        deadline = time.monotonic() + 20
+        while not marker.exists():  # the gate holds response.completed until the file appears
+            assert time.monotonic() < deadline, "the call did not run before response.completed"
+            await asyncio.sleep(0.05)
+        fake.release()
+
+    from orchestrator.fake_model.server import FakeModel
+    import tests.integration.conftest as c
+
+    with FakeModel(script) as fake:
+        settings = c.settings_for(fleet[0].redis_url, fake, tmp_path)
+        events: list = []
+        (outcome,), _ = asyncio.run(asyncio.wait_for(c.run_session(settings, ["go"], events, during), 60))
+    assert outcome.status == "completed"
+    assert marker.read_text() == "hi\n"
+
+
+def test_unknown_tool_and_bad_arguments_beside_a_valid_call(fleet, drive):
+    run = drive([
+        [b.function_call("no_such_tool", {}, "call_unknown"),
+         b.function_call("sleep_echo", "{not json", "call_badjson"),
+         b.function_call("sleep_echo", {"ms": "soon"}, "call_badtype"),
+         b.function_call("sleep_echo", {"text": "valid"}, "call_valid")],
+        final(),
+    ])
+    assert run.outcome.status == "completed"
+    outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
+    assert outputs["call_unknown"] == "unsupported call: no_such_tool"
+    assert outputs["call_badjson"].startswith("failed to parse function arguments: ")
+    assert "`ms`" in outputs["call_badtype"]
+    assert json.loads(outputs["call_valid"])["text"] == "valid"
+    # rejected calls never reached the queue
+    assert not any(e["type"] == "item.started" and e["item"]["id"] in ("call_unknown", "call_badjson")
+                   for e in run.events)
+
+
+def test_serial_tool_waits_for_earlier_calls_and_holds_later_ones(fleet, drive):
+    run = drive([
+        [b.function_call("sleep_echo", {"ms": 400, "text": "p1"}, "call_p1"),
+         b.function_call("serial_echo", {"ms": 200, "text": "s"}, "call_s"),
+         b.function_call("sleep_echo", {"ms": 10, "text": "p2"}, "call_p2")],
+        final(),
+    ])
+    p1, s, p2 = (json.loads(o["output"]) for o in run.outputs_of(1))
+    assert s["start"] >= p1["end"], "the serial call started before the call before it finished"
+    assert p2["start"] >= s["end"], "a later call ran beside the serial one"
+
+
+def test_two_calls_sharing_a_call_id_both_run_and_both_are_answered(fleet, drive):
+    run = drive([
+        [b.function_call("sleep_echo", {"text": "one"}, "call_dup"),
+         b.function_call("sleep_echo", {"text": "two"}, "call_dup")],
+        final(),
+    ])
+    outputs = run.outputs_of(1)
+    assert [o["call_id"] for o in outputs] == ["call_dup", "call_dup"]
+    assert [json.loads(o["output"])["text"] for o in outputs] == ["one", "two"]
+
+
+def test_namespaced_call_reaches_the_plain_tool_through_functions(fleet, drive):
+    run = drive([[b.function_call("sleep_echo", {"text": "ns"}, "call_ns", namespace="functions")], final()])
+    call = [i for i in run.input_of(1) if i["type"] == "function_call"][0]
+    assert call["namespace"] == "functions"  # round-tripped
+    assert json.loads(run.outputs_of(1)[0]["output"])["text"] == "ns"
+
+
+def test_payload_kind_mismatch_ends_the_turn_and_keeps_history_paired(fleet, drive):
+    run = drive([
+        [b.function_call("apply_patch", {"input": "*** Begin Patch\n*** End Patch\n"}, "call_fatal"),
+         b.function_call("sleep_echo", {"text": "sibling"}, "call_sibling")],
+        final(),
+    ])
+    assert run.outcome.status == "failed"
+    assert run.outcome.error == "Fatal error: tool apply_patch invoked with incompatible payload"
+    assert len(run.requests) == 1
+    history = run.session.history.for_prompt()
+    outputs = {i["call_id"]: i["output"] for i in history if i["type"] == "function_call_output"}
+    assert outputs["call_fatal"] == "aborted"
+    assert json.loads(outputs["call_sibling"])["text"] == "sibling"
+
+
+def test_a_retryable_stream_error_drains_calls_and_retries_with_their_outputs(fleet, drive):
+    """Codex S8: a call in a stream that later fails is executed once, and the retry carries it."""
+    run = drive([
+        [b.function_call("sleep_echo", {"text": "before the cut"}, "call_cut"), b.cut_after()],
+        final("recovered"),
+    ])
+    assert run.outcome.status == "completed" and run.outcome.final_message == "recovered"
+    retry = run.input_of(1)
+    assert [i["call_id"] for i in retry if i["type"] == "function_call_output"] == ["call_cut"]
+    assert any(e["type"] == "error" and e["message"].startswith("Reconnecting... 1/5") for e in run.events)
+
+
+def test_a_terminal_model_error_fails_the_turn_with_the_servers_words(fleet, drive):
+    run = drive([[b.http_error(400, {"error": {"message": "bad request body", "type": "invalid_request_error"}})]])
+    assert run.outcome.status == "failed" and run.outcome.exit_code == 1
+    assert "bad request body" in run.outcome.error
+    assert run.events[-1]["type"] == "turn.failed"
+
+
+def test_dispatch_is_at_most_once_per_call(fleet, tmp_path):
+    """Contract 11: asking twice to dispatch one call sends it once."""
+    import tests.integration.conftest as c
+    from orchestrator.calls import FunctionPayload, ToolCall, ToolName
+    from orchestrator.registry import StepContext
+    from orchestrator.settings import Settings
+    from orchestrator.turn import Runtime
+    from workers.catalog import load_catalog
+
+    async def go():
+        settings = Settings(redis_url=fleet[0].redis_url, workspace=tmp_path, tools=[c.TEST_TOOLS])
+        rt = await Runtime.create(settings, catalog=load_catalog([c.TEST_TOOLS]))
+        try:
+            call = ToolCall(tool_name=ToolName.plain("sleep_echo"), call_id="call_once",
+                            payload=FunctionPayload(arguments='{"ms": 300}'))
+            inv = rt.registry.bind(call, StepContext("turn-once-" + str(time.time_ns()), 0, time.time() + 30,
+                                                     str(tmp_path)), 0)
+            spec = rt.registry.lookup(call.tool_name)
+            first = await rt.dispatcher.dispatch(inv, spec)
+            second = await rt.dispatcher.dispatch(inv, spec)
+            return first, second, await rt.ledger.calls(inv.turn_id)
+        finally:
+            await rt.aclose()
+
+    first, second, calls = asyncio.run(go())
+    assert (first, second) == (True, False)
+    assert len(calls) == 1
+
+
+def test_the_turn_is_visible_in_the_ledger(fleet, drive):
+    run = drive([[b.function_call("sleep_echo", {"text": "x"}, "call_l")], final()])
+    from orchestrator.ledger import Ledger
+
+    async def read():
+        ledger = Ledger.from_url(fleet[0].redis_url)
+        try:
+            return await ledger.turn(run.outcome.turn_id), await ledger.calls(run.outcome.turn_id)
+        finally:
+            await ledger.aclose()
+
+    turn, calls = asyncio.run(read())
+    assert turn["state"] == "completed"
+    assert [(c["call_id"], c["state"]) for c in calls] == [("call_l", "succeeded")]
+    assert calls[0]["worker"].startswith("fleet")

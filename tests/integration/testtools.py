@@ -1,0 +1,59 @@
+"""Tools the integration tests load on both sides (`--tools tests.integration.testtools`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from pydantic import BaseModel
+
+from workers.catalog import ToolContext, tool
+
+
+class SleepArgs(BaseModel):
+    ms: int = 0
+    text: str = ""
+
+
+@tool
+def sleep_echo(args: SleepArgs, ctx: ToolContext) -> str:
+    """Sleep, then report which process ran the call and when."""
+    start = time.time()
+    time.sleep(args.ms / 1000)
+    return json.dumps({"text": args.text, "pid": os.getpid(), "start": start, "end": time.time()})
+
+
+@tool(parallel=False)
+def serial_echo(args: SleepArgs, ctx: ToolContext) -> str:
+    """A serial tool: it runs alone, after the calls before it."""
+    return sleep_echo(args, ctx)
+
+
+class NoArgs(BaseModel):
+    pass
+
+
+@tool
+def noop(args: NoArgs, ctx: ToolContext) -> str:
+    """Do nothing (pipeline overhead benchmarks)."""
+    return "ok"
+
+
+class HangArgs(BaseModel):
+    seconds: float = 30.0
+
+
+@tool(queue="faults", timeout=60)
+def hang(args: HangArgs, ctx: ToolContext) -> str:
+    """Write this process's pid into the workspace, then sleep (fault tests kill it)."""
+    (ctx.workspace / f"hang-{ctx.call_id}.pid").write_text(str(os.getpid()))
+    time.sleep(args.seconds)
+    return "woke up"
+
+
+@tool(queue="faults", timeout=1)
+def quick_timeout(args: HangArgs, ctx: ToolContext) -> str:
+    """Runs past its own 1 s limit."""
+    time.sleep(args.seconds)
+    return "should not get here"
