@@ -1,0 +1,1 @@
+"""Example toolq tool modules (`--tools examples.search_tools`)."""
