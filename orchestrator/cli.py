@@ -68,6 +68,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(_settings(args), json_events=args.json)
 
 
+def _cmd_config(args: argparse.Namespace) -> int:
+    import json
+
+    from orchestrator.settings import mask_url_password
+
+    settings = _settings(args, concurrency=args.concurrency,
+                         queues=args.queues.split(",") if args.queues else None)
+    out = settings.masked()
+    backend = settings.result_backend_url()
+    out["result_url"] = mask_url_password(backend) if backend else None  # the derived default, if unset
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toolq", description="Run an LLM agent's tool calls on a Celery fleet.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -102,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true")
     m.add_argument("--workspace", help="default: a fresh temporary directory")
     m.set_defaults(func=_cmd_demo)
+
+    g = sub.add_parser("config", help="print the effective settings as JSON, secrets masked")
+    g.add_argument("--model")
+    g.add_argument("--workspace")
+    g.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
+    g.add_argument("--queues", help="comma-separated queues")
+    g.add_argument("--concurrency", type=int)
+    g.set_defaults(func=_cmd_config)
     return p
 
 

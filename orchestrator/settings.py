@@ -29,6 +29,9 @@ ENV = {
     "concurrency": ("TOOLQ_CONCURRENCY",),
     "turn_timeout": ("TOOLQ_TURN_TIMEOUT",),
     "max_steps": ("TOOLQ_MAX_STEPS",),
+    "request_max_retries": ("TOOLQ_REQUEST_MAX_RETRIES",),
+    "stream_max_retries": ("TOOLQ_STREAM_MAX_RETRIES",),
+    "stream_idle_timeout": ("TOOLQ_STREAM_IDLE_TIMEOUT",),
     "flower_user": ("FLOWER_USER",),
     "flower_password": ("FLOWER_PASSWORD",),
     "flower_port": ("FLOWER_PORT",),
@@ -54,6 +57,12 @@ class Settings(BaseModel):
     concurrency: int = Field(default=4, ge=1, le=256)
     turn_timeout: float = Field(default=3600.0, gt=0)
     max_steps: int = Field(default=100, ge=1)
+    request_max_retries: int = Field(default=4, ge=0, le=100)
+    """Model HTTP retries (5xx, transport errors) before any SSE byte arrives."""
+    stream_max_retries: int = Field(default=5, ge=0, le=100)
+    """Whole-request retries after a model stream broke mid-way."""
+    stream_idle_timeout: float = Field(default=300.0, gt=0)
+    """Seconds without a byte from the model before its stream counts as dead."""
     flower_user: str | None = None
     flower_password: str | None = None
     flower_port: int = Field(default=5555, ge=0, le=65535)
@@ -64,6 +73,9 @@ class Settings(BaseModel):
     def _redis_scheme(cls, v: str | None) -> str | None:
         if v and not v.startswith(("redis://", "rediss://", "unix://", "sentinel://")):
             raise ValueError("must be a redis://, rediss://, unix:// or sentinel:// URL")
+        if v and v.startswith("rediss://") and "ssl_cert_reqs=" not in v:
+            # Celery's Redis result backend refuses a TLS URL without it (at first use, not here).
+            raise ValueError("a rediss:// URL needs ?ssl_cert_reqs=required (or optional, none)")
         return v
 
     @field_validator("tools", "queues", mode="before")
@@ -87,9 +99,11 @@ class Settings(BaseModel):
         except ValidationError as e:
             err = e.errors()[0]
             name = str(err["loc"][0]) if err["loc"] else "settings"
-            source = next((v for v in ENV.get(name, ()) if env.get(v)), None)
+            from_flag = overrides.get(name) is not None
+            source = None if from_flag else next((v for v in ENV.get(name, ()) if env.get(v)), None)
             where = f"{name} ({source})" if source else name
-            raise ConfigurationError(f"invalid setting {where}: {err['msg']}") from None
+            message = err["msg"].removeprefix("Value error, ")
+            raise ConfigurationError(f"invalid setting {where}: {message}") from None
 
     def result_backend_url(self) -> str | None:
         if self.result_url or not self.redis_url:
@@ -108,6 +122,8 @@ class Settings(BaseModel):
 
 
 def mask_url_password(url: str) -> str:
+    if ";" in url:  # Celery's list form: one URL per Sentinel node
+        return ";".join(mask_url_password(part) for part in url.split(";"))
     scheme, sep, rest = url.partition("://")
     creds, at, host = rest.rpartition("@")
     if not at or ":" not in creds:
