@@ -1,0 +1,157 @@
+"""User tools on real workers (issue 5, "User tools"): `examples.search_tools` on its own queue,
+async handlers, declarations that differ between the two sides, and a queue nobody serves."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import redis
+
+import examples.search_tools  # noqa: F401  (the orchestrator side loads the same declarations)
+import tests.integration.mismatch_tools as mismatch_tools
+from orchestrator import keys
+from orchestrator.embedded import RedisServer, WorkerProcess
+from orchestrator.fake_model import builders as b
+from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
+
+pytestmark = pytest.mark.integration
+
+SEARCH_TOOLS = "examples.search_tools"
+SEARCH_WORKER = "search1@test"
+FLEET = {"fleet0@test", "fleet1@test"}
+
+
+def final(text="done"):
+    return [b.message(text)]
+
+
+@pytest.fixture(scope="module")
+def search_worker(redis_server, tmp_path_factory):
+    """What the README runs: `toolq worker --tools examples.search_tools --queues search`."""
+    w = WorkerProcess(redis_server.url, name=SEARCH_WORKER, queues=["search"], concurrency=2,
+                      tools=[SEARCH_TOOLS, TEST_TOOLS], env=WORKER_ENV, logdir=tmp_path_factory.mktemp("search"))
+    w.start()
+    yield w
+    w.stop(grace=3)
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    ws = tmp_path / "ws"
+    (ws / "notes").mkdir(parents=True)
+    (ws / "notes" / "todo.txt").write_text("buy milk\nfind the needle here\n")
+    (ws / "readme.md").write_text("nothing to see\n")
+    return ws
+
+
+def completed_items(run) -> dict[str, dict]:
+    return {e["item"]["id"]: e["item"] for e in run.events if e["type"] == "item.completed"}
+
+
+def test_namespaced_and_plain_search_are_different_tools_on_the_search_worker(fleet, search_worker, drive,
+                                                                             workspace):
+    run = drive([
+        [b.function_call("search", {"query": "needle", "limit": None}, "call_ws", namespace="workspace"),
+         b.function_call("search", {"query": "TODO", "limit": None}, "call_plain"),
+         b.function_call("exec_command", {"cmd": "echo builtin"}, "call_builtin")],
+        final(),
+    ], workspace=workspace)
+    assert run.outcome.status == "completed"
+
+    # request 1 offers both: the namespaced one grouped under its namespace
+    tools = run.requests[0]["tools"]
+    plain = [t for t in tools if t.get("type") == "function" and t["name"] == "search"]
+    group = [t for t in tools if t.get("type") == "namespace" and t["name"] == "workspace"]
+    assert len(plain) == 1 and plain[0]["description"].startswith("Finds files")
+    assert [t["name"] for t in group[0]["tools"]] == ["search"]
+    assert group[0]["tools"][0]["description"].startswith("Searches the contents")
+
+    outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
+    assert outputs["call_ws"] == "notes/todo.txt:2: find the needle here"
+    assert outputs["call_plain"] == "notes/todo.txt"
+    assert outputs["call_builtin"].endswith("Output:\nbuiltin\n")
+
+    items = completed_items(run)
+    assert items["call_ws"]["worker"] == SEARCH_WORKER
+    assert items["call_plain"]["worker"] == SEARCH_WORKER
+    assert items["call_builtin"]["worker"] in FLEET, "a built-in ran outside the default fleet"
+
+
+def test_an_async_user_tool_runs_and_its_errors_reach_the_model(fleet, search_worker, drive, workspace):
+    # `search` is `async def`; several calls in a row reuse the worker process's one event loop
+    run = drive([
+        [b.function_call("search", {"query": ".md", "limit": None}, "call_md"),
+         b.function_call("search", {"query": "txt", "limit": 0}, "call_zero"),
+         b.function_call("search", {"query": "nowhere", "limit": 5}, "call_none")],
+        [b.function_call("search", {"query": "notes", "limit": 1}, "call_again")],
+        final(),
+    ], workspace=workspace)
+    assert run.outcome.status == "completed"
+    outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
+    assert outputs == {"call_md": "readme.md", "call_zero": "limit must be greater than zero",
+                       "call_none": "no files match"}
+    again = run.outputs_of(2)[-1]
+    assert (again["call_id"], again["output"]) == ("call_again", "notes/todo.txt")
+    assert completed_items(run)["call_zero"]["success"] is False
+
+
+def test_a_freeform_user_tool_takes_raw_text_and_answers_with_a_custom_output(fleet, search_worker, drive,
+                                                                            workspace):
+    run = drive([
+        [b.custom_tool_call("regex_search", r"\bne+dle\b", "call_rx"),
+         b.custom_tool_call("regex_search", "(unclosed", "call_bad")],
+        final(),
+    ], workspace=workspace)
+    outputs = {o["call_id"]: o for o in run.outputs_of(1)}
+    assert outputs["call_rx"]["type"] == "custom_tool_call_output"
+    assert outputs["call_rx"]["output"] == "notes/todo.txt:2: find the needle here"
+    assert outputs["call_bad"]["output"] == "invalid regular expression: missing ), unterminated subpattern at position 0"
+    assert completed_items(run)["call_rx"]["worker"] == SEARCH_WORKER
+
+
+def test_a_tool_declared_differently_on_the_worker_is_refused_and_not_run(redis_server, drive, tmp_path):
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    # Only the worker sees the variable: its `touch_marker` has another timeout than ours.
+    w = WorkerProcess(redis_server.url, name="mismatch1@test", queues=[mismatch_tools.QUEUE], concurrency=1,
+                      tools=[TEST_TOOLS, "tests.integration.mismatch_tools"],
+                      env={**WORKER_ENV, mismatch_tools.MISMATCH_ENV: "1"}, logdir=tmp_path)
+    with w:
+        run = drive([[b.function_call("touch_marker", {"name": "marker.txt"}, "call_mm")], final()],
+                    workspace=workspace)
+    output = run.outputs_of(1)[0]["output"]
+    assert re.fullmatch(
+        r"tool touch_marker is declared differently on worker mismatch1@test than in the orchestrator "
+        r"\(declaration [0-9a-f]{16} != [0-9a-f]{16}\); not run\. Load the same tool modules on both sides\.",
+        output), output
+    assert mismatch_tools.touch_marker.tool_spec.digest() in output  # the orchestrator's side is named
+    assert not (workspace / "marker.txt").exists(), "the refused call ran anyway"
+    item = completed_items(run)["call_mm"]
+    assert (item["status"], item["success"], item["worker"]) == ("rejected", False, "mismatch1@test")
+    assert run.outcome.status == "completed"  # the model reads the refusal; the turn goes on
+
+
+def test_a_tool_whose_queue_has_no_worker_waits_and_times_out_without_running_elsewhere(drive, tmp_path):
+    # A private broker whose only worker has the search tools loaded but serves `toolq`, not `search`.
+    with RedisServer() as server, WorkerProcess(server.url, name="toolq-only@test", queues=["toolq"], concurrency=2,
+                                                tools=[SEARCH_TOOLS, TEST_TOOLS], env=WORKER_ENV,
+                                                logdir=tmp_path):
+        run = drive([
+            [b.function_call("search", {"query": "x", "limit": None}, "call_stranded"),
+             b.function_call("sleep_echo", {"text": "alive"}, "call_alive")],
+            final(),
+        ], redis_url=server.url, turn_timeout=3)
+        r = redis.Redis.from_url(server.url)
+        task_ids = r.hget(keys.call_ids(run.outcome.turn_id), "call_stranded").decode().split()
+        assert len(task_ids) == 1
+        assert not r.exists(keys.started(task_ids[0])), "the call was started by some worker"
+        assert r.llen("search") == 1, "the message should still wait on its own queue"
+        r.close()
+    outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
+    assert re.fullmatch(r"call timed out after \d+\.\ds and was stopped", outputs["call_stranded"])
+    assert json.loads(outputs["call_alive"])["text"] == "alive"
+    items = completed_items(run)
+    assert items["call_stranded"]["status"] == "timed_out" and "worker" not in items["call_stranded"]
+    assert items["call_alive"]["worker"] == "toolq-only@test"
