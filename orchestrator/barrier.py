@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from orchestrator.calls import PayloadKind, ToolInvocation, ToolResult, output_item, task_id_for
+from orchestrator.calls import PayloadKind, ToolInvocation, ToolResult, aborted_text, output_item, task_id_for
 from orchestrator.dispatch import DispatchError, Dispatcher
 from orchestrator.errors import Fatal, RespondToModel
 from orchestrator.ledger import Ledger
@@ -47,13 +47,6 @@ RECONNECT_GRACE = 2.0
 HISTORY_POLICY = DEFAULT_POLICY.scaled(1.2)
 
 Emit = Callable[[dict[str, Any]], None]
-
-
-def aborted_text(spec: ToolSpec | None, elapsed: float) -> str:
-    secs = max(elapsed, 0.1)
-    if spec is not None and spec.shell_like:
-        return f"Wall time: {secs:.1f} seconds\naborted by user"
-    return f"aborted by user after {secs:.1f}s"
 
 
 def _kind_of(item: ResponseItem) -> PayloadKind:
@@ -89,6 +82,10 @@ class CallEntry:
     @property
     def serial(self) -> bool:
         return self.spec is not None and not self.spec.parallel
+
+    @property
+    def shell_like(self) -> bool:
+        return self.spec is not None and self.spec.shell_like
 
     @property
     def task_id(self) -> str | None:
@@ -279,7 +276,7 @@ class Step:
         msg = " ".join(str(m) for m in msg) if isinstance(msg, list) else str(msg or "")
         if status == "REVOKED":  # e.g. from Flower: this call is aborted, the turn goes on
             self._background(self.ledger.set_state(meta.get("task_id", ""), "cancelled", finished_at=time.time()))
-            return ToolResult(call_id=entry.call_id, output=aborted_text(entry.spec, time.time() - entry.added_at),
+            return ToolResult(call_id=entry.call_id, output=aborted_text(entry.shell_like, time.time() - entry.added_at),
                               status="aborted", worker=entry.worker)
         if exc == "WorkerLostError":
             text = f"the worker process running this call died ({msg}); the call may have partially executed"
@@ -307,7 +304,7 @@ class Step:
         unfinished = [e for e in self.entries if not e.done.is_set()]
         revoke = [e.task_id for e in unfinished if e.task_id and e.state != "pending"]
         for entry in unfinished:
-            entry.result = ToolResult(call_id=entry.call_id, output=aborted_text(entry.spec, now - entry.added_at),
+            entry.result = ToolResult(call_id=entry.call_id, output=aborted_text(entry.shell_like, now - entry.added_at),
                                       status="aborted", success=False, worker=entry.worker)
             if entry.task is not None:
                 entry.task.cancel()

@@ -136,6 +136,14 @@ class ToolResult(BaseModel):
         return "\n".join(p.text for p in self.output if isinstance(p, InputText) and p.text)
 
 
+def aborted_text(shell_like: bool, elapsed: float) -> str:
+    """Codex's text for a call cut short by a cancel (codex-contracts.md §7.2)."""
+    secs = max(elapsed, 0.1)
+    if shell_like:
+        return f"Wall time: {secs:.1f} seconds\naborted by user"
+    return f"aborted by user after {secs:.1f}s"
+
+
 def output_item(
     kind: PayloadKind, call_id: str, output: ToolOutputBody | list[ContentPart], tools: list[dict] | None = None
 ) -> OutputItem:

@@ -18,6 +18,28 @@ def _cmd_fake_model(args: argparse.Namespace) -> int:
     return serve_forever(port=args.port, script=args.script)
 
 
+def _cmd_flower(args: argparse.Namespace) -> int:
+    from orchestrator.flower import run_flower
+    from orchestrator.settings import Settings
+
+    return run_flower(Settings.load(), port=args.port, address=args.address,
+                      unauthenticated_api=args.unauthenticated_api)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from orchestrator.settings import Settings
+    from orchestrator.status import status_cmd
+
+    return status_cmd(Settings.load(), args.turn_id, as_json=args.json)
+
+
+def _cmd_turns(args: argparse.Namespace) -> int:
+    from orchestrator.settings import Settings
+    from orchestrator.status import turns_cmd
+
+    return turns_cmd(Settings.load(), limit=args.limit, as_json=args.json)
+
+
 def _settings(args: argparse.Namespace, **extra: object):
     from orchestrator.settings import Settings
 
@@ -82,6 +104,25 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from orchestrator.cancel import UnknownTarget, cancel
+
+    settings = _settings(args)
+    if not settings.redis_url:
+        print("toolq cancel: set REDIS_URL to the broker of the turn's orchestrator", file=sys.stderr)
+        return 2
+    try:
+        report = asyncio.run(cancel(settings, args.turn_id, args.call))
+    except UnknownTarget as e:
+        print(f"toolq cancel: {e}", file=sys.stderr)
+        return 1
+    what = f"call {report.call_id} of {report.turn_id}" if report.call_id else f"turn {report.turn_id}"
+    print(f"cancelled {what}; revoked {len(report.revoked)} task(s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toolq", description="Run an LLM agent's tool calls on a Celery fleet.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -94,6 +135,23 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
     f.add_argument("--script", help="JSON script file; default: the built-in demo conversation")
     f.set_defaults(func=_cmd_fake_model)
+
+    fl = sub.add_parser("flower", help="Flower on the configured broker (basic auth from FLOWER_USER/FLOWER_PASSWORD)")
+    fl.add_argument("--port", type=int, help="default 5555, or FLOWER_PORT")
+    fl.add_argument("--address", help="default 127.0.0.1, or FLOWER_ADDRESS")
+    fl.add_argument("--unauthenticated-api", action="store_true",
+                    help="serve the API without auth when no credentials are set (loopback only)")
+    fl.set_defaults(func=_cmd_flower)
+
+    s = sub.add_parser("status", help="a turn's calls from the ledger: tool, call_id, task id, state, worker, duration")
+    s.add_argument("turn_id")
+    s.add_argument("--json", action="store_true", help="one JSON object per call")
+    s.set_defaults(func=_cmd_status)
+
+    t = sub.add_parser("turns", help="recent turns and their states")
+    t.add_argument("--limit", type=int, default=20)
+    t.add_argument("--json", action="store_true", help="one JSON object per turn")
+    t.set_defaults(func=_cmd_turns)
 
     r = sub.add_parser("run", help="run one turn: the model's tool calls execute on the worker fleet")
     r.add_argument("prompt")
@@ -111,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--logfile")
     w.add_argument("--loglevel", default="INFO")
     w.set_defaults(func=_cmd_worker)
+
+    c = sub.add_parser("cancel", help="cancel a turn (or one call) from any process or host")
+    c.add_argument("turn_id")
+    c.add_argument("--call", help="cancel only this call_id; the turn goes on")
+    c.set_defaults(func=_cmd_cancel)
 
     m = sub.add_parser("demo", help="the built-in demo end to end against the fake model")
     m.add_argument("--json", action="store_true")

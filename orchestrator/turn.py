@@ -112,6 +112,8 @@ class Session:
         self.history = History()
         self.loaded_tools: set[ToolName] = set()
         self.unknown_items = 0
+        self.turn_id: str | None = None
+        """The running (or last) turn's id."""
         self._cancel = asyncio.Event()
         self._step: Step | None = None
 
@@ -120,7 +122,7 @@ class Session:
         self._cancel.set()
 
     async def run_turn(self, prompt: str, emit: Emit = lambda e: None, *, turn_id: str | None = None) -> TurnOutcome:
-        turn_id = turn_id or new_turn_id()
+        turn_id = self.turn_id = turn_id or new_turn_id()
         settings = self.rt.settings
         outcome = TurnOutcome(turn_id=turn_id, status="running")
         self._cancel.clear()

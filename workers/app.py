@@ -19,6 +19,7 @@ from celery.signals import worker_process_init
 from orchestrator.settings import Settings
 from workers.catalog import Catalog, load_catalog
 from workers.execute import execute
+from workers.sandbox import install_sigterm_handler
 
 TASK = "toolq.run"
 #: Same body, but a call whose worker died is redelivered (only idempotent tools go here).
@@ -95,24 +96,26 @@ def redis_client() -> redis.Redis:
 def _child_init(**_: Any) -> None:
     global _redis
     _redis = None  # never share a socket across fork
-    from workers.sandbox import install_sigterm_handler
-
-    # revoke(terminate=True) SIGTERMs the pool child; its command's process group must die too.
-    install_sigterm_handler()
 
 
 def _hostname(task: Any) -> str:
     return task.request.hostname or f"{os.getpid()}@{socket.gethostname()}"
 
 
+def _execute(task: Any, invocation: dict, redelivery: bool) -> dict:
+    # revoke(terminate=True) SIGTERMs the pool child; its command's process group must die too.
+    # Installed per call: billiard resets the pool child's signal handlers after
+    # worker_process_init, so a handler set there is gone by the time a task runs.
+    install_sigterm_handler()
+    return execute(invocation, hostname=_hostname(task), r=redis_client(), catalog=catalog(), redelivery=redelivery,
+                   time_limit_errors=(SoftTimeLimitExceeded,))
+
+
 @app.task(name=TASK, bind=True, acks_late=True, reject_on_worker_lost=False, track_started=True)
 def run_tool(self: Any, invocation: dict) -> dict:
-    return execute(invocation, hostname=_hostname(self), r=redis_client(), catalog=catalog(),
-                   time_limit_errors=(SoftTimeLimitExceeded,))
+    return _execute(self, invocation, redelivery=False)
 
 
 @app.task(name=TASK_IDEMPOTENT, bind=True, acks_late=True, reject_on_worker_lost=True, track_started=True)
 def run_tool_idempotent(self: Any, invocation: dict) -> dict:
-    return execute(invocation, hostname=_hostname(self), r=redis_client(), catalog=catalog(), redelivery=True,
-                   time_limit_errors=(SoftTimeLimitExceeded,))
-
+    return _execute(self, invocation, redelivery=True)

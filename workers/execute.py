@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from orchestrator import keys
-from orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult
+from orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult, aborted_text
 from orchestrator.errors import RespondToModel
 from orchestrator.protocol.items import ToolOutputBody
 from workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
@@ -67,7 +67,7 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
     if is_cancelled(r, inv):
         _set_state(r, inv, state="cancelled", worker=hostname, finished_at=time.time())
         log.info("⊘ %s %s cancelled before start", inv.call_id, inv.tool_name)
-        return _result(inv, "aborted by user before the call started", "aborted", hostname)
+        return _result(inv, aborted_text(spec is not None and spec.shell_like, 0.0), "aborted", hostname)
 
     # At most once: a message redelivered after its worker died must not run a second time,
     # unless the tool is idempotent (and then only up to MAX_DELIVERIES).
@@ -117,6 +117,7 @@ def _run(inv: ToolInvocation, spec: ToolSpec | None, r: redis.Redis, catalog: Ca
             "Workers must share the workspace (same host or a shared volume)."
         ), {"success": False}
 
+    started_at = time.time()
     ctx = ToolContext(invocation=inv, workspace=workspace, is_cancelled=lambda: is_cancelled(r, inv), catalog=catalog)
     try:
         if isinstance(inv.payload, FunctionPayload):
@@ -129,7 +130,7 @@ def _run(inv: ToolInvocation, spec: ToolSpec | None, r: redis.Redis, catalog: Ca
     except RespondToModel as e:
         return "failed", e.message, {"success": False}
     except CallCancelled:
-        return "aborted", "aborted by user", {"success": False}
+        return "aborted", aborted_text(spec.shell_like, time.time() - started_at), {"success": False}
     except time_limit_errors:
         return "timed_out", f"call timed out after {spec.timeout:g}s and was stopped", {"success": False}
     except Exception as e:  # a tool's own bug still becomes an output the model can read

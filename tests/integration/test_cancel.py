@@ -1,0 +1,205 @@
+"""Cancel a turn from any process; revoke one call (contract 10, issue 6)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import tests.integration.conftest as c
+from orchestrator.cancel import cancel
+from orchestrator.fake_model import builders as b
+from orchestrator.fake_model.server import FakeModel
+from orchestrator.history import pairing_problems
+from orchestrator.ledger import Ledger
+from orchestrator.turn import TURN_ABORTED
+
+pytestmark = pytest.mark.integration
+
+SHELL_ABORTED = re.compile(r"^Wall time: [0-9]+\.[0-9] seconds\naborted by user$")
+
+
+def pids_matching(marker: str) -> list[int]:
+    """Processes whose command line contains the marker (no psutil needed: /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if marker in cmdline and stat.split(") ", 1)[-1][:1] != "Z":  # zombies are already dead
+                found.append(int(entry.name))
+    return found
+
+
+async def wait_until(predicate, timeout=20.0, what="condition"):
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def family_command(tag: str) -> str:
+    # a command whose children spawn children: all must die with the call
+    return f"bash -c 'sleep 30.{tag}1 & sleep 30.{tag}2; wait' & sleep 30.{tag}3; wait"
+
+
+def test_cancelling_a_turn_kills_every_process_and_leaves_a_paired_history(fleet, tmp_path):
+    tag = str(os.getpid() % 1000)
+    script = [
+        [b.function_call("sleep_echo", {"text": "finished first"}, "call_done"),
+         b.function_call("exec_command", {"cmd": family_command(tag)}, "call_sleep")],
+        [b.message("second turn answer")],
+    ]
+
+    async def during(session, runtime):
+        await wait_until(lambda: all(pids_matching(f"sleep 30.{tag}{i}") for i in (1, 2, 3)),
+                         what="the command's processes")
+        await wait_until(lambda: any(e["type"] == "item.completed" and e["item"]["id"] == "call_done"
+                                     for e in events), what="the first call")
+        settings = runtime.settings
+        # from another process, as a user would
+        subprocess.run([sys.executable, "-m", "orchestrator.cli", "cancel", session.turn_id], check=True,
+                       env={**os.environ, "REDIS_URL": settings.redis_url}, capture_output=True, timeout=30)
+
+    events: list = []
+    with FakeModel(script) as fake:
+        settings = c.settings_for(fleet[0].redis_url, fake, tmp_path)
+
+        async def go():
+            outcomes, session = await c.run_session(settings, ["first"], events, during)
+            return outcomes[0], session
+
+        outcome, session = asyncio.run(asyncio.wait_for(go(), 60))
+        assert outcome.status == "cancelled" and outcome.exit_code == 1
+        assert len(fake.requests) == 1, "no model request after a cancel"
+
+    deadline = time.monotonic() + 5
+    while pids_matching(f"sleep 30.{tag}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pids_matching(f"sleep 30.{tag}") == [], "a process of the cancelled call survived"
+
+    history = session.history.for_prompt()
+    assert pairing_problems(history) == []
+    outputs = {i["call_id"]: i["output"] for i in history if i["type"] == "function_call_output"}
+    assert json.loads(outputs["call_done"])["text"] == "finished first"  # finished calls keep their output
+    assert SHELL_ABORTED.match(outputs["call_sleep"]), outputs["call_sleep"]
+    assert history[-1]["content"][0]["text"] == TURN_ABORTED
+    assert not session.history.repairs
+
+
+def test_the_session_continues_after_a_cancel(fleet, tmp_path):
+    script = [[b.function_call("sleep_echo", {"ms": 20000}, "call_long")], [b.message("fine")]]
+    events: list = []
+
+    async def during(session, runtime):
+        if getattr(session, "_cancelled_once", False):
+            return  # the second turn runs undisturbed
+        session._cancelled_once = True
+        await wait_until(lambda: any(e["type"] == "item.updated" for e in events), what="the call to start")
+        session.cancel()  # Ctrl-C in this process
+
+    with FakeModel(script) as fake:
+        settings = c.settings_for(fleet[0].redis_url, fake, tmp_path)
+        outcomes, session = asyncio.run(asyncio.wait_for(
+            c.run_session(settings, ["first", "second"], events, during), 60))
+        assert [o.status for o in outcomes] == ["cancelled", "completed"]
+        second = fake.requests[1]["input"]
+    assert pairing_problems(second) == []
+    texts = [p.get("text") for i in second if i.get("type") == "message" for p in i["content"]]
+    assert TURN_ABORTED in texts
+    aborted = [i for i in second if i.get("type") == "function_call_output"][0]["output"]
+    assert re.match(r"^aborted by user after [0-9]+\.[0-9]s$", aborted)
+
+
+def test_cancelling_one_call_aborts_it_and_the_turn_goes_on(fleet, drive):
+    async def during(session, runtime):
+        await wait_until(lambda: session.turn_id is not None, what="the turn")
+        ledger = runtime.ledger
+
+        async def started():
+            return any(c.get("call_id") == "call_long" and c.get("state") == "started"
+                       for c in await ledger.calls(session.turn_id))
+
+        end = time.monotonic() + 20
+        while not await started():
+            assert time.monotonic() < end
+            await asyncio.sleep(0.02)
+        await cancel(runtime.settings, session.turn_id, "call_long")
+
+    run = drive([
+        [b.function_call("sleep_echo", {"ms": 20000}, "call_long"),
+         b.function_call("sleep_echo", {"ms": 300, "text": "kept"}, "call_short")],
+        [b.message("went on")],
+    ], during=during)
+    assert run.outcome.status == "completed" and run.outcome.final_message == "went on"
+    long_out, short_out = (o["output"] for o in run.outputs_of(1))
+    assert re.match(r"^aborted by user after [0-9]+\.[0-9]s$", long_out)
+    assert json.loads(short_out)["text"] == "kept"
+
+
+def test_a_cancel_with_no_worker_online_prevents_the_call_from_running(worker, drive, tmp_path, redis_server):
+    """The revoke broadcast is lost with nobody listening; the durable record is not."""
+    async def during(session, runtime):
+        await wait_until(lambda: session.turn_id is not None, what="the turn")
+        end = time.monotonic() + 20
+        while not await runtime.ledger.calls(session.turn_id):
+            assert time.monotonic() < end
+            await asyncio.sleep(0.02)
+        await cancel(runtime.settings, session.turn_id)
+
+    run = drive([[b.function_call("hang", {"seconds": 5}, "call_queued")], [b.message("unreachable")]],
+                during=during)
+    assert run.outcome.status == "cancelled"
+    turn_id = run.outcome.turn_id
+
+    worker(["faults"])  # the queued message is delivered now
+
+    async def worker_state():
+        ledger = Ledger.from_url(redis_server.url)
+        try:
+            end = time.monotonic() + 20
+            while True:
+                (call,) = await ledger.calls(turn_id)
+                if call.get("worker"):
+                    return call
+                assert time.monotonic() < end, "the worker never took the queued message"
+                await asyncio.sleep(0.05)
+        finally:
+            await ledger.aclose()
+
+    call = asyncio.run(worker_state())
+    assert call["state"] == "cancelled"
+    assert not (tmp_path / "hang-call_queued.pid").exists(), "the cancelled call ran"
+
+
+def test_ctrl_c_on_toolq_run_cancels_the_turn_and_exits_1(fleet, tmp_path):
+    tag = str(os.getpid() % 1000 + 1)
+    script = [[b.function_call("exec_command", {"cmd": f"sleep 30.{tag}9"}, "call_int")], [b.message("x")]]
+    with FakeModel(script) as fake:
+        env = {**os.environ, "REDIS_URL": fleet[0].redis_url, "OPENAI_BASE_URL": fake.base_url,
+               "OPENAI_API_KEY": "test", "PYTHONPATH": c.WORKER_ENV["PYTHONPATH"]}
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--json", "--workspace",
+                                 str(tmp_path), "go"], env=env, stdout=subprocess.PIPE, text=True)
+        end = time.monotonic() + 30
+        while not pids_matching(f"sleep 30.{tag}9"):
+            assert time.monotonic() < end, "the command never started"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    events = [json.loads(line) for line in out.splitlines()]
+    assert events[0]["type"] == "turn.started"
+    assert events[-1]["type"] == "turn.aborted"
+    time.sleep(0.5)
+    assert pids_matching(f"sleep 30.{tag}9") == []
