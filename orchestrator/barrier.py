@@ -208,14 +208,15 @@ class Step:
             entry.state, entry.worker = "running", w.hostname
             self.emit({"type": "item.updated", "item": self._view(entry)})
 
-        watch = await self.router.watch(inv.task_id, on_started=started)
+        watch = self.router.watch(inv.task_id, on_started=started)
         try:
-            if not watch.done.done():
-                try:
-                    await self.dispatcher.dispatch(inv, spec)
-                except DispatchError as e:
-                    return ToolResult(call_id=inv.call_id, output=f"tool {spec.tool_name} is unavailable: {e}",
-                                      status="failed", success=False)
+            try:
+                sent = await self.dispatcher.dispatch(inv, spec)
+            except DispatchError as e:
+                return ToolResult(call_id=inv.call_id, output=f"tool {spec.tool_name} is unavailable: {e}",
+                                  status="failed", success=False)
+            if not sent:  # queued before (a restarted orchestrator): it may have finished already
+                await self.router.catch_up([inv.task_id])
             return await self._track(entry, watch)
         finally:
             self.router.forget(inv.task_id)
@@ -333,8 +334,6 @@ class Step:
                 view["worker"] = r.worker
         return view
 
-    _pending: set[asyncio.Task] = set()
-
     def _background(self, coro: Any) -> None:
         """Ledger bookkeeping: best effort, never in the way of an output."""
 
@@ -345,5 +344,14 @@ class Step:
                 log.warning("ledger update failed: %s", e)
 
         task = asyncio.create_task(guarded())
-        Step._pending.add(task)
-        task.add_done_callback(Step._pending.discard)
+        _background_tasks.add(task)
+        task.add_done_callback(_background_tasks.discard)
+
+
+_background_tasks: set[asyncio.Task] = set()
+
+
+async def flush_background() -> None:
+    """Wait for pending ledger bookkeeping (before the ledger's connection closes)."""
+    while _background_tasks:
+        await asyncio.gather(*list(_background_tasks), return_exceptions=True)

@@ -123,6 +123,18 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHMARKS = ("decode", "pipeline", "steps", "cancel")
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    for name in args.which or BENCHMARKS:
+        print(f"== {name}", flush=True)
+        importlib.import_module(f"orchestrator.bench.{name}").run()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toolq", description="Run an LLM agent's tool calls on a Celery fleet.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -174,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("turn_id")
     c.add_argument("--call", help="cancel only this call_id; the turn goes on")
     c.set_defaults(func=_cmd_cancel)
+
+    bn = sub.add_parser("bench", help="benchmarks with ratios against a baseline measured in the same run")
+    bn.add_argument("which", nargs="*", choices=BENCHMARKS, help="default: all")
+    bn.set_defaults(func=_cmd_bench)
 
     m = sub.add_parser("demo", help="the built-in demo end to end against the fake model")
     m.add_argument("--json", action="store_true")

@@ -19,6 +19,19 @@ from orchestrator.calls import ToolInvocation
 TERMINAL = {"succeeded", "failed", "cancelled", "lost", "timed_out", "rejected"}
 
 
+# KEYS: call record, turn's task list, turn's call_id index. ARGV: ttl, task id, call id, record...
+_CLAIM = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[2])
+redis.call('EXPIRE', KEYS[3], ARGV[1])
+return 1
+"""
+
+
 def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in h.items()}
 
@@ -26,6 +39,7 @@ def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
 class Ledger:
     def __init__(self, r: aioredis.Redis) -> None:
         self.r = r
+        self._claim = r.register_script(_CLAIM)
 
     @classmethod
     def from_url(cls, url: str) -> Ledger:
@@ -65,21 +79,15 @@ class Ledger:
     # --- calls -------------------------------------------------------------------------------
 
     async def claim(self, inv: ToolInvocation, queue: str) -> bool:
-        """Record the call as queued; False if it was already dispatched (never send twice)."""
-        key = keys.call(inv.task_id)
-        if not await self.r.hsetnx(key, "call_id", inv.call_id):
-            return False
-        record = {"task_id": inv.task_id, "turn_id": inv.turn_id, "tool": str(inv.tool_name), "state": "queued",
-                  "queue": queue, "step": inv.step, "output_index": inv.output_index, "queued_at": time.time()}
-        async with self.r.pipeline(transaction=False) as p:
-            p.hset(key, mapping=record)
-            p.expire(key, keys.RECORD_TTL)
-            p.rpush(keys.turn_calls(inv.turn_id), inv.task_id)
-            p.expire(keys.turn_calls(inv.turn_id), keys.RECORD_TTL)
-            p.hset(keys.call_ids(inv.turn_id), inv.call_id, inv.task_id)  # last wins; all in turn_calls
-            p.expire(keys.call_ids(inv.turn_id), keys.RECORD_TTL)
-            await p.execute()
-        return True
+        """Record the call as queued; False if it was already dispatched (never send twice).
+
+        One round trip: this sits on every call's path (see `toolq bench pipeline`)."""
+        record = {"call_id": inv.call_id, "task_id": inv.task_id, "turn_id": inv.turn_id,
+                  "tool": str(inv.tool_name), "state": "queued", "queue": queue, "step": inv.step,
+                  "output_index": inv.output_index, "queued_at": time.time()}
+        flat = [str(x) for kv in record.items() for x in kv]
+        keys_ = [keys.call(inv.task_id), keys.turn_calls(inv.turn_id), keys.call_ids(inv.turn_id)]
+        return bool(await self._claim(keys=keys_, args=[keys.RECORD_TTL, inv.task_id, inv.call_id, *flat]))
 
     async def record_unqueued(self, turn_id: str, step: int, output_index: int, call_id: str, tool: str,
                               state: str, task_id: str) -> None:

@@ -81,12 +81,12 @@ class ResultRouter:
             except (RedisConnectionError, RedisTimeoutError, OSError):
                 pass  # the connection is gone; so is the subscription
 
-    async def watch(self, task_id: str, on_started: Callable[[CallWatch], None] | None = None) -> CallWatch:
-        """Start waiting for a task (its turn must be watched); catches up on stored results."""
+    def watch(self, task_id: str, on_started: Callable[[CallWatch], None] | None = None) -> CallWatch:
+        """Start waiting for a task whose turn is watched. A task sent after this needs nothing
+        more; one that may have reported before (a re-dispatch) needs `catch_up`."""
         w = self._watches.get(task_id)
         if w is None:
             w = self._watches[task_id] = CallWatch(task_id=task_id, on_started=on_started)
-        await self.catch_up([task_id])
         return w
 
     def forget(self, task_id: str) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from orchestrator import keys
-from orchestrator.barrier import Step
+from orchestrator.barrier import Step, flush_background
 from orchestrator.calls import ToolName
 from orchestrator.client import ModelClient, ModelError, ModelSettings, backoff, build_request
 from orchestrator.dispatch import Dispatcher
@@ -95,6 +95,7 @@ class Runtime:
         return cls(settings, catalog, ModelClient(model), ledger, Dispatcher(settings, ledger), router)
 
     async def aclose(self) -> None:
+        await flush_background()
         await self.client.aclose()
         await self.router.aclose()
         await self.dispatcher.aclose()

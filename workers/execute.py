@@ -52,10 +52,16 @@ def _result(inv: ToolInvocation, output: ToolOutputBody, status: str, hostname: 
     return res.model_dump(mode="json")
 
 
-def _set_state(r: redis.Redis, inv: ToolInvocation, **fields: Any) -> None:
+def _queue_state(p: redis.client.Pipeline, inv: ToolInvocation, **fields: Any) -> None:
     key = keys.call(inv.task_id)
-    r.hset(key, mapping={k: str(v) for k, v in fields.items()})
-    r.expire(key, keys.RECORD_TTL)
+    p.hset(key, mapping={k: str(v) for k, v in fields.items()})
+    p.expire(key, keys.RECORD_TTL)
+
+
+def _set_state(r: redis.Redis, inv: ToolInvocation, **fields: Any) -> None:
+    with r.pipeline(transaction=False) as p:
+        _queue_state(p, inv, **fields)
+        p.execute()
 
 
 def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redelivery: bool = False,
@@ -64,14 +70,21 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
     inv = ToolInvocation.model_validate(raw)
     spec = catalog.get(inv.tool_name)
 
-    if is_cancelled(r, inv):
-        _set_state(r, inv, state="cancelled", worker=hostname, finished_at=time.time())
+    # One round trip on every call's path: cancelled? first delivery? mark started.
+    started_at = time.time()
+    with r.pipeline(transaction=False) as p:
+        p.exists(keys.cancel_turn(inv.turn_id), keys.cancel_call(inv.task_id))
+        p.set(keys.started(inv.task_id), hostname, nx=True, ex=keys.RECORD_TTL)
+        _queue_state(p, inv, state="started", worker=hostname, started_at=started_at, pid=os.getpid())
+        cancelled, first = p.execute()[:2]
+
+    if cancelled:
+        _set_state(r, inv, state="cancelled", finished_at=time.time())
         log.info("⊘ %s %s cancelled before start", inv.call_id, inv.tool_name)
         return _result(inv, aborted_text(spec is not None and spec.shell_like, 0.0), "aborted", hostname)
 
     # At most once: a message redelivered after its worker died must not run a second time,
     # unless the tool is idempotent (and then only up to MAX_DELIVERIES).
-    first = r.set(keys.started(inv.task_id), hostname, nx=True, ex=keys.RECORD_TTL)
     if not first:
         if not (redelivery and spec is not None and spec.idempotent):
             previous = r.get(keys.started(inv.task_id))
@@ -87,8 +100,6 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
             return _result(inv, f"gave up after {deliveries} deliveries: the worker died each time", "failed",
                            hostname, success=False)
 
-    started_at = time.time()
-    _set_state(r, inv, state="started", worker=hostname, started_at=started_at, pid=os.getpid())
     log.info("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
 
     status, output, extra = _run(inv, spec, r, catalog, hostname, time_limit_errors)

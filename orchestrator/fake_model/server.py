@@ -119,7 +119,7 @@ class FakeModel:
         if self._log is not None:
             n_input = len(body.get("input") or []) if isinstance(body.get("input"), list) else 1
             note = "" if number <= len(self.script) else " (script exhausted)"
-            print(f"request {number}: {n_input} input items{note}", file=self._log, flush=True)
+            print(f"request {number}: {n_input} input items{note} at {time.monotonic():.6f}", file=self._log, flush=True)
         return render(entry, body, number, self._base_dir)
 
 
@@ -136,6 +136,12 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
         # One small write per event: without this, Nagle + delayed ACK can hold frames ~40 ms.
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client closed its keep-alive connection: normal, not worth a traceback
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # tests and the CLI report requests their own way
