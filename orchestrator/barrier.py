@@ -63,6 +63,24 @@ def _name_of(item: ResponseItem) -> str:
     return "tool_search" if isinstance(item, ToolSearchCallItem) else "local_shell"
 
 
+def startable(calls: list[tuple[str, bool]]) -> list[int]:
+    """Which pending calls may start, given each call's (state, serial) in call order.
+
+    Codex's read/write lock (contract 9): parallel calls start at once; a serial call starts
+    only when every call before it is done, and nothing after it starts until it is done."""
+    ready: list[int] = []
+    for i, (state, serial) in enumerate(calls):
+        if state == "done":
+            continue
+        if serial:
+            if state == "pending" and all(s == "done" for s, _ in calls[:i]):
+                ready.append(i)
+            break
+        if state == "pending":
+            ready.append(i)
+    return ready
+
+
 @dataclass(eq=False)
 class CallEntry:
     output_index: int
@@ -159,22 +177,11 @@ class Step:
         log.info("! %s %s rejected: %s", entry.call_id, entry.tool, text)
 
     def _pump(self) -> None:
-        """Start what may start: parallel calls at once, a serial call alone and in order."""
+        """Start what may start now (see `startable`)."""
         if self.aborted:
             return
-        blocked = False
-        for i, entry in enumerate(self.entries):
-            if entry.state == "done":
-                continue
-            if entry.state == "pending":
-                if entry.serial:
-                    if not blocked and all(e.state == "done" for e in self.entries[:i]):
-                        self._start(entry)
-                    blocked = True
-                elif not blocked:
-                    self._start(entry)
-            elif entry.serial:
-                blocked = True
+        for i in startable([(e.state, e.serial) for e in self.entries]):
+            self._start(self.entries[i])
 
     def _start(self, entry: CallEntry) -> None:
         entry.state = "queued"

