@@ -88,7 +88,9 @@ class Runtime:
         assert settings.redis_url, "Runtime needs a Redis URL (the CLI starts an embedded one when unset)"
         catalog = catalog if catalog is not None else load_catalog(settings.tools)
         model = model or ModelSettings(base_url=settings.openai_base_url, api_key=settings.openai_api_key,
-                                       model=settings.model)
+                                       model=settings.model, request_max_retries=settings.request_max_retries,
+                                       stream_max_retries=settings.stream_max_retries,
+                                       stream_idle_timeout=settings.stream_idle_timeout)
         ledger = Ledger.from_url(settings.redis_url)
         router = ResultRouter(settings.result_backend_url() or settings.redis_url)
         await router.start()
