@@ -43,7 +43,7 @@ class Ledger:
 
     @classmethod
     def from_url(cls, url: str) -> Ledger:
-        return cls(aioredis.Redis.from_url(url))
+        return cls(aioredis.Redis.from_url(url, client_name="toolq-ledger"))
 
     async def aclose(self) -> None:
         await self.r.aclose()

@@ -40,7 +40,7 @@ class CallWatch:
 
 class ResultRouter:
     def __init__(self, url: str) -> None:
-        self.r = aioredis.Redis.from_url(url)
+        self.r = aioredis.Redis.from_url(url, client_name="toolq-results")
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         self._watches: dict[str, CallWatch] = {}
         self._turns: dict[str, int] = {}

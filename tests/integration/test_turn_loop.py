@@ -189,3 +189,34 @@ def test_the_turn_is_visible_in_the_ledger(fleet, drive):
     assert turn["state"] == "completed"
     assert [(c["call_id"], c["state"]) for c in calls] == [("call_l", "succeeded")]
     assert calls[0]["worker"].startswith("fleet")
+
+
+def test_the_barrier_owns_its_subscriptions_and_many_calls_pile_up_none(fleet, drive):
+    """celery-lab §3: stock sends SUBSCRIBE per task and never let go; toolq holds one pattern per turn."""
+    import redis
+
+    seen: list[tuple[str, int, int]] = []
+
+    async def during(session, runtime):
+        end = time.monotonic() + 30
+        while not session.turn_id or not any(
+                c.get("state") == "succeeded" for c in await runtime.ledger.calls(session.turn_id)):
+            assert time.monotonic() < end, "no call finished"
+            await asyncio.sleep(0.01)
+        client = redis.Redis.from_url(fleet[0].redis_url)
+        try:
+            seen.extend((c.get("name", ""), int(c["sub"]), int(c["psub"])) for c in client.client_list())
+        finally:
+            client.close()
+
+    run = drive([[b.function_call("sleep_echo", {"ms": 20}, f"call_{i}") for i in range(60)], final()],
+                during=during)
+    assert run.outcome.status == "completed"
+    assert len(run.outputs_of(1)) == 60
+    results = [(sub, psub) for name, sub, psub in seen if name == "toolq-results"]
+    assert results == [(0, 1)], seen  # one pattern for the whole turn, no per-task channels
+    ledger = [sub for name, sub, _ in seen if name == "toolq-ledger"]
+    assert sum(ledger) == 1, seen  # the turn's cancel channel
+    # everyone else (Celery clients: the orchestrator's sender, the workers) holds no task channel;
+    # a worker's one pattern is its control broadcast
+    assert all(sub == 0 and psub <= 1 for name, sub, psub in seen if not name.startswith("toolq-")), seen
