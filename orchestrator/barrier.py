@@ -249,7 +249,7 @@ class Step:
                 return await self._synthesize(entry, "timed_out",
                                               f"call timed out after {now - entry.added_at:.1f}s and was stopped")
             if watch.hostname is not None:
-                alive = await self.dispatcher.ping(watch.hostname)
+                alive = await self.dispatcher.ping(watch.hostname) or await self.ledger.is_draining(watch.hostname)
                 misses = 0 if alive else misses + 1
                 if misses >= LOST_AFTER_MISSES:
                     return await self._synthesize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -210,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator.errors import ConfigurationError
 
     args = build_parser().parse_args(argv)
+    # Like `celery -A`: tool modules (--tools) may live in the current directory.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         return args.func(args)
     except ConfigurationError as e:

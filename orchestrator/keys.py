@@ -58,6 +58,12 @@ def cancel_channel(turn_id: str) -> str:
     return f"{PREFIX}:cancel-events:{turn_id}"
 
 
+def draining(hostname: str) -> str:
+    """STRING set while a worker is in warm shutdown: it finishes its calls but stops answering
+    pings, so the watchdog must not call them lost."""
+    return f"{PREFIX}:draining:{hostname}"
+
+
 def celery_meta(task_id: str) -> str:
     return f"{CELERY_META}{task_id}"
 

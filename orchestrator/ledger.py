@@ -128,5 +128,9 @@ class Ledger:
         await self.r.set(keys.cancel_call(task_id), "1", ex=keys.RECORD_TTL)
         await self.r.publish(keys.cancel_channel(turn_id), json.dumps({"scope": "call", "task_id": task_id}))
 
+    async def is_draining(self, hostname: str) -> bool:
+        """A worker in warm shutdown: silent to pings, still finishing its calls."""
+        return bool(await self.r.exists(keys.draining(hostname)))
+
     async def is_cancelled(self, turn_id: str) -> bool:
         return bool(await self.r.exists(keys.cancel_turn(turn_id)))

@@ -71,8 +71,11 @@ class Settings(BaseModel):
     @field_validator("redis_url", "result_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
-        if v and not v.startswith(("redis://", "rediss://", "unix://", "sentinel://")):
-            raise ValueError("must be a redis://, rediss://, unix:// or sentinel:// URL")
+        if v and v.startswith("sentinel://"):
+            raise ValueError("Sentinel is not supported yet: point it at the current primary, or a proxy "
+                             "that follows it (deploy/README.md)")
+        if v and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
         if v and v.startswith("rediss://") and "ssl_cert_reqs=" not in v:
             # Celery's Redis result backend refuses a TLS URL without it (at first use, not here).
             raise ValueError("a rediss:// URL needs ?ssl_cert_reqs=required (or optional, none)")

@@ -14,8 +14,9 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
-from celery.signals import worker_process_init
+from celery.signals import worker_process_init, worker_shutdown, worker_shutting_down
 
+from orchestrator import keys
 from orchestrator.settings import Settings
 from workers.catalog import Catalog, load_catalog
 from workers.execute import execute
@@ -96,6 +97,25 @@ def redis_client() -> redis.Redis:
 def _child_init(**_: Any) -> None:
     global _redis
     _redis = None  # never share a socket across fork
+
+
+@worker_shutting_down.connect
+def _draining(sender: Any = None, **_: Any) -> None:
+    """Warm shutdown: running calls finish, but pings go unanswered until the worker is gone.
+    Say so, for as long as the longest call may still take, so they are not reported lost."""
+    longest = max((s.timeout for s in catalog()), default=60.0)
+    try:
+        redis_client().set(keys.draining(str(sender)), "1", ex=int(longest + 2 * TIME_LIMIT_MARGIN))
+    except redis.RedisError:
+        pass
+
+
+@worker_shutdown.connect
+def _drained(sender: Any = None, **_: Any) -> None:
+    try:
+        redis_client().delete(keys.draining(str(getattr(sender, "hostname", sender))))
+    except redis.RedisError:
+        pass
 
 
 def _hostname(task: Any) -> str:

@@ -101,3 +101,12 @@ def test_the_pip_installed_server_serves_a_whole_turn(worker, drive):
         run = drive([[b.function_call("sleep_echo", {"text": "valkey"}, "call_v")], final()], redis_url=server.url)
     assert run.outcome.status == "completed"
     assert '"text": "valkey"' in run.outputs_of(1)[0]["output"]
+
+
+def test_a_worker_in_warm_shutdown_finishes_its_call_and_it_is_not_called_lost(worker, drive, tmp_path):
+    """SIGTERM to a worker (a rolling deploy): the running call finishes, and its real output counts."""
+    w = worker(["faults"])
+    run = drive([[b.function_call("hang", {"seconds": 6}, "call_drain")], final()],
+                during=killer(tmp_path / "hang-call_drain.pid", lambda pid: w.proc.send_signal(signal.SIGTERM)))
+    (out,) = run.outputs_of(1)
+    assert out["output"] == "woke up", out["output"]

@@ -137,3 +137,8 @@ def test_config_command_bad_value_is_one_line_and_exit_2(clean_env, capsys):
     err = capsys.readouterr().err
     assert err.startswith("toolq: invalid setting turn_timeout (TOOLQ_TURN_TIMEOUT): ")
     assert err.count("\n") == 1
+
+
+def test_a_sentinel_url_is_refused_with_a_clear_line_until_it_is_supported():
+    with pytest.raises(ConfigurationError, match=r"invalid setting redis_url \(REDIS_URL\): Sentinel is not supported"):
+        Settings.load({"REDIS_URL": "sentinel://s1:26379/0"})
