@@ -1,0 +1,99 @@
+"""`toolq status` / `toolq turns` rendering: ledger records in, a table or JSON lines out."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from orchestrator.settings import Settings
+from orchestrator.status import call_row, render_status, render_turns, status_cmd, turn_row, turns_cmd
+
+NOW = 1_700_000_100.0
+
+DONE = {"call_id": "call_a", "task_id": "turn-1:0:0:abc", "tool": "sleep_echo", "state": "succeeded",
+        "worker": "w1@host", "queued_at": "1700000000.0", "started_at": "1700000000.5",
+        "finished_at": "1700000002.75"}
+RUNNING = {"call_id": "call_b", "task_id": "turn-1:0:1:def", "tool": "exec_command", "state": "started",
+           "worker": "w2@host", "started_at": str(NOW - 4.0)}
+REJECTED = {"call_id": "call_c", "task_id": "", "tool": "no_such_tool", "state": "rejected",
+            "queued_at": "1700000000.0", "finished_at": "1700000000.0"}
+CANCELLED_BEFORE_START = {"call_id": "call_d", "task_id": "turn-1:0:3:0a1", "tool": "sleep_echo",
+                          "state": "cancelled", "worker": "w1@host", "finished_at": "1700000001.0"}
+TURN = {"state": "running", "started_at": "1700000000.0", "prompt": "fix the tests", "workspace": "/w"}
+
+
+def test_duration_is_finished_minus_started():
+    assert call_row(DONE, NOW) == {"tool": "sleep_echo", "call_id": "call_a", "task_id": "turn-1:0:0:abc",
+                                   "state": "succeeded", "worker": "w1@host", "duration": 2.25}
+
+
+def test_a_running_call_counts_up_to_now():
+    assert call_row(RUNNING, NOW)["duration"] == 4.0
+
+
+def test_a_call_that_never_started_has_no_duration_and_a_rejected_one_no_task_id():
+    assert call_row(CANCELLED_BEFORE_START, NOW)["duration"] is None
+    row = call_row(REJECTED, NOW)
+    assert row["task_id"] is None and row["worker"] is None and row["duration"] is None
+
+
+def test_status_table_has_one_aligned_row_per_call_and_dashes_for_missing_fields():
+    text = render_status("turn-1", TURN, [DONE, RUNNING, REJECTED], NOW)
+    head, header, *rows = text.splitlines()
+    assert head == "turn turn-1  running  100.0s  3 call(s)"
+    assert header.split() == ["TOOL", "CALL_ID", "TASK_ID", "STATE", "WORKER", "DURATION"]
+    assert rows[0].split() == ["sleep_echo", "call_a", "turn-1:0:0:abc", "succeeded", "w1@host", "2.2s"]
+    assert rows[1].split() == ["exec_command", "call_b", "turn-1:0:1:def", "started", "w2@host", "4.0s"]
+    assert rows[2].split() == ["no_such_tool", "call_c", "-", "rejected", "-", "-"]
+    # columns line up under their headers, and no line ends in spaces
+    col = header.index("STATE")
+    assert [r[col:].split()[0] for r in rows] == ["succeeded", "started", "rejected"]
+    assert all(line == line.rstrip() for line in text.splitlines())
+
+
+def test_status_shows_the_turns_error():
+    text = render_status("turn-1", {**TURN, "state": "failed", "error": "model said no"}, [], NOW)
+    assert text.splitlines()[1:] == ["error: model said no", "no calls"]
+
+
+def test_status_json_is_one_object_per_call_with_the_turn_id():
+    lines = render_status("turn-1", TURN, [DONE, REJECTED], NOW, as_json=True).splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert rows[0] == {"turn_id": "turn-1", **call_row(DONE, NOW)}
+    assert rows[1]["task_id"] is None and rows[1]["duration"] is None
+
+
+def test_turns_table_cuts_long_prompts_to_one_line():
+    long_prompt = "refactor\nthe whole " + "x" * 100
+    rows = [turn_row("turn-2", {**TURN, "state": "completed", "finished_at": "1700000030.0",
+                                "prompt": long_prompt}, 4, NOW),
+            turn_row("turn-1", TURN, 0, NOW)]
+    header, first, second = render_turns(rows).splitlines()
+    assert header.split() == ["TURN_ID", "STATE", "STARTED", "DURATION", "CALLS", "PROMPT"]
+    assert first.startswith("turn-2") and " completed " in first and " 30.0s " in first
+    assert first.endswith("…") and "\n" not in first and "refactor the whole xxx" in first
+    assert second.split()[-1] == "tests" and "100.0s" in second
+
+
+def test_turns_json_keeps_timestamps_and_the_full_prompt():
+    row = turn_row("turn-1", TURN, 2, NOW)
+    (line,) = render_turns([row], as_json=True).splitlines()
+    assert json.loads(line) == {"turn_id": "turn-1", "state": "running", "started_at": 1700000000.0,
+                                "finished_at": None, "duration": 100.0, "calls": 2, "prompt": "fix the tests",
+                                "error": None}
+    assert render_turns([]) == "no turns in the ledger\n"
+
+
+def test_status_and_turns_need_redis_url():
+    err = io.StringIO()
+    assert status_cmd(Settings(), "turn-1", err=err) == 2
+    assert "REDIS_URL" in err.getvalue()
+    err = io.StringIO()
+    assert turns_cmd(Settings(), err=err) == 2
+    assert "REDIS_URL" in err.getvalue()
+
+
+def test_turns_rejects_a_limit_below_one():
+    err = io.StringIO()
+    assert turns_cmd(Settings(redis_url="redis://127.0.0.1:1/0"), limit=0, err=err) == 2
+    assert "--limit" in err.getvalue()
