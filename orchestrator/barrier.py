@@ -285,7 +285,7 @@ class Step:
         if status == "REVOKED":  # e.g. from Flower: this call is aborted, the turn goes on
             self._background(self.ledger.set_state(meta.get("task_id", ""), "cancelled", finished_at=time.time()))
             return ToolResult(call_id=entry.call_id, output=aborted_text(entry.shell_like, time.time() - entry.added_at),
-                              status="aborted", worker=entry.worker)
+                              status="aborted", success=False, worker=entry.worker)
         if exc == "WorkerLostError":
             text = f"the worker process running this call died ({msg}); the call may have partially executed"
             state = "lost"

@@ -57,6 +57,7 @@ class Ledger:
                                                 "workspace": workspace})
             p.expire(keys.turn(turn_id), keys.RECORD_TTL)
             p.zadd(keys.TURNS, {turn_id: now})
+            p.zremrangebyscore(keys.TURNS, 0, now - keys.RECORD_TTL)  # their records have expired
             await p.execute()
 
     async def finish_turn(self, turn_id: str, state: str, error: str | None = None) -> None:

@@ -54,7 +54,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         worker_prefetch_multiplier=1,
         task_track_started=True,
         worker_send_task_events=True,
-        task_send_sent_event=True,
+        # Off: a sent event carries the real task name and, arriving after task-received, makes
+        # Flower show `toolq.run` instead of `tool:<name>`; the ledger records "queued" anyway.
+        task_send_sent_event=False,
         result_expires=6 * 3600,
         broker_connection_retry_on_startup=True,
         broker_transport_options={
