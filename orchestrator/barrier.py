@@ -16,7 +16,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from orchestrator.calls import PayloadKind, ToolInvocation, ToolResult, aborted_text, output_item, task_id_for
+from orchestrator.calls import (
+    PayloadKind,
+    ToolInvocation,
+    ToolResult,
+    ToolSearchPayload,
+    aborted_text,
+    output_item,
+    task_id_for,
+)
 from orchestrator.dispatch import DispatchError, Dispatcher
 from orchestrator.errors import Fatal, RespondToModel
 from orchestrator.ledger import Ledger
@@ -34,6 +42,7 @@ from orchestrator.router import build_tool_call
 from orchestrator.truncate import DEFAULT_POLICY, truncate_text
 from workers.app import TIME_LIMIT_MARGIN
 from workers.catalog import ToolSpec
+from workers.tools.tool_search import search_catalog
 
 log = logging.getLogger("toolq.barrier")
 
@@ -162,6 +171,18 @@ class Step:
             self.fatal = self.fatal or e
             log.error("%s (call_id=%s)", e, call.call_id)
             self._resolve_now(entry, "aborted", "rejected")
+            return entry
+        if isinstance(call.payload, ToolSearchPayload):
+            # A lookup over the specs this orchestrator will expose: answered here, with no side
+            # effects; a worker would answer from its own catalog, which may load other modules.
+            try:
+                tools = search_catalog(self.registry.catalog, call.payload)
+            except RespondToModel as e:
+                self._resolve_now(entry, e.message, "failed")
+                return entry
+            entry.result = ToolResult(call_id=entry.call_id, output="", tools=tools, success=True)
+            entry.state = "done"
+            entry.done.set()
             return entry
         self._pump()
         self.emit({"type": "item.started", "item": self._view(entry)})

@@ -137,6 +137,7 @@ class ToolSpec:
             "queue": self.queue,
             "timeout": self.timeout,
             "idempotent": self.idempotent,
+            "deferred": self.deferred,
         }
 
     def digest(self) -> str:
@@ -311,5 +312,11 @@ def load_catalog(modules: list[str] | tuple[str, ...] = ()) -> Catalog:
     """The built-in tools plus the user's modules (each registers its tools on import)."""
     importlib.import_module("workers.tools")
     for m in modules:
-        importlib.import_module(m)
+        try:
+            importlib.import_module(m)
+        except ModuleNotFoundError as e:
+            if e.name and m.startswith(e.name):
+                raise ConfigurationError(f"tool module {m!r} not found: run toolq from the directory that holds "
+                                         "it, or put that directory on PYTHONPATH") from None
+            raise
     return CATALOG

@@ -83,8 +83,9 @@ class Driven:
 
 
 def settings_for(redis_url: str, fake: FakeModel, workspace: Path, **kw: Any) -> Settings:
+    kw.setdefault("tools", [TEST_TOOLS])
     return Settings(redis_url=redis_url, openai_base_url=fake.base_url, openai_api_key="test", workspace=workspace,
-                    tools=[TEST_TOOLS], **kw)
+                    **kw)
 
 
 async def run_session(settings: Settings, prompts: list[str], events: list, during=None) -> tuple[list[TurnOutcome], Session]:

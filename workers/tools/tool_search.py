@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from typing import Any
+from typing import Any, Iterable
 
 from orchestrator.calls import ToolSearchPayload
 from orchestrator.errors import RespondToModel
@@ -32,15 +32,19 @@ PARAMETERS: dict[str, Any] = {
 def tool_search(payload: ToolSearchPayload, ctx: ToolContext) -> ToolReturn:
     """Searches the tools that are available but not yet loaded, by keywords from their names and
     descriptions. Matching tools become callable from the next step."""
+    return ToolReturn(output="", tools=search_catalog(ctx.catalog if ctx.catalog is not None else CATALOG, payload))
+
+
+def search_catalog(catalog: Iterable[ToolSpec], payload: ToolSearchPayload) -> list[dict[str, Any]]:
+    """The model specs of the deferred tools that match, best first. The orchestrator answers
+    tool_search with this from its own registry (the tools it will expose), not on a worker."""
     query = _tokens(payload.query)
     if not payload.query.strip():
         raise RespondToModel("query must not be empty")
     limit = DEFAULT_LIMIT if payload.limit is None else payload.limit
     if limit < 1:
         raise RespondToModel("limit must be greater than zero")
-    catalog = ctx.catalog if ctx.catalog is not None else CATALOG
-    found = rank([s for s in catalog if s.deferred], query)[:limit]
-    return ToolReturn(output="", tools=group_specs(found))
+    return group_specs(rank([s for s in catalog if s.deferred], query)[:limit])
 
 
 def rank(specs: list[ToolSpec], query: list[str]) -> list[ToolSpec]:
