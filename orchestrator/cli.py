@@ -130,6 +130,11 @@ BENCHMARKS = ("decode", "pipeline", "steps", "cancel")
 def _cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
+    unknown = set(args.which) - set(BENCHMARKS)
+    if unknown:
+        print(f"toolq bench: unknown benchmark {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}",
+              file=sys.stderr)
+        return 2
     for name in args.which or BENCHMARKS:
         print(f"== {name}", flush=True)
         importlib.import_module(f"orchestrator.bench.{name}").run()
@@ -189,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_cancel)
 
     bn = sub.add_parser("bench", help="benchmarks with ratios against a baseline measured in the same run")
-    bn.add_argument("which", nargs="*", choices=BENCHMARKS, help="default: all")
+    bn.add_argument("which", nargs="*", metavar="NAME", help=f"any of {', '.join(BENCHMARKS)} (default: all)")
     bn.set_defaults(func=_cmd_bench)
 
     m = sub.add_parser("demo", help="the built-in demo end to end against the fake model")

@@ -142,3 +142,4 @@ def test_config_command_bad_value_is_one_line_and_exit_2(clean_env, capsys):
 def test_a_sentinel_url_is_refused_with_a_clear_line_until_it_is_supported():
     with pytest.raises(ConfigurationError, match=r"invalid setting redis_url \(REDIS_URL\): Sentinel is not supported"):
         Settings.load({"REDIS_URL": "sentinel://s1:26379/0"})
+

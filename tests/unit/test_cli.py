@@ -1,0 +1,34 @@
+"""The `toolq` command line: every subcommand parses; bad input is one clear line."""
+
+import pytest
+
+from orchestrator import cli
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["decode", "x.sse"],
+        ["fake-model", "--port", "0"],
+        ["run", "--json", "--model", "m", "--workspace", "/tmp", "--tools", "a", "--tools", "b", "hi"],
+        ["worker", "--queues", "toolq,search", "--concurrency", "2", "--name", "w@h"],
+        ["demo", "--json"],
+        ["cancel", "turn-1", "--call", "call_1"],
+        ["bench", "pipeline", "steps"],
+    ],
+)
+def test_subcommands_parse(argv):
+    assert cli.build_parser().parse_args(argv).func is not None
+
+
+def test_bench_runs_all_by_default_and_refuses_unknown_names(capsys):
+    assert cli.build_parser().parse_args(["bench"]).which == []
+    assert cli.main(["bench", "nope"]) == 2
+    assert "unknown benchmark nope" in capsys.readouterr().err
+
+
+def test_cancel_without_redis_says_what_to_set(capsys, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
+    assert cli.main(["cancel", "turn-1"]) == 2
+    assert "set REDIS_URL" in capsys.readouterr().err
