@@ -73,7 +73,7 @@ def _kill_group(proc: subprocess.Popen, grace: float) -> None:
         proc.wait(5)
 
 
-def _wait_for(check: Any, timeout: float, what: str, log: Path | None = None) -> None:
+def wait_for(check: Any, timeout: float, what: str, log: Path | None = None) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if check():
@@ -83,8 +83,44 @@ def _wait_for(check: Any, timeout: float, what: str, log: Path | None = None) ->
     raise RuntimeError(f"{what} did not become ready in {timeout:.0f}s\n{tail}")
 
 
-class RedisServer:
-    """A private server on a free loopback port, persistence off. Kill and restart it at will."""
+class ChildProcess:
+    """A service toolq runs as a child in its own process group: stopped (SIGTERM, then SIGKILL
+    for what is left of the group) or killed outright, like a machine dying."""
+
+    proc: subprocess.Popen | None = None
+    stop_grace = 10.0
+
+    def start(self) -> ChildProcess:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def stop(self, grace: float | None = None) -> None:
+        if self.proc is not None:
+            _kill_group(self.proc, grace=self.stop_grace if grace is None else grace)
+            self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once (children included)."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+            self.proc = None
+
+    def __enter__(self):  # noqa: ANN204 - returns the subclass
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RedisServer(ChildProcess):
+    """A private server on a free loopback port, persistence off. Kill and restart it at will:
+    nothing is persisted, so a restart loses every key."""
+
+    stop_grace = 2.0
 
     def __init__(self, port: int | None = None, workdir: Path | None = None, binary: str | None = None) -> None:
         self.port = port or free_port()
@@ -103,7 +139,7 @@ class RedisServer:
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        _wait_for(lambda: self._ping(client), 10, f"redis on port {self.port}")
+        wait_for(lambda: self._ping(client), 10, f"redis on port {self.port}")
         client.close()
         return self
 
@@ -114,24 +150,9 @@ class RedisServer:
         except redis.RedisError:
             return False
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            _kill_group(self.proc, grace=2)
-            self.proc = None
-
-    def kill(self) -> None:
-        """Crash it (for fault tests): every key is gone, since nothing is persisted."""
-        if self.proc is not None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
-            self.proc = None
-
     def restart(self) -> None:
         self.kill()
         self.start()
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -139,8 +160,9 @@ class RedisServer:
             self._tmp.cleanup()
 
 
-class WorkerProcess:
-    """A real `celery worker` (prefork) process for toolq's app."""
+class WorkerProcess(ChildProcess):
+    """A real `celery worker` (prefork) process for toolq's app. `kill()` is a machine dying
+    mid-call; `stop()` is a warm shutdown."""
 
     def __init__(self, redis_url: str, *, name: str | None = None, queues: list[str] | None = None,
                  concurrency: int = 2, tools: list[str] | None = None, env: dict[str, str] | None = None,
@@ -181,29 +203,8 @@ class WorkerProcess:
                                    + self.log.read_text(errors="replace")[-2000:])
             return " ready." in self.log.read_text(errors="replace")
 
-        _wait_for(ready, timeout, f"worker {self.name}", self.log)
+        wait_for(ready, timeout, f"worker {self.name}", self.log)
 
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def stop(self, grace: float = 10) -> None:
-        if self.proc is not None:
-            _kill_group(self.proc, grace=grace)
-            self.proc = None
-
-    def kill(self) -> None:
-        """SIGKILL the whole worker, pool children included (a machine dying mid-call)."""
-        if self.proc is not None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
-            self.proc = None
-
-    def __enter__(self) -> WorkerProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class EmbeddedStack:

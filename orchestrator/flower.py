@@ -20,7 +20,7 @@ from typing import Iterable, TextIO
 
 import httpx
 
-from orchestrator.embedded import _kill_group, _wait_for, free_port
+from orchestrator.embedded import ChildProcess, free_port, wait_for
 from orchestrator.errors import ConfigurationError
 from orchestrator.settings import Settings, mask_url_password
 
@@ -123,8 +123,10 @@ def run_flower(settings: Settings, *, port: int | None = None, address: str | No
     return 1  # not reached: execve only returns by raising
 
 
-class FlowerProcess:
+class FlowerProcess(ChildProcess):
     """Flower as a child process on a free loopback port (tests); ready once /healthcheck answers."""
+
+    stop_grace = 5.0
 
     def __init__(self, settings: Settings, *, port: int | None = None, address: str = "127.0.0.1",
                  unauthenticated_api: bool = False, logdir: Path | None = None) -> None:
@@ -142,7 +144,7 @@ class FlowerProcess:
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(self.launch.argv, env=self.launch.env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
-        _wait_for(self._healthy, timeout, f"flower on {self.url}", self.log)
+        wait_for(self._healthy, timeout, f"flower on {self.url}", self.log)
         return self
 
     def wait_for_workers(self, names: Iterable[str] = (), timeout: float = 30) -> None:
@@ -159,7 +161,7 @@ class FlowerProcess:
             online = set(re.findall(r'^flower_worker_online\{worker="([^"]+)"\} 1\.0$', text, re.MULTILINE))
             return wanted <= online if wanted else bool(online)
 
-        _wait_for(heard, timeout, f"flower on {self.url} to hear from {sorted(wanted) or 'a worker'}", self.log)
+        wait_for(heard, timeout, f"flower on {self.url} to hear from {sorted(wanted) or 'a worker'}", self.log)
 
     def _healthy(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
@@ -170,13 +172,3 @@ class FlowerProcess:
         except httpx.HTTPError:
             return False
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            _kill_group(self.proc, grace=5)
-            self.proc = None
-
-    def __enter__(self) -> FlowerProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
