@@ -7,9 +7,17 @@ import json
 import time
 
 import pytest
+import redis
 
+import tests.integration.conftest as c
+from orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from orchestrator.fake_model import builders as b
-from orchestrator.protocol.items import FunctionCallItem
+from orchestrator.fake_model.server import FakeModel
+from orchestrator.ledger import Ledger
+from orchestrator.registry import StepContext
+from orchestrator.settings import Settings
+from orchestrator.turn import Runtime
+from workers.catalog import load_catalog
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +44,7 @@ def test_parallel_calls_run_at_once_and_outputs_come_back_in_call_order(fleet, d
     assert fast["start"] < slow["end"], "the calls did not overlap"
 
 
-def test_calls_start_before_response_completed(fleet, drive, tmp_path):
+def test_calls_start_before_response_completed(fleet, tmp_path):
     """Contract 2: a call is queued at output_item.done, while the model may still be streaming."""
     marker = tmp_path / "started.txt"
     script = [
@@ -50,9 +58,6 @@ def test_calls_start_before_response_completed(fleet, drive, tmp_path):
             assert time.monotonic() < deadline, "the call did not run before response.completed"
             await asyncio.sleep(0.05)
         fake.release()
-
-    from orchestrator.fake_model.server import FakeModel
-    import tests.integration.conftest as c
 
     with FakeModel(script) as fake:
         settings = c.settings_for(fleet[0].redis_url, fake, tmp_path)
@@ -147,12 +152,6 @@ def test_a_terminal_model_error_fails_the_turn_with_the_servers_words(fleet, dri
 
 def test_dispatch_is_at_most_once_per_call(fleet, tmp_path):
     """Contract 11: asking twice to dispatch one call sends it once."""
-    import tests.integration.conftest as c
-    from orchestrator.calls import FunctionPayload, ToolCall, ToolName
-    from orchestrator.registry import StepContext
-    from orchestrator.settings import Settings
-    from orchestrator.turn import Runtime
-    from workers.catalog import load_catalog
 
     async def go():
         settings = Settings(redis_url=fleet[0].redis_url, workspace=tmp_path, tools=[c.TEST_TOOLS])
@@ -176,7 +175,6 @@ def test_dispatch_is_at_most_once_per_call(fleet, tmp_path):
 
 def test_the_turn_is_visible_in_the_ledger(fleet, drive):
     run = drive([[b.function_call("sleep_echo", {"text": "x"}, "call_l")], final()])
-    from orchestrator.ledger import Ledger
 
     async def read():
         ledger = Ledger.from_url(fleet[0].redis_url)
@@ -193,8 +191,6 @@ def test_the_turn_is_visible_in_the_ledger(fleet, drive):
 
 def test_the_barrier_owns_its_subscriptions_and_many_calls_pile_up_none(fleet, drive):
     """celery-lab §3: stock sends SUBSCRIBE per task and never let go; toolq holds one pattern per turn."""
-    import redis
-
     seen: list[tuple[str, int, int]] = []
 
     async def during(session, runtime):
