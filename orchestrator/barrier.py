@@ -241,7 +241,7 @@ class Step:
             try:
                 sent = await self.dispatcher.dispatch(inv, spec)
             except DispatchError as e:
-                return ToolResult(call_id=inv.call_id, output=f"tool {spec.tool_name} is unavailable: {e}",
+                return ToolResult(call_id=inv.call_id, output=f"{spec.tool_name} was not run: {e}",
                                   status="failed", success=False)
             if not sent:  # queued before (a restarted orchestrator): it may have finished already
                 await self.router.catch_up([inv.task_id])

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
 from kombu.exceptions import OperationalError
+from redis.exceptions import RedisError
 
 from orchestrator.calls import ToolInvocation
 from orchestrator.ledger import Ledger
@@ -41,14 +42,13 @@ class Dispatcher:
 
     async def dispatch(self, inv: ToolInvocation, spec: ToolSpec) -> bool:
         """Queue the call; False if it had been queued before (it is not sent again)."""
-        if not await self.ledger.claim(inv, spec.queue):
-            log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
-            return False
         try:
+            if not await self.ledger.claim(inv, spec.queue):
+                log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
+                return False
             await self._run(self._send, inv, spec)
-        except (OperationalError, OSError) as e:
-            await self.ledger.set_state(inv.task_id, "failed", error=f"broker unavailable: {e}")
-            raise DispatchError(f"the task queue is unavailable: {e}") from e
+        except (OperationalError, RedisError, OSError) as e:
+            raise DispatchError(f"the task queue (Redis) is unavailable: {e}") from e
         return True
 
     def _send(self, inv: ToolInvocation, spec: ToolSpec) -> None:

@@ -10,8 +10,10 @@ import time
 
 import pytest
 
+import tests.integration.conftest as c
 from orchestrator.embedded import RedisServer
 from orchestrator.fake_model import builders as b
+from orchestrator.fake_model.server import FakeModel
 
 pytestmark = pytest.mark.integration
 
@@ -110,3 +112,26 @@ def test_a_worker_in_warm_shutdown_finishes_its_call_and_it_is_not_called_lost(w
                 during=killer(tmp_path / "hang-call_drain.pid", lambda pid: w.proc.send_signal(signal.SIGTERM)))
     (out,) = run.outputs_of(1)
     assert out["output"] == "woke up", out["output"]
+
+
+def test_a_broker_down_at_dispatch_gives_the_call_a_clear_output(tmp_path, worker, drive):
+    with RedisServer() as server:
+        worker(["toolq"], redis_url=server.url)
+        fake_holder = {}
+
+        async def kill_then_release(session, runtime):
+            while not fake_holder["fake"].requests:  # the turn is streaming, held at the gate
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(server.kill)
+            fake_holder["fake"].release()
+
+        script = [b.response(b.gate(), b.function_call("sleep_echo", {"text": "x"}, "call_down")), final()]
+        with FakeModel(script) as fake:
+            fake_holder["fake"] = fake
+            settings = c.settings_for(server.url, fake, tmp_path)
+            (outcome,), session = asyncio.run(asyncio.wait_for(
+                c.run_session(settings, ["go"], [], kill_then_release), 60))
+            second = fake.requests[1]["input"]
+    assert outcome.status == "completed"
+    (out,) = [i for i in second if i["type"] == "function_call_output"]
+    assert out["output"].startswith("sleep_echo was not run: the task queue (Redis) is unavailable: "), out
