@@ -203,3 +203,28 @@ def test_ctrl_c_on_toolq_run_cancels_the_turn_and_exits_1(fleet, tmp_path):
     assert events[-1]["type"] == "turn.aborted"
     time.sleep(0.5)
     assert pids_matching(f"sleep 30.{tag}9") == []
+
+
+def test_a_cancel_while_the_model_is_still_streaming_stops_the_stream_at_once(fleet, tmp_path):
+    """Codex S11c: interrupted while waiting for the model, no further request, history paired."""
+    script = [b.response(b.function_call("sleep_echo", {"text": "done early"}, "call_a"), b.stall(30),
+                         b.message("never seen")), [b.message("next")]]
+    events: list = []
+
+    async def during(session, runtime):
+        await wait_until(lambda: any(e["type"] == "item.completed" and e["item"].get("id") == "call_a"
+                                     for e in events), what="the first call to finish")
+        session.cancel()
+
+    started = time.monotonic()
+    with FakeModel(script) as fake:
+        settings = c.settings_for(fleet[0].redis_url, fake, tmp_path)
+        (outcome,), session = asyncio.run(asyncio.wait_for(c.run_session(settings, ["go"], events, during), 60))
+        assert len(fake.requests) == 1
+    assert outcome.status == "cancelled"
+    assert time.monotonic() - started < 15, "the cancel waited for the stalled stream"
+    history = session.history.for_prompt()
+    assert pairing_problems(history) == []
+    outputs = [i for i in history if i["type"] == "function_call_output"]
+    assert json.loads(outputs[0]["output"])["text"] == "done early"
+    assert all(i.get("content") != [{"type": "output_text", "text": "never seen"}] for i in history)
