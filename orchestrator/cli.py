@@ -48,6 +48,8 @@ def _settings(args: argparse.Namespace, **extra: object):
         model=getattr(args, "model", None),
         workspace=getattr(args, "workspace", None),
         tools=getattr(args, "tools", None) or None,
+        instructions=getattr(args, "instructions", None),
+        reasoning_effort=getattr(args, "reasoning_effort", None),
         **extra,
     )
 
@@ -177,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="one JSON event per line, like `codex exec --json`")
     r.add_argument("--workspace", help="directory the tools work in (default: the current directory)")
     r.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
+    r.add_argument("--instructions", help="the request's instructions (default: a short one naming the workspace)")
+    r.add_argument("--reasoning-effort", help="reasoning models: none|minimal|low|medium|high|xhigh")
     r.set_defaults(func=_cmd_run)
 
     w = sub.add_parser("worker", help="a Celery worker that executes toolq's tools")

@@ -59,10 +59,19 @@ def _with_redis(settings: Settings, stack: ExitStack, quiet: bool) -> Settings:
     return settings.model_copy(update={"redis_url": embedded.url})
 
 
+def default_instructions(settings: Settings) -> str:
+    return (
+        f"You are a coding agent. Your tools run on a fleet of workers that share the workspace "
+        f"{settings.workspace}; relative paths resolve there. Independent tool calls may be made in "
+        "parallel. Answer with a short summary once the task is done."
+    )
+
+
 async def _run(settings: Settings, prompt: str, json_events: bool) -> TurnOutcome:
     view: Any = JsonView() if json_events else LiveView()
     runtime = await Runtime.create(settings)
-    session = Session(runtime)
+    session = Session(runtime, instructions=settings.instructions or default_instructions(settings),
+                      reasoning={"effort": settings.reasoning_effort} if settings.reasoning_effort else None)
     turn_id = new_turn_id()
     loop = asyncio.get_running_loop()
 

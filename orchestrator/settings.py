@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
@@ -23,6 +23,8 @@ ENV = {
     "openai_base_url": ("OPENAI_BASE_URL",),
     "openai_api_key": ("OPENAI_API_KEY",),
     "model": ("TOOLQ_MODEL",),
+    "instructions": ("TOOLQ_INSTRUCTIONS",),
+    "reasoning_effort": ("TOOLQ_REASONING_EFFORT",),
     "workspace": ("TOOLQ_WORKSPACE",),
     "tools": ("TOOLQ_TOOLS",),
     "queues": ("TOOLQ_QUEUES",),
@@ -49,6 +51,11 @@ class Settings(BaseModel):
     openai_base_url: str = DEFAULT_OPENAI_BASE_URL
     openai_api_key: str | None = None
     model: str = "gpt-5.5"
+    instructions: str | None = None
+    """The request's `instructions`; unset: a short default naming the workspace and the tools."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    """Sent as `reasoning.effort` (with encrypted reasoning carried between stateless requests);
+    unset: no `reasoning` field, for models and servers that do not take one."""
     workspace: Path = Field(default_factory=Path.cwd)
     tools: list[str] = Field(default_factory=list)
     """Extra modules whose `@tool` declarations both sides load."""

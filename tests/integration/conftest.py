@@ -88,10 +88,11 @@ def settings_for(redis_url: str, fake: FakeModel, workspace: Path, **kw: Any) ->
                     **kw)
 
 
-async def run_session(settings: Settings, prompts: list[str], events: list, during=None) -> tuple[list[TurnOutcome], Session]:
+async def run_session(settings: Settings, prompts: list[str], events: list, during=None,
+                      **session_kw: Any) -> tuple[list[TurnOutcome], Session]:
     runtime = await Runtime.create(settings, catalog=load_catalog([TEST_TOOLS]))
     try:
-        session = Session(runtime)
+        session = Session(runtime, **session_kw)
         outcomes = []
         for prompt in prompts:
             turn = asyncio.create_task(session.run_turn(prompt, events.append))

@@ -216,3 +216,23 @@ def test_the_barrier_owns_its_subscriptions_and_many_calls_pile_up_none(fleet, d
     # everyone else (Celery clients: the orchestrator's sender, the workers) holds no task channel;
     # a worker's one pattern is its control broadcast
     assert all(sub == 0 and psub <= 1 for name, sub, psub in seen if not name.startswith("toolq-")), seen
+
+
+def test_requests_are_stateless_and_carry_instructions_and_reasoning(fleet, tmp_path):
+    """Codex rule 1: store false, the whole history each time; reasoning comes back encrypted."""
+    script = [[b.reasoning("think", encrypted_content="gAAAA-secret"), b.function_call("sleep_echo", {}, "call_r")],
+              final()]
+    with FakeModel(script) as fake:
+        settings = c.settings_for(fleet[0].redis_url, fake, tmp_path)
+        asyncio.run(asyncio.wait_for(c.run_session(settings, ["go"], [], instructions="be brief",
+                                                    reasoning={"effort": "medium"}), 60))
+        first, second = fake.requests
+    for body in (first, second):
+        assert body["store"] is False and body["stream"] is True
+        assert body["instructions"] == "be brief"
+        assert body["reasoning"] == {"effort": "medium"}
+        assert body["include"] == ["reasoning.encrypted_content"]
+        assert body["parallel_tool_calls"] is True and body["tool_choice"] == "auto"
+    assert second["input"][: len(first["input"])] == first["input"]  # the whole history, again
+    replayed = [i for i in second["input"] if i["type"] == "reasoning"]
+    assert replayed[0]["encrypted_content"] == "gAAAA-secret"
