@@ -134,7 +134,7 @@ class Step:
         self.dispatcher = dispatcher
         self.router = router
         self.ledger = ledger
-        self.emit = emit
+        self._emit = emit
         self.entries: list[CallEntry] = []
         self.fatal: Fatal | None = None
         self.aborted = False
@@ -348,6 +348,13 @@ class Step:
         return [e.output() for e in self.entries]
 
     # --- helpers ---------------------------------------------------------------------------------
+
+    def emit(self, event: dict[str, Any]) -> None:
+        """Tell the live view; a failing view never costs a call its output."""
+        try:
+            self._emit(event)
+        except Exception:
+            log.exception("the live view failed on %s", event.get("type"))
 
     def _view(self, entry: CallEntry) -> dict[str, Any]:
         view: dict[str, Any] = {"id": entry.call_id, "type": "tool_call", "tool": entry.tool, "status": entry.state,

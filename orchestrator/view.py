@@ -14,20 +14,29 @@ _GLYPH = {"queued": "→", "running": "▸", "completed": "✓", "failed": "✗"
           "lost": "!", "rejected": "✗"}
 
 
-class JsonView:
-    def __init__(self, out: IO[str] = sys.stdout) -> None:
-        self.out = out
+class _View:
+    """Writes lines; a reader that went away (`toolq run --json | head`) never breaks the turn."""
 
+    def __init__(self, out: IO[str] = sys.stdout) -> None:
+        self.out: IO[str] | None = out
+
+    def write(self, line: str) -> None:
+        if self.out is None:
+            return
+        try:
+            self.out.write(line + "\n")
+            self.out.flush()
+        except (BrokenPipeError, ValueError):
+            self.out = None  # the turn goes on, unwatched; its outcome is still in the ledger
+
+
+class JsonView(_View):
     def __call__(self, event: dict[str, Any]) -> None:
-        self.out.write(json.dumps(event, ensure_ascii=False) + "\n")
-        self.out.flush()
+        self.write(json.dumps(event, ensure_ascii=False))
 
 
-class LiveView:
+class LiveView(_View):
     """One line per transition: glyph, tool, call id, state, duration, worker."""
-
-    def __init__(self, out: IO[str] = sys.stdout) -> None:
-        self.out = out
 
     def __call__(self, event: dict[str, Any]) -> None:
         kind, item = event["type"], event.get("item") or {}
@@ -50,8 +59,7 @@ class LiveView:
         elif kind == "turn.aborted":
             line = "turn cancelled"
         if line is not None:
-            self.out.write(line + "\n")
-            self.out.flush()
+            self.write(line)
 
     @staticmethod
     def _call_line(item: dict[str, Any]) -> str:
