@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from orchestrator.errors import ConfigurationError
 from orchestrator.history import pairing_problems
 from orchestrator.settings import Settings
 from orchestrator.turn import Runtime, Session, TurnOutcome, new_turn_id
@@ -21,6 +22,8 @@ from orchestrator.view import JsonView, LiveView
 
 
 def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False) -> int:
+    if not settings.workspace.is_dir():
+        raise ConfigurationError(f"workspace {settings.workspace} is not a directory")
     with ExitStack() as stack:
         settings = _with_redis(settings, stack, json_events)
         outcome = asyncio.run(_run(settings, prompt, json_events))
