@@ -52,6 +52,22 @@ def _result(inv: ToolInvocation, output: ToolOutputBody, status: str, hostname: 
     return res.model_dump(mode="json")
 
 
+# KEYS: turn cancel, call cancel, started marker, call record. ARGV: hostname, ttl, started_at, pid.
+# Returns {cancelled, first delivery, previous state, previous worker}.
+_START = """
+local cancelled = redis.call('EXISTS', KEYS[1], KEYS[2])
+local first = redis.call('SET', KEYS[3], ARGV[1], 'NX', 'EX', ARGV[2]) and 1 or 0
+local prev = redis.call('HMGET', KEYS[4], 'state', 'worker')
+if first == 1 and cancelled == 0 then
+    redis.call('HSET', KEYS[4], 'state', 'started', 'worker', ARGV[1], 'started_at', ARGV[3], 'pid', ARGV[4])
+    redis.call('EXPIRE', KEYS[4], ARGV[2])
+end
+return {cancelled, first, prev[1], prev[2]}
+"""
+def _may_redeliver(spec: ToolSpec | None, redelivery: bool) -> bool:
+    return redelivery and spec is not None and spec.idempotent
+
+
 def _queue_state(p: redis.client.Pipeline, inv: ToolInvocation, **fields: Any) -> None:
     key = keys.call(inv.task_id)
     p.hset(key, mapping={k: str(v) for k, v in fields.items()})
@@ -70,31 +86,39 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
     inv = ToolInvocation.model_validate(raw)
     spec = catalog.get(inv.tool_name)
 
-    # One round trip on every call's path: cancelled? first delivery? mark started.
+    # One round trip on every call's path: cancelled? first delivery? then mark it started.
     started_at = time.time()
-    with r.pipeline(transaction=False) as p:
-        p.exists(keys.cancel_turn(inv.turn_id), keys.cancel_call(inv.task_id))
-        p.set(keys.started(inv.task_id), hostname, nx=True, ex=keys.RECORD_TTL)
-        _queue_state(p, inv, state="started", worker=hostname, started_at=started_at, pid=os.getpid())
-        cancelled, first = p.execute()[:2]
+    cancelled, first, prev_state, prev_worker = r.register_script(_START)(
+        keys=[keys.cancel_turn(inv.turn_id), keys.cancel_call(inv.task_id), keys.started(inv.task_id),
+              keys.call(inv.task_id)],
+        args=[hostname, keys.RECORD_TTL, started_at, os.getpid()],
+    )
+    prev_state = (prev_state or b"").decode()
+    prev_worker = (prev_worker or b"?").decode()
 
     if cancelled:
-        _set_state(r, inv, state="cancelled", finished_at=time.time())
+        _set_state(r, inv, state="cancelled", worker=hostname, finished_at=time.time())
         log.info("⊘ %s %s cancelled before start", inv.call_id, inv.tool_name)
         return _result(inv, aborted_text(spec is not None and spec.shell_like, 0.0), "aborted", hostname)
 
     # At most once: a message redelivered after its worker died must not run a second time,
     # unless the tool is idempotent (and then only up to MAX_DELIVERIES).
     if not first:
-        if not (redelivery and spec is not None and spec.idempotent):
-            previous = r.get(keys.started(inv.task_id))
+        if not _may_redeliver(spec, redelivery):
+            r.hincrby(keys.call(inv.task_id), "deliveries_refused", 1)
+            if prev_state in ("succeeded", "failed", "cancelled", "timed_out"):
+                log.warning("↺ %s %s delivered again after it finished on %s; not run again",
+                            inv.call_id, inv.tool_name, prev_worker)
+                return _result(inv, f"this call already ran on worker {prev_worker}; it was not run again",
+                               "rejected", hostname, success=False)
             _set_state(r, inv, state="lost", finished_at=time.time())
             return _result(
                 inv,
-                f"this call was already started by worker {previous.decode() if previous else '?'}, which was lost; "
-                "it was not run again because the tool is not idempotent (it may have partially executed)",
+                f"this call was already started by worker {prev_worker}, which was lost; it was not run again "
+                "because the tool is not idempotent (it may have partially executed)",
                 "lost", hostname, success=False,
             )
+        _set_state(r, inv, state="started", worker=hostname, started_at=started_at, pid=os.getpid())
         deliveries = r.incr(keys.attempts(inv.task_id))
         if deliveries >= MAX_DELIVERIES:
             return _result(inv, f"gave up after {deliveries} deliveries: the worker died each time", "failed",

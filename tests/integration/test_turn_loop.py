@@ -13,6 +13,7 @@ import tests.integration.conftest as c
 from orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from orchestrator.fake_model import builders as b
 from orchestrator.fake_model.server import FakeModel
+from orchestrator.protocol.items import FunctionCallItem
 from orchestrator.ledger import Ledger
 from orchestrator.registry import StepContext
 from orchestrator.settings import Settings
@@ -236,3 +237,67 @@ def test_requests_are_stateless_and_carry_instructions_and_reasoning(fleet, tmp_
     assert second["input"][: len(first["input"])] == first["input"]  # the whole history, again
     replayed = [i for i in second["input"] if i["type"] == "reasoning"]
     assert replayed[0]["encrypted_content"] == "gAAAA-secret"
+
+
+def _one_call_step(rt, turn_id, tmp_path, call_id):
+    from orchestrator.barrier import Step
+
+    step = Step(StepContext(turn_id, 0, time.time() + 30, str(tmp_path)), rt.registry, rt.dispatcher, rt.router,
+                rt.ledger)
+    step.add(FunctionCallItem(call_id=call_id, name="count_runs", arguments="{}"), 0)
+    return step
+
+
+async def _runtime(fleet, tmp_path):
+    settings = Settings(redis_url=fleet[0].redis_url, workspace=tmp_path, tools=[c.TEST_TOOLS])
+    return await Runtime.create(settings, catalog=load_catalog([c.TEST_TOOLS]))
+
+
+def test_a_restarted_orchestrator_finds_the_finished_call_and_does_not_run_it_again(fleet, tmp_path):
+    """Contracts 7 and 11: the task id is derived from the call, so a second orchestrator asking
+    for the same call gets the first run's result instead of a second run."""
+    turn_id = f"turn-restart{time.time_ns()}"
+
+    async def run_call():
+        rt = await _runtime(fleet, tmp_path)
+        await rt.router.watch_turn(turn_id)
+        try:
+            (out,) = await _one_call_step(rt, turn_id, tmp_path, "call_once").wait()
+            return out.output, await rt.ledger.calls(turn_id)
+        finally:
+            await rt.router.unwatch_turn(turn_id)
+            await rt.aclose()
+
+    first, _ = asyncio.run(run_call())
+    again, calls = asyncio.run(run_call())  # a new process would do the same: new runtime, same call
+    assert first == again == "counted"
+    assert len(calls) == 1, "the call was queued twice"
+    assert (tmp_path / "runs-call_once.txt").read_text().count("\n") == 1
+
+
+def test_a_message_delivered_twice_runs_the_tool_once(fleet, tmp_path):
+    """The worker's own guard (contract 11), below the ledger: a redelivered message of a tool that
+    is not idempotent does not run again."""
+    turn_id = f"turn-twice{time.time_ns()}"
+
+    async def go():
+        rt = await _runtime(fleet, tmp_path)
+        await rt.router.watch_turn(turn_id)
+        try:
+            step = _one_call_step(rt, turn_id, tmp_path, "call_twice")
+            (out,) = await step.wait()
+            entry = step.entries[0]
+            # bypass the ledger's claim: the broker hands the same message over again
+            await asyncio.to_thread(rt.dispatcher._send, entry.inv, entry.spec)
+            end = time.monotonic() + 20
+            while (record := (await rt.ledger.calls(turn_id))[0]).get("deliveries_refused") != "1":
+                assert time.monotonic() < end, "the second delivery was never handled"
+                await asyncio.sleep(0.05)
+            assert record["state"] == "succeeded"  # the refusal does not rewrite what happened
+            return out.output
+        finally:
+            await rt.router.unwatch_turn(turn_id)
+            await rt.aclose()
+
+    assert asyncio.run(go()) == "counted"
+    assert (tmp_path / "runs-call_twice.txt").read_text().count("\n") == 1

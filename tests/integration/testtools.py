@@ -57,3 +57,12 @@ def quick_timeout(args: HangArgs, ctx: ToolContext) -> str:
     """Runs past its own 1 s limit."""
     time.sleep(args.seconds)
     return "should not get here"
+
+
+@tool
+def count_runs(args: NoArgs, ctx: ToolContext) -> str:
+    """Append a line per execution to runs-<call_id>.txt in the workspace (at-most-once tests)."""
+    with open(ctx.workspace / f"runs-{ctx.call_id}.txt", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(0.2)
+    return "counted"
