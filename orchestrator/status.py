@@ -62,8 +62,8 @@ def _cell(column: str, row: dict[str, Any]) -> str:
     value = row.get(column)
     if value is None:
         return "-"
-    if column == "duration":
-        return f"{value:.1f}s"
+    if column == "duration":  # tool calls are often milliseconds: keep them visible
+        return f"{value:.1f}s" if value >= 10 else f"{value:.2f}s" if value >= 1 else f"{value * 1000:.0f}ms"
     if column == "prompt":
         text = " ".join(str(value).split())
         return text if len(text) <= PROMPT_WIDTH else text[:PROMPT_WIDTH - 1] + "…"

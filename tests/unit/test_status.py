@@ -27,6 +27,12 @@ def test_duration_is_finished_minus_started():
                                    "state": "succeeded", "worker": "w1@host", "duration": 2.25}
 
 
+def test_durations_keep_short_calls_visible():
+    from orchestrator.status import _cell
+
+    assert [_cell("duration", {"duration": d}) for d in (0.0123, 2.25, 100.0)] == ["12ms", "2.25s", "100.0s"]
+
+
 def test_a_running_call_counts_up_to_now():
     assert call_row(RUNNING, NOW)["duration"] == 4.0
 
@@ -42,8 +48,8 @@ def test_status_table_has_one_aligned_row_per_call_and_dashes_for_missing_fields
     head, header, *rows = text.splitlines()
     assert head == "turn turn-1  running  100.0s  3 call(s)"
     assert header.split() == ["TOOL", "CALL_ID", "TASK_ID", "STATE", "WORKER", "DURATION"]
-    assert rows[0].split() == ["sleep_echo", "call_a", "turn-1:0:0:abc", "succeeded", "w1@host", "2.2s"]
-    assert rows[1].split() == ["exec_command", "call_b", "turn-1:0:1:def", "started", "w2@host", "4.0s"]
+    assert rows[0].split() == ["sleep_echo", "call_a", "turn-1:0:0:abc", "succeeded", "w1@host", "2.25s"]
+    assert rows[1].split() == ["exec_command", "call_b", "turn-1:0:1:def", "started", "w2@host", "4.00s"]
     assert rows[2].split() == ["no_such_tool", "call_c", "-", "rejected", "-", "-"]
     # columns line up under their headers, and no line ends in spaces
     col = header.index("STATE")
