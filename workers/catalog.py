@@ -18,6 +18,7 @@ Function tools take a pydantic args model (rendered to a strict JSON Schema unle
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import importlib
 import inspect
@@ -140,9 +141,14 @@ class ToolSpec:
             "deferred": self.deferred,
         }
 
-    def digest(self) -> str:
+    @functools.cached_property
+    def _digest(self) -> str:
         blob = json.dumps(self.declaration(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def digest(self) -> str:
+        """Checked on both sides of every call, so computed once per spec."""
+        return self._digest
 
 
 class Catalog:
