@@ -84,7 +84,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from orchestrator.runner import run_prompt
 
-    return run_prompt(_settings(args), args.prompt, json_events=args.json)
+    from pathlib import Path
+
+    return run_prompt(_settings(args), args.prompt, json_events=args.json,
+                      session_file=Path(args.session) if args.session else None)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -181,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
     r.add_argument("--instructions", help="the request's instructions (default: a short one naming the workspace)")
     r.add_argument("--reasoning-effort", help="reasoning models: none|minimal|low|medium|high|xhigh")
+    r.add_argument("--session", help="JSON file holding the conversation: read before the turn, written after it "
+                                     "(cancelled turns included), so the next `toolq run --session` continues it")
     r.set_defaults(func=_cmd_run)
 
     w = sub.add_parser("worker", help="a Celery worker that executes toolq's tools")

@@ -7,6 +7,7 @@ starts a call of this turn), then the running calls are revoked and given aborte
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 import tempfile
@@ -15,19 +16,42 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import ConfigurationError
-from orchestrator.history import pairing_problems
+from orchestrator.history import History, pairing_problems
 from orchestrator.settings import Settings
 from orchestrator.turn import Runtime, Session, TurnOutcome, new_turn_id
 from orchestrator.view import JsonView, LiveView
 
 
-def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False) -> int:
+def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, session_file: Path | None = None) -> int:
     if not settings.workspace.is_dir():
         raise ConfigurationError(f"workspace {settings.workspace} is not a directory")
+    history = load_session(session_file) if session_file else None
     with ExitStack() as stack:
         settings = _with_redis(settings, stack, json_events)
-        outcome = asyncio.run(_run(settings, prompt, json_events))
+        outcome, history = asyncio.run(_run(settings, prompt, json_events, history))
+    if session_file:
+        save_session(session_file, history)
     return outcome.exit_code
+
+
+def load_session(path: Path) -> History:
+    """A conversation saved by an earlier `toolq run --session` (empty if the file is new)."""
+    if not path.exists():
+        return History()
+    try:
+        items = json.loads(path.read_text())
+        if not isinstance(items, list):
+            raise ValueError("not a JSON list of items")
+    except ValueError as e:
+        raise ConfigurationError(f"session file {path} is not a toolq session: {e}") from None
+    return History(items)
+
+
+def save_session(path: Path, history: History) -> None:
+    """Paired before it is written, so the next turn starts from a valid history."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(history.for_prompt(), indent=1))
+    tmp.replace(path)
 
 
 def run_demo(settings: Settings, *, json_events: bool = False) -> int:
@@ -39,7 +63,7 @@ def run_demo(settings: Settings, *, json_events: bool = False) -> int:
         settings = settings.model_copy(update={"openai_base_url": fake.base_url, "openai_api_key": "demo",
                                                "workspace": workspace})
         settings = _with_redis(settings, stack, json_events)
-        outcome = asyncio.run(_run(settings, "Show me what toolq can do.", json_events))
+        outcome, _ = asyncio.run(_run(settings, "Show me what toolq can do.", json_events))
         if not json_events:
             created = workspace / "hello.txt"
             print(f"\nworkspace {workspace}: hello.txt = {created.read_text().strip()!r}" if created.exists()
@@ -70,11 +94,14 @@ def default_instructions(settings: Settings) -> str:
     )
 
 
-async def _run(settings: Settings, prompt: str, json_events: bool) -> TurnOutcome:
+async def _run(settings: Settings, prompt: str, json_events: bool,
+               history: History | None = None) -> tuple[TurnOutcome, History]:
     view: Any = JsonView() if json_events else LiveView()
     runtime = await Runtime.create(settings)
     session = Session(runtime, instructions=settings.instructions or default_instructions(settings),
                       reasoning={"effort": settings.reasoning_effort} if settings.reasoning_effort else None)
+    if history is not None:
+        session.history = history
     turn_id = new_turn_id()
     loop = asyncio.get_running_loop()
 
@@ -85,7 +112,7 @@ async def _run(settings: Settings, prompt: str, json_events: bool) -> TurnOutcom
 
     loop.add_signal_handler(signal.SIGINT, interrupt)
     try:
-        return await session.run_turn(prompt, view, turn_id=turn_id)
+        return await session.run_turn(prompt, view, turn_id=turn_id), session.history
     finally:
         loop.remove_signal_handler(signal.SIGINT)
         await runtime.aclose()

@@ -183,26 +183,38 @@ def test_a_cancel_with_no_worker_online_prevents_the_call_from_running(worker, d
     assert not (tmp_path / "hang-call_queued.pid").exists(), "the cancelled call ran"
 
 
-def test_ctrl_c_on_toolq_run_cancels_the_turn_and_exits_1(fleet, tmp_path):
+def test_ctrl_c_on_toolq_run_cancels_the_turn_and_the_session_continues(fleet, tmp_path):
     tag = str(os.getpid() % 1000 + 1)
-    script = [[b.function_call("exec_command", {"cmd": f"sleep 30.{tag}9"}, "call_int")], [b.message("x")]]
+    session_file = tmp_path / "session.json"
+    script = [[b.function_call("exec_command", {"cmd": f"sleep 30.{tag}9"}, "call_int")], [b.message("resumed")]]
     with FakeModel(script) as fake:
         env = {**os.environ, "REDIS_URL": fleet[0].redis_url, "OPENAI_BASE_URL": fake.base_url,
                "OPENAI_API_KEY": "test", "PYTHONPATH": c.WORKER_ENV["PYTHONPATH"]}
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--json", "--workspace",
-                                 str(tmp_path), "go"], env=env, stdout=subprocess.PIPE, text=True)
+        argv = [sys.executable, "-m", "orchestrator.cli", "run", "--json", "--workspace", str(tmp_path),
+                "--session", str(session_file)]
+        proc = subprocess.Popen(argv + ["go"], env=env, stdout=subprocess.PIPE, text=True)
         end = time.monotonic() + 30
         while not pids_matching(f"sleep 30.{tag}9"):
             assert time.monotonic() < end, "the command never started"
             time.sleep(0.02)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 1
-    events = [json.loads(line) for line in out.splitlines()]
-    assert events[0]["type"] == "turn.started"
-    assert events[-1]["type"] == "turn.aborted"
-    time.sleep(0.5)
-    assert pids_matching(f"sleep 30.{tag}9") == []
+        assert proc.returncode == 1
+        events = [json.loads(line) for line in out.splitlines()]
+        assert events[0]["type"] == "turn.started"
+        assert events[-1]["type"] == "turn.aborted"
+        time.sleep(0.5)
+        assert pids_matching(f"sleep 30.{tag}9") == []
+
+        # the next `toolq run --session` continues the conversation from a paired history
+        again = subprocess.run(argv + ["go on"], env=env, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0, again.stderr
+        resumed = fake.requests[1]["input"]
+    assert pairing_problems(resumed) == []
+    texts = [p.get("text") for i in resumed if i.get("type") == "message" for p in i["content"]]
+    assert texts[-2:] == [TURN_ABORTED, "go on"]
+    (aborted,) = [i["output"] for i in resumed if i["type"] == "function_call_output"]
+    assert SHELL_ABORTED.match(aborted), aborted
 
 
 def test_a_cancel_while_the_model_is_still_streaming_stops_the_stream_at_once(fleet, tmp_path):

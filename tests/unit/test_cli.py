@@ -32,3 +32,23 @@ def test_cancel_without_redis_says_what_to_set(capsys, monkeypatch):
     monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
     assert cli.main(["cancel", "turn-1"]) == 2
     assert "set REDIS_URL" in capsys.readouterr().err
+
+
+def test_a_session_file_round_trips_a_paired_history(tmp_path):
+    from orchestrator.runner import load_session, save_session
+
+    path = tmp_path / "s.json"
+    assert load_session(path).items == []  # a new file starts a new conversation
+    history = load_session(path)
+    history.record({"role": "user", "content": "hi"},
+                   {"type": "function_call", "name": "f", "arguments": "{}", "call_id": "c"})
+    save_session(path, history)  # the call has no output yet: saved paired
+    again = load_session(path)
+    assert [i["type"] for i in again.to_json()] == ["message", "function_call", "function_call_output"]
+
+
+def test_a_file_that_is_not_a_session_is_one_clear_line(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"not": "a list"}')
+    assert cli.main(["run", "--session", str(bad), "--workspace", str(tmp_path), "hi"]) == 2
+    assert "is not a toolq session" in capsys.readouterr().err
