@@ -180,22 +180,26 @@ class Step:
             except RespondToModel as e:
                 self._resolve_now(entry, e.message, "failed")
                 return entry
-            entry.result = ToolResult(call_id=entry.call_id, output="", tools=tools, success=True)
-            entry.state = "done"
-            entry.done.set()
+            self._settle_now(entry, ToolResult(call_id=entry.call_id, output="", tools=tools, success=True))
             return entry
         self._pump()
         self.emit({"type": "item.started", "item": self._view(entry)})
         return entry
 
     def _resolve_now(self, entry: CallEntry, text: str, status: str) -> None:
-        entry.result = ToolResult(call_id=entry.call_id, output=text, status=status, success=False)
+        """A call answered without a task (bad arguments, unknown tool...): its error is its output."""
+        self._settle_now(entry, ToolResult(call_id=entry.call_id, output=text, status=status, success=False))
+        log.info("! %s %s %s: %s", entry.call_id, entry.tool, status, text)
+
+    def _settle_now(self, entry: CallEntry, result: ToolResult) -> None:
+        """Give a call its output here, with no task, and still list it in the ledger."""
+        entry.result = result
         entry.state = "done"
         entry.done.set()
         task_id = task_id_for(self.ctx.turn_id, self.ctx.step, entry.output_index, entry.call_id)
+        state = "succeeded" if result.status == "completed" else result.status
         self._background(self.ledger.record_unqueued(self.ctx.turn_id, self.ctx.step, entry.output_index,
-                                                     entry.call_id, entry.tool, "rejected", task_id))
-        log.info("! %s %s rejected: %s", entry.call_id, entry.tool, text)
+                                                     entry.call_id, entry.tool, state, task_id))
 
     def _pump(self) -> None:
         """Start what may start now (see `startable`)."""
