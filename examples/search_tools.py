@@ -16,8 +16,8 @@ from typing import Callable, Iterator
 
 from pydantic import BaseModel, Field
 
-from orchestrator.errors import RespondToModel
-from workers.catalog import ToolContext, tool
+from toolq.orchestrator.errors import RespondToModel
+from toolq.workers.catalog import ToolContext, tool
 
 QUEUE = "search"
 #: Larger files are skipped: a search tool should answer in well under its timeout.

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from orchestrator.embedded import RedisServer, WorkerProcess
-from orchestrator.fake_model.server import FakeModel
-from orchestrator.history import pairing_problems
-from orchestrator.settings import Settings
-from orchestrator.turn import Runtime, Session, TurnOutcome
-from workers.catalog import load_catalog
+from toolq.orchestrator.embedded import RedisServer, WorkerProcess
+from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.orchestrator.history import pairing_problems
+from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.turn import Runtime, Session, TurnOutcome
+from toolq.workers.catalog import load_catalog
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_TOOLS = "tests.integration.testtools"

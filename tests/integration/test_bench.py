@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from orchestrator.bench import cancel, pipeline, steps
+from toolq.orchestrator.bench import cancel, pipeline, steps
 
 pytestmark = pytest.mark.integration
 

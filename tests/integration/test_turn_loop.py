@@ -10,15 +10,15 @@ import pytest
 import redis
 
 import tests.integration.conftest as c
-from orchestrator.calls import FunctionPayload, ToolCall, ToolName
-from orchestrator.fake_model import builders as b
-from orchestrator.fake_model.server import FakeModel
-from orchestrator.protocol.items import FunctionCallItem
-from orchestrator.ledger import Ledger
-from orchestrator.registry import StepContext
-from orchestrator.settings import Settings
-from orchestrator.turn import Runtime
-from workers.catalog import load_catalog
+from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
+from toolq.orchestrator.fake_model import builders as b
+from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.orchestrator.protocol.items import FunctionCallItem
+from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.registry import StepContext
+from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.turn import Runtime
+from toolq.workers.catalog import load_catalog
 
 pytestmark = pytest.mark.integration
 
@@ -240,7 +240,7 @@ def test_requests_are_stateless_and_carry_instructions_and_reasoning(fleet, tmp_
 
 
 def _one_call_step(rt, turn_id, tmp_path, call_id):
-    from orchestrator.barrier import Step
+    from toolq.orchestrator.barrier import Step
 
     step = Step(StepContext(turn_id, 0, time.time() + 30, str(tmp_path)), rt.registry, rt.dispatcher, rt.router,
                 rt.ledger)

@@ -8,7 +8,7 @@ import time
 
 from pydantic import BaseModel
 
-from workers.catalog import ToolContext, tool
+from toolq.workers.catalog import ToolContext, tool
 
 
 class SleepArgs(BaseModel):

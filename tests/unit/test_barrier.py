@@ -2,8 +2,8 @@
 
 import pytest
 
-from orchestrator.barrier import startable
-from orchestrator.calls import aborted_text
+from toolq.orchestrator.barrier import startable
+from toolq.orchestrator.calls import aborted_text
 
 P, S = False, True
 

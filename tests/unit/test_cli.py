@@ -2,7 +2,7 @@
 
 import pytest
 
-from orchestrator import cli
+from toolq.orchestrator import cli
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_cancel_without_redis_says_what_to_set(capsys, monkeypatch):
 
 
 def test_a_session_file_round_trips_a_paired_history(tmp_path):
-    from orchestrator.runner import load_session, save_session
+    from toolq.orchestrator.runner import load_session, save_session
 
     path = tmp_path / "s.json"
     assert load_session(path).items == []  # a new file starts a new conversation

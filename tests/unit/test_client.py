@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from orchestrator.client import (
+from toolq.orchestrator.client import (
     CONTEXT_WINDOW,
     HIGH_DEMAND,
     QUOTA_EXCEEDED,
@@ -27,8 +27,8 @@ from orchestrator.client import (
     retry_after,
     try_again_in,
 )
-from orchestrator.fake_model import FakeModel
-from orchestrator.fake_model.builders import (
+from toolq.orchestrator.fake_model import FakeModel
+from toolq.orchestrator.fake_model.builders import (
     cut_after,
     error_event,
     failed,
@@ -41,8 +41,8 @@ from orchestrator.fake_model.builders import (
     replay,
     stall,
 )
-from orchestrator.protocol.events import Completed, ErrorEvent, Failed, Incomplete, OutputItemDone, Usage
-from orchestrator.protocol.items import CustomToolCallItem, FunctionCallItem, MessageItem, ReasoningItem
+from toolq.orchestrator.protocol.events import Completed, ErrorEvent, Failed, Incomplete, OutputItemDone, Usage
+from toolq.orchestrator.protocol.items import CustomToolCallItem, FunctionCallItem, MessageItem, ReasoningItem
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 BODY = build_request("gpt-test", [{"role": "user", "content": "hi"}], [])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.decode_cmd import decode_file
+from toolq.orchestrator.decode_cmd import decode_file
 
 SSE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "sse"
 
@@ -80,7 +80,7 @@ def test_missing_file_is_an_error_not_a_traceback(tmp_path):
 def test_cli_runs_decode():
     path = recording("sse-custom-tool-call.txt")
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "decode", str(path)], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "toolq.orchestrator.cli", "decode", str(path)], capture_output=True, text=True, check=True
     )
     items = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [i["type"] for i in items] == ["reasoning", "custom_tool_call"]

@@ -22,9 +22,9 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from orchestrator.cli import build_parser
-from orchestrator.settings import ENV
-from workers.catalog import DEFAULT_QUEUE, load_catalog
+from toolq.orchestrator.cli import build_parser
+from toolq.orchestrator.settings import ENV
+from toolq.workers.catalog import DEFAULT_QUEUE, load_catalog
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -163,7 +163,7 @@ def test_every_toolq_command_line_parses_with_the_real_cli(where, argv):
     try:
         args = build_parser().parse_args(argv)
     except SystemExit:
-        pytest.fail(f"{where}: `toolq {' '.join(argv)}` is refused by orchestrator.cli.build_parser()")
+        pytest.fail(f"{where}: `toolq {' '.join(argv)}` is refused by toolq.orchestrator.cli.build_parser()")
     assert callable(args.func)
 
 
@@ -172,11 +172,11 @@ def test_every_probe_runs_a_real_entry_point_against_the_named_worker():
     assert probes
     for where, argv in probes:
         if argv[0] == "celery":
-            # `celery --app workers.app inspect ping --destination worker@$HOSTNAME`
-            assert argv[1:3] == ["--app", "workers.app"], where
-            import workers.app
+            # `celery --app toolq.workers.app inspect ping --destination worker@$HOSTNAME`
+            assert argv[1:3] == ["--app", "toolq.workers.app"], where
+            import toolq.workers.app
 
-            assert workers.app.app.main == "toolq"
+            assert toolq.workers.app.app.main == "toolq"
             dest = argv[argv.index("--destination") + 1]
             assert dest.startswith("worker@"), where
         else:
@@ -237,7 +237,7 @@ def test_readme_quickstart_is_the_two_dev_commands_first():
 def test_image_entrypoint_is_the_toolq_console_script():
     assert dockerfile_json("ENTRYPOINT") == ["tini", "--", "toolq"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["toolq"] == "orchestrator.cli:main"
+    assert scripts["toolq"] == "toolq.orchestrator.cli:main"
 
 
 def test_image_runs_as_a_numeric_non_root_user_and_is_slim():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter
 
-from orchestrator.protocol.events import (
+from toolq.orchestrator.protocol.events import (
     Completed,
     ErrorEvent,
     EventDecoder,
@@ -24,7 +24,7 @@ from orchestrator.protocol.events import (
     Usage,
     iter_sse_data,
 )
-from orchestrator.protocol.items import (
+from toolq.orchestrator.protocol.items import (
     CustomToolCallItem,
     FunctionCallItem,
     MalformedItem,

@@ -13,8 +13,8 @@ import openai
 import pytest
 from openai.types.responses.response_stream_event import ResponseStreamEvent
 
-from orchestrator.fake_model import FakeModel
-from orchestrator.fake_model.builders import (
+from toolq.orchestrator.fake_model import FakeModel
+from toolq.orchestrator.fake_model.builders import (
     custom_tool_call,
     cut_after,
     error_event,
@@ -31,7 +31,7 @@ from orchestrator.fake_model.builders import (
     tool_search_call,
     web_search_call,
 )
-from orchestrator.protocol.events import EventDecoder, iter_sse_data
+from toolq.orchestrator.protocol.events import EventDecoder, iter_sse_data
 
 SSE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "sse"
 
@@ -253,7 +253,7 @@ def test_built_in_demo_is_the_documented_deterministic_conversation():
 
 def test_toolq_fake_model_prints_its_base_url_and_serves_the_demo():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "fake-model", "--port", "0"],
+        [sys.executable, "-m", "toolq.orchestrator.cli", "fake-model", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

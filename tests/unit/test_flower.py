@@ -6,10 +6,10 @@ import subprocess
 
 import pytest
 
-from orchestrator import cli
-from orchestrator.errors import ConfigurationError
-from orchestrator.flower import flower_launch, is_loopback
-from orchestrator.settings import Settings
+from toolq.orchestrator import cli
+from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.flower import flower_launch, is_loopback
+from toolq.orchestrator.settings import Settings
 
 URL = "redis://127.0.0.1:6390/0"
 
@@ -50,7 +50,7 @@ def test_credentials_go_to_flower_through_the_environment_not_argv():
     launch = flower_launch(settings(flower_user="ops", flower_password="s3cret"),
                            base_env={"CELERY_BROKER_URL": "redis://elsewhere/0", "FLOWER_BASIC_AUTH": "old:pw",
                                      "FLOWER_UNAUTHENTICATED_API": "true", "PATH": "/bin"})
-    assert launch.argv[1:] == ["-m", "celery", "--app", "workers.app", "flower", "--address=127.0.0.1",
+    assert launch.argv[1:] == ["-m", "celery", "--app", "toolq.workers.app", "flower", "--address=127.0.0.1",
                                "--port=5555"]
     assert not any("s3cret" in a for a in launch.argv)
     assert launch.env["FLOWER_BASIC_AUTH"] == "ops:s3cret"

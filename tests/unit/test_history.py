@@ -1,6 +1,6 @@
 """The pairing normaliser (contract 8; codex-contracts.md §7.3)."""
 
-from orchestrator.history import History, pairing_problems
+from toolq.orchestrator.history import History, pairing_problems
 
 
 def fc(call_id, name="exec_command"):

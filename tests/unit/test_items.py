@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from orchestrator.protocol.items import (
+from toolq.orchestrator.protocol.items import (
     CustomToolCallItem,
     FunctionCallItem,
     FunctionCallOutputItem,

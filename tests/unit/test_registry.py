@@ -6,10 +6,10 @@ import time
 import pytest
 from pydantic import BaseModel
 
-from orchestrator.calls import CustomPayload, FunctionPayload, ToolCall, ToolName
-from orchestrator.errors import ConfigurationError, Fatal, RespondToModel
-from orchestrator.registry import Registry, StepContext
-from workers.catalog import Catalog, tool
+from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolCall, ToolName
+from toolq.orchestrator.errors import ConfigurationError, Fatal, RespondToModel
+from toolq.orchestrator.registry import Registry, StepContext
+from toolq.workers.catalog import Catalog, tool
 
 
 class SearchArgs(BaseModel):

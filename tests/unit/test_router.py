@@ -2,10 +2,10 @@
 
 import pytest
 
-from orchestrator.calls import CustomPayload, FunctionPayload, ToolName, ToolSearchPayload
-from orchestrator.errors import RespondToModel
-from orchestrator.protocol.items import decode_item
-from orchestrator.router import build_tool_call
+from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolName, ToolSearchPayload
+from toolq.orchestrator.errors import RespondToModel
+from toolq.orchestrator.protocol.items import decode_item
+from toolq.orchestrator.router import build_tool_call
 
 
 def test_message_that_looks_like_json_is_not_a_call():

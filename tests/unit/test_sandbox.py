@@ -1,4 +1,4 @@
-"""workers.sandbox: workspace confinement and the process-group runner."""
+"""toolq.workers.sandbox: workspace confinement and the process-group runner."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator.errors import RespondToModel
-from workers import sandbox
-from workers.sandbox import HeadTailBuffer, live_process_groups, resolve_in_workspace, run_command
+from toolq.orchestrator.errors import RespondToModel
+from toolq.workers import sandbox
+from toolq.workers.sandbox import HeadTailBuffer, live_process_groups, resolve_in_workspace, run_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -196,7 +196,7 @@ def test_head_tail_buffer_drops_only_the_middle():
 _CHILD = textwrap.dedent(
     """
     import sys, threading, time
-    from workers import sandbox
+    from toolq.workers import sandbox
 
     sandbox.install_sigterm_handler()
     threading.Thread(

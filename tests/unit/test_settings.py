@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from orchestrator import cli
-from orchestrator.errors import ConfigurationError
-from orchestrator.settings import ENV, Settings, mask_url_password
+from toolq.orchestrator import cli
+from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.settings import ENV, Settings, mask_url_password
 
 
 def test_every_setting_can_be_set_from_the_environment():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import json
 
-from orchestrator.settings import Settings
-from orchestrator.status import call_row, render_status, render_turns, status_cmd, turn_row, turns_cmd
+from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.status import call_row, render_status, render_turns, status_cmd, turn_row, turns_cmd
 
 NOW = 1_700_000_100.0
 
@@ -28,7 +28,7 @@ def test_duration_is_finished_minus_started():
 
 
 def test_durations_keep_short_calls_visible():
-    from orchestrator.status import _cell
+    from toolq.orchestrator.status import _cell
 
     assert [_cell("duration", {"duration": d}) for d in (0.0123, 2.25, 100.0)] == ["12ms", "2.25s", "100.0s"]
 

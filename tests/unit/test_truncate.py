@@ -1,6 +1,6 @@
 """Head + tail truncation (contract 12, codex-contracts.md §8)."""
 
-from orchestrator.truncate import TruncationPolicy, formatted_truncate_text, truncate_text
+from toolq.orchestrator.truncate import TruncationPolicy, formatted_truncate_text, truncate_text
 
 
 def test_text_within_budget_is_unchanged():

@@ -3,7 +3,7 @@
 import io
 import json
 
-from orchestrator.view import JsonView, LiveView
+from toolq.orchestrator.view import JsonView, LiveView
 
 
 class GoneReader(io.StringIO):

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolName, ToolSearchPayload
-from workers.catalog import Catalog, ToolContext, ToolSpec, call_handler, parse_arguments
+from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolName, ToolSearchPayload
+from toolq.workers.catalog import Catalog, ToolContext, ToolSpec, call_handler, parse_arguments
 
 
 def make_ctx(

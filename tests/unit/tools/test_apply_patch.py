@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.errors import RespondToModel
+from toolq.orchestrator.errors import RespondToModel
 from tests.unit.tools import call
-from workers.tools.apply_patch import GRAMMAR, apply_patch
+from toolq.workers.tools.apply_patch import GRAMMAR, apply_patch
 
 OK = "Exit code: 0\nWall time: 0 seconds\nOutput:\nSuccess. Updated the following files:\n"
 FAILED = "apply_patch verification failed: "

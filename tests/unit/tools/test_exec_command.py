@@ -10,11 +10,11 @@ import time
 import psutil
 import pytest
 
-from orchestrator.errors import RespondToModel
+from toolq.orchestrator.errors import RespondToModel
 from tests.unit.tools import call
-from workers.catalog import ToolReturn
-from workers.sandbox import CallCancelled
-from workers.tools.exec_command import ExecCommandArgs, exec_command
+from toolq.workers.catalog import ToolReturn
+from toolq.workers.sandbox import CallCancelled
+from toolq.workers.tools.exec_command import ExecCommandArgs, exec_command
 
 HEADER = re.compile(
     r"Chunk ID: [0-9a-f]{6}\nWall time: \d+\.\d{4} seconds\nProcess exited with code (-?\d+)\n"

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from orchestrator.errors import RespondToModel
+from toolq.orchestrator.errors import RespondToModel
 from tests.unit.tools import call
-from workers.catalog import ToolReturn
-from workers.tools.grep_files import grep_files
+from toolq.workers.catalog import ToolReturn
+from toolq.workers.tools.grep_files import grep_files
 
 
 def run(tmp_path, **arguments) -> ToolReturn:

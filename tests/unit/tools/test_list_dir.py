@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from orchestrator.errors import RespondToModel
+from toolq.orchestrator.errors import RespondToModel
 from tests.unit.tools import call
-from workers.tools.list_dir import list_dir
+from toolq.workers.tools.list_dir import list_dir
 
 
 def run(tmp_path, **arguments) -> str:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from orchestrator.errors import RespondToModel
+from toolq.orchestrator.errors import RespondToModel
 from tests.unit.tools import call
-from workers.tools.read_file import read_file
+from toolq.workers.tools.read_file import read_file
 
 
 def run(tmp_path, **arguments) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from orchestrator.errors import RespondToModel
+from toolq.orchestrator.errors import RespondToModel
 from tests.unit.tools import call
-from workers.catalog import Catalog, ToolReturn, tool
-from workers.tools.tool_search import PARAMETERS, tool_search
+from toolq.workers.catalog import Catalog, ToolReturn, tool
+from toolq.workers.tools.tool_search import PARAMETERS, tool_search
 
 
 class Args(BaseModel):

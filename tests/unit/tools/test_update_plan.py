@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from orchestrator.errors import RespondToModel
+from toolq.orchestrator.errors import RespondToModel
 from tests.unit.tools import call
-from workers.tools.update_plan import update_plan
+from toolq.workers.tools.update_plan import update_plan
 
 PLAN = [{"step": "read the code", "status": "completed"}, {"step": "fix it", "status": "in_progress"}]
 

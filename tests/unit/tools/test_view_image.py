@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from orchestrator.errors import RespondToModel
-from orchestrator.protocol.items import InputImage
+from toolq.orchestrator.errors import RespondToModel
+from toolq.orchestrator.protocol.items import InputImage
 from tests.unit.tools import call
-from workers.tools import view_image as module
-from workers.tools.view_image import view_image
+from toolq.workers.tools import view_image as module
+from toolq.workers.tools.view_image import view_image
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
 JPEG = b"\xff\xd8\xff\xe0" + b"\0" * 16

@@ -1,0 +1,1 @@
+"""toolq: run an LLM agent's tool calls on a Celery fleet (Responses API in, paired outputs back)."""

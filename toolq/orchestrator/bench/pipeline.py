@@ -1,0 +1,92 @@
+"""Benchmark: per-call overhead of toolq's pipeline vs a bare Celery round trip.
+
+Same workers, same run, same task (`toolq.run` executing the no-op `bench_noop` tool):
+- baseline: `send_task` + `AsyncResult.get()` with a stock Celery client (pub/sub result);
+- toolq: a one-call `Step`: route, bind (schema check), ledger claim, send, the barrier's
+  per-turn pattern subscription, the output item.
+Calls are sequential, baseline and toolq interleaved in rounds so both see the same machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+from typing import IO, Any
+
+from celery import Celery
+
+from toolq.orchestrator.barrier import Step
+from toolq.orchestrator.bench.harness import BENCH_TOOLS, median, ms, pct, stack
+from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
+from toolq.orchestrator.protocol.items import FunctionCallItem
+from toolq.orchestrator.registry import StepContext
+from toolq.orchestrator.turn import Runtime
+from toolq.workers.app import TASK, celery_config
+from toolq.workers.catalog import load_catalog
+
+
+async def _toolq_calls(rt: Runtime, turn_id: str, n: int, step0: int) -> list[float]:
+    times = []
+    for i in range(n):
+        item = FunctionCallItem(call_id=f"call_{i}", name="bench_noop", arguments="{}")
+        t0 = time.perf_counter()
+        step = Step(StepContext(turn_id, step0 + i, time.time() + 60, "/tmp"), rt.registry, rt.dispatcher,
+                    rt.router, rt.ledger)
+        step.add(item, 0)
+        (out,) = await step.wait()
+        times.append(time.perf_counter() - t0)
+        assert out.output == "ok", out
+    return times
+
+
+def _baseline_calls(client: Celery, rt: Runtime, n: int) -> list[float]:
+    call = ToolCall(tool_name=ToolName.plain("bench_noop"), call_id="call_b", payload=FunctionPayload(arguments="{}"))
+    times = []
+    for _ in range(n):
+        inv = rt.registry.bind(call, StepContext(f"base-{uuid.uuid4().hex[:8]}", 0, time.time() + 60, "/tmp"), 0)
+        t0 = time.perf_counter()
+        result = client.send_task(TASK, args=[inv.model_dump(mode="json")], task_id=inv.task_id, queue="toolq")
+        value = result.get(timeout=30)
+        times.append(time.perf_counter() - t0)
+        assert value["output"] == "ok", value
+    return times
+
+
+async def _measure(settings: Any, rounds: int, per_round: int) -> dict[str, Any]:
+    rt = await Runtime.create(settings, catalog=load_catalog([BENCH_TOOLS]))
+    client = Celery("bench-baseline", set_as_current=False)
+    conf = celery_config(settings)
+    conf["result_backend"] = conf["result_backend"].split("+", 1)[1]  # the stock, subscribing backend
+    client.conf.update(conf)
+    turn_id = f"turn-bench{uuid.uuid4().hex[:8]}"
+    await rt.router.watch_turn(turn_id)
+    try:
+        await _toolq_calls(rt, turn_id, 20, 10_000)  # warm-up both paths
+        await asyncio.to_thread(_baseline_calls, client, rt, 20)
+        toolq: list[float] = []
+        base: list[float] = []
+        for r in range(rounds):
+            base += await asyncio.to_thread(_baseline_calls, client, rt, per_round)
+            toolq += await _toolq_calls(rt, turn_id, per_round, r * per_round)
+    finally:
+        await rt.router.unwatch_turn(turn_id)
+        client.close()
+        await rt.aclose()
+    return {"calls": len(toolq), "baseline_p50": median(base), "baseline_p90": pct(base, 0.9),
+            "toolq_p50": median(toolq), "toolq_p90": pct(toolq, 0.9), "ratio_p50": median(toolq) / median(base)}
+
+
+def run(out: IO[str] = sys.stdout, rounds: int = 3, per_round: int = 100) -> dict[str, Any]:
+    with stack(workers=1, concurrency=2) as settings:
+        res = asyncio.run(_measure(settings, rounds, per_round))
+    print(f"per-call round trip over {res['calls']} sequential no-op calls (same task, same workers):", file=out)
+    print(f"  bare Celery send_task + get : p50 {ms(res['baseline_p50'])}  p90 {ms(res['baseline_p90'])}", file=out)
+    print(f"  toolq pipeline (one Step)   : p50 {ms(res['toolq_p50'])}  p90 {ms(res['toolq_p90'])}", file=out)
+    print(f"  ratio toolq/bare (p50)      : {res['ratio_p50']:.2f}x   (goal <= 1.2x)", file=out)
+    return res
+
+
+if __name__ == "__main__":
+    run()

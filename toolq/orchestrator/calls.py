@@ -1,0 +1,155 @@
+"""Calls as toolq sees them, from the router to the queue and back.
+
+`ToolCall` is what the router makes of a call item; `ToolInvocation` is a bound, validated call
+that travels to a worker as JSON; `ToolResult` comes back. These are the queue's contract, read
+by both the orchestrator and the workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from toolq.orchestrator.protocol.items import (
+    ContentPart,
+    CustomToolCallOutputItem,
+    FunctionCallOutputItem,
+    InputText,
+    OutputItem,
+    ToolOutputBody,
+    ToolSearchOutputItem,
+)
+
+PayloadKind = Literal["function", "custom", "tool_search"]
+
+
+class ToolName(BaseModel):
+    """Registry identity: `search` and `workspace/search` are different tools."""
+
+    model_config = ConfigDict(frozen=True)
+
+    namespace: str | None = None
+    name: str
+
+    @classmethod
+    def plain(cls, name: str) -> ToolName:
+        return cls(name=name)
+
+    @classmethod
+    def namespaced(cls, namespace: str, name: str) -> ToolName:
+        return cls(namespace=namespace, name=name)
+
+    def display(self) -> str:
+        # Codex joins them with no separator: `unsupported call: no_such_nsexec_command`.
+        return f"{self.namespace or ''}{self.name}"
+
+    def __str__(self) -> str:
+        return f"{self.namespace}.{self.name}" if self.namespace else self.name
+
+
+class FunctionPayload(BaseModel):
+    kind: Literal["function"] = "function"
+    arguments: str
+    """The model's raw JSON text, parsed by the tool's own argument type."""
+
+
+class CustomPayload(BaseModel):
+    kind: Literal["custom"] = "custom"
+    input: str
+
+
+class ToolSearchPayload(BaseModel):
+    kind: Literal["tool_search"] = "tool_search"
+    query: str
+    limit: int | None = None
+
+
+ToolPayload = Annotated[
+    Union[FunctionPayload, CustomPayload, ToolSearchPayload], Field(discriminator="kind")
+]
+
+
+class ToolCall(BaseModel):
+    tool_name: ToolName
+    call_id: str
+    payload: ToolPayload
+
+
+class ToolInvocation(BaseModel):
+    """A call that passed the registry: safe to queue. JSON-serialisable."""
+
+    turn_id: str
+    step: int
+    output_index: int
+    call_id: str
+    tool_name: ToolName
+    payload: ToolPayload
+    deadline: float
+    """Epoch seconds after which the call must not start (and is cut off)."""
+    workspace: str | None = None
+    spec_digest: str = ""
+    """Digest of the tool declaration the orchestrator validated against; workers refuse a mismatch."""
+
+    @property
+    def task_id(self) -> str:
+        return task_id_for(self.turn_id, self.step, self.output_index, self.call_id)
+
+
+def task_id_for(turn_id: str, step: int, output_index: int, call_id: str) -> str:
+    """Deterministic and unique per call: two calls sharing a call_id differ by output index.
+
+    The call_id is the model's text, so it is hashed to keep ids short and URL-safe for Flower.
+    """
+    digest = hashlib.sha256(call_id.encode()).hexdigest()[:12]
+    return f"{turn_id}:{step}:{output_index}:{digest}"
+
+
+CallStatus = Literal["completed", "failed", "aborted", "timed_out", "lost", "rejected"]
+
+
+class ToolResult(BaseModel):
+    """What a call produced: the model-visible output and what the user wants to see."""
+
+    call_id: str
+    output: ToolOutputBody
+    status: CallStatus = "completed"
+    success: bool | None = None
+    """Internal, like Codex's: never put on the wire."""
+    exit_code: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    worker: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    """tool_search results: the specs the search found."""
+
+    @property
+    def duration(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
+    def output_text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "\n".join(p.text for p in self.output if isinstance(p, InputText) and p.text)
+
+
+def aborted_text(shell_like: bool, elapsed: float) -> str:
+    """Codex's text for a call cut short by a cancel (codex-contracts.md §7.2)."""
+    secs = max(elapsed, 0.1)
+    if shell_like:
+        return f"Wall time: {secs:.1f} seconds\naborted by user"
+    return f"aborted by user after {secs:.1f}s"
+
+
+def output_item(
+    kind: PayloadKind, call_id: str, output: ToolOutputBody | list[ContentPart], tools: list[dict] | None = None
+) -> OutputItem:
+    """The output item a payload kind calls for: the one place that maps kind to output type."""
+    if kind == "tool_search":
+        return ToolSearchOutputItem(call_id=call_id, tools=tools or [])
+    if kind == "custom":
+        return CustomToolCallOutputItem(call_id=call_id, output=output)
+    return FunctionCallOutputItem(call_id=call_id, output=output)

@@ -1,0 +1,51 @@
+"""`toolq cancel`: stop a turn (or one call) from any process or host.
+
+The durable record goes first: a worker checks it before it starts any call of the turn, so
+a call still in the queue, or sent while no worker is online, never runs (a revoke broadcast
+alone is lost when nobody hears it, celery-lab.md §4a). Then every task of the turn is revoked
+with SIGTERM, which kills the tool's whole process group, and the orchestrator running the turn
+hears the cancel on its channel and records the aborted outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolq.orchestrator.dispatch import Dispatcher
+from toolq.orchestrator.ledger import TERMINAL, Ledger
+from toolq.orchestrator.settings import Settings
+
+
+@dataclass
+class CancelReport:
+    turn_id: str
+    revoked: list[str]
+    call_id: str | None = None
+
+
+class UnknownTarget(LookupError):
+    pass
+
+
+async def cancel(settings: Settings, turn_id: str, call_id: str | None = None) -> CancelReport:
+    assert settings.redis_url
+    ledger = Ledger.from_url(settings.redis_url)
+    dispatcher = Dispatcher(settings, ledger)
+    try:
+        calls = await ledger.calls(turn_id)
+        if not calls and not await ledger.turn(turn_id):
+            raise UnknownTarget(f"no turn {turn_id} in the ledger")
+        if call_id is None:
+            await ledger.cancel_turn(turn_id)
+            targets = [c["task_id"] for c in calls if c.get("task_id") and c.get("state") not in TERMINAL]
+        else:
+            targets = [c["task_id"] for c in calls if c.get("call_id") == call_id and c.get("task_id")]
+            if not targets:
+                raise UnknownTarget(f"no call {call_id} in turn {turn_id}")
+            for task_id in targets:
+                await ledger.cancel_call(turn_id, task_id)
+        await dispatcher.revoke(targets, terminate=True)
+        return CancelReport(turn_id, targets, call_id)
+    finally:
+        await dispatcher.aclose()
+        await ledger.aclose()

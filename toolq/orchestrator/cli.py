@@ -1,0 +1,239 @@
+"""The `toolq` command: one subcommand per job, each a thin shell over a module."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from toolq.orchestrator.decode_cmd import decode_file
+
+    return decode_file(args.file, sys.stdout, sys.stderr)
+
+
+def _cmd_fake_model(args: argparse.Namespace) -> int:
+    from toolq.orchestrator.fake_model.server import serve_forever
+
+    return serve_forever(port=args.port, script=args.script)
+
+
+def _cmd_flower(args: argparse.Namespace) -> int:
+    from toolq.orchestrator.flower import run_flower
+    from toolq.orchestrator.settings import Settings
+
+    return run_flower(Settings.load(), port=args.port, address=args.address,
+                      unauthenticated_api=args.unauthenticated_api)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from toolq.orchestrator.settings import Settings
+    from toolq.orchestrator.status import status_cmd
+
+    return status_cmd(Settings.load(), args.turn_id, as_json=args.json)
+
+
+def _cmd_turns(args: argparse.Namespace) -> int:
+    from toolq.orchestrator.settings import Settings
+    from toolq.orchestrator.status import turns_cmd
+
+    return turns_cmd(Settings.load(), limit=args.limit, as_json=args.json)
+
+
+def _settings(args: argparse.Namespace, **extra: object):
+    from toolq.orchestrator.settings import Settings
+
+    return Settings.load(
+        model=getattr(args, "model", None),
+        workspace=getattr(args, "workspace", None),
+        tools=getattr(args, "tools", None) or None,
+        instructions=getattr(args, "instructions", None),
+        reasoning_effort=getattr(args, "reasoning_effort", None),
+        **extra,
+    )
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from toolq.orchestrator.settings import Settings
+
+    settings = Settings.load(tools=args.tools or None, concurrency=args.concurrency,
+                             queues=args.queues.split(",") if args.queues else None)
+    if not settings.redis_url:
+        print("toolq worker: set REDIS_URL (or CELERY_BROKER_URL) to the broker the orchestrator uses", file=sys.stderr)
+        return 2
+    import os
+
+    os.environ["REDIS_URL"] = settings.redis_url  # pool children and the app read the same settings
+    if settings.tools:
+        os.environ["TOOLQ_TOOLS"] = ",".join(settings.tools)
+    from toolq.workers.app import app, catalog, configure
+
+    configure(settings)
+    queues = settings.queues or catalog().queues()
+    argv = ["worker", "--pool", "prefork", "--concurrency", str(settings.concurrency), "--queues", ",".join(queues),
+            "--events", "--without-gossip", "--without-mingle", "--loglevel", args.loglevel]
+    if args.name:
+        argv += ["--hostname", args.name]
+    if args.logfile:
+        argv += ["--logfile", args.logfile]
+    app.worker_main(argv)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from toolq.orchestrator.runner import run_prompt
+
+    from pathlib import Path
+
+    return run_prompt(_settings(args), args.prompt, json_events=args.json,
+                      session_file=Path(args.session) if args.session else None)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from toolq.orchestrator.runner import run_demo
+
+    return run_demo(_settings(args), json_events=args.json)
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    import json
+
+    from toolq.orchestrator.settings import mask_url_password
+
+    settings = _settings(args, concurrency=args.concurrency,
+                         queues=args.queues.split(",") if args.queues else None)
+    out = settings.masked()
+    backend = settings.result_backend_url()
+    out["result_url"] = mask_url_password(backend) if backend else None  # the derived default, if unset
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from toolq.orchestrator.cancel import UnknownTarget, cancel
+
+    settings = _settings(args)
+    if not settings.redis_url:
+        print("toolq cancel: set REDIS_URL to the broker of the turn's orchestrator", file=sys.stderr)
+        return 2
+    try:
+        report = asyncio.run(cancel(settings, args.turn_id, args.call))
+    except UnknownTarget as e:
+        print(f"toolq cancel: {e}", file=sys.stderr)
+        return 1
+    what = f"call {report.call_id} of {report.turn_id}" if report.call_id else f"turn {report.turn_id}"
+    print(f"cancelled {what}; revoked {len(report.revoked)} task(s)")
+    return 0
+
+
+BENCHMARKS = ("decode", "pipeline", "steps", "cancel")
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    unknown = set(args.which) - set(BENCHMARKS)
+    if unknown:
+        print(f"toolq bench: unknown benchmark {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}",
+              file=sys.stderr)
+        return 2
+    for name in args.which or BENCHMARKS:
+        print(f"== {name}", flush=True)
+        importlib.import_module(f"toolq.orchestrator.bench.{name}").run()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="toolq", description="Run an LLM agent's tool calls on a Celery fleet.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("decode", help="print each committed item of a recorded SSE body as JSON lines")
+    d.add_argument("file")
+    d.set_defaults(func=_cmd_decode)
+
+    f = sub.add_parser("fake-model", help="serve a scripted Responses API over SSE on 127.0.0.1")
+    f.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
+    f.add_argument("--script", help="JSON script file; default: the built-in demo conversation")
+    f.set_defaults(func=_cmd_fake_model)
+
+    fl = sub.add_parser("flower", help="Flower on the configured broker (basic auth from FLOWER_USER/FLOWER_PASSWORD)")
+    fl.add_argument("--port", type=int, help="default 5555, or FLOWER_PORT")
+    fl.add_argument("--address", help="default 127.0.0.1, or FLOWER_ADDRESS")
+    fl.add_argument("--unauthenticated-api", action="store_true",
+                    help="serve the API without auth when no credentials are set (loopback only)")
+    fl.set_defaults(func=_cmd_flower)
+
+    s = sub.add_parser("status", help="a turn's calls from the ledger: tool, call_id, task id, state, worker, duration")
+    s.add_argument("turn_id")
+    s.add_argument("--json", action="store_true", help="one JSON object per call")
+    s.set_defaults(func=_cmd_status)
+
+    t = sub.add_parser("turns", help="recent turns and their states")
+    t.add_argument("--limit", type=int, default=20)
+    t.add_argument("--json", action="store_true", help="one JSON object per turn")
+    t.set_defaults(func=_cmd_turns)
+
+    r = sub.add_parser("run", help="run one turn: the model's tool calls execute on the worker fleet")
+    r.add_argument("prompt")
+    r.add_argument("--model", help="model name (default gpt-5.5, or TOOLQ_MODEL)")
+    r.add_argument("--json", action="store_true", help="one JSON event per line, like `codex exec --json`")
+    r.add_argument("--workspace", help="directory the tools work in (default: the current directory)")
+    r.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
+    r.add_argument("--instructions", help="the request's instructions (default: a short one naming the workspace)")
+    r.add_argument("--reasoning-effort", help="reasoning models: none|minimal|low|medium|high|xhigh")
+    r.add_argument("--session", help="JSON file holding the conversation: read before the turn, written after it "
+                                     "(cancelled turns included), so the next `toolq run --session` continues it")
+    r.set_defaults(func=_cmd_run)
+
+    w = sub.add_parser("worker", help="a Celery worker that executes toolq's tools")
+    w.add_argument("--queues", help="comma-separated queues (default: every queue of the loaded tools)")
+    w.add_argument("--concurrency", type=int, help="pool processes (default 4, or TOOLQ_CONCURRENCY)")
+    w.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
+    w.add_argument("--name", help="worker node name, e.g. gpu1@%%h")
+    w.add_argument("--logfile")
+    w.add_argument("--loglevel", default="INFO")
+    w.set_defaults(func=_cmd_worker)
+
+    c = sub.add_parser("cancel", help="cancel a turn (or one call) from any process or host")
+    c.add_argument("turn_id")
+    c.add_argument("--call", help="cancel only this call_id; the turn goes on")
+    c.set_defaults(func=_cmd_cancel)
+
+    bn = sub.add_parser("bench", help="benchmarks with ratios against a baseline measured in the same run")
+    bn.add_argument("which", nargs="*", metavar="NAME", help=f"any of {', '.join(BENCHMARKS)} (default: all)")
+    bn.set_defaults(func=_cmd_bench)
+
+    m = sub.add_parser("demo", help="the built-in demo end to end against the fake model")
+    m.add_argument("--json", action="store_true")
+    m.add_argument("--workspace", help="default: a fresh temporary directory")
+    m.set_defaults(func=_cmd_demo)
+
+    g = sub.add_parser("config", help="print the effective settings as JSON, secrets masked")
+    g.add_argument("--model")
+    g.add_argument("--workspace")
+    g.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
+    g.add_argument("--queues", help="comma-separated queues")
+    g.add_argument("--concurrency", type=int)
+    g.set_defaults(func=_cmd_config)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from toolq.orchestrator.errors import ConfigurationError
+
+    args = build_parser().parse_args(argv)
+    # Like `celery -A`: tool modules (--tools) may live in the current directory.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return args.func(args)
+    except ConfigurationError as e:
+        print(f"toolq: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

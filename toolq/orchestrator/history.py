@@ -1,0 +1,137 @@
+"""Conversation history and the pairing normaliser (Codex `normalize.rs`, contracts.md §7.3).
+
+Before every request each call must have exactly one output of the matching kind: a call with
+none gets `aborted` right after it, an output with no call is dropped. Every repair is logged
+and counted, because a repair means something upstream lost an output.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+from typing import Any, Iterable
+
+from toolq.orchestrator.protocol.items import (
+    CustomToolCallOutputItem,
+    FunctionCallOutputItem,
+    ResponseItem,
+    ToolSearchOutputItem,
+    decode_item,
+    is_api_item,
+)
+
+log = logging.getLogger(__name__)
+
+ABORTED = "aborted"
+
+# call type -> output type that answers it (a local_shell_call is answered by a function_call_output)
+_OUTPUT_FOR = {
+    "function_call": "function_call_output",
+    "custom_tool_call": "custom_tool_call_output",
+    "local_shell_call": "function_call_output",
+    "tool_search_call": "tool_search_output",
+}
+_CALLS_FOR: dict[str, set[str]] = defaultdict(set)
+for _call, _out in _OUTPUT_FOR.items():
+    _CALLS_FOR[_out].add(_call)
+
+
+def _role(obj: dict[str, Any]) -> tuple[str, str] | None:
+    """("call"|"output", pairing key) for a paired item as wire JSON, else None."""
+    t = obj.get("type")
+    if t in _OUTPUT_FOR:
+        call_id = obj.get("call_id") or (obj.get("id") if t == "local_shell_call" else None)
+        if t == "tool_search_call" and (obj.get("execution") != "client" or not call_id):
+            return None
+        return ("call", f"{_OUTPUT_FOR[t]}:{call_id}") if call_id else None
+    if t in _CALLS_FOR:
+        if t == "tool_search_output" and (obj.get("execution") == "server" or obj.get("call_id") is None):
+            return None  # the provider answered its own search
+        return "output", f"{t}:{obj.get('call_id')}"
+    return None
+
+
+def _plan(objs: list[dict[str, Any]]) -> tuple[set[int], list[int]]:
+    """(indexes of orphan outputs to drop, indexes of calls that lack an output).
+
+    Keys are (output type, call_id); duplicates pair up by count, since two calls may share a
+    call_id (the API allows it and Codex answers both)."""
+    roles = [_role(o) for o in objs]
+    calls = Counter(r[1] for r in roles if r and r[0] == "call")
+    kept: Counter[str] = Counter()
+    orphans: set[int] = set()
+    for i, r in enumerate(roles):
+        if r and r[0] == "output":
+            if kept[r[1]] < calls[r[1]]:
+                kept[r[1]] += 1
+            else:
+                orphans.add(i)
+    answered: Counter[str] = Counter()
+    missing: list[int] = []
+    for i, r in enumerate(roles):
+        if r and r[0] == "call":
+            if answered[r[1]] < kept[r[1]]:
+                answered[r[1]] += 1
+            else:
+                missing.append(i)
+    return orphans, missing
+
+
+def pairing_problems(input_items: list[dict[str, Any]]) -> list[str]:
+    """What is wrong with a request's `input` (empty when every call has exactly one output)."""
+    orphans, missing = _plan(input_items)
+    return [f"call without output: {input_items[i].get('call_id')}" for i in missing] + [
+        f"output without call: {input_items[i].get('call_id')}" for i in sorted(orphans)
+    ]
+
+
+def _aborted_output(call: dict[str, Any]) -> ResponseItem:
+    call_id = call.get("call_id") or call.get("id")
+    if call["type"] == "tool_search_call":
+        return ToolSearchOutputItem(call_id=call_id)
+    if call["type"] == "custom_tool_call":
+        return CustomToolCallOutputItem(call_id=call_id, output=ABORTED)
+    return FunctionCallOutputItem(call_id=call_id, output=ABORTED)
+
+
+class History:
+    """Items in the order they happened; `for_prompt()` is the next request's `input`."""
+
+    def __init__(self, items: Iterable[ResponseItem | dict[str, Any]] = ()) -> None:
+        self.items: list[ResponseItem] = []
+        self.repairs: Counter[str] = Counter()
+        self.record(*items)
+
+    def record(self, *items: ResponseItem | dict[str, Any]) -> None:
+        for item in items:
+            if isinstance(item, dict):
+                item = decode_item(item)
+            if is_api_item(item):  # unknown types are kept aside by the caller, never replayed
+                self.items.append(item)
+
+    def normalize(self) -> None:
+        """Repair pairing in place, logging and counting each repair."""
+        wire = [i.to_wire() for i in self.items]
+        orphans, missing = _plan(wire)
+        if not orphans and not missing:
+            return
+        missing_set = set(missing)
+        repaired: list[ResponseItem] = []
+        for i, item in enumerate(self.items):
+            if i in orphans:
+                self.repairs["orphan_output_dropped"] += 1
+                log.warning("dropped an output with no call: call_id=%s", wire[i].get("call_id"))
+                continue
+            repaired.append(item)
+            if i in missing_set:
+                self.repairs["missing_output_aborted"] += 1
+                log.warning("call had no output, recorded 'aborted': call_id=%s", wire[i].get("call_id"))
+                repaired.append(_aborted_output(wire[i]))
+        self.items = repaired
+
+    def for_prompt(self) -> list[dict[str, Any]]:
+        self.normalize()
+        return [i.to_wire() for i in self.items]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [i.to_wire() for i in self.items]

@@ -1,0 +1,137 @@
+"""The ledger: toolq's own record of every turn and call, in Redis, apart from Celery's.
+
+It maps call_id <-> task id both ways, keeps each call's state (queued, started, succeeded,
+failed, cancelled, lost, timed_out), makes dispatch at-most-once (a claim is set only if absent),
+and holds the durable cancel records that workers check before they start a call.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from toolq.orchestrator import keys
+from toolq.orchestrator.calls import ToolInvocation
+
+TERMINAL = {"succeeded", "failed", "cancelled", "lost", "timed_out", "rejected"}
+
+
+# KEYS: call record, turn's task list, turn's call_id index. ARGV: ttl, task id, call id, record...
+_CLAIM = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[2])
+redis.call('EXPIRE', KEYS[3], ARGV[1])
+return 1
+"""
+
+
+def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in h.items()}
+
+
+class Ledger:
+    def __init__(self, r: aioredis.Redis) -> None:
+        self.r = r
+        self._claim = r.register_script(_CLAIM)
+
+    @classmethod
+    def from_url(cls, url: str) -> Ledger:
+        return cls(aioredis.Redis.from_url(url, client_name="toolq-ledger"))
+
+    async def aclose(self) -> None:
+        await self.r.aclose()
+
+    # --- turns -------------------------------------------------------------------------------
+
+    async def start_turn(self, turn_id: str, prompt: str, workspace: str) -> None:
+        now = time.time()
+        async with self.r.pipeline(transaction=True) as p:
+            p.hset(keys.turn(turn_id), mapping={"state": "running", "started_at": now, "prompt": prompt[:500],
+                                                "workspace": workspace})
+            p.expire(keys.turn(turn_id), keys.RECORD_TTL)
+            p.zadd(keys.TURNS, {turn_id: now})
+            p.zremrangebyscore(keys.TURNS, 0, now - keys.RECORD_TTL)  # their records have expired
+            await p.execute()
+
+    async def finish_turn(self, turn_id: str, state: str, error: str | None = None) -> None:
+        fields: dict[str, Any] = {"state": state, "finished_at": time.time()}
+        if error:
+            fields["error"] = error[:2000]
+        await self.r.hset(keys.turn(turn_id), mapping=fields)
+
+    async def turn(self, turn_id: str) -> dict[str, str]:
+        return _decode(await self.r.hgetall(keys.turn(turn_id)))
+
+    async def recent_turns(self, limit: int = 20) -> list[tuple[str, dict[str, str]]]:
+        ids = [i.decode() for i in await self.r.zrevrange(keys.TURNS, 0, limit - 1)]
+        async with self.r.pipeline(transaction=False) as p:
+            for i in ids:
+                p.hgetall(keys.turn(i))
+            rows = await p.execute()
+        return [(i, _decode(h)) for i, h in zip(ids, rows)]
+
+    # --- calls -------------------------------------------------------------------------------
+
+    async def claim(self, inv: ToolInvocation, queue: str) -> bool:
+        """Record the call as queued; False if it was already dispatched (never send twice).
+
+        One round trip: this sits on every call's path (see `toolq bench pipeline`)."""
+        record = {"call_id": inv.call_id, "task_id": inv.task_id, "turn_id": inv.turn_id,
+                  "tool": str(inv.tool_name), "state": "queued", "queue": queue, "step": inv.step,
+                  "output_index": inv.output_index, "queued_at": time.time()}
+        flat = [str(x) for kv in record.items() for x in kv]
+        keys_ = [keys.call(inv.task_id), keys.turn_calls(inv.turn_id), keys.call_ids(inv.turn_id)]
+        return bool(await self._claim(keys=keys_, args=[keys.RECORD_TTL, inv.task_id, inv.call_id, *flat]))
+
+    async def record_unqueued(self, turn_id: str, step: int, output_index: int, call_id: str, tool: str,
+                              state: str, task_id: str) -> None:
+        """A call that never reached the queue (bad arguments, unknown tool): still listed."""
+        async with self.r.pipeline(transaction=False) as p:
+            p.hset(keys.call(task_id), mapping={"task_id": "", "call_id": call_id, "turn_id": turn_id, "tool": tool,
+                                                "state": state, "step": step, "output_index": output_index,
+                                                "queued_at": time.time(), "finished_at": time.time()})
+            p.expire(keys.call(task_id), keys.RECORD_TTL)
+            p.rpush(keys.turn_calls(turn_id), task_id)
+            await p.execute()
+
+    async def set_state(self, task_id: str, state: str, **fields: Any) -> None:
+        """Record a state the orchestrator decided (timed out, lost, cancelled...)."""
+        mapping = {"state": state, **{k: v for k, v in fields.items() if v is not None}}
+        await self.r.hset(keys.call(task_id), mapping={k: str(v) for k, v in mapping.items()})
+
+    async def calls(self, turn_id: str) -> list[dict[str, str]]:
+        ids = [i.decode() for i in await self.r.lrange(keys.turn_calls(turn_id), 0, -1)]
+        async with self.r.pipeline(transaction=False) as p:
+            for i in ids:
+                p.hgetall(keys.call(i))
+            rows = await p.execute()
+        return [_decode(h) for h in rows]
+
+    async def task_ids_for(self, turn_id: str, call_id: str) -> list[str]:
+        return [c["task_id"] for c in await self.calls(turn_id) if c.get("call_id") == call_id and c.get("task_id")]
+
+    # --- cancel ------------------------------------------------------------------------------
+
+    async def cancel_turn(self, turn_id: str, reason: str = "user") -> None:
+        """Durable first (workers check it before starting), then tell the running orchestrator."""
+        await self.r.set(keys.cancel_turn(turn_id), json.dumps({"reason": reason, "at": time.time()}),
+                         ex=keys.RECORD_TTL)
+        await self.r.publish(keys.cancel_channel(turn_id), json.dumps({"scope": "turn"}))
+
+    async def cancel_call(self, turn_id: str, task_id: str) -> None:
+        await self.r.set(keys.cancel_call(task_id), "1", ex=keys.RECORD_TTL)
+        await self.r.publish(keys.cancel_channel(turn_id), json.dumps({"scope": "call", "task_id": task_id}))
+
+    async def is_draining(self, hostname: str) -> bool:
+        """A worker in warm shutdown: silent to pings, still finishing its calls."""
+        return bool(await self.r.exists(keys.draining(hostname)))
+
+    async def is_cancelled(self, turn_id: str) -> bool:
+        return bool(await self.r.exists(keys.cancel_turn(turn_id)))

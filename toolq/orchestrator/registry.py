@@ -1,0 +1,136 @@
+"""The registry: which calls may run, and the tools the model sees (Codex `registry.rs`).
+
+`bind` is the last gate before the queue: nothing invalid is ever dispatched. An unknown tool,
+bad JSON or a schema violation raises `RespondToModel` (the model reads it and the turn goes on);
+a payload kind the tool does not take raises `Fatal`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError as SchemaError
+
+from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolInvocation, ToolName
+from toolq.orchestrator.errors import Fatal, RespondToModel
+from toolq.workers.catalog import Catalog, ToolSpec, is_nullable
+
+#: Codex's `functions` namespace also names the top-level tools (codex-reference S7).
+FUNCTIONS_NAMESPACE = "functions"
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a call of one model response is bound to."""
+
+    turn_id: str
+    step: int
+    deadline: float
+    workspace: str | None = None
+
+
+class Registry:
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self._validators: dict[ToolName, Draft202012Validator] = {}
+        for spec in catalog:
+            if spec.kind == "function" and spec.parameters is not None:
+                Draft202012Validator.check_schema(spec.parameters)
+                self._validators[spec.tool_name] = Draft202012Validator(_nullable_is_optional(spec.parameters))
+
+    def lookup(self, name: ToolName) -> ToolSpec | None:
+        spec = self.catalog.get(name)
+        if spec is None and name.namespace == FUNCTIONS_NAMESPACE:
+            spec = self.catalog.get(ToolName.plain(name.name))
+        return spec
+
+    def bind(self, call: ToolCall, step: StepContext, output_index: int) -> ToolInvocation:
+        spec = self.lookup(call.tool_name)
+        if spec is None:
+            what = "unsupported custom tool call" if call.payload.kind == "custom" else "unsupported call"
+            raise RespondToModel(f"{what}: {call.tool_name.display()}")
+        if call.payload.kind != spec.kind:
+            raise Fatal(f"tool {call.tool_name.display()} invoked with incompatible payload")
+        if isinstance(call.payload, FunctionPayload):
+            self._validate_arguments(spec, call.payload.arguments)
+        return ToolInvocation(
+            turn_id=step.turn_id,
+            step=step.step,
+            output_index=output_index,
+            call_id=call.call_id,
+            tool_name=spec.tool_name,
+            payload=call.payload,
+            deadline=step.deadline,
+            workspace=step.workspace,
+            spec_digest=spec.digest(),
+        )
+
+    def _validate_arguments(self, spec: ToolSpec, raw: str) -> None:
+        try:
+            args = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise RespondToModel(f"failed to parse function arguments: {e}") from None
+        validator = self._validators.get(spec.tool_name)
+        if validator is None:
+            return
+        error = next(iter(sorted(validator.iter_errors(args), key=lambda e: list(e.path))), None)
+        if error is not None:
+            raise RespondToModel(f"failed to parse function arguments: {describe_schema_error(error)}")
+
+    def model_visible_specs(self, loaded: set[ToolName] | frozenset[ToolName] = frozenset()) -> list[dict[str, Any]]:
+        """Tools for the request's `tools`: deferred ones only once a search has loaded them.
+        Namespaced tools are grouped under one `namespace` spec each."""
+        specs: list[dict[str, Any]] = []
+        namespaces: dict[str, dict[str, Any]] = {}
+        for spec in self.catalog:
+            if spec.deferred and spec.tool_name not in loaded:
+                continue
+            if spec.namespace is None:
+                specs.append(spec.model_spec())
+                continue
+            group = namespaces.get(spec.namespace)
+            if group is None:
+                group = {"type": "namespace", "name": spec.namespace, "description": "", "tools": []}
+                namespaces[spec.namespace] = group
+                specs.append(group)
+            group["tools"].append(spec.model_spec())
+        return specs
+
+    def deferred_names(self, tools: list[dict[str, Any]]) -> set[ToolName]:
+        """The tool names a tool_search output made visible."""
+        names: set[ToolName] = set()
+        for t in tools:
+            if t.get("type") == "namespace":
+                names |= {ToolName(namespace=t["name"], name=sub["name"]) for sub in t.get("tools", [])}
+            elif "name" in t:
+                names.add(ToolName.plain(t["name"]))
+        return names
+
+
+def _nullable_is_optional(schema: Any) -> Any:
+    """Strict schemas list every key as required and mark optional ones nullable; models that
+    are not in strict mode (compatible servers) simply omit them, which is just as valid."""
+    if isinstance(schema, list):
+        return [_nullable_is_optional(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _nullable_is_optional(v) for k, v in schema.items()}
+    props = out.get("properties")
+    if isinstance(props, dict) and "required" in out:
+        out["required"] = [k for k in out["required"] if not is_nullable(props.get(k, {}))]
+    return out
+
+
+def describe_schema_error(error: SchemaError) -> str:
+    """Name the offending field, serde-style: "missing field `cmd`", "invalid type at `limit`: ..."."""
+    path = ".".join(str(p) for p in error.absolute_path)
+    if error.validator == "required":
+        missing = next((r for r in error.validator_value if r not in (error.instance or {})), None)
+        field = f"{path}.{missing}" if path else missing
+        return f"missing field `{field}`"
+    if error.validator == "additionalProperties":
+        return f"unknown field at `{path or '<root>'}`: {error.message}"
+    return f"invalid value at `{path or '<root>'}`: {error.message}"

@@ -1,0 +1,156 @@
+"""Hear results from the workers without blocking and without piling up subscriptions.
+
+Celery's Redis backend publishes every state change of a task on `celery-task-meta-<task id>`.
+Task ids start with the turn id, so one PSUBSCRIBE per turn covers all of its calls. After
+subscribing we MGET the keys we wait for, which closes the race with results stored before the
+subscription (celery-lab.md §3). A lost connection is retried; afterwards the router catches up
+with MGET and tells the barrier, which then checks for calls whose messages were lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from toolq.orchestrator import keys
+
+log = logging.getLogger("toolq.results")
+
+READY = {"SUCCESS", "FAILURE", "REVOKED"}
+
+
+@dataclass(eq=False)
+class CallWatch:
+    """What the router knows of one task: where it started, and its terminal meta."""
+
+    task_id: str
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    hostname: str | None = None
+    started_at: float | None = None
+    on_started: Callable[[CallWatch], None] | None = None
+
+
+class ResultRouter:
+    def __init__(self, url: str) -> None:
+        self.r = aioredis.Redis.from_url(url, client_name="toolq-results")
+        self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        self._watches: dict[str, CallWatch] = {}
+        self._turns: dict[str, int] = {}
+        self._reader: asyncio.Task | None = None
+        self._subscribed = asyncio.Event()
+        #: monotonic time of the last reconnect after a lost connection (0: never)
+        self.reconnected_at = 0.0
+        self.connected = True
+
+    async def start(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read(), name="toolq-results")
+
+    async def aclose(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self.pubsub.aclose()
+        await self.r.aclose()
+
+    async def watch_turn(self, turn_id: str) -> None:
+        if self._turns.get(turn_id, 0) == 0:
+            await self.pubsub.psubscribe(keys.celery_meta_pattern(turn_id))
+            self._subscribed.set()
+        self._turns[turn_id] = self._turns.get(turn_id, 0) + 1
+
+    async def unwatch_turn(self, turn_id: str) -> None:
+        self._turns[turn_id] -= 1
+        if self._turns[turn_id] == 0:
+            del self._turns[turn_id]
+            for task_id in [t for t in self._watches if t.startswith(f"{turn_id}:")]:
+                del self._watches[task_id]
+            try:
+                await self.pubsub.punsubscribe(keys.celery_meta_pattern(turn_id))
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                pass  # the connection is gone; so is the subscription
+
+    def watch(self, task_id: str, on_started: Callable[[CallWatch], None] | None = None) -> CallWatch:
+        """Start waiting for a task whose turn is watched. A task sent after this needs nothing
+        more; one that may have reported before (a re-dispatch) needs `catch_up`."""
+        w = self._watches.get(task_id)
+        if w is None:
+            w = self._watches[task_id] = CallWatch(task_id=task_id, on_started=on_started)
+        return w
+
+    def forget(self, task_id: str) -> None:
+        self._watches.pop(task_id, None)
+
+    async def catch_up(self, task_ids: list[str] | None = None) -> None:
+        ids = [t for t in (task_ids if task_ids is not None else list(self._watches)) if t in self._watches]
+        if not ids:
+            return
+        for task_id, raw in zip(ids, await self.r.mget([keys.celery_meta(t) for t in ids])):
+            if raw is not None:
+                self._deliver(task_id, raw)
+
+    async def meta(self, task_id: str) -> dict[str, Any] | None:
+        raw = await self.r.get(keys.celery_meta(task_id))
+        return json.loads(raw) if raw else None
+
+    def _deliver(self, task_id: str, raw: bytes | str) -> None:
+        w = self._watches.get(task_id)
+        if w is None or w.done.done():
+            return  # the first terminal state wins: a late SUCCESS after REVOKED is not applied
+        try:
+            meta = json.loads(raw)
+        except (TypeError, ValueError):
+            log.warning("unreadable result meta for %s", task_id)
+            return
+        status = meta.get("status")
+        if status == "STARTED" and w.hostname is None:
+            info = meta.get("result") or {}
+            w.hostname = info.get("hostname")
+            w.started_at = time.time()
+            if w.on_started:
+                w.on_started(w)
+        elif status in READY:
+            w.done.set_result(meta)
+
+    async def _read(self) -> None:
+        await self._subscribed.wait()
+        delay = 0.1
+        while True:
+            try:
+                msg = await self.pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if not self.connected:
+                    await self._reconnected()
+                delay = 0.1
+                if msg and msg.get("type") == "pmessage":
+                    channel = msg["channel"].decode()
+                    self._deliver(channel[len(keys.CELERY_META):], msg["data"])
+            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+                if self.connected:
+                    log.warning("lost the result channel (%s); reconnecting", e)
+                self.connected = False
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                try:
+                    await self.pubsub.aclose()
+                    patterns = [keys.celery_meta_pattern(t) for t in self._turns]
+                    if patterns:
+                        await self.pubsub.psubscribe(*patterns)
+                except (RedisConnectionError, RedisTimeoutError, OSError):
+                    continue
+
+    async def _reconnected(self) -> None:
+        self.connected = True
+        self.reconnected_at = time.monotonic()
+        log.warning("result channel back; catching up on %d pending calls", len(self._watches))
+        await self.catch_up()

@@ -1,0 +1,118 @@
+"""`toolq run` and `toolq demo`: settings + (embedded stack) + runtime + session + view.
+
+Ctrl-C cancels the turn the way `toolq cancel` does: the durable record first (so no worker
+starts a call of this turn), then the running calls are revoked and given aborted outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.history import History, pairing_problems
+from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.turn import Runtime, Session, TurnOutcome, new_turn_id
+from toolq.orchestrator.view import JsonView, LiveView
+
+
+def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, session_file: Path | None = None) -> int:
+    if not settings.workspace.is_dir():
+        raise ConfigurationError(f"workspace {settings.workspace} is not a directory")
+    history = load_session(session_file) if session_file else None
+    with ExitStack() as stack:
+        settings = _with_redis(settings, stack, json_events)
+        outcome, history = asyncio.run(_run(settings, prompt, json_events, history))
+    if session_file:
+        save_session(session_file, history)
+    return outcome.exit_code
+
+
+def load_session(path: Path) -> History:
+    """A conversation saved by an earlier `toolq run --session` (empty if the file is new)."""
+    if not path.exists():
+        return History()
+    try:
+        items = json.loads(path.read_text())
+        if not isinstance(items, list):
+            raise ValueError("not a JSON list of items")
+    except ValueError as e:
+        raise ConfigurationError(f"session file {path} is not a toolq session: {e}") from None
+    return History(items)
+
+
+def save_session(path: Path, history: History) -> None:
+    """Paired before it is written, so the next turn starts from a valid history."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(history.for_prompt(), indent=1))
+    tmp.replace(path)
+
+
+def run_demo(settings: Settings, *, json_events: bool = False) -> int:
+    from toolq.orchestrator.fake_model.server import FakeModel
+
+    with ExitStack() as stack:
+        workspace = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="toolq-demo-")))
+        fake = stack.enter_context(FakeModel())
+        settings = settings.model_copy(update={"openai_base_url": fake.base_url, "openai_api_key": "demo",
+                                               "workspace": workspace})
+        settings = _with_redis(settings, stack, json_events)
+        outcome, _ = asyncio.run(_run(settings, "Show me what toolq can do.", json_events))
+        if not json_events:
+            created = workspace / "hello.txt"
+            print(f"\nworkspace {workspace}: hello.txt = {created.read_text().strip()!r}" if created.exists()
+                  else f"\nworkspace {workspace}: hello.txt was not created")
+            problems = [p for body in fake.requests for p in pairing_problems(body.get("input", []))]
+            print(f"{len(fake.requests)} model requests; "
+                  + ("every call was paired with exactly one output." if not problems else f"PAIRING PROBLEMS: {problems}"))
+    return outcome.exit_code
+
+
+def _with_redis(settings: Settings, stack: ExitStack, quiet: bool) -> Settings:
+    """No REDIS_URL: start a private server and workers for this run (stopped on exit)."""
+    if settings.redis_url:
+        return settings
+    from toolq.orchestrator.embedded import EmbeddedStack
+
+    if not quiet:
+        print("no REDIS_URL: starting an embedded Redis-protocol server and 2 workers...", file=sys.stderr)
+    embedded = stack.enter_context(EmbeddedStack(workers=2, concurrency=4, tools=settings.tools))
+    return settings.model_copy(update={"redis_url": embedded.url})
+
+
+def default_instructions(settings: Settings) -> str:
+    return (
+        f"You are a coding agent. Your tools run on a fleet of workers that share the workspace "
+        f"{settings.workspace}; relative paths resolve there. Independent tool calls may be made in "
+        "parallel. Answer with a short summary once the task is done."
+    )
+
+
+async def _run(settings: Settings, prompt: str, json_events: bool,
+               history: History | None = None) -> tuple[TurnOutcome, History]:
+    view: Any = JsonView() if json_events else LiveView()
+    runtime = await Runtime.create(settings)
+    session = Session(runtime, instructions=settings.instructions or default_instructions(settings),
+                      reasoning={"effort": settings.reasoning_effort} if settings.reasoning_effort else None)
+    if history is not None:
+        session.history = history
+    turn_id = new_turn_id()
+    loop = asyncio.get_running_loop()
+
+    def interrupt() -> None:
+        # Durable first, so a call still in the queue never starts; then stop this turn.
+        loop.create_task(runtime.ledger.cancel_turn(turn_id, reason="interrupted"))
+        session.cancel()
+
+    loop.add_signal_handler(signal.SIGINT, interrupt)
+    try:
+        return await session.run_turn(prompt, view, turn_id=turn_id), session.history
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        await runtime.aclose()

@@ -1,0 +1,149 @@
+"""One settings model, read from the environment (and overridden by CLI flags).
+
+Both sides read it: the orchestrator for the model endpoint, turn limits and Redis; workers for
+Redis and their queues. Bad values give one clear line naming the setting.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from toolq.orchestrator.errors import ConfigurationError
+
+DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
+
+# setting name -> environment variables, first set wins
+ENV = {
+    "redis_url": ("REDIS_URL", "CELERY_BROKER_URL"),
+    "result_url": ("TOOLQ_RESULT_URL", "CELERY_RESULT_BACKEND"),
+    "openai_base_url": ("OPENAI_BASE_URL",),
+    "openai_api_key": ("OPENAI_API_KEY",),
+    "model": ("TOOLQ_MODEL",),
+    "instructions": ("TOOLQ_INSTRUCTIONS",),
+    "reasoning_effort": ("TOOLQ_REASONING_EFFORT",),
+    "workspace": ("TOOLQ_WORKSPACE",),
+    "tools": ("TOOLQ_TOOLS",),
+    "queues": ("TOOLQ_QUEUES",),
+    "concurrency": ("TOOLQ_CONCURRENCY",),
+    "turn_timeout": ("TOOLQ_TURN_TIMEOUT",),
+    "max_steps": ("TOOLQ_MAX_STEPS",),
+    "request_max_retries": ("TOOLQ_REQUEST_MAX_RETRIES",),
+    "stream_max_retries": ("TOOLQ_STREAM_MAX_RETRIES",),
+    "stream_idle_timeout": ("TOOLQ_STREAM_IDLE_TIMEOUT",),
+    "flower_user": ("FLOWER_USER",),
+    "flower_password": ("FLOWER_PASSWORD",),
+    "flower_port": ("FLOWER_PORT",),
+    "flower_address": ("FLOWER_ADDRESS",),
+}
+
+SECRETS = {"openai_api_key", "flower_password"}
+
+
+class Settings(BaseModel):
+    redis_url: str | None = None
+    """Broker and ledger. Unset: `toolq run`/`demo` start an embedded Redis-protocol server."""
+    result_url: str | None = None
+    """Celery result backend; defaults to the broker's server, database 1."""
+    openai_base_url: str = DEFAULT_OPENAI_BASE_URL
+    openai_api_key: str | None = None
+    model: str = "gpt-5.5"
+    instructions: str | None = None
+    """The request's `instructions`; unset: a short default naming the workspace and the tools."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    """Sent as `reasoning.effort` (with encrypted reasoning carried between stateless requests);
+    unset: no `reasoning` field, for models and servers that do not take one."""
+    workspace: Path = Field(default_factory=Path.cwd)
+    tools: list[str] = Field(default_factory=list)
+    """Extra modules whose `@tool` declarations both sides load."""
+    queues: list[str] = Field(default_factory=list)
+    """Queues a worker consumes; empty: every queue of its catalog."""
+    concurrency: int = Field(default=4, ge=1, le=256)
+    turn_timeout: float = Field(default=3600.0, gt=0)
+    max_steps: int = Field(default=100, ge=1)
+    request_max_retries: int = Field(default=4, ge=0, le=100)
+    """Model HTTP retries (5xx, transport errors) before any SSE byte arrives."""
+    stream_max_retries: int = Field(default=5, ge=0, le=100)
+    """Whole-request retries after a model stream broke mid-way."""
+    stream_idle_timeout: float = Field(default=300.0, gt=0)
+    """Seconds without a byte from the model before its stream counts as dead."""
+    flower_user: str | None = None
+    flower_password: str | None = None
+    flower_port: int = Field(default=5555, ge=0, le=65535)
+    flower_address: str = "127.0.0.1"
+
+    @field_validator("redis_url", "result_url")
+    @classmethod
+    def _redis_scheme(cls, v: str | None) -> str | None:
+        if v and v.startswith("sentinel://"):
+            raise ValueError("Sentinel is not supported yet: point it at the current primary, or a proxy "
+                             "that follows it (deploy/README.md)")
+        if v and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        if v and v.startswith("rediss://") and "ssl_cert_reqs=" not in v:
+            # Celery's Redis result backend refuses a TLS URL without it (at first use, not here).
+            raise ValueError("a rediss:// URL needs ?ssl_cert_reqs=required (or optional, none)")
+        return v
+
+    @field_validator("tools", "queues", mode="before")
+    @classmethod
+    def _comma_list(cls, v: Any) -> Any:
+        return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+    @classmethod
+    def load(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
+        """Environment first, then CLI overrides (None means "not given")."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name, variables in ENV.items():
+            for var in variables:
+                if env.get(var):
+                    values[name] = env[var]
+                    break
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            err = e.errors()[0]
+            name = str(err["loc"][0]) if err["loc"] else "settings"
+            from_flag = overrides.get(name) is not None
+            source = None if from_flag else next((v for v in ENV.get(name, ()) if env.get(v)), None)
+            where = f"{name} ({source})" if source else name
+            message = err["msg"].removeprefix("Value error, ")
+            raise ConfigurationError(f"invalid setting {where}: {message}") from None
+
+    def result_backend_url(self) -> str | None:
+        if self.result_url or not self.redis_url:
+            return self.result_url
+        return _with_db(self.redis_url, 1)
+
+    def masked(self) -> dict[str, Any]:
+        out = self.model_dump(mode="json")
+        for key in SECRETS:
+            if out.get(key):
+                out[key] = "****" + out[key][-4:] if len(out[key]) > 8 else "****"
+        for key in ("redis_url", "result_url"):
+            if out.get(key):
+                out[key] = mask_url_password(out[key])
+        return out
+
+
+def mask_url_password(url: str) -> str:
+    if ";" in url:  # Celery's list form: one URL per Sentinel node
+        return ";".join(mask_url_password(part) for part in url.split(";"))
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not at or ":" not in creds:
+        return url
+    user = creds.split(":", 1)[0]
+    return f"{scheme}{sep}{user}:****@{host}"
+
+
+def _with_db(url: str, db: int) -> str:
+    base, _, query = url.partition("?")
+    scheme, _, rest = base.partition("://")
+    host, slash, _ = rest.partition("/")
+    return f"{scheme}://{host}/{db}" + (f"?{query}" if query else "")

@@ -1,0 +1,155 @@
+"""`toolq status TURN_ID` and `toolq turns`: what the ledger knows, as a table or JSON lines.
+
+Rendering is pure (rows in, text out); only `status_cmd` and `turns_cmd` touch Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from datetime import datetime
+from typing import Any, TextIO
+
+from toolq.orchestrator.ledger import TERMINAL, Ledger
+from toolq.orchestrator.settings import Settings, mask_url_password
+
+CALL_COLUMNS = ("tool", "call_id", "task_id", "state", "worker", "duration")
+TURN_COLUMNS = ("turn_id", "state", "started", "duration", "calls", "prompt")
+#: A turn's prompt is cut to this many characters in the table (JSON keeps the ledger's 500).
+PROMPT_WIDTH = 48
+
+
+def _float(v: str | None) -> float | None:
+    try:
+        return float(v) if v else None
+    except ValueError:
+        return None
+
+
+def elapsed(record: dict[str, str], now: float) -> float | None:
+    """finished_at - started_at; a call or turn still running counts up to `now`."""
+    started, finished = _float(record.get("started_at")), _float(record.get("finished_at"))
+    if started is None:
+        return None
+    if finished is None:
+        if record.get("state") in TERMINAL:
+            return None  # ended without a recorded end time: no honest duration
+        finished = now
+    return max(finished - started, 0.0)
+
+
+def call_row(call: dict[str, str], now: float) -> dict[str, Any]:
+    """One ledger call record as a row; empty fields are None (a rejected call has no task id)."""
+    d = elapsed(call, now)
+    return {"tool": call.get("tool") or None, "call_id": call.get("call_id") or None,
+            "task_id": call.get("task_id") or None, "state": call.get("state") or None,
+            "worker": call.get("worker") or None, "duration": None if d is None else round(d, 3)}
+
+
+def turn_row(turn_id: str, turn: dict[str, str], calls: int, now: float) -> dict[str, Any]:
+    d = elapsed(turn, now)
+    return {"turn_id": turn_id, "state": turn.get("state") or None, "started_at": _float(turn.get("started_at")),
+            "finished_at": _float(turn.get("finished_at")), "duration": None if d is None else round(d, 3),
+            "calls": calls, "prompt": turn.get("prompt", ""), "error": turn.get("error") or None}
+
+
+def _cell(column: str, row: dict[str, Any]) -> str:
+    if column == "started":
+        ts = row.get("started_at")
+        return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+    value = row.get(column)
+    if value is None:
+        return "-"
+    if column == "duration":  # tool calls are often milliseconds: keep them visible
+        return f"{value:.1f}s" if value >= 10 else f"{value:.2f}s" if value >= 1 else f"{value * 1000:.0f}ms"
+    if column == "prompt":
+        text = " ".join(str(value).split())
+        return text if len(text) <= PROMPT_WIDTH else text[:PROMPT_WIDTH - 1] + "…"
+    return str(value)
+
+
+def render_table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
+    cells = [[_cell(c, r) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
+    lines = [[c.upper() for c in columns], *cells]
+    return "".join("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() + "\n" for line in lines)
+
+
+def render_json_lines(rows: list[dict[str, Any]], **extra: Any) -> str:
+    return "".join(json.dumps({**extra, **r}, ensure_ascii=False) + "\n" for r in rows)
+
+
+def render_status(turn_id: str, turn: dict[str, str], calls: list[dict[str, str]], now: float,
+                  as_json: bool = False) -> str:
+    rows = [call_row(c, now) for c in calls]
+    if as_json:
+        return render_json_lines(rows, turn_id=turn_id)
+    head = turn_row(turn_id, turn, len(calls), now)
+    line = f"turn {turn_id}  {head['state'] or '?'}  {_cell('duration', head)}  {len(calls)} call(s)\n"
+    if head["error"]:
+        line += f"error: {head['error']}\n"
+    return line + (render_table(rows, CALL_COLUMNS) if rows else "no calls\n")
+
+
+def render_turns(rows: list[dict[str, Any]], as_json: bool = False) -> str:
+    if as_json:
+        return render_json_lines(rows)
+    return render_table(rows, TURN_COLUMNS) if rows else "no turns in the ledger\n"
+
+
+# --- commands (Redis) ------------------------------------------------------------------------
+
+
+def _ledger_url(settings: Settings, command: str, err: TextIO) -> str | None:
+    if not settings.redis_url:
+        print(f"toolq {command}: set REDIS_URL (or CELERY_BROKER_URL) to the Redis the orchestrator uses; "
+              "the embedded default keeps no ledger after the run", file=err)
+    return settings.redis_url
+
+
+def status_cmd(settings: Settings, turn_id: str, *, as_json: bool = False, out: TextIO = sys.stdout,
+               err: TextIO = sys.stderr) -> int:
+    url = _ledger_url(settings, "status", err)
+    if url is None:
+        return 2
+
+    async def read() -> tuple[dict[str, str], list[dict[str, str]]]:
+        ledger = Ledger.from_url(url)
+        try:
+            return await ledger.turn(turn_id), await ledger.calls(turn_id)
+        finally:
+            await ledger.aclose()
+
+    turn, calls = asyncio.run(read())
+    if not turn and not calls:
+        print(f"toolq status: no turn {turn_id!r} in the ledger at {mask_url_password(url)} "
+              "(records are kept 7 days; `toolq turns` lists recent ones)", file=err)
+        return 1
+    out.write(render_status(turn_id, turn, calls, time.time(), as_json))
+    return 0
+
+
+def turns_cmd(settings: Settings, *, limit: int = 20, as_json: bool = False, out: TextIO = sys.stdout,
+              err: TextIO = sys.stderr) -> int:
+    if limit < 1:
+        print("toolq turns: --limit must be at least 1", file=err)
+        return 2
+    url = _ledger_url(settings, "turns", err)
+    if url is None:
+        return 2
+
+    async def read() -> list[tuple[str, dict[str, str], int]]:
+        ledger = Ledger.from_url(url)
+        try:
+            turns = await ledger.recent_turns(limit)
+            counts = [len(await ledger.calls(t)) for t, _ in turns]
+            return [(t, h, n) for (t, h), n in zip(turns, counts)]
+        finally:
+            await ledger.aclose()
+
+    now = time.time()
+    rows = [turn_row(t, h, n, now) for t, h, n in asyncio.run(read()) if h]
+    out.write(render_turns(rows, as_json))
+    return 0

@@ -1,0 +1,273 @@
+"""The turn loop: request -> stream -> dispatch -> barrier -> next request (codex-contracts.md §4).
+
+A response with calls is followed by another request once every call has its output (the
+barrier); a response without calls ends the turn. A retryable model error drains what was
+dispatched, records the outputs and retries with that history, as Codex does. A cancel (from
+`toolq cancel` in any process, or Ctrl-C) stops the stream at once, aborts unfinished calls
+(keeping finished ones), records `<turn_aborted>` and leaves the history paired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from toolq.orchestrator import keys
+from toolq.orchestrator.barrier import Step, flush_background
+from toolq.orchestrator.calls import ToolName
+from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, backoff, build_request
+from toolq.orchestrator.dispatch import Dispatcher
+from toolq.orchestrator.history import History
+from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.protocol.events import Usage
+from toolq.orchestrator.protocol.items import (
+    InputText,
+    MessageItem,
+    ReasoningItem,
+    ResponseItem,
+    ToolSearchOutputItem,
+    is_api_item,
+)
+from toolq.orchestrator.registry import Registry, StepContext
+from toolq.orchestrator.results import ResultRouter
+from toolq.orchestrator.settings import Settings
+from toolq.workers.catalog import Catalog, load_catalog
+
+log = logging.getLogger("toolq.turn")
+
+# codex-reference.md S11: the record a cancelled turn leaves for the next one.
+TURN_ABORTED = (
+    "<turn_aborted>\nThe user interrupted the previous turn on purpose. Any running unified exec processes may "
+    "still be running in the background. If any tools/commands were aborted, they may have partially executed.\n"
+    "</turn_aborted>"
+)
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+def new_turn_id() -> str:
+    return "turn-" + uuid.uuid4().hex[:12]
+
+
+@dataclass
+class TurnOutcome:
+    turn_id: str
+    status: str
+    """completed | failed | cancelled"""
+    final_message: str | None = None
+    error: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    requests: int = 0
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.status == "completed" else 1
+
+
+class Runtime:
+    """The orchestrator's long-lived parts, shared by every turn of a process."""
+
+    def __init__(self, settings: Settings, catalog: Catalog, client: ModelClient, ledger: Ledger,
+                 dispatcher: Dispatcher, router: ResultRouter) -> None:
+        self.settings = settings
+        self.catalog = catalog
+        self.registry = Registry(catalog)
+        self.client = client
+        self.ledger = ledger
+        self.dispatcher = dispatcher
+        self.router = router
+
+    @classmethod
+    async def create(cls, settings: Settings, *, catalog: Catalog | None = None,
+                     model: ModelSettings | None = None) -> Runtime:
+        assert settings.redis_url, "Runtime needs a Redis URL (the CLI starts an embedded one when unset)"
+        catalog = catalog if catalog is not None else load_catalog(settings.tools)
+        model = model or ModelSettings(base_url=settings.openai_base_url, api_key=settings.openai_api_key,
+                                       model=settings.model, request_max_retries=settings.request_max_retries,
+                                       stream_max_retries=settings.stream_max_retries,
+                                       stream_idle_timeout=settings.stream_idle_timeout)
+        ledger = Ledger.from_url(settings.redis_url)
+        router = ResultRouter(settings.result_backend_url() or settings.redis_url)
+        await router.start()
+        return cls(settings, catalog, ModelClient(model), ledger, Dispatcher(settings, ledger), router)
+
+    async def aclose(self) -> None:
+        await flush_background()
+        await self.client.aclose()
+        await self.router.aclose()
+        await self.dispatcher.aclose()
+        await self.ledger.aclose()
+
+
+class Session:
+    """A conversation: its history carries over from turn to turn, cancelled ones included."""
+
+    def __init__(self, runtime: Runtime, *, instructions: str | None = None,
+                 reasoning: dict[str, Any] | None = None) -> None:
+        self.rt = runtime
+        self.instructions = instructions
+        self.reasoning = reasoning
+        self.history = History()
+        self.loaded_tools: set[ToolName] = set()
+        self.unknown_items = 0
+        self.turn_id: str | None = None
+        """The running (or last) turn's id."""
+        self._cancel = asyncio.Event()
+        self._step: Step | None = None
+
+    def cancel(self) -> None:
+        """Cancel the running turn from this process (Ctrl-C). Other processes use the ledger."""
+        self._cancel.set()
+
+    async def run_turn(self, prompt: str, emit: Emit = lambda e: None, *, turn_id: str | None = None) -> TurnOutcome:
+        turn_id = self.turn_id = turn_id or new_turn_id()
+        settings = self.rt.settings
+        outcome = TurnOutcome(turn_id=turn_id, status="running")
+        self._cancel.clear()
+        emit({"type": "turn.started", "turn_id": turn_id})
+        await self.rt.ledger.start_turn(turn_id, prompt, str(settings.workspace))
+        self.history.record(MessageItem(role="user", content=[InputText(text=prompt)]))
+        await self.rt.router.watch_turn(turn_id)
+        listener = asyncio.create_task(self._listen_for_cancel(turn_id))
+        inner = asyncio.create_task(self._loop(turn_id, outcome, emit))
+        cancelled = asyncio.create_task(self._cancel.wait())
+        started = time.monotonic()
+        try:
+            await asyncio.wait({inner, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+            if inner.done():
+                inner.result()
+            else:
+                await self._abort(turn_id, inner, outcome, emit, started)
+        except ModelError as e:
+            outcome.status, outcome.error = "failed", e.message
+        finally:
+            cancelled.cancel()
+            listener.cancel()
+            await self.rt.router.unwatch_turn(turn_id)
+        if outcome.status == "failed":
+            emit({"type": "error", "message": outcome.error})
+            emit({"type": "turn.failed", "turn_id": turn_id, "error": {"message": outcome.error}})
+        elif outcome.status == "completed":
+            emit({"type": "turn.completed", "turn_id": turn_id, "usage": outcome.usage.model_dump()})
+        await self._finish(turn_id, outcome)
+        return outcome
+
+    async def _finish(self, turn_id: str, outcome: TurnOutcome) -> None:
+        try:
+            await self.rt.ledger.finish_turn(turn_id, outcome.status, outcome.error)
+        except Exception as e:  # Redis gone at the very end: the outcome still stands
+            log.warning("could not record the end of %s: %s", turn_id, e)
+
+    async def _abort(self, turn_id: str, inner: asyncio.Task, outcome: TurnOutcome, emit: Emit,
+                     started: float) -> None:
+        inner.cancel()
+        try:
+            await inner
+        except (asyncio.CancelledError, ModelError):
+            pass
+        if self._step is not None:
+            self.history.record(*await self._step.abort())
+        self.history.record(MessageItem(role="user", content=[InputText(text=TURN_ABORTED)]))
+        outcome.status = "cancelled"
+        outcome.error = f"turn cancelled after {time.monotonic() - started:.1f}s"
+        emit({"type": "turn.aborted", "turn_id": turn_id, "reason": "interrupted"})
+
+    async def _listen_for_cancel(self, turn_id: str) -> None:
+        """Hear `toolq cancel` from any process; the durable record covers a cancel sent earlier."""
+        pubsub = self.rt.ledger.r.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(keys.cancel_channel(turn_id))
+            if await self.rt.ledger.is_cancelled(turn_id):
+                self._cancel.set()
+                return
+            async for msg in pubsub.listen():
+                if json.loads(msg["data"]).get("scope") == "turn":
+                    self._cancel.set()
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # Redis trouble: Ctrl-C still works; the turn is not held up
+            log.warning("cancel listener stopped: %s", e)
+        finally:
+            await pubsub.aclose()
+
+    async def _loop(self, turn_id: str, outcome: TurnOutcome, emit: Emit) -> None:
+        settings = self.rt.settings
+        deadline = time.time() + settings.turn_timeout
+        retries = 0
+        responses_with_calls = 0
+        step_index = 0  # one per model request, retries included, so task ids never collide
+        while True:
+            if responses_with_calls >= settings.max_steps:
+                outcome.status = "failed"
+                outcome.error = f"turn stopped after {settings.max_steps} model responses with tool calls"
+                return
+            step = self._step = Step(
+                StepContext(turn_id, step_index, deadline, str(settings.workspace)),
+                self.rt.registry, self.rt.dispatcher, self.rt.router, self.rt.ledger, emit,
+            )
+            step_index += 1
+            body = build_request(self.rt.client.settings.model, self.history.for_prompt(),
+                                 self.rt.registry.model_visible_specs(self.loaded_tools),
+                                 instructions=self.instructions, reasoning=self.reasoning)
+            outcome.requests += 1
+            error: ModelError | None = None
+            try:
+                await self._sample(body, step, outcome, emit)
+            except ModelError as e:
+                error = e
+            # The barrier, whatever happened to the stream: calls already queued get their outputs.
+            outputs = await step.wait()
+            self.history.record(*outputs)
+            self._load_found_tools(outputs)
+            if step.fatal is not None:
+                outcome.status, outcome.error = "failed", str(step.fatal)
+                return
+            if error is not None:
+                max_retries = self.rt.client.settings.stream_max_retries
+                if not error.retryable or retries >= max_retries:
+                    raise error
+                retries += 1
+                emit({"type": "error", "message": f"Reconnecting... {retries}/{max_retries} ({error.message})"})
+                await asyncio.sleep(error.delay if error.delay is not None else backoff(retries))
+                continue
+            retries = 0
+            if not step.entries:
+                outcome.status = "completed"
+                return
+            responses_with_calls += 1
+
+    async def _sample(self, body: dict[str, Any], step: Step, outcome: TurnOutcome, emit: Emit) -> None:
+        index = 0
+        async for event in self.rt.client.stream(body):
+            if event.kind == "item_done":
+                item: ResponseItem = event.item
+                output_index = event.output_index if event.output_index is not None else index
+                index += 1
+                if not is_api_item(item):
+                    self.unknown_items += 1
+                    log.info("kept aside an item of unknown type %r", getattr(item, "type", None))
+                    continue
+                self.history.record(item)  # the call is in history before it is queued
+                self._show(item, outcome, emit)
+                step.add(item, output_index)
+            elif event.kind == "completed" and event.usage is not None:
+                outcome.usage = outcome.usage + event.usage
+
+    def _show(self, item: ResponseItem, outcome: TurnOutcome, emit: Emit) -> None:
+        if isinstance(item, MessageItem) and item.role == "assistant":
+            outcome.final_message = item.text()
+            emit({"type": "item.completed", "item": {"id": item.id, "type": "agent_message", "text": item.text()}})
+        elif isinstance(item, ReasoningItem) and item.summary:
+            text = "\n".join(s.get("text", "") for s in item.summary)
+            emit({"type": "item.completed", "item": {"id": item.id, "type": "reasoning", "text": text}})
+
+    def _load_found_tools(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            if isinstance(out, ToolSearchOutputItem) and out.tools:
+                self.loaded_tools |= self.rt.registry.deferred_names(out.tools)

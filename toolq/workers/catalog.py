@@ -1,0 +1,328 @@
+"""The tool catalog: each tool declared once, read by both sides.
+
+The orchestrator reads it for model-visible specs and validation (`toolq.orchestrator.registry`);
+workers read it to execute (`toolq.workers.app`). A tool is a function with a `@tool` declaration:
+
+    class SearchArgs(BaseModel):
+        query: str
+
+    @tool(namespace="workspace", queue="search")
+    def search(args: SearchArgs, ctx: ToolContext) -> str:
+        "Search the workspace."
+        ...
+
+Function tools take a pydantic args model (rendered to a strict JSON Schema unless an explicit
+`parameters` schema is given); custom tools take `grammar=` and receive the freeform text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import importlib
+import inspect
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from pydantic import BaseModel, ValidationError
+
+from toolq.orchestrator.calls import PayloadKind, ToolInvocation, ToolName
+from toolq.orchestrator.errors import ConfigurationError, RespondToModel
+from toolq.orchestrator.protocol.items import ContentPart, ToolOutputBody
+
+DEFAULT_QUEUE = "toolq"
+
+
+@dataclass
+class ToolReturn:
+    """What a tool hands back when it has more to say than its output text."""
+
+    output: ToolOutputBody | list[ContentPart]
+    success: bool = True
+    exit_code: int | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class ToolContext:
+    """What a running tool may know about its call. Built by the worker."""
+
+    invocation: ToolInvocation
+    workspace: Path
+    is_cancelled: Callable[[], bool] = lambda: False
+    catalog: Catalog | None = None
+
+    @property
+    def call_id(self) -> str:
+        return self.invocation.call_id
+
+    @property
+    def deadline(self) -> float:
+        return self.invocation.deadline
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.time())
+
+    def cancelled(self) -> bool:
+        """Long tools poll this: True once the turn (or this call) was cancelled."""
+        return self.is_cancelled()
+
+
+Handler = Callable[..., Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolSpec:
+    """One tool's declaration. Shaped like pydantic-ai's `ToolDefinition`."""
+
+    name: str
+    namespace: str | None = None
+    description: str = ""
+    kind: PayloadKind = "function"
+    """The payload kind the tool accepts; any other kind is a Fatal mismatch."""
+    parameters: dict[str, Any] | None = None
+    """JSON Schema (Draft 2020-12) of a function tool's arguments."""
+    strict: bool = False
+    grammar: dict[str, Any] | None = None
+    """A custom tool's `format` (e.g. `{"type": "grammar", "syntax": "lark", "definition": ...}`)."""
+    parallel: bool = True
+    """Safe to run beside other calls of its step; serial tools run alone, in call order."""
+    queue: str = DEFAULT_QUEUE
+    timeout: float = 60.0
+    idempotent: bool = False
+    """Only idempotent tools are redelivered after a worker dies mid-call."""
+    deferred: bool = False
+    """Hidden from the model until a tool_search finds it."""
+    shell_like: bool = False
+    """Aborted shell calls read `Wall time: X seconds\\naborted by user`, like Codex's."""
+    args_model: type[BaseModel] | None = field(default=None, compare=False)
+    handler: Handler | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def tool_name(self) -> ToolName:
+        return ToolName(namespace=self.namespace, name=self.name)
+
+    def model_spec(self) -> dict[str, Any]:
+        """The tool as the model sees it (a namespace groups its tools one level up)."""
+        if self.kind == "custom":
+            spec: dict[str, Any] = {"type": "custom", "name": self.name, "description": self.description}
+            if self.grammar:
+                spec["format"] = self.grammar
+            return spec
+        if self.kind == "tool_search":
+            return {
+                "type": "tool_search",
+                "execution": "client",
+                "description": self.description,
+                "parameters": self.parameters,
+            }
+        return {
+            "type": "function",
+            "name": self.name,
+            "description": self.description,
+            "strict": self.strict,
+            "parameters": self.parameters or {"type": "object", "properties": {}, "additionalProperties": False},
+        }
+
+    def declaration(self) -> dict[str, Any]:
+        """Everything both sides must agree on; its digest travels with each invocation."""
+        return {
+            "namespace": self.namespace,
+            "spec": self.model_spec(),
+            "kind": self.kind,
+            "parallel": self.parallel,
+            "queue": self.queue,
+            "timeout": self.timeout,
+            "idempotent": self.idempotent,
+            "deferred": self.deferred,
+        }
+
+    @functools.cached_property
+    def _digest(self) -> str:
+        blob = json.dumps(self.declaration(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def digest(self) -> str:
+        """Checked on both sides of every call, so computed once per spec."""
+        return self._digest
+
+
+class Catalog:
+    """Tools keyed by (namespace, name). Registering a name twice is a configuration error."""
+
+    def __init__(self, specs: list[ToolSpec] | None = None) -> None:
+        self._specs: dict[ToolName, ToolSpec] = {}
+        for spec in specs or []:
+            self.add(spec)
+
+    def add(self, spec: ToolSpec) -> ToolSpec:
+        if spec.tool_name in self._specs:
+            raise ConfigurationError(f"duplicate tool: {spec.tool_name} is already registered")
+        self._specs[spec.tool_name] = spec
+        return spec
+
+    def get(self, name: ToolName) -> ToolSpec | None:
+        return self._specs.get(name)
+
+    def __iter__(self) -> Iterator[ToolSpec]:
+        return iter(self._specs.values())
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def queues(self) -> list[str]:
+        return sorted({s.queue for s in self})
+
+
+#: The process-wide catalog that `@tool` fills; built-ins register on import of `toolq.workers.tools`.
+CATALOG = Catalog()
+
+
+def tool(
+    fn: Handler | None = None,
+    *,
+    name: str | None = None,
+    namespace: str | None = None,
+    description: str | None = None,
+    parameters: dict[str, Any] | None = None,
+    grammar: dict[str, Any] | None = None,
+    kind: PayloadKind | None = None,
+    strict: bool | None = None,
+    parallel: bool = True,
+    queue: str = DEFAULT_QUEUE,
+    timeout: float = 60.0,
+    idempotent: bool = False,
+    deferred: bool = False,
+    shell_like: bool = False,
+    catalog: Catalog | None = None,
+) -> Any:
+    """Declare a function (sync or async) as a tool and register it.
+
+    The first parameter's annotation is the args model (a pydantic `BaseModel`) for a function
+    tool, or `str` for a custom tool (give `grammar=`). The docstring is the description.
+    """
+
+    def register(f: Handler) -> Handler:
+        args_model = _args_model(f)
+        k: PayloadKind = kind or ("custom" if grammar is not None or args_model is None else "function")
+        schema = parameters
+        if k == "function" and schema is None:
+            if args_model is None:
+                raise ConfigurationError(f"tool {name or f.__name__}: a function tool needs an args model")
+            schema = strict_json_schema(args_model)
+        spec = ToolSpec(
+            name=name or f.__name__,
+            namespace=namespace,
+            description=description or inspect.cleandoc(f.__doc__ or ""),
+            kind=k,
+            parameters=schema,
+            strict=(parameters is None) if strict is None else strict,
+            grammar=grammar,
+            parallel=parallel,
+            queue=queue,
+            timeout=timeout,
+            idempotent=idempotent,
+            deferred=deferred,
+            shell_like=shell_like,
+            args_model=args_model,
+            handler=f,
+        )
+        (catalog if catalog is not None else CATALOG).add(spec)
+        f.tool_spec = spec  # type: ignore[attr-defined]
+        return f
+
+    return register(fn) if fn is not None else register
+
+
+def _args_model(f: Handler) -> type[BaseModel] | None:
+    params = list(inspect.signature(f).parameters.values())
+    if not params:
+        return None
+    ann = params[0].annotation
+    if isinstance(ann, str):  # `from __future__ import annotations`
+        ann = f.__globals__.get(ann, ann)
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def strict_json_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """A model's JSON Schema in the Responses strict-mode subset (responses-protocol.md §8):
+    every object closed and every key required; optional keys become nullable."""
+    return _strictify(model.model_json_schema())
+
+
+def _strictify(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_strictify(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _strictify(v) for k, v in node.items() if k != "title"}
+    if node.get("type") == "object" or "properties" in node:
+        props = node.get("properties", {})
+        required = set(node.get("required", []))
+        for key, sub in props.items():
+            if key not in required and not is_nullable(sub):
+                sub = {k: v for k, v in sub.items() if k != "default"}
+                props[key] = {"anyOf": [sub, {"type": "null"}]}
+        node["required"] = list(props)
+        node["additionalProperties"] = False
+    if node.get("default", 0) is None:
+        del node["default"]
+    return node
+
+
+def is_nullable(schema: dict[str, Any]) -> bool:
+    t = schema.get("type")
+    if t == "null" or (isinstance(t, list) and "null" in t):
+        return True
+    return any(is_nullable(s) for s in schema.get("anyOf", []) if isinstance(s, dict))
+
+
+def parse_arguments(spec: ToolSpec, raw: str) -> BaseModel:
+    """Parse a function call's raw JSON with the tool's own args model (Codex's `parse_arguments`)."""
+    assert spec.args_model is not None
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise RespondToModel(f"failed to parse function arguments: {e}") from None
+    if isinstance(obj, dict):
+        # Strict schemas make optional keys nullable: a null means "use the default".
+        obj = {k: v for k, v in obj.items() if v is not None}
+    try:
+        return spec.args_model.model_validate(obj)
+    except ValidationError as e:
+        raise RespondToModel(f"failed to parse function arguments: {describe_validation_error(e)}") from None
+
+
+def describe_validation_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "missing":
+        return f"missing field `{where}`"
+    return f"invalid value for `{where}`: {err['msg']}" if where else err["msg"]
+
+
+async def call_handler(spec: ToolSpec, args: Any, ctx: ToolContext) -> Any:
+    """Run a handler, sync or async. Sync handlers run inline: a pool child runs one call at a time."""
+    assert spec.handler is not None
+    result = spec.handler(args, ctx)
+    if asyncio.iscoroutine(result):
+        result = await result
+    return result
+
+
+def load_catalog(modules: list[str] | tuple[str, ...] = ()) -> Catalog:
+    """The built-in tools plus the user's modules (each registers its tools on import)."""
+    importlib.import_module("toolq.workers.tools")
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except ModuleNotFoundError as e:
+            if e.name and m.startswith(e.name):
+                raise ConfigurationError(f"tool module {m!r} not found: run toolq from the directory that holds "
+                                         "it, or put that directory on PYTHONPATH") from None
+            raise
+    return CATALOG

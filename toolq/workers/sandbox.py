@@ -1,0 +1,278 @@
+"""Where tools may touch the machine: workspace confinement and a process-group runner.
+
+Confinement: every path a model names goes through `resolve_in_workspace`, which resolves it fully
+(symlinks included) and refuses anything that ends up outside the workspace. Nothing is followed
+before the check.
+
+Processes: `run_command` starts each command in its own session (pid = pgid) and always ends by
+SIGKILLing that whole group, so no grandchild outlives its call. Celery's `revoke(terminate=True)`
+SIGTERMs the pool child but not its subprocesses (celery-lab.md §4(b)); `install_sigterm_handler`
+closes that gap by killing every live group before the child dies.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from toolq.orchestrator.errors import RespondToModel
+
+#: Output kept per command (Codex's `DEFAULT_OUTPUT_BYTES_CAP`): half head, half tail.
+DEFAULT_OUTPUT_CAP = 1024 * 1024
+#: How long to keep reading after the kill (Codex's `IO_DRAIN_TIMEOUT_MS`): a process that left the
+#: group (setsid) may still hold the pipe, and must not hang the call.
+DRAIN_TIMEOUT = 2.0
+#: How often a running command checks its deadline and `is_cancelled`.
+POLL_INTERVAL = 0.05
+_READ_CHUNK = 8192
+
+
+class CallCancelled(Exception):
+    """The call was cancelled while it ran; its process group is already dead."""
+
+
+# --- confinement -----------------------------------------------------------------------------
+
+
+def resolve_in_workspace(workspace: Path, path: str) -> Path:
+    """The fully resolved path that `path` names, which must lie inside `workspace`.
+
+    Relative paths resolve against the workspace; absolute paths must already point inside it.
+    `..` components are refused outright, and so is a path whose symlinks lead out.
+    """
+    root = Path(workspace).resolve()
+    if "\0" in path:
+        raise RespondToModel(f"path `{path}` contains a NUL byte")
+    given = Path(path)
+    if ".." in given.parts:
+        raise RespondToModel(f"path `{path}` is not allowed: `..` components may not be used")
+    if given.is_absolute():
+        # Accept the workspace as configured or as resolved (it may itself sit under a symlink).
+        lexical = Path(os.path.normpath(given))
+        if not (_is_within(lexical, root) or _is_within(lexical, Path(os.path.abspath(workspace)))):
+            raise RespondToModel(f"path `{path}` is outside the workspace `{root}`")
+        candidate = lexical
+    else:
+        candidate = root / given
+    resolved = candidate.resolve()
+    if not _is_within(resolved, root):
+        raise RespondToModel(f"path `{path}` leads outside the workspace `{root}` through a symlink")
+    return resolved
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    return path == root or path.is_relative_to(root)
+
+
+# --- live process groups ---------------------------------------------------------------------
+
+_groups_lock = threading.Lock()
+_live_groups: set[int] = set()
+_previous_sigterm: object = None
+
+
+def live_process_groups() -> frozenset[int]:
+    """The process groups this process started and has not finished with yet."""
+    with _groups_lock:
+        return frozenset(_live_groups)
+
+
+def kill_live_groups() -> None:
+    """SIGKILL every live group (safe to call from a signal handler)."""
+    for pgid in live_process_groups():
+        _killpg(pgid)
+
+
+def install_sigterm_handler() -> bool:
+    """On SIGTERM, kill every live group, then die of SIGTERM as before.
+
+    Call it from the main thread of the process that runs tools (the pool child). Returns False if
+    it was already installed. The previous handler is restored before the signal is re-delivered,
+    so a process that had SIG_DFL still terminates, and one with a Python handler still runs it.
+    """
+    global _previous_sigterm
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm:
+        return False
+    _previous_sigterm = current
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return True
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    kill_live_groups()
+    previous = _previous_sigterm if _previous_sigterm is not None else signal.SIG_DFL
+    signal.signal(signal.SIGTERM, previous)  # type: ignore[arg-type]
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# --- running commands ------------------------------------------------------------------------
+
+
+@dataclass
+class CommandResult:
+    exit_code: int
+    """The process's exit status; a death by signal N reads 128+N, as a shell reports it; -1 if
+    it never started."""
+    output: bytes
+    """stdout and stderr merged in arrival order, capped (head and tail kept, middle dropped)."""
+    wall_time: float
+    timed_out: bool = False
+    cancelled: bool = False
+    pid: int | None = None
+    """Also the process group id."""
+    dropped_bytes: int = 0
+    """Bytes cut from the middle of the output to respect the cap."""
+    spawn_error: OSError | None = None
+    """Set when the process could not be started (missing cwd, missing shell...)."""
+
+
+class HeadTailBuffer:
+    """Keeps the first and last `cap // 2` bytes of a stream (Codex's `HeadTailBuffer`)."""
+
+    def __init__(self, cap: int) -> None:
+        self.head_cap = cap // 2
+        self.tail_cap = cap - self.head_cap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+
+    def write(self, data: bytes) -> None:
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if not data:
+            return
+        self.tail += data
+        excess = len(self.tail) - self.tail_cap
+        if excess > 0:
+            del self.tail[:excess]
+            self.dropped += excess
+
+    def getvalue(self) -> bytes:
+        return bytes(self.head + self.tail)
+
+
+def run_command(
+    command: str | Sequence[str],
+    *,
+    cwd: Path | str,
+    timeout: float | None = None,
+    is_cancelled: Callable[[], bool] | None = None,
+    output_cap: int = DEFAULT_OUTPUT_CAP,
+    env: dict[str, str] | None = None,
+    shell: str = "bash",
+) -> CommandResult:
+    """Run `command` (a script for `shell -c`, or an argv) in its own process group.
+
+    Returns when the process exits, the timeout passes, or `is_cancelled()` turns true (checked
+    every `POLL_INTERVAL`). Whatever the reason, the whole group is SIGKILLed before returning,
+    so background children and grandchildren never outlive the call. A spawn failure is reported
+    in `spawn_error`, never raised.
+    """
+    argv = [shell, "-c", command] if isinstance(command, str) else list(command)
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
+    except OSError as e:
+        return CommandResult(exit_code=-1, output=b"", wall_time=time.monotonic() - start, spawn_error=e)
+
+    pgid = proc.pid
+    with _groups_lock:
+        _live_groups.add(pgid)
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    os.set_blocking(fd, False)
+    buf = HeadTailBuffer(output_cap)
+    selector = selectors.DefaultSelector()
+    selector.register(fd, selectors.EVENT_READ)
+    timed_out = cancelled = eof = False
+    exit_wait = 0.001
+    try:
+        while True:
+            if not eof:
+                if selector.select(POLL_INTERVAL):
+                    eof = _read_available(fd, buf)
+            else:
+                # The pipe closed but the leader has not exited yet: back off up to the poll step.
+                time.sleep(exit_wait)
+                exit_wait = min(exit_wait * 2, POLL_INTERVAL)
+            if _has_exited(pgid):
+                break
+            if timeout is not None and time.monotonic() - start >= timeout:
+                timed_out = True
+                break
+            if is_cancelled is not None and is_cancelled():
+                cancelled = True
+                break
+        # The leader is still unreaped here (alive or a zombie), so its pgid cannot be reused:
+        # this kills the command on timeout/cancel, and any leftover members after a normal exit.
+        _killpg(pgid)
+        if not eof:
+            _drain(fd, buf, selector, DRAIN_TIMEOUT)
+        returncode = proc.wait()
+    finally:
+        selector.close()
+        proc.stdout.close()
+        with _groups_lock:
+            _live_groups.discard(pgid)
+    return CommandResult(
+        exit_code=returncode if returncode >= 0 else 128 - returncode,
+        output=buf.getvalue(),
+        wall_time=time.monotonic() - start,
+        timed_out=timed_out,
+        cancelled=cancelled,
+        pid=pgid,
+        dropped_bytes=buf.dropped,
+    )
+
+
+def _read_available(fd: int, buf: HeadTailBuffer) -> bool:
+    """Read everything the pipe holds now; True at end of file."""
+    while True:
+        try:
+            chunk = os.read(fd, _READ_CHUNK)
+        except BlockingIOError:
+            return False
+        if not chunk:
+            return True
+        buf.write(chunk)
+
+
+def _drain(fd: int, buf: HeadTailBuffer, selector: selectors.BaseSelector, limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while (left := deadline - time.monotonic()) > 0:
+        if selector.select(min(left, POLL_INTERVAL)) and _read_available(fd, buf):
+            return
+
+
+def _has_exited(pid: int) -> bool:
+    """True once the child has exited, without reaping it (WNOWAIT keeps the pgid reserved)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # already reaped elsewhere
+        return True

@@ -1,0 +1,131 @@
+"""`exec_command`: run a shell command in the workspace (Codex's unified exec, without sessions).
+
+Output text and truncation follow codex-reference.md §5 rules 7, 8 and 14. toolq keeps no
+process across calls (there is no `write_stdin`), so a command always runs to completion or to its
+time limit; `yield_time_ms` is accepted and clamped like Codex's, but never yields early.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from toolq.orchestrator.errors import RespondToModel
+from toolq.orchestrator.truncate import TruncationPolicy, approx_token_count, formatted_truncate_text
+from toolq.workers.catalog import ToolContext, ToolReturn, tool
+from toolq.workers.sandbox import CallCancelled, resolve_in_workspace, run_command
+
+DEFAULT_MAX_OUTPUT_TOKENS = 10_000
+#: Codex clamps `max_output_tokens` to the model's truncation policy (10k tokens for gpt-5.x).
+MAX_OUTPUT_TOKENS_CAP = 10_000
+TIMEOUT_EXIT_CODE = 124
+EXEC_TIMEOUT = 300.0
+#: Keep tools non-interactive: no pagers waiting for a key, no colour codes in the output.
+_ENV_OVERRIDES = {"PAGER": "cat", "GIT_PAGER": "cat", "NO_COLOR": "1", "TERM": "dumb"}
+
+PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "cmd": {"type": "string", "description": "Shell command to execute."},
+        "workdir": {
+            "type": "string",
+            "description": "Working directory for the command, inside the workspace; defaults to the workspace root.",
+        },
+        "yield_time_ms": {
+            "type": "number",
+            "description": "Accepted for compatibility and clamped to 250-30000; the call always waits "
+            "for the command to finish or time out.",
+        },
+        "max_output_tokens": {
+            "type": "number",
+            "description": "Maximum number of tokens of output to return (default 10000); the middle of "
+            "longer output is cut.",
+        },
+        "tty": {"type": "boolean", "description": "Ignored: output is always captured through pipes."},
+        "shell": {"type": "string", "description": "Shell binary to run the command with; defaults to bash."},
+        "login": {"type": "boolean", "description": "Ignored: the shell never runs as a login shell."},
+        "justification": {"type": "string", "description": "Ignored: no approval step exists."},
+    },
+    "required": ["cmd"],
+    "additionalProperties": False,
+}
+
+
+class ExecCommandArgs(BaseModel):
+    # Unknown keys are ignored, as serde does for Codex (e.g. `sandbox_permissions`).
+    model_config = ConfigDict(extra="ignore")
+
+    cmd: str
+    workdir: str | None = None
+    yield_time_ms: float | None = None
+    max_output_tokens: float | None = Field(default=None, ge=0)
+    tty: bool | None = None
+    shell: str | None = None
+    login: bool | None = None
+    justification: str | None = None
+
+    @field_validator("yield_time_ms")
+    @classmethod
+    def _clamp_yield(cls, v: float | None) -> float | None:
+        return None if v is None else min(max(v, 250.0), 30_000.0)
+
+
+@tool(parameters=PARAMETERS, strict=False, shell_like=True, timeout=EXEC_TIMEOUT)
+def exec_command(args: ExecCommandArgs, ctx: ToolContext) -> ToolReturn:
+    """Runs a shell command in the workspace and returns its output (stdout and stderr merged) once it exits.
+
+    The command runs in its own process group. It runs to completion or until the call's time limit,
+    when the whole group is killed; there are no background sessions, so processes left running in
+    the background are killed when the command exits, and yield_time_ms does not return early.
+    """
+    cwd = resolve_in_workspace(ctx.workspace, args.workdir) if args.workdir else Path(ctx.workspace)
+    limit = min(exec_command.tool_spec.timeout, ctx.remaining())  # type: ignore[attr-defined]
+    result = run_command(
+        args.cmd,
+        cwd=cwd,
+        timeout=limit,
+        is_cancelled=ctx.cancelled,
+        env={**os.environ, **_ENV_OVERRIDES},
+        shell=args.shell or "bash",
+    )
+    if result.spawn_error is not None:
+        raise RespondToModel(spawn_failure_text(result.spawn_error))
+    if result.cancelled:
+        raise CallCancelled(f"exec_command cancelled after {result.wall_time:.1f}s")
+    content = result.output.decode("utf-8", errors="replace")
+    exit_code = result.exit_code
+    if result.timed_out:
+        content = f"command timed out after {round(limit * 1000)} milliseconds\n" + content
+        exit_code = TIMEOUT_EXIT_CODE
+    budget = DEFAULT_MAX_OUTPUT_TOKENS if args.max_output_tokens is None else int(args.max_output_tokens)
+    text = format_exec_output(content, exit_code, result.wall_time, min(budget, MAX_OUTPUT_TOKENS_CAP))
+    return ToolReturn(output=text, success=exit_code == 0, exit_code=exit_code)
+
+
+def format_exec_output(content: str, exit_code: int, wall_time: float, max_tokens: int) -> str:
+    """Codex's unified-exec response text (codex-reference.md §5 rules 7 and 8)."""
+    tokens = approx_token_count(content)
+    if tokens > max_tokens:
+        content = f"Warning: truncated output (original token count: {tokens})\n" + formatted_truncate_text(
+            content, TruncationPolicy.tokens(max_tokens)
+        )
+    return (
+        f"Chunk ID: {secrets.token_hex(3)}\n"
+        f"Wall time: {wall_time:.4f} seconds\n"
+        f"Process exited with code {exit_code}\n"
+        f"Original token count: {tokens}\n"
+        f"Output:\n{content}"
+    )
+
+
+def spawn_failure_text(error: OSError) -> str:
+    """Codex's text for a process that could not be created (rule 14), with this OS error."""
+    reason = f"{error.strerror or error} (os error {error.errno})"
+    return (
+        'exec_command failed: CreateProcess { message: "Rejected(\\"Failed to create unified exec process: '
+        f'{reason}\\")" }}'
+    )
