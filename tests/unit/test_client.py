@@ -10,7 +10,6 @@ import email.utils
 import json
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -43,8 +42,8 @@ from toolq.orchestrator.fake_model.builders import (
 )
 from toolq.orchestrator.protocol.events import Completed, ErrorEvent, Failed, Incomplete, OutputItemDone, Usage
 from toolq.orchestrator.protocol.items import CustomToolCallItem, FunctionCallItem, MessageItem, ReasoningItem
+from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 BODY = build_request("gpt-test", [{"role": "user", "content": "hi"}], [])
 
 
@@ -146,9 +145,7 @@ def test_every_recorded_fixture_goes_through_the_client():
         "sse-parallel-function-calls.txt": [FunctionCallItem, FunctionCallItem],
         "sse-custom-tool-call.txt": [ReasoningItem, CustomToolCallItem],
     }
-    folder = SHARED / "fixtures" / "sse"
-    if not folder.is_dir():
-        pytest.skip(f"shared fixtures not found at {folder}")
+    folder = SSE_FIXTURES
     with FakeModel([[replay(folder / name)] for name in expected]) as fake:
         runs = {name: Run(fake.base_url) for name in expected}
     for name, types in expected.items():
@@ -159,9 +156,7 @@ def test_every_recorded_fixture_goes_through_the_client():
 
 
 def test_any_httpx_transport_can_serve_the_stream():
-    path = SHARED / "fixtures" / "sse" / "sse-parallel-function-calls.txt"
-    if not path.is_file():
-        pytest.skip(f"shared fixtures not found at {path.parent}")
+    path = SSE_FIXTURES / "sse-parallel-function-calls.txt"
 
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=path.read_bytes())
@@ -177,9 +172,7 @@ def test_any_httpx_transport_can_serve_the_stream():
 
 
 def test_recorded_quota_failure_ends_the_turn_after_its_events():
-    path = SHARED / "fixtures" / "sse" / "sse-response-failed.txt"
-    if not path.is_file():
-        pytest.skip(f"shared fixtures not found at {path.parent}")
+    path = SSE_FIXTURES / "sse-response-failed.txt"
     r, fake = run([[replay(path)]])
     assert [e.kind for e in r.events] == ["created", "error", "failed"]
     assert (r.error.message, r.error.retryable, r.error.code) == (QUOTA_EXCEEDED, False, "insufficient_quota")
@@ -212,9 +205,7 @@ def test_stream_closed_before_completed_is_retryable_and_keeps_committed_items()
 
 
 def test_codex_incomplete_fixture_is_stream_closed_before_completed():
-    path = SHARED / "fixtures" / "codex" / "incomplete_sse.json"
-    if not path.is_file():
-        pytest.skip(f"shared fixtures not found at {path.parent}")
+    path = CODEX_FIXTURES / "incomplete_sse.json"
     r, _ = run([[replay(path)]])
     assert r.events == [] and r.error.retryable
     assert r.error.message.endswith("stream closed before response.completed")
@@ -266,9 +257,7 @@ def test_fatal_failure_codes_end_the_turn_with_a_clear_message(code, server_text
 
 
 def test_codex_failed_samples_classify_like_codex():
-    path = SHARED / "fixtures" / "codex" / "response_failed_samples.jsonl"
-    if not path.is_file():
-        pytest.skip(f"shared fixtures not found at {path.parent}")
+    path = CODEX_FIXTURES / "response_failed_samples.jsonl"
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     with FakeModel([[raw_frame(f"event: response.failed\ndata: {line}\n\n")] for line in lines]) as fake:
         errors = [Run(fake.base_url).error for _ in lines]

@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import typing
-from pathlib import Path
 
 import httpx
 import openai
@@ -32,8 +31,9 @@ from toolq.orchestrator.fake_model.builders import (
     web_search_call,
 )
 from toolq.orchestrator.protocol.events import EventDecoder, iter_sse_data
+from tests.paths import SSE_FIXTURES
 
-SSE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "sse"
+SSE = SSE_FIXTURES
 
 #: SDK 3.57.0 event class per `type`, from its own discriminated union.
 SDK_EVENTS = {
@@ -205,8 +205,6 @@ def test_gate_holds_the_stream_until_released(scripted):
 
 def test_replay_serves_a_recording_verbatim_with_its_last_blank_line(tmp_path):
     path = SSE / "sse-text-message.txt"
-    if not path.is_file():
-        pytest.skip(f"shared fixtures not found at {SSE}")
     with FakeModel([[replay(path)]]) as fake:
         resp = post(fake)
     assert resp.content == path.read_bytes() + b"\n\n"

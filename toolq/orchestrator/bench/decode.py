@@ -19,7 +19,8 @@ from typing import IO, Any
 from toolq.orchestrator.client import ModelClient, ModelSettings, build_request
 from toolq.orchestrator.fake_model.render import replay_frames
 
-FIXTURE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "sse" / "sse-parallel-function-calls.txt"
+# Package data (a copy of tests/fixtures/sse/sse-parallel-function-calls.txt, source noted there).
+FIXTURE = Path(__file__).resolve().parent / "recordings" / "sse-parallel-function-calls.txt"
 
 
 def build_transcript(fixture: Path, target_events: int) -> list[bytes]:
