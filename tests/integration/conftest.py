@@ -19,12 +19,31 @@ from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime, Session, TurnOutcome
 from toolq.workers.catalog import load_catalog
+from tests.responses_schema import schema_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_TOOLS = "tests.integration.testtools"
 WORKER_ENV = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def requests_follow_the_official_schema(monkeypatch):
+    """Every request body toolq sends to a fake model in a test must be a valid `CreateResponse`
+    (the official OpenAPI schema: tests/responses_schema.py), checked when the test ends."""
+    fakes: list[FakeModel] = []
+    init = FakeModel.__init__
+
+    def recording_init(self: FakeModel, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        fakes.append(self)
+
+    monkeypatch.setattr(FakeModel, "__init__", recording_init)
+    yield
+    for fake in fakes:
+        for k, body in enumerate(fake.requests):
+            assert schema_errors(body) == [], f"request {k + 1} is not a valid CreateResponse"
 
 
 @pytest.fixture(scope="session")
