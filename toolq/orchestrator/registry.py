@@ -16,7 +16,7 @@ from jsonschema.exceptions import ValidationError as SchemaError
 
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolInvocation, ToolName
 from toolq.orchestrator.errors import Fatal, RespondToModel
-from toolq.workers.catalog import Catalog, ToolSpec, is_nullable
+from toolq.workers.catalog import Catalog, ToolSpec, is_nullable, map_subschemas
 
 #: Codex's `functions` namespace also names the top-level tools (codex-reference S7).
 FUNCTIONS_NAMESPACE = "functions"
@@ -113,11 +113,9 @@ class Registry:
 def _nullable_is_optional(schema: Any) -> Any:
     """Strict schemas list every key as required and mark optional ones nullable; models that
     are not in strict mode (compatible servers) simply omit them, which is just as valid."""
-    if isinstance(schema, list):
-        return [_nullable_is_optional(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _nullable_is_optional(v) for k, v in schema.items()}
+    out = map_subschemas(schema, _nullable_is_optional)
     props = out.get("properties")
     if isinstance(props, dict) and "required" in out:
         out["required"] = [k for k in out["required"] if not is_nullable(props.get(k, {}))]

@@ -254,24 +254,49 @@ def strict_json_schema(model: type[BaseModel]) -> dict[str, Any]:
     return _strictify(model.model_json_schema())
 
 
+# JSON Schema keywords whose values are subschemas. Everything else (`default`, `enum`, `const`,
+# `examples`, `required`, ...) is data, and the keys of `properties` are argument names: a walk
+# that treated every dict key as a keyword would strip an argument named `title`.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+
+
+def map_subschemas(node: dict[str, Any], fn: Callable[[Any], Any], drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A copy of one schema node with `fn` applied to each of its direct subschemas (and the
+    keywords in `drop` left out); every other value is copied as it is."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in drop:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: fn(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            value = [fn(sub) for sub in value]
+        elif key in _SCHEMA_ONE:
+            value = [fn(sub) for sub in value] if isinstance(value, list) else fn(value)
+        out[key] = value
+    return out
+
+
 def _strictify(node: Any) -> Any:
-    if isinstance(node, list):
-        return [_strictify(n) for n in node]
+    """One schema node in strict form; pydantic's annotation `title`s go."""
     if not isinstance(node, dict):
-        return node
-    node = {k: _strictify(v) for k, v in node.items() if k != "title"}
-    if node.get("type") == "object" or "properties" in node:
-        props = node.get("properties", {})
-        required = set(node.get("required", []))
+        return node  # `true`/`false` schemas
+    out = map_subschemas(node, _strictify, drop=("title",))
+    if out.get("type") == "object" or "properties" in out:
+        props = out.get("properties", {})
+        required = set(out.get("required", []))
         for key, sub in props.items():
-            if key not in required and not is_nullable(sub):
+            if key not in required and isinstance(sub, dict) and not is_nullable(sub):
                 sub = {k: v for k, v in sub.items() if k != "default"}
                 props[key] = {"anyOf": [sub, {"type": "null"}]}
-        node["required"] = list(props)
-        node["additionalProperties"] = False
-    if node.get("default", 0) is None:
-        del node["default"]
-    return node
+        out["required"] = list(props)
+        out["additionalProperties"] = False
+    if "default" in out and out["default"] is None:
+        del out["default"]
+    return out
 
 
 def is_nullable(schema: dict[str, Any]) -> bool:
