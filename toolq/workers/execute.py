@@ -156,7 +156,7 @@ def _run(inv: ToolInvocation, spec: ToolSpec | None, r: redis.Redis, catalog: Ca
     ctx = ToolContext(invocation=inv, workspace=workspace, is_cancelled=lambda: is_cancelled(r, inv), catalog=catalog)
     try:
         if isinstance(inv.payload, FunctionPayload):
-            args: Any = parse_arguments(spec, inv.payload.arguments) if spec.args_model else inv.payload.arguments
+            args: Any = parse_arguments(spec, inv.payload.arguments)
         elif isinstance(inv.payload, CustomPayload):
             args = inv.payload.input
         else:
