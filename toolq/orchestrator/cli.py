@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--workspace", help="directory the tools work in (default: the current directory)")
     r.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
     r.add_argument("--instructions", help="the request's instructions (default: a short one naming the workspace)")
-    r.add_argument("--reasoning-effort", help="reasoning models: none|minimal|low|medium|high|xhigh")
+    r.add_argument("--reasoning-effort", help="auto (the default: medium for gpt-5*/o* models, no reasoning field "
+                   "for others), off (never one), or none|minimal|low|medium|high|xhigh|max")
     r.add_argument("--session", help="JSON file holding the conversation: read before the turn, written after it "
                                      "(cancelled turns included), so the next `toolq run --session` continues it")
     r.set_defaults(func=_cmd_run)

@@ -98,8 +98,7 @@ async def _run(settings: Settings, prompt: str, json_events: bool,
                history: History | None = None) -> tuple[TurnOutcome, History]:
     view: Any = JsonView() if json_events else LiveView()
     runtime = await Runtime.create(settings)
-    session = Session(runtime, instructions=settings.instructions or default_instructions(settings),
-                      reasoning={"effort": settings.reasoning_effort} if settings.reasoning_effort else None)
+    session = Session(runtime, instructions=settings.instructions or default_instructions(settings))
     if history is not None:
         session.history = history
     turn_id = new_turn_id()

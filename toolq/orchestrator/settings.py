@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.protocol.reasoning import ReasoningSetting
 
 DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
 
@@ -53,9 +54,10 @@ class Settings(BaseModel):
     model: str = "gpt-5.5"
     instructions: str | None = None
     """The request's `instructions`; unset: a short default naming the workspace and the tools."""
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    """Sent as `reasoning.effort` (with encrypted reasoning carried between stateless requests);
-    unset: no `reasoning` field, for models and servers that do not take one."""
+    reasoning_effort: ReasoningSetting = "auto"
+    """Sent as `reasoning.effort`, with encrypted reasoning asked for so that stateless requests
+    can carry it back. `auto`: `medium` for reasoning models (gpt-5*, o*), no `reasoning` field
+    for others; `off`: never one (`toolq.orchestrator.protocol.reasoning`)."""
     workspace: Path = Field(default_factory=Path.cwd)
     tools: list[str] = Field(default_factory=list)
     """Extra modules whose `@tool` declarations both sides load."""

@@ -33,6 +33,7 @@ from toolq.orchestrator.protocol.items import (
     ToolSearchOutputItem,
     is_api_item,
 )
+from toolq.orchestrator.protocol.reasoning import reasoning_for
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.results import ResultRouter
 from toolq.orchestrator.settings import Settings
@@ -111,7 +112,9 @@ class Session:
                  reasoning: dict[str, Any] | None = None) -> None:
         self.rt = runtime
         self.instructions = instructions
-        self.reasoning = reasoning
+        # None: from TOOLQ_REASONING_EFFORT and the model (on by default for reasoning models)
+        self.reasoning = reasoning if reasoning is not None else reasoning_for(
+            runtime.client.settings.model, runtime.settings.reasoning_effort)
         self.history = History()
         self.loaded_tools: set[ToolName] = set()
         self.unknown_items = 0
