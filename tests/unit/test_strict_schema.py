@@ -129,3 +129,12 @@ def test_the_rendered_tools_array_is_valid_for_the_official_schema():
     assert schema_errors(body) == []
     assert schema_errors(tools[0], "NamespaceToolParam") == []
     assert schema_errors(tools[0]["tools"][0], "FunctionTool") == []
+
+
+def test_every_strict_builtin_schema_follows_the_strict_rules():
+    from toolq.workers.catalog import load_catalog
+
+    strict = [spec for spec in load_catalog() if spec.kind == "function" and spec.strict]
+    assert strict, "no strict built-in tools to check"
+    for spec in strict:
+        assert strict_problems(spec.parameters) == [], spec.name
