@@ -47,7 +47,8 @@ def test_a_session_file_round_trips_a_paired_history(tmp_path):
     assert [i["type"] for i in again.to_json()] == ["message", "function_call", "function_call_output"]
 
 
-def test_a_file_that_is_not_a_session_is_one_clear_line(tmp_path, capsys):
+def test_a_file_that_is_not_a_session_is_one_clear_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "a list"}')
     assert cli.main(["run", "--session", str(bad), "--workspace", str(tmp_path), "hi"]) == 2
