@@ -90,7 +90,7 @@ def read_prompt(arg: str | None, stdin: IO[str]) -> str:
     if arg is None or arg == "-":
         if arg is None and stdin.isatty():
             raise UsageError("give a PROMPT, or pipe one on stdin (`echo ... | toolq run`)")
-        arg = stdin.read()
+        arg = stdin.read().rstrip("\n")  # `echo`'s newline is not part of the prompt
     if not arg.strip():
         raise UsageError("the prompt is empty")
     return arg
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toolq", description="Run an LLM agent's tool calls on a Celery fleet.")
     p.add_argument("--version", action="version", version=f"toolq {metadata.version('toolq')}")
     # Listed in `toolq --help` in the order a user needs them; the development tools last.
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run one turn: the model's tool calls execute on the worker fleet")
     r.add_argument("prompt", nargs="?", metavar="PROMPT",
