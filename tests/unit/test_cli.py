@@ -135,3 +135,20 @@ def test_toolq_run_without_a_key_for_a_remote_url_fails_in_one_line_before_start
 def test_demo_refuses_a_workspace_that_is_not_a_directory(tmp_path, capsys):
     assert cli.main(["demo", "--workspace", str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err == f"toolq: workspace {tmp_path / 'missing'} is not a directory\n"
+
+
+def test_the_live_view_shows_the_final_error_once():
+    from toolq.orchestrator.view import LiveView
+
+    out = io.StringIO()
+    view = LiveView(out)
+    final = "401 Unauthorized from http://127.0.0.1:1/v1/responses: bad key; set OPENAI_API_KEY to a valid key"
+    for event in [{"type": "turn.started", "turn_id": "turn-1"},
+                  {"type": "error", "message": "Reconnecting... 1/5 (cannot reach ...)"},
+                  {"type": "error", "message": final},
+                  {"type": "turn.failed", "turn_id": "turn-1", "error": {"message": final}}]:
+        view(event)
+    assert out.getvalue().splitlines() == ["toolq turn turn-1", "  ! Reconnecting... 1/5 (cannot reach ...)",
+                                           f"  ! {final}", "turn failed"]
+    view({"type": "turn.failed", "turn_id": "turn-1", "error": {"message": "turn stopped after 100 responses"}})
+    assert out.getvalue().splitlines()[-1] == "turn failed: turn stopped after 100 responses"
