@@ -54,11 +54,15 @@ def save_session(path: Path, history: History) -> None:
     tmp.replace(path)
 
 
-def run_demo(settings: Settings, *, json_events: bool = False) -> int:
+def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path | None = None) -> int:
     from toolq.orchestrator.fake_model.server import FakeModel
 
+    if workspace is not None and not workspace.is_dir():
+        raise ConfigurationError(f"workspace {workspace} is not a directory")
     with ExitStack() as stack:
-        workspace = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="toolq-demo-")))
+        if workspace is None:
+            workspace = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="toolq-demo-")))
+        workspace = workspace.resolve()
         fake = stack.enter_context(FakeModel())
         settings = settings.model_copy(update={"openai_base_url": fake.base_url, "openai_api_key": "demo",
                                                "workspace": workspace})

@@ -38,6 +38,9 @@ class JsonView(_View):
 class LiveView(_View):
     """One line per transition: glyph, tool, call id, state, duration, worker."""
 
+    _last_error: str | None = None
+    """The final error comes as `error` then `turn.failed` (as in Codex's JSON); it is shown once."""
+
     def __call__(self, event: dict[str, Any]) -> None:
         kind, item = event["type"], event.get("item") or {}
         line: str | None = None
@@ -51,11 +54,13 @@ class LiveView(_View):
             line = f"\n{item['text']}\n"
         elif kind == "error":
             line = f"  ! {event['message']}"
+            self._last_error = event["message"]
         elif kind == "turn.completed":
             u = event.get("usage") or {}
             line = f"turn completed ({u.get('input_tokens', 0)} input / {u.get('output_tokens', 0)} output tokens)"
         elif kind == "turn.failed":
-            line = f"turn failed: {event['error']['message']}"
+            message = event["error"]["message"]
+            line = "turn failed" if message == self._last_error else f"turn failed: {message}"
         elif kind == "turn.aborted":
             line = "turn cancelled"
         if line is not None:
