@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,9 @@ from toolq.workers.catalog import load_catalog
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_TOOLS = "tests.integration.testtools"
-WORKER_ENV = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+#: The test fleet's key: every worker and orchestrator of the suite signs and checks with it.
+SIGNING_KEY = secrets.token_hex(32)
+WORKER_ENV = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "TOOLQ_SIGNING_KEY": SIGNING_KEY}
 
 pytestmark = pytest.mark.integration
 
@@ -84,6 +87,7 @@ class Driven:
 
 def settings_for(redis_url: str, fake: FakeModel, workspace: Path, **kw: Any) -> Settings:
     kw.setdefault("tools", [TEST_TOOLS])
+    kw.setdefault("signing_key", SIGNING_KEY)
     return Settings(redis_url=redis_url, openai_base_url=fake.base_url, openai_api_key="test", workspace=workspace,
                     **kw)
 

@@ -21,7 +21,7 @@ def stack(workers: int = 2, concurrency: int = 4) -> Iterator[Settings]:
     from toolq.orchestrator.embedded import EmbeddedStack
 
     with EmbeddedStack(workers=workers, concurrency=concurrency, tools=[BENCH_TOOLS]) as embedded:
-        yield settings.model_copy(update={"redis_url": embedded.url})
+        yield settings.model_copy(update={"redis_url": embedded.url, "signing_key": embedded.signing_key})
 
 
 def pct(values: list[float], p: float) -> float:
