@@ -216,3 +216,10 @@ def test_an_operator_can_opt_in_to_tool_output_in_the_worker_log(drive, tmp_path
                      [b.message("done")]], redis_url=server.url)
         assert SECRET_OUTPUT in only_output(run)
         assert SECRET_OUTPUT in wait_for_log([loud], "succeeded in")
+
+
+def test_a_command_does_not_inherit_the_signing_key(fleet, drive):
+    run = drive([[b.function_call("exec_command", {"cmd": "env"}, "call_env")], [b.message("done")]])
+    output = only_output(run)
+    assert "PATH=" in output, output  # the command ran and printed its environment
+    assert c.SIGNING_KEY not in output and "TOOLQ_SIGNING_KEY" not in output

@@ -168,3 +168,12 @@ def test_the_key_is_required_and_never_shown():
         Settings.load({"TOOLQ_SIGNING_KEY": "short"})
     masked = Settings.load({"TOOLQ_SIGNING_KEY": KEY}).masked()["signing_key"]
     assert masked.startswith("****") and KEY not in masked
+
+
+def test_the_signing_bench_measures_both_sides():
+    import io
+
+    from toolq.orchestrator.bench import signing as bench
+
+    res = bench.run(io.StringIO(), sizes=(100,), loops=5, repeats=1)
+    assert res[100]["signed_us"] > 0 and res[100]["json_us"] > 0
