@@ -177,3 +177,13 @@ def test_the_signing_bench_measures_both_sides():
 
     res = bench.run(io.StringIO(), sizes=(100,), loops=5, repeats=1)
     assert res[100]["signed_us"] > 0 and res[100]["json_us"] > 0
+
+
+def test_a_worker_with_a_broker_but_no_key_refuses_to_start_with_one_line(monkeypatch, capsys):
+    from toolq.orchestrator.cli import main
+
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.delenv("TOOLQ_SIGNING_KEY", raising=False)
+    assert main(["worker"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "needs TOOLQ_SIGNING_KEY" in err and "secrets.token_hex(32)" in err
