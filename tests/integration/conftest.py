@@ -30,6 +30,15 @@ WORKER_ENV = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH"
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fleet_signing_key():
+    """Every toolq process a test starts itself (`toolq run`, `toolq demo`) inherits the key."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TOOLQ_SIGNING_KEY", SIGNING_KEY)
+    yield SIGNING_KEY
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     with RedisServer() as server:

@@ -189,7 +189,7 @@ def test_ctrl_c_on_toolq_run_cancels_the_turn_and_the_session_continues(fleet, t
     script = [[b.function_call("exec_command", {"cmd": f"sleep 30.{tag}9"}, "call_int")], [b.message("resumed")]]
     with FakeModel(script) as fake:
         env = {**os.environ, "REDIS_URL": fleet[0].redis_url, "OPENAI_BASE_URL": fake.base_url,
-               "OPENAI_API_KEY": "test", "PYTHONPATH": c.WORKER_ENV["PYTHONPATH"], "TOOLQ_SIGNING_KEY": c.SIGNING_KEY}
+               "OPENAI_API_KEY": "test", "PYTHONPATH": c.WORKER_ENV["PYTHONPATH"]}
         argv = [sys.executable, "-m", "toolq.orchestrator.cli", "run", "--json", "--workspace", str(tmp_path),
                 "--session", str(session_file)]
         proc = subprocess.Popen(argv + ["go"], env=env, stdout=subprocess.PIPE, text=True)

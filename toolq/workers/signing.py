@@ -59,7 +59,8 @@ class Signer:
 
     def __init__(self, key: str) -> None:
         if len(key) < MIN_KEY_CHARS:
-            raise ValueError(f"the signing key must have at least {MIN_KEY_CHARS} characters; generate one with {GENERATE}")
+            raise ValueError(f"the signing key must have at least {MIN_KEY_CHARS} characters; "
+                             f"generate one with {GENERATE}")
         self._key = key.encode()
 
     def __repr__(self) -> str:

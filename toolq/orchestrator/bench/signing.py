@@ -25,7 +25,8 @@ TASK_ID = "turn-bench:0:0:0123456789ab"
 def _invocation() -> dict[str, Any]:
     return {"turn_id": "turn-bench", "step": 0, "output_index": 0, "call_id": "call_" + "x" * 24,
             "tool_name": {"namespace": None, "name": "exec_command"},
-            "payload": {"kind": "function", "arguments": json.dumps({"cmd": "ls -la src && git status", "yield_time_ms": 10000})},
+            "payload": {"kind": "function",
+                        "arguments": json.dumps({"cmd": "ls -la src && git status", "yield_time_ms": 10000})},
             "deadline": time.time() + 3600, "workspace": "/workspace/project", "spec_digest": "0123456789abcdef"}
 
 
