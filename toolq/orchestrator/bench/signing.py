@@ -1,9 +1,9 @@
 """Benchmark: what signed messages cost per call, against JSON-encoding the same messages.
 
-Per call, four steps: the orchestrator signs the invocation, the worker checks it, the worker's
-backend seals the result meta, the orchestrator checks that. The baseline, in the same run, is
-one `json.dumps` of the same invocation and meta, which every call pays already (kombu encodes
-both). Result sizes: a short output, and outputs near the truncation policy's size.
+Per call, what a call does: the orchestrator signs the invocation and the worker checks it; the
+worker's backend seals two metas (STARTED, then SUCCESS) and the orchestrator checks both. The
+baseline, in the same run, is one `json.dumps` of the same invocation and metas, which every
+call pays already (kombu encodes each of them). Result sizes: a short output, and outputs near the truncation policy's size.
 Each figure is the median of `repeats` timings of `loops` calls, in microseconds per call.
 """
 
@@ -30,6 +30,10 @@ def _invocation() -> dict[str, Any]:
             "deadline": time.time() + 3600, "workspace": "/workspace/project", "spec_digest": "0123456789abcdef"}
 
 
+STARTED = {"status": "STARTED", "task_id": TASK_ID, "traceback": None, "children": [], "date_done": None,
+           "result": {"pid": 4242, "hostname": "worker@host"}}
+
+
 def _meta(output_chars: int) -> dict[str, Any]:
     return {"status": "SUCCESS", "task_id": TASK_ID, "traceback": None, "children": [],
             "date_done": "2026-12-01T10:00:00.000000+00:00",
@@ -53,21 +57,22 @@ def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (100, 16_000, 64_000
     signer = Signer(secrets.token_hex(32))
     inv = _invocation()
     results: dict[int, dict[str, float]] = {}
-    print(f"signing: HMAC-SHA256 per call (sign + check the invocation, seal + check the result meta), "
+    print(f"signing: HMAC-SHA256 per call (sign + check the invocation, seal + check 2 metas), "
           f"median of {repeats} x {loops} calls", file=out)
     print(f"  {'output':>10}  {'signed':>10}  {'json baseline':>14}  {'ratio':>6}", file=out)
     for size in sizes:
-        meta = _meta(size)
+        metas = [STARTED, _meta(size)]
 
         def signed() -> None:
             sig = signer.sign_invocation(TASK, TASK_ID, inv)
             assert signer.invocation_refusal(TASK, TASK_ID, inv, sig) is None
-            sealed = signer.seal_meta(meta)
-            assert signer.meta_refusal(TASK_ID, sealed) is None
+            for meta in metas:
+                assert signer.meta_refusal(TASK_ID, signer.seal_meta(meta)) is None
 
         def baseline() -> None:
             json.dumps(inv)
-            json.dumps(meta)
+            for meta in metas:
+                json.dumps(meta)
 
         n = max(loops * 100 // max(size, 100), 50)  # fewer loops for big outputs, same wall time
         res = {"signed_us": _per_call_us(signed, n, repeats), "json_us": _per_call_us(baseline, n, repeats)}
