@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import tests.integration.conftest as c
 from toolq.orchestrator.fake_model import FakeModel
 from toolq.orchestrator.fake_model.builders import http_error, message
 
@@ -36,7 +37,7 @@ def closed_port() -> int:
 
 @pytest.fixture
 def env(redis_server, tmp_path) -> dict[str, str]:
-    return {"REDIS_URL": redis_server.url, "TOOLQ_WORKSPACE": str(tmp_path)}
+    return {"REDIS_URL": redis_server.url, "TOOLQ_WORKSPACE": str(tmp_path), "TOOLQ_SIGNING_KEY": c.SIGNING_KEY}
 
 
 def test_an_unreachable_endpoint_is_named_in_every_retry_line_and_in_the_final_error(env):

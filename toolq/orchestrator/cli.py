@@ -64,7 +64,14 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if not settings.redis_url:
         print("toolq worker: set REDIS_URL (or CELERY_BROKER_URL) to the broker the orchestrator uses", file=sys.stderr)
         return 2
+    from toolq.workers.signing import required_signer
+
+    required_signer(settings.signing_key, "a worker")
+    import os
+
     os.environ["REDIS_URL"] = settings.redis_url  # pool children and the app read the same settings
+    # The key lives on in the app's conf (pool children fork with it); commands get no copy of it.
+    os.environ.pop("TOOLQ_SIGNING_KEY", None)
     if settings.tools:
         os.environ["TOOLQ_TOOLS"] = ",".join(settings.tools)
     from toolq.workers.app import app, catalog, configure
@@ -154,7 +161,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("decode", "pipeline", "steps", "cancel")
+BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.settings import Settings
 from toolq.workers.app import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, make_app
 from toolq.workers.catalog import ToolSpec
+from toolq.workers.signing import Signer
 
 log = logging.getLogger("toolq.dispatch")
 
@@ -32,9 +33,11 @@ class DispatchError(Exception):
 
 
 class Dispatcher:
-    def __init__(self, settings: Settings, ledger: Ledger) -> None:
+    def __init__(self, settings: Settings, ledger: Ledger, signer: Signer | None = None) -> None:
         self.app = make_app(settings)
         self.ledger = ledger
+        self.signer = signer
+        """Signs each invocation (toolq/workers/signing.py); None: this dispatcher only revokes."""
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="toolq-dispatch")
 
     async def _run(self, fn, *args, **kwargs):
@@ -52,9 +55,12 @@ class Dispatcher:
         return True
 
     def _send(self, inv: ToolInvocation, spec: ToolSpec) -> None:
+        assert self.signer is not None, "a Dispatcher that sends needs the fleet's signer"
+        task, invocation = TASK_IDEMPOTENT if spec.idempotent else TASK, inv.model_dump(mode="json")
         self.app.send_task(
-            TASK_IDEMPOTENT if spec.idempotent else TASK,
-            args=[inv.model_dump(mode="json")],
+            task,
+            args=[invocation],
+            kwargs={"signature": self.signer.sign_invocation(task, inv.task_id, invocation)},  # signing hook
             task_id=inv.task_id,
             queue=spec.queue,
             # Kept in the message: a call still queued at the turn deadline never starts.

@@ -9,6 +9,7 @@ so tests and a fresh machine run the code path production runs. The server binar
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -226,7 +227,9 @@ class EmbeddedStack:
     def __enter__(self) -> EmbeddedStack:
         try:
             self.redis = self._stack.enter_context(RedisServer())
+            self.signing_key = secrets.token_hex(32)  # this run's fleet key: its workers and its orchestrator
             self.workers = [WorkerProcess(self.url, concurrency=self.concurrency, tools=self.tools,
+                                          env={"TOOLQ_SIGNING_KEY": self.signing_key},
                                           name=f"embedded{i}-{self.redis.port}@{socket.gethostname()}")
                             for i in range(self.n_workers)]
             for w in self.workers:

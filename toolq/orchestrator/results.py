@@ -21,6 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from toolq.orchestrator import keys
+from toolq.workers.signing import Signer
 
 log = logging.getLogger("toolq.results")
 
@@ -39,7 +40,9 @@ class CallWatch:
 
 
 class ResultRouter:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, signer: Signer) -> None:
+        self.signer = signer
+        """Checks every meta before it counts (toolq/workers/signing.py)."""
         self.r = aioredis.Redis.from_url(url, client_name="toolq-results")
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         self._watches: dict[str, CallWatch] = {}
@@ -112,6 +115,8 @@ class ResultRouter:
             meta = json.loads(raw)
         except (TypeError, ValueError):
             log.warning("unreadable result meta for %s", task_id)
+            return
+        if not self.signer.accept_meta(task_id, meta):  # signing hook: a forged meta is dropped, logged
             return
         status = meta.get("status")
         if status == "STARTED" and w.hostname is None:

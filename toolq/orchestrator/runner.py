@@ -87,7 +87,7 @@ def _with_redis(settings: Settings, stack: ExitStack, quiet: bool) -> Settings:
     if not quiet:
         print("no REDIS_URL: starting an embedded Redis-protocol server and 2 workers...", file=sys.stderr)
     embedded = stack.enter_context(EmbeddedStack(workers=2, concurrency=4, tools=settings.tools))
-    return settings.model_copy(update={"redis_url": embedded.url})
+    return settings.model_copy(update={"redis_url": embedded.url, "signing_key": embedded.signing_key})
 
 
 def default_instructions(settings: Settings) -> str:

@@ -39,9 +39,11 @@ ENV = {
     "flower_password": ("FLOWER_PASSWORD",),
     "flower_port": ("FLOWER_PORT",),
     "flower_address": ("FLOWER_ADDRESS",),
+    "signing_key": ("TOOLQ_SIGNING_KEY",),
+    "log_tool_output": ("TOOLQ_LOG_TOOL_OUTPUT",),
 }
 
-SECRETS = {"openai_api_key", "flower_password"}
+SECRETS = {"openai_api_key", "flower_password", "signing_key"}
 
 
 class Settings(BaseModel):
@@ -76,6 +78,12 @@ class Settings(BaseModel):
     flower_password: str | None = None
     flower_port: int = Field(default=5555, ge=0, le=65535)
     flower_address: str = "127.0.0.1"
+    signing_key: str | None = None
+    """The fleet's shared HMAC key: the orchestrator signs calls, workers sign results
+    (toolq/workers/signing.py). Required with REDIS_URL; the embedded default generates one."""
+    log_tool_output: bool = False
+    """Debugging only: put tool output in the workers' task-succeeded log lines and Flower's
+    results (by default they carry status and sizes)."""
 
     @field_validator("redis_url", "result_url")
     @classmethod
@@ -88,6 +96,15 @@ class Settings(BaseModel):
         if v and v.startswith("rediss://") and "ssl_cert_reqs=" not in v:
             # Celery's Redis result backend refuses a TLS URL without it (at first use, not here).
             raise ValueError("a rediss:// URL needs ?ssl_cert_reqs=required (or optional, none)")
+        return v
+
+    @field_validator("signing_key")
+    @classmethod
+    def _key_length(cls, v: str | None) -> str | None:
+        from toolq.workers.signing import GENERATE, MIN_KEY_CHARS
+
+        if v is not None and len(v) < MIN_KEY_CHARS:
+            raise ValueError(f"must have at least {MIN_KEY_CHARS} characters; generate one with {GENERATE}")
         return v
 
     @field_validator("tools", "queues", mode="before")

@@ -38,6 +38,7 @@ from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.results import ResultRouter
 from toolq.orchestrator.settings import Settings
 from toolq.workers.catalog import Catalog, load_catalog
+from toolq.workers.signing import required_signer
 
 log = logging.getLogger("toolq.turn")
 
@@ -92,10 +93,11 @@ class Runtime:
                                        model=settings.model, request_max_retries=settings.request_max_retries,
                                        stream_max_retries=settings.stream_max_retries,
                                        stream_idle_timeout=settings.stream_idle_timeout)
+        signer = required_signer(settings.signing_key, "an orchestrator with REDIS_URL")
         ledger = Ledger.from_url(settings.redis_url)
-        router = ResultRouter(settings.result_backend_url() or settings.redis_url)
+        router = ResultRouter(settings.result_backend_url() or settings.redis_url, signer)
         await router.start()
-        return cls(settings, catalog, ModelClient(model), ledger, Dispatcher(settings, ledger), router)
+        return cls(settings, catalog, ModelClient(model), ledger, Dispatcher(settings, ledger, signer), router)
 
     async def aclose(self) -> None:
         await flush_background()

@@ -7,20 +7,25 @@ prefork, `acks_late` + prefetch 1 (fair, and queued revokes are honoured), START
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any
 
 import redis
 from celery import Celery
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Ignore, SoftTimeLimitExceeded
 from celery.signals import worker_process_init, worker_shutdown, worker_shutting_down
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.settings import Settings
+from toolq.workers import signing
 from toolq.workers.catalog import Catalog, load_catalog
 from toolq.workers.execute import execute
 from toolq.workers.sandbox import install_sigterm_handler
+from toolq.workers.summary import returned
+
+log = logging.getLogger("toolq.worker")
 
 TASK = "toolq.run"
 #: Same body, but a call whose worker died is redelivered (only idempotent tools go here).
@@ -67,6 +72,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         },
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
+        # toolq's own: the fleet key (signing.py; Celery masks it in `inspect conf`) and whether
+        # task-succeeded log lines and Flower may show tool output (summary.py).
+        **{signing.CONF_KEY: settings.signing_key, "toolq_log_tool_output": settings.log_tool_output},
     )
 
 
@@ -124,20 +132,28 @@ def _hostname(task: Any) -> str:
     return task.request.hostname or f"{os.getpid()}@{socket.gethostname()}"
 
 
-def _execute(task: Any, invocation: dict, redelivery: bool) -> dict:
+def _execute(task: Any, invocation: dict, signature: str, redelivery: bool) -> Any:
+    # A task the orchestrator did not sign (pushed by whoever reached Redis) is not run, and
+    # stores no state: Ignore acks it without a result, so it cannot answer a live call's id.
+    refusal = signing.refuse_invocation(app.conf.get(signing.CONF_KEY), task.name, task.request.id, invocation,
+                                        signature)
+    if refusal:
+        log.warning("refused task %s (%s): %s; not run", task.request.id, task.name, refusal)
+        raise Ignore()
     # revoke(terminate=True) SIGTERMs the pool child; its command's process group must die too.
     # Installed per call: billiard resets the pool child's signal handlers after
     # worker_process_init, so a handler set there is gone by the time a task runs.
     install_sigterm_handler()
-    return execute(invocation, hostname=_hostname(task), r=redis_client(), catalog=catalog(), redelivery=redelivery,
-                   time_limit_errors=(SoftTimeLimitExceeded,))
+    result = execute(invocation, hostname=_hostname(task), r=redis_client(), catalog=catalog(), redelivery=redelivery,
+                     time_limit_errors=(SoftTimeLimitExceeded,))
+    return returned(result, log_output=bool(app.conf.get("toolq_log_tool_output")))
 
 
 @app.task(name=TASK, bind=True, acks_late=True, reject_on_worker_lost=False, track_started=True)
-def run_tool(self: Any, invocation: dict) -> dict:
-    return _execute(self, invocation, redelivery=False)
+def run_tool(self: Any, invocation: dict, signature: str = "") -> Any:
+    return _execute(self, invocation, signature, redelivery=False)
 
 
 @app.task(name=TASK_IDEMPOTENT, bind=True, acks_late=True, reject_on_worker_lost=True, track_started=True)
-def run_tool_idempotent(self: Any, invocation: dict) -> dict:
-    return _execute(self, invocation, redelivery=True)
+def run_tool_idempotent(self: Any, invocation: dict, signature: str = "") -> Any:
+    return _execute(self, invocation, signature, redelivery=True)

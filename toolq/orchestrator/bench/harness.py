@@ -29,7 +29,7 @@ def stack(workers: int = 2, concurrency: int = 4, *, queues: tuple[str, ...] = (
     from toolq.orchestrator.embedded import EmbeddedStack
 
     with EmbeddedStack(workers=workers, concurrency=concurrency, tools=[BENCH_TOOLS]) as embedded:
-        yield settings.model_copy(update={"redis_url": embedded.url})
+        yield settings.model_copy(update={"redis_url": embedded.url, "signing_key": embedded.signing_key})
 
 
 def require_queues(settings: Settings, queues: tuple[str, ...], timeout: float = 2.0) -> None:

@@ -46,8 +46,11 @@ def _baseline_calls(client: Celery, rt: Runtime, n: int) -> list[float]:
     times = []
     for _ in range(n):
         inv = rt.registry.bind(call, StepContext(f"base-{uuid.uuid4().hex[:8]}", 0, time.time() + 60, "/tmp"), 0)
+        invocation = inv.model_dump(mode="json")
+        signature = rt.dispatcher.signer.sign_invocation(TASK, inv.task_id, invocation)  # workers run signed calls only
         t0 = time.perf_counter()
-        result = client.send_task(TASK, args=[inv.model_dump(mode="json")], task_id=inv.task_id, queue=BENCH_QUEUE)
+        result = client.send_task(TASK, args=[invocation], kwargs={"signature": signature}, task_id=inv.task_id,
+                                  queue=BENCH_QUEUE)
         value = result.get(timeout=30)
         times.append(time.perf_counter() - t0)
         assert value["output"] == "ok", value
