@@ -129,8 +129,10 @@ class RedisServer(ChildProcess):
     stop_grace = 2.0
 
     def __init__(self, port: int | None = None, workdir: Path | None = None, binary: str | None = None,
-                 password: str | None = None) -> None:
+                 password: str | None = None, args: list[str] | None = None) -> None:
         self.port = port or free_port()
+        self.args = args or []
+        """More command-line options after the config file (tests run the deploy files' own)."""
         self.binary = binary
         self.password = password or secrets.token_hex(24)
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="toolq-redis-")  # mode 0700
@@ -142,8 +144,10 @@ class RedisServer(ChildProcess):
         return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
     def config(self) -> str:
-        return "\n".join([f"port {self.port}", "bind 127.0.0.1", "protected-mode yes", f"requirepass {self.password}",
-                          'save ""', "appendonly no", f'dir "{self.dir}"', "loglevel warning", f'logfile "{self.dir / "redis.log"}"', ""])
+        lines = [f"port {self.port}", "bind 127.0.0.1", "protected-mode yes", f"requirepass {self.password}",
+                 'save ""', "appendonly no", f'dir "{self.dir}"', "loglevel warning",
+                 f'logfile "{self.dir / "redis.log"}"']
+        return "\n".join(lines) + "\n"
 
     def start(self) -> RedisServer:
         conf = self.dir / "redis.conf"
@@ -151,12 +155,19 @@ class RedisServer(ChildProcess):
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self.config())
-        self.proc = subprocess.Popen([self.binary or redis_server_binary(), str(conf)], stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen([self.binary or redis_server_binary(), str(conf), *self.args], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
         client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
-        wait_for(lambda: self._ping(client), 10, f"redis on port {self.port}")
+        wait_for(lambda: self._exited() or self._ping(client), 10, f"redis on port {self.port}", self.dir / "redis.log")
         client.close()
         return self
+
+    def _exited(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            log = self.dir / "redis.log"
+            raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
+                               + (log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"))
+        return False
 
     @staticmethod
     def _ping(client: redis.Redis) -> bool:
