@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -137,3 +138,37 @@ def test_a_run_leaves_nothing_behind_and_a_failed_run_keeps_its_logs_and_says_wh
     assert kept.parent == shell.tmp and kept.is_dir()
     assert sorted(p.name for p in kept.glob("embedded*.log")) and (kept / "redis").is_dir()
     assert os.listdir(shell.xdg / "toolq") == []  # the stack stopped: no longer announced
+
+
+def test_a_killed_run_takes_its_embedded_stack_with_it(tmp_path):
+    """SIGKILL leaves no handler to run: the server and the workers die by their parent-death signal."""
+    marker = f"sleep 120.{os.getpid() % 1000}9"
+    with FakeModel([[b.function_call("exec_command", {"cmd": marker}, "call_long")], [b.message("x")]]) as fake:
+        shell = Shell(tmp_path, fake)
+        run = shell.start_run("sleep a long time")
+        try:
+            read_events_until(run, lambda e: e["type"] == "item.started")
+            (entry,) = [json.loads(p.read_text()) for p in (shell.xdg / "toolq").glob("stack-*.json")]
+            port = entry["redis_url"].rsplit(":", 1)[1].split("/")[0]
+            # redis-server's title; the workers' --name (their pool processes too). The call's own
+            # command is the sandbox's to stop (it dies with its pool process under bubblewrap).
+            stack = [f"127.0.0.1:{port}", f"-{port}@"]
+            deadline = time.monotonic() + 30
+            while not (all(pids_matching(m) for m in stack) and pids_matching(marker)):
+                assert time.monotonic() < deadline, "the stack or its call never showed up"
+                time.sleep(0.05)
+            run.kill()
+            run.wait(5)
+        finally:
+            if run.poll() is None:
+                run.kill()
+        deadline = time.monotonic() + 2
+        while any(pids_matching(m) for m in stack) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = {m: pids_matching(m) for m in stack}
+        for pid in pids_matching(marker):  # not this test's subject (see above): just clean up
+            os.kill(pid, signal.SIGKILL)
+        assert not any(left.values()), f"still running 2 s after the SIGKILL: {left}"
+        # its announcement is stale now: dropped by the next reader
+        gone = shell.toolq("turns")
+        assert gone.returncode == 2 and list((shell.xdg / "toolq").iterdir()) == []

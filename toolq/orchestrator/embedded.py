@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -79,6 +80,31 @@ def _kill_group(proc: subprocess.Popen, grace: float) -> None:
         proc.wait(5)
 
 
+#: prctl(2) option: the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Any:
+    """A `preexec_fn` that SIGKILLs the child when this process dies, even by SIGKILL (Linux).
+
+    Only from the main thread: the kernel ties the signal to the thread that forked, so a child
+    started from a worker thread would be killed when that thread ends. Elsewhere (no prctl) a
+    no-op: the child is still stopped on a normal exit, only not after a SIGKILL."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
 def wait_for(check: Any, timeout: float, what: str, log: Path | None = None) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -95,6 +121,11 @@ class ChildProcess:
 
     proc: subprocess.Popen | None = None
     stop_grace = 10.0
+    #: SIGKILLed when this process dies (the embedded stack: nothing outlives a killed `toolq run`).
+    with_parent = False
+
+    def _preexec(self) -> Any:
+        return die_with_parent() if self.with_parent else None
 
     def start(self) -> ChildProcess:
         raise NotImplementedError
@@ -155,8 +186,9 @@ class RedisServer(ChildProcess):
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self.config())
-        self.proc = subprocess.Popen([self.binary or redis_server_binary(), str(conf), *self.args], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen([self.binary or redis_server_binary(), str(conf), *self.args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=self._preexec())
         client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
         wait_for(lambda: self._exited() or self._ping(client), 10, f"redis on port {self.port}", self.dir / "redis.log")
         client.close()
@@ -216,8 +248,9 @@ class WorkerProcess(ChildProcess):
         env = {**os.environ, **self.env, "REDIS_URL": self.redis_url}
         env.pop("CELERY_BROKER_URL", None)
         self.log.write_text("")
+        # Its pool children get the same from Celery's prefork pool, which sets their parent-death signal.
         self.proc = subprocess.Popen(self.argv(), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=self._preexec())
         if wait:
             self.wait_ready()
         return self
@@ -265,12 +298,15 @@ class EmbeddedStack:
         try:
             redis_dir = self.dir / "redis"
             redis_dir.mkdir(mode=0o700)
-            self.redis = self._stack.enter_context(RedisServer(workdir=redis_dir))
+            server = RedisServer(workdir=redis_dir)
+            server.with_parent = True
+            self.redis = self._stack.enter_context(server)
             env = self.worker_env()
             self.workers = [WorkerProcess(self.url, concurrency=self.concurrency, tools=self.tools, env=env,
                                           logdir=self.dir, name=f"embedded{i}-{self.redis.port}@{socket.gethostname()}")
                             for i in range(self.n_workers)]
             for w in self.workers:
+                w.with_parent = True
                 self._stack.callback(w.stop)
                 w.start(wait=False)
             for w in self.workers:
