@@ -112,7 +112,8 @@ def test_the_roles_run_a_whole_turn_and_nothing_that_could_wipe_or_stop_the_serv
         finally:
             worker.stop()  # a warm shutdown: the draining record is written and removed
         assert outcome.status == "completed", outcome.error
-        outputs = {i["call_id"]: i["output"] for i in fake.requests[1]["input"] if i.get("type") == "function_call_output"}
+        outputs = {i["call_id"]: i["output"] for i in fake.requests[1]["input"]
+                   if i.get("type") == "function_call_output"}
         assert "ok" in outputs["call_ok"] and "aborted" in outputs["call_long"]
         assert admin.acl_log() == [], "a role was refused a command toolq needs"
 

