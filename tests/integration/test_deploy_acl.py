@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 import redis
 import yaml
@@ -25,6 +26,8 @@ from tests.unit.test_deploy import COMPOSE, K8S
 from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.orchestrator.flower import FlowerProcess
+from toolq.orchestrator.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -105,10 +108,16 @@ def test_the_roles_run_a_whole_turn_and_nothing_that_could_wipe_or_stop_the_serv
                 out = await asyncio.to_thread(toolq, *args)
                 assert out.returncode == 0, (args, out.stderr)
 
+        flower = FlowerProcess(Settings(redis_url=url(server, "orchestrator"), flower_user="u", flower_password="p"),
+                               logdir=tmp_path)
         try:
-            with FakeModel(script) as fake:
+            with FakeModel(script) as fake, flower:
                 settings = c.settings_for(url(server, "orchestrator"), fake, tmp_path)
                 (outcome,), _ = asyncio.run(asyncio.wait_for(c.run_session(settings, ["go"], [], during), 90))
+                # Flower as the orchestrator user: its task list, queue lengths (LLEN) and a live inspect
+                flower.wait_for_workers([worker.name])
+                for path in ("/api/tasks", "/api/queues/length", "/api/workers?refresh=1"):
+                    assert httpx.get(flower.url + path, auth=("u", "p"), timeout=30).status_code == 200, path
         finally:
             worker.stop()  # a warm shutdown: the draining record is written and removed
         assert outcome.status == "completed", outcome.error
