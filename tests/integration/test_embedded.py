@@ -7,6 +7,8 @@ Issue 12 item 3 (the server is its owner's only), issue 10 items 12 (nothing pil
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import os
 import signal
@@ -20,9 +22,14 @@ import redis
 
 from tests.integration.conftest import ROOT
 from tests.integration.test_cancel import pids_matching
+from toolq.orchestrator import keys, runtime_dir
+from toolq.orchestrator.cancel import UnknownTarget, cancel
 from toolq.orchestrator.embedded import RedisServer
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.status import status_cmd, turns_cmd
 
 pytestmark = pytest.mark.integration
 
@@ -172,3 +179,36 @@ def test_a_killed_run_takes_its_embedded_stack_with_it(tmp_path):
         # its announcement is stale now: dropped by the next reader
         gone = shell.toolq("turns")
         assert gone.returncode == 2 and list((shell.xdg / "toolq").iterdir()) == []
+
+
+def test_with_two_running_stacks_each_command_finds_the_one_that_holds_the_turn(tmp_path, monkeypatch):
+    """Two embedded runs of one user: `turns` lists both, `status` and `cancel` act on the right one."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    with RedisServer() as first, RedisServer() as second:
+        entries = [runtime_dir.register(s.url, tmp_path) for s in (first, second)]
+
+        async def start(server: RedisServer, turn_id: str) -> None:
+            ledger = Ledger.from_url(server.url)
+            await ledger.start_turn(turn_id, f"prompt of {turn_id}", str(tmp_path))
+            await ledger.aclose()
+
+        asyncio.run(start(first, "turn-first"))
+        asyncio.run(start(second, "turn-second"))
+        settings = Settings()  # no REDIS_URL
+
+        out = io.StringIO()
+        assert turns_cmd(settings, as_json=True, out=out) == 0
+        assert [json.loads(line)["turn_id"] for line in out.getvalue().splitlines()] == ["turn-second", "turn-first"]
+        out = io.StringIO()
+        assert status_cmd(settings, "turn-first", out=out) == 0 and "turn turn-first  running" in out.getvalue()
+        err = io.StringIO()
+        assert status_cmd(settings, "turn-nowhere", err=err) == 1 and "2 running embedded stack(s)" in err.getvalue()
+
+        report = asyncio.run(cancel(settings, "turn-second"))
+        assert report.turn_id == "turn-second"
+        assert redis.Redis.from_url(second.url).exists(keys.cancel_turn("turn-second"))
+        assert not redis.Redis.from_url(first.url).exists(keys.cancel_turn("turn-second"))
+        with pytest.raises(UnknownTarget, match="no turn turn-nowhere in your running embedded"):
+            asyncio.run(cancel(settings, "turn-nowhere"))
+        for entry in entries:
+            runtime_dir.unregister(entry)
