@@ -375,6 +375,8 @@ def test_compose_runs_every_container_without_privileges():
             assert "no-new-privileges:true" in s.get("security_opt", []), name
             assert s.get("read_only") is True, name
             assert not any(o.startswith("seccomp=unconfined") for o in s.get("security_opt", [])), name
+    for name, s in toolq_services().items():
+        assert {t.split(":")[0] for t in s["tmpfs"]} == {"/tmp", "/home/toolq"}, name  # the only writable paths
     assert services["redis"]["user"] == "999:1000"  # the image's redis user: no root entrypoint to drop from
     for name in ("worker", "redis"):
         assert services[name]["mem_limit"] and int(services[name]["pids_limit"]) > 0, name
