@@ -62,13 +62,12 @@ def redis_server_binary() -> str:
     )
 
 
-def _kill_group(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left (workers fork pool children)."""
+def _kill_group(proc: subprocess.Popen, grace: float, terminate: bool = True) -> None:
+    """SIGTERM the process group (unless already sent), then SIGKILL whatever is left (workers
+    fork pool children)."""
     if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        if terminate:
+            _terminate_group(proc)
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
@@ -83,6 +82,13 @@ def _kill_group(proc: subprocess.Popen, grace: float) -> None:
 
 #: prctl(2) option: the signal a process gets when its parent dies.
 PR_SET_PDEATHSIG = 1
+
+
+def _terminate_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
 
 
 def die_with_parent() -> Any:
@@ -135,10 +141,19 @@ class ChildProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    _terminated = False
+
+    def terminate(self) -> None:
+        """Start stopping (SIGTERM) without waiting: `stop()` then waits. Stopping several at once."""
+        if self.proc is not None and self.proc.poll() is None:
+            _terminate_group(self.proc)
+            self._terminated = True
+
     def stop(self, grace: float | None = None) -> None:
         if self.proc is not None:
-            _kill_group(self.proc, grace=self.stop_grace if grace is None else grace)
+            _kill_group(self.proc, grace=self.stop_grace if grace is None else grace, terminate=not self._terminated)
             self.proc = None
+        self._terminated = False
 
     def kill(self) -> None:
         """SIGKILL the whole group at once (children included)."""
@@ -308,9 +323,9 @@ class EmbeddedStack:
             self.workers = [WorkerProcess(self.url, concurrency=self.concurrency, tools=self.tools, env=env,
                                           logdir=self.dir, name=f"embedded{i}-{self.redis.port}@{host}")
                             for i in range(self.n_workers)]
+            self._stack.callback(self._stop_workers)
             for w in self.workers:
                 w.with_parent = True
-                self._stack.callback(w.stop)
                 w.start(wait=False)
             for w in self.workers:
                 w.wait_ready()
@@ -319,6 +334,13 @@ class EmbeddedStack:
             self._close(failed=True)
             raise
         return self
+
+    def _stop_workers(self) -> None:
+        # All warm shutdowns at once: the stack stops in the time of the slowest worker, not the sum.
+        for w in self.workers:
+            w.terminate()
+        for w in self.workers:
+            w.stop()
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self._close(failed=exc_type is not None or self._a_turn_failed())
