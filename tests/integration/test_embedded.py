@@ -210,5 +210,11 @@ def test_with_two_running_stacks_each_command_finds_the_one_that_holds_the_turn(
         assert not redis.Redis.from_url(first.url).exists(keys.cancel_turn("turn-second"))
         with pytest.raises(UnknownTarget, match="no turn turn-nowhere in your running embedded"):
             asyncio.run(cancel(settings, "turn-nowhere"))
+
+        first.stop()  # a run whose server died while the run lives on: skipped, the other still counts
+        out = io.StringIO()
+        assert turns_cmd(settings, as_json=True, out=out) == 0
+        assert [json.loads(line)["turn_id"] for line in out.getvalue().splitlines()] == ["turn-second"]
+        assert asyncio.run(cancel(settings, "turn-second")).turn_id == "turn-second"
         for entry in entries:
             runtime_dir.unregister(entry)

@@ -11,11 +11,12 @@ With no REDIS_URL, the turn is looked for in this user's running embedded stacks
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.ledger import TERMINAL, Ledger
-from toolq.orchestrator.runtime_dir import ledger_urls
+from toolq.orchestrator.runtime_dir import ledgers
 from toolq.orchestrator.settings import Settings
 
 
@@ -33,14 +34,11 @@ class UnknownTarget(LookupError):
 async def cancel(settings: Settings, turn_id: str, call_id: str | None = None) -> CancelReport:
     """Cancel on the Redis that knows the turn: REDIS_URL, else the embedded stack running it.
     ConfigurationError when there is nothing to ask; UnknownTarget when nobody knows the turn."""
-    for url in ledger_urls(settings.redis_url):
-        ledger = Ledger.from_url(url)
-        try:
+    async with aclosing(ledgers(settings.redis_url)) as each:
+        async for url, ledger in each:
             calls = await ledger.calls(turn_id)
             if calls or await ledger.turn(turn_id):
                 return await _cancel(settings.model_copy(update={"redis_url": url}), ledger, turn_id, calls, call_id)
-        finally:
-            await ledger.aclose()
     raise UnknownTarget(f"no turn {turn_id} in the ledger" if settings.redis_url
                         else f"no turn {turn_id} in your running embedded `toolq run`s")
 

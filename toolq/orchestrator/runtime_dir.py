@@ -10,19 +10,25 @@ trusted. A file whose process is gone (a SIGKILLed run) is stale and removed whe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
 import stat
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
+from redis.exceptions import RedisError
 
 from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.ledger import Ledger
 
 ENTRY_PREFIX = "stack-"
+#: Seconds a running stack's server has to answer before `cancel/status/turns` pass it by.
+PING_TIMEOUT = 2.0
 
 
 class StackEntry(BaseModel):
@@ -164,3 +170,20 @@ def ledger_urls(redis_url: str | None) -> list[str]:
                                  f"(none announced in {runtime_root()}); set REDIS_URL to the Redis the "
                                  "orchestrator uses")
     return urls
+
+
+async def ledgers(redis_url: str | None) -> AsyncIterator[tuple[str, Ledger]]:
+    """(url, ledger) for REDIS_URL, or for each running embedded stack that answers; each ledger
+    is closed once the caller moves on (use it under `contextlib.aclosing`). A stack whose server
+    does not answer is skipped: its run is going down, and the others still count."""
+    for url in ledger_urls(redis_url):
+        ledger = Ledger.from_url(url)
+        try:
+            if redis_url is None:
+                try:
+                    await asyncio.wait_for(ledger.r.ping(), PING_TIMEOUT)
+                except (RedisError, OSError, TimeoutError):
+                    continue
+            yield url, ledger
+        finally:
+            await ledger.aclose()

@@ -9,12 +9,13 @@ import asyncio
 import json
 import sys
 import time
+from contextlib import aclosing
 from datetime import datetime
 from typing import Any, TextIO
 
 from toolq.orchestrator.errors import ConfigurationError
-from toolq.orchestrator.ledger import TERMINAL, Ledger
-from toolq.orchestrator.runtime_dir import ledger_urls
+from toolq.orchestrator.ledger import TERMINAL
+from toolq.orchestrator.runtime_dir import ledger_urls, ledgers
 from toolq.orchestrator.settings import Settings, mask_url_password
 
 CALL_COLUMNS = ("tool", "call_id", "task_id", "state", "worker", "duration")
@@ -120,14 +121,11 @@ def status_cmd(settings: Settings, turn_id: str, *, as_json: bool = False, out: 
         return 2
 
     async def read() -> tuple[dict[str, str], list[dict[str, str]]]:
-        for url in urls:
-            ledger = Ledger.from_url(url)
-            try:
+        async with aclosing(ledgers(settings.redis_url)) as each:
+            async for _, ledger in each:
                 turn, calls = await ledger.turn(turn_id), await ledger.calls(turn_id)
-            finally:
-                await ledger.aclose()
-            if turn or calls:
-                return turn, calls
+                if turn or calls:
+                    return turn, calls
         return {}, []
 
     turn, calls = asyncio.run(read())
@@ -151,14 +149,11 @@ def turns_cmd(settings: Settings, *, limit: int = 20, as_json: bool = False, out
 
     async def read() -> list[tuple[str, dict[str, str], int]]:
         found = []
-        for url in urls:
-            ledger = Ledger.from_url(url)
-            try:
+        async with aclosing(ledgers(settings.redis_url)) as each:
+            async for _, ledger in each:
                 turns = await ledger.recent_turns(limit)
                 counts = [len(await ledger.calls(t)) for t, _ in turns]
                 found += [(t, h, n) for (t, h), n in zip(turns, counts)]
-            finally:
-                await ledger.aclose()
         return found
 
     now = time.time()
