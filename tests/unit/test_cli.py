@@ -37,7 +37,8 @@ def test_bench_runs_all_by_default_and_refuses_unknown_names(capsys):
     assert "unknown benchmark nope" in capsys.readouterr().err
 
 
-def test_cancel_without_redis_says_what_to_set(capsys, monkeypatch):
+def test_cancel_without_redis_says_what_to_set(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # no embedded run of ours announced there
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
     assert cli.main(["cancel", "turn-1"]) == 2

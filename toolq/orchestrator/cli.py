@@ -147,10 +147,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
     from toolq.orchestrator.cancel import UnknownTarget, cancel
 
-    settings = _settings(args)
-    if not settings.redis_url:
-        print("toolq cancel: set REDIS_URL to the broker of the turn's orchestrator", file=sys.stderr)
-        return 2
+    settings = _settings(args)  # no REDIS_URL: cancel() looks in this user's running embedded stacks
     try:
         report = asyncio.run(cancel(settings, args.turn_id, args.call))
     except UnknownTarget as e:
