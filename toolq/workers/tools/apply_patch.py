@@ -12,7 +12,7 @@ from pathlib import Path
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, tool
-from toolq.workers.sandbox import resolve_in_workspace
+from toolq.workers.workspace import resolve_in_workspace
 
 BEGIN_PATCH = "*** Begin Patch"
 END_PATCH = "*** End Patch"

@@ -19,7 +19,8 @@ from pydantic import BaseModel, Field
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, ToolReturn, tool
-from toolq.workers.sandbox import CallCancelled, resolve_in_workspace
+from toolq.workers.sandbox import CallCancelled
+from toolq.workers.workspace import resolve_in_workspace
 
 MAX_LIMIT = 2000
 #: Codex gives rg 30 s.

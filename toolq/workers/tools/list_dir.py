@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, tool
-from toolq.workers.sandbox import resolve_in_workspace
+from toolq.workers.workspace import resolve_in_workspace
 
 MAX_ENTRY_BYTES = 500
 INDENT = "  "

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 from toolq.orchestrator.errors import RespondToModel
 from toolq.orchestrator.protocol.items import InputImage
 from toolq.workers.catalog import ToolContext, tool
-from toolq.workers.sandbox import resolve_in_workspace
+from toolq.workers.workspace import resolve_in_workspace
 
 #: Larger images would bloat every later request of the turn; the Responses API caps input images too.
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
