@@ -13,6 +13,9 @@ from toolq.workers.catalog import ToolReturn
 from toolq.workers.tools.grep_files import grep_files
 
 
+LINEAR = " (grep_files matches in linear time, as rg does: no backreferences or lookaround)"
+
+
 def run(tmp_path, **arguments) -> ToolReturn:
     return call(grep_files, tmp_path, json.dumps(arguments))
 
@@ -76,7 +79,10 @@ def test_no_match_is_reported_as_codex_does(files):
     [
         ({"pattern": "  "}, "pattern must not be empty"),
         ({"pattern": "x", "limit": 0}, "limit must be greater than zero"),
-        ({"pattern": "("}, "invalid regex `(`: missing ), unterminated subpattern at position 0"),
+        ({"pattern": "("}, "invalid regex `(`: missing ): ("),
+        ({"pattern": r"(a)\1"}, r"invalid regex `(a)\1`: invalid escape sequence: \1" + LINEAR),
+        ({"pattern": "x(?=y)"}, "invalid regex `x(?=y)`: invalid perl operator: (?=" + LINEAR),
+        ({"pattern": "x", "include": "{a,b}" * 11}, f"include glob `{'{a,b}' * 11}` expands to more than 1024 globs"),
     ],
 )
 def test_bad_arguments_are_clear_errors(files, arguments, message):
