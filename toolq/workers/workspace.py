@@ -199,7 +199,7 @@ class Workspace:
                         if not flags & os.O_PATH or not stat.S_ISLNK(os.fstat(fd).st_mode):
                             return fd
                         os.close(fd)  # O_PATH | O_NOFOLLOW opened the symlink itself: follow it
-                        target = os.readlink(name, dir_fd=here)
+                        target = _link_or_raise(here, name, OSError(errno.ELOOP, os.strerror(errno.ELOOP)))
                 else:
                     try:
                         held.append(os.open(name, _DIRECTORY_ON_THE_WAY, dir_fd=here))
@@ -209,7 +209,9 @@ class Workspace:
                 links += 1
                 if links > MAX_SYMLINKS:
                     raise OSError(errno.ELOOP, os.strerror(errno.ELOOP))
-                if target.startswith("/"):
+                if target is None:
+                    todo.insert(0, name)
+                elif target.startswith("/"):
                     inside = self._inside(PurePosixPath(target))
                     if inside is None:
                         raise _Escape
@@ -334,13 +336,19 @@ class Workspace:
             raise _protected(target)
 
 
-def _link_or_raise(here: int, name: str, error: OSError) -> str:
-    """The target of symlink `name`, which O_NOFOLLOW refused; `error` if it is no symlink."""
+def _link_or_raise(here: int, name: str, error: OSError) -> str | None:
+    """The target of symlink `name`, which O_NOFOLLOW refused; None if `name` has just become a
+    directory (look it up again); `error` if it is no symlink."""
     if error.errno not in (errno.ELOOP, errno.ENOTDIR):
         raise error
     try:
         return os.readlink(name, dir_fd=here)
     except OSError:
+        try:
+            if stat.S_ISDIR(os.stat(name, dir_fd=here, follow_symlinks=False).st_mode):
+                return None  # swapped back between the open and the readlink
+        except OSError:
+            pass
         raise error from None  # not a symlink: a file where a directory was named
 
 
