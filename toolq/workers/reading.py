@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterator
 
-CHUNK_BYTES = 64 * 1024
+CHUNK_BYTES = 1024 * 1024
 
 
 def chunks(fd: int, check: Callable[[bytes], None] | None = None, size: int = CHUNK_BYTES) -> Iterator[bytes]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import tracemalloc
 
 import pytest
 
 from toolq.orchestrator.errors import RespondToModel
 from tests.unit.tools import call
 from toolq.workers.catalog import ToolReturn
+from toolq.workers.tools import grep_files as grep_module
 from toolq.workers.tools.grep_files import grep_files
 
 
@@ -108,3 +110,57 @@ def test_symlinks_inside_the_tree_are_not_followed(tmp_path):
     (ws / "link.txt").symlink_to(tmp_path / "secret.txt")
     (ws / "dirlink").symlink_to(tmp_path)
     assert run(ws, pattern="needle").output == "No matches found."
+
+
+# --- a hostile workspace: every cost bounded --------------------------------------------------------
+
+
+def test_catastrophic_regex_runs_in_linear_time(tmp_path):
+    (tmp_path / "a.txt").write_text("a" * 100_000 + "b\n")  # Python's re would backtrack ~2^100000 ways
+    assert run(tmp_path, pattern="(a+)+$").output == "No matches found."
+    assert run(tmp_path, pattern="(a+)+b$").output == str(tmp_path.resolve() / "a.txt")
+
+
+def test_a_3_gib_sparse_file_is_binary_and_skipped_at_once(tmp_path):
+    with open(tmp_path / "huge.bin", "wb") as f:
+        f.truncate(3 * 1024**3)
+    (tmp_path / "hit.txt").write_text("needle\n")
+    assert run(tmp_path, pattern="needle").output == str(tmp_path.resolve() / "hit.txt")
+
+
+def test_a_huge_line_is_searched_in_its_first_8_mib_with_bounded_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(grep_module, "MAX_LINE_BYTES", 1024 * 1024)
+    (tmp_path / "early.txt").write_bytes(b"x" * 1000 + b"needle" + b"x" * (24 * 1024 * 1024))
+    (tmp_path / "late.txt").write_bytes(b"x" * (2 * 1024 * 1024) + b"needle")
+    tracemalloc.start()
+    try:
+        out = run(tmp_path, pattern="needle").output
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out == str(tmp_path.resolve() / "early.txt")  # late.txt's match lies past the cut
+    assert peak < 8 * 1024 * 1024, f"grep_files held {peak} bytes for a 24 MiB line"
+
+
+def test_a_fifo_in_the_tree_is_skipped_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "hit.txt").write_text("needle\n")
+    assert run(tmp_path, pattern="needle").output == str(tmp_path.resolve() / "hit.txt")
+    assert run(tmp_path, pattern="needle", path="pipe").output == "No matches found."
+
+
+def test_the_deadline_is_checked_inside_a_file(tmp_path):
+    (tmp_path / "f.txt").write_text("needle\n")
+    with pytest.raises(RespondToModel, match="grep_files timed out after 30 seconds"):
+        call(grep_files, tmp_path, json.dumps({"pattern": "needle"}), deadline_in=-1)
+
+
+def test_a_brace_bomb_is_refused_before_any_glob_is_built(tmp_path):
+    bomb = "{a,b}" * 64  # 2^64 globs
+    assert error(tmp_path, pattern="x", include=bomb) == f"include glob `{bomb}` expands to more than 1024 globs"
+
+
+def test_nested_braces_expand_like_rg(files):
+    assert run(files, pattern="alpha", include="*.{p{y,x},{t,j}s}").output.splitlines() == [
+        str(files / "pkg/new.py"), str(files / "mid.ts"), str(files / "old.py"),
+    ]
