@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 from toolq.orchestrator.errors import RespondToModel
 from toolq.workers import workspace
 from toolq.workers.workspace import Workspace, resolve_in_workspace
+from tests.hostile import Flipper, race_tree
 
 
 def test_relative_path_resolves_inside_the_workspace(tmp_path):
@@ -219,54 +218,9 @@ def test_unlink_removes_the_name_not_what_a_symlink_points_to(tree):
 # --- the race: a directory swapped for a symlink to outside while the tools open through it ------
 
 
-_FLIP = """
-import os, shutil, sys
-d, stash, outside = sys.argv[1:]
-
-def clear():  # a tool made `d` (mkdir -p) while it was missing
-    shutil.rmtree(d, ignore_errors=True)
-
-def retry(step):
-    while True:
-        try:
-            return step()
-        except OSError:
-            clear()
-
-print("flipping", flush=True)
-while True:
-    os.rename(d, stash)
-    retry(lambda: os.symlink(outside, d))
-    os.unlink(d)
-    retry(lambda: os.rename(stash, d))
-"""
-
-
-class Flipper:
-    """Swaps `ws/d` between a real directory and a symlink to `outside`, as fast as it can, from
-    another process (a thread would share the GIL and barely overlap the tool's system calls)."""
-
-    def __init__(self, ws: Path, outside: Path) -> None:
-        self.argv = [sys.executable, "-c", _FLIP, str(ws / "d"), str(ws / "d.real"), str(outside)]
-
-    def __enter__(self) -> Flipper:
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout.readline() == "flipping\n"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
 @pytest.fixture
 def racing(tmp_path, resolver):
-    ws, outside = tmp_path / "ws", tmp_path / "outside"
-    (ws / "d").mkdir(parents=True)
-    outside.mkdir()
-    (ws / "d" / "f.txt").write_text("inside\n")
-    (outside / "f.txt").write_text("s3cret\n")
-    return ws, outside
+    return race_tree(tmp_path)
 
 
 #: At least 200 tries each; more (up to this) until the race has been seen both ways, so that a
@@ -316,11 +270,7 @@ def test_symlink_swap_race_never_writes_outside(racing):
 
 def test_the_same_race_beats_a_path_checked_as_a_string(tmp_path):
     """The harness has teeth: checking the string and opening it later (the old way) escapes."""
-    ws, outside = tmp_path / "ws", tmp_path / "outside"
-    (ws / "d").mkdir(parents=True)
-    outside.mkdir()
-    (ws / "d" / "f.txt").write_text("inside\n")
-    (outside / "f.txt").write_text("s3cret\n")
+    ws, outside = race_tree(tmp_path)
 
     def checked_then_opened(_: int) -> str:
         return resolve_in_workspace(ws, "d/f.txt").read_text()
