@@ -31,8 +31,11 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Callable, TypeVar
 
 from toolq.orchestrator.errors import RespondToModel
+
+T = TypeVar("T")
 
 #: `openat2`'s number; new syscalls share one number on every architecture but alpha.
 SYS_OPENAT2 = 437
@@ -151,11 +154,7 @@ class Workspace:
     def open_file(self, target: Target) -> tuple[int, os.stat_result]:
         """A regular file opened for reading, and its status (IsADirectoryError, NotARegularFile)."""
         fd = self.open(target, os.O_RDONLY | os.O_NONBLOCK)
-        try:
-            return fd, regular_status(fd)
-        except BaseException:
-            os.close(fd)
-            raise
+        return fd, _checked(fd, regular_status)
 
     def open_dir(self, target: Target) -> int:
         """A directory opened for listing."""
@@ -259,11 +258,7 @@ class Workspace:
                              0o666, dir_fd=parent)
             finally:
                 os.close(parent)
-        try:
-            self._check_file_for_writing(fd, target)
-        except BaseException:
-            os.close(fd)
-            raise
+        _checked(fd, lambda fd: self._check_file_for_writing(fd, target))
         return fd
 
     def unlink(self, target: Target) -> None:
@@ -296,11 +291,7 @@ class Workspace:
                 fd = os.open(rel.name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=up)
             finally:
                 os.close(up)
-        try:
-            self._refuse_protected_location(fd, target)
-        except BaseException:
-            os.close(fd)
-            raise
+        _checked(fd, lambda fd: self._refuse_protected_location(fd, target))
         return fd
 
     def _nearest_directory(self, target: Target, rel: PurePosixPath) -> None:
@@ -334,6 +325,15 @@ class Workspace:
             raise RespondToModel(f"path `{target.given}` leads outside the workspace `{self.root}` through a symlink")
         if PROTECTED_DIR in where.parts:
             raise _protected(target)
+
+
+def _checked(fd: int, check: Callable[[int], T]) -> T:
+    """`check(fd)`'s result; the fd is closed if the check raises."""
+    try:
+        return check(fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _link_or_raise(here: int, name: str, error: OSError) -> str | None:
