@@ -72,3 +72,24 @@ def test_read_at_most_stops_at_the_limit(tmp_path):
     assert read_at_most(fd, 4) == b"0123"
     assert read_at_most(fd, 100) == b"456789"
     os.close(fd)
+
+
+@pytest.mark.parametrize(
+    ("data", "blocks"),
+    [
+        (b"", []),
+        (b"ab\ncd\nef", [b"ab\ncd", b"ef"]),  # chunks "ab\ncd\ne", "f"
+        (b"abcdefghijklmno\nxy\n", [b"abcdefgh\nxy"]),  # a line spanning chunks, cut at keep=8
+        (b"abcdefghijklmno", [b"abcdefgh"]),
+        (b"a\n\n", [b"a\n"]),
+    ],
+)
+def test_line_blocks_are_whole_lines_with_long_ones_cut(tmp_path, monkeypatch, data, blocks):
+    monkeypatch.setattr(reading, "CHUNK_BYTES", 7)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        got = list(reading.line_blocks(fd, keep=8))
+    finally:
+        os.close(fd)
+    assert got == blocks

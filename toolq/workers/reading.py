@@ -14,9 +14,9 @@ from typing import Callable, Iterator
 CHUNK_BYTES = 1024 * 1024
 
 
-def chunks(fd: int, check: Callable[[bytes], None] | None = None, size: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """The file's bytes from the current offset, `size` at a time; `check` sees each chunk first."""
-    while chunk := os.read(fd, size):
+def chunks(fd: int, check: Callable[[bytes], None] | None = None, size: int | None = None) -> Iterator[bytes]:
+    """The file's bytes from the current offset, `size` (a chunk) at a time; `check` sees each first."""
+    while chunk := os.read(fd, size or CHUNK_BYTES):
         if check is not None:
             check(chunk)
         yield chunk
@@ -53,3 +53,27 @@ def bounded_lines(fd: int, keep: int, check: Callable[[bytes], None] | None = No
                 line += chunk[start : start + room]
     if pending:
         yield bytes(line)
+
+
+def line_blocks(fd: int, keep: int, check: Callable[[bytes], None] | None = None) -> Iterator[bytes]:
+    """The file's lines, many at a time: each block is whole lines joined by `\n` (no final one),
+    a line longer than `keep` cut to its first `keep` bytes. For a search that looks at a
+    megabyte at once instead of one line at a time; `keep` must be at least a chunk, so only a line
+    that spans chunks can need cutting."""
+    if keep < CHUNK_BYTES:
+        raise ValueError("line_blocks keeps at least a chunk of each line")
+    head = bytearray()  # the line in progress, which began in an earlier chunk
+    pending = False
+    for chunk in chunks(fd, check):
+        last = chunk.rfind(b"\n")
+        if last < 0:
+            head += chunk[: max(0, keep - len(head))]
+            pending = True
+            continue
+        first = chunk.find(b"\n")
+        head += chunk[: min(first, max(0, keep - len(head)))]
+        yield bytes(head) + chunk[first:last]
+        head = bytearray(chunk[last + 1 :])  # shorter than a chunk: never over `keep`
+        pending = bool(head)
+    if pending:
+        yield bytes(head)

@@ -164,3 +164,18 @@ def test_nested_braces_expand_like_rg(files):
     assert run(files, pattern="alpha", include="*.{p{y,x},{t,j}s}").output.splitlines() == [
         str(files / "pkg/new.py"), str(files / "mid.ts"), str(files / "old.py"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern", "hit"),
+    [
+        ("foo\nbar\n", r"foo\sbar", False),  # a match never spans lines
+        ("foo\nbar\n", r"\Abar", True),  # \A is the start of a line, as before
+        ("foo\r\nx\n", "foo$", True),  # a line is matched without its \r
+        ("foo\r\nx\n", r"foo\s", False),  # ... so \s does not find the \r either
+        ("x\nfoo", "^foo$", True),  # the last line needs no newline
+    ],
+)
+def test_matching_is_line_by_line(tmp_path, text, pattern, hit):
+    (tmp_path / "f.txt").write_bytes(text.encode())
+    assert run(tmp_path, pattern=pattern).output == (str(tmp_path.resolve() / "f.txt") if hit else "No matches found.")

@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, ToolReturn, tool
-from toolq.workers.reading import bounded_lines
+from toolq.workers.reading import line_blocks
 from toolq.workers.sandbox import CallCancelled
 from toolq.workers.workspace import Workspace, describe
 
@@ -48,6 +48,9 @@ MAX_BRACE_DEPTH = 32
 _BACKTRACKING_ONLY = ("invalid perl operator", "bad repetition operator")
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False  # a bad pattern is the model's error, answered to it; not a log line
+_BLOCK_OPTIONS = re2.Options()
+_BLOCK_OPTIONS.log_errors = False
+_BLOCK_OPTIONS.never_nl = True
 
 
 class GrepFilesArgs(BaseModel):
@@ -69,6 +72,12 @@ class _Search:
     include: _Include | None
     ctx: ToolContext
     deadline: float
+    prefilter: re2._Regexp | None = None
+    """The pattern over a block of lines at once (one call per megabyte, not per line): with
+    `never_nl` no match can span lines, so no block match means no line matches."""
+
+    def may_match(self, block: bytes) -> bool:
+        return self.prefilter is None or self.prefilter.search(block) is not None
 
     def check(self, chunk: bytes) -> None:
         """Run on every chunk read: the call's cancel and deadline, and rg's binary test."""
@@ -89,7 +98,8 @@ def grep_files(args: GrepFilesArgs, ctx: ToolContext) -> ToolReturn:
     if args.limit < 1:
         raise RespondToModel("limit must be greater than zero")
     include = _Include(args.include.strip()) if args.include and args.include.strip() else None
-    search = _Search(compile_pattern(pattern), include, ctx, time.monotonic() + min(SEARCH_TIMEOUT, ctx.remaining()))
+    search = _Search(compile_pattern(pattern), include, ctx, time.monotonic() + min(SEARCH_TIMEOUT, ctx.remaining()),
+                     _block_prefilter(pattern))
     matches: list[tuple[float, str]] = []
     with Workspace(ctx.workspace) as ws:
         target = ws.locate(args.path or ".")
@@ -123,6 +133,14 @@ def compile_pattern(pattern: str) -> re2._Regexp:
         raise RespondToModel(f"invalid regex `{pattern}`: {reason}") from None
 
 
+def _block_prefilter(pattern: str) -> re2._Regexp | None:
+    """None where a block search could miss a line's match: `\\A`/`\\z` (a line's start and end
+    are not the block's), flag groups (`(?-m)`), and `$` (a line is matched without its `\\r`)."""
+    if any(s in pattern for s in ("\\A", "\\z", "(?", "$")):
+        return None
+    return re2.compile("(?m)" + pattern, _BLOCK_OPTIONS)
+
+
 def _search_tree(fd: int, root: str, search: _Search, matches: list[tuple[float, str]]) -> None:
     for directory, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -149,8 +167,9 @@ def _search_file(fd: int, path: str, search: _Search, matches: list[tuple[float,
         return  # a FIFO, socket or device: never read
     search.check(b"")
     try:
-        for line in bounded_lines(fd, MAX_LINE_BYTES, search.check):
-            if search.regex.search(line.removesuffix(b"\r")):
+        for block in line_blocks(fd, MAX_LINE_BYTES, search.check):
+            if search.may_match(block) and any(search.regex.search(line.removesuffix(b"\r"))
+                                               for line in block.split(b"\n")):
                 matches.append((status.st_mtime, path))
                 return
     except _Binary:
