@@ -237,7 +237,7 @@ def race(attempt, done) -> dict[str, int]:
             outcome = attempt(tries)
         except RespondToModel:
             outcome = "refused"
-        except (FileNotFoundError, NotADirectoryError) as e:
+        except OSError as e:
             outcome = type(e).__name__  # between the renames: an error, not an escape
         seen[outcome] = seen.get(outcome, 0) + 1
         tries += 1

@@ -234,11 +234,27 @@ class Workspace:
             fd = self.open(target, os.O_PATH)
         except FileNotFoundError:
             self._nearest_directory(target, target.rel.parent)
+            self._refuse_dangling_link(target)
             return
         try:
             self._check_file_for_writing(fd, target)
         finally:
             os.close(fd)
+
+    def _refuse_dangling_link(self, target: Target) -> None:
+        """A missing file may still be a name: a symlink to nothing, which `open_for_writing` would
+        refuse (O_NOFOLLOW) after earlier files were written. Refuse it now instead."""
+        try:
+            parent = self.open(Target(target.given, target.rel.parent), os.O_PATH | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return  # the directory is missing too: the name is free
+        try:
+            if stat.S_ISLNK(os.stat(target.rel.name, dir_fd=parent, follow_symlinks=False).st_mode):
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP))
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(parent)
 
     def check_removable(self, target: Target) -> None:
         """Raise unless the name `target` may be removed: its directory is not under `.git`."""

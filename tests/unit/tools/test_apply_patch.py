@@ -327,3 +327,11 @@ def test_updating_through_a_symlink_inside_changes_its_target(tmp_path):
     (tmp_path / "alias.txt").symlink_to(tmp_path / "real.txt")  # absolute, still inside
     assert run(tmp_path, patch("*** Update File: alias.txt", "@@", "-old", "+new")) == OK + "M alias.txt\n"
     assert (tmp_path / "real.txt").read_text() == "new\n" and (tmp_path / "alias.txt").is_symlink()
+
+
+def test_a_dangling_symlink_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "hook").symlink_to(".git/pre-commit")  # would create a file in .git if followed
+    message = failure(tmp_path, patch("*** Add File: first.txt", "+x", "*** Add File: hook", "+#!/bin/sh"))
+    assert message == FAILED + f"Failed to write file {tmp_path.resolve()}/hook: Too many levels of symbolic links (os error 40)"
+    assert not (tmp_path / "first.txt").exists() and list((tmp_path / ".git").iterdir()) == []
