@@ -158,7 +158,7 @@ class Workspace:
 
     def open_dir(self, target: Target) -> int:
         """A directory opened for listing."""
-        return self.open(target, os.O_RDONLY | os.O_DIRECTORY)
+        return self.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK)
 
     def _resolve(self, rel: PurePosixPath, flags: int, mode: int = 0) -> int:
         flags |= os.O_CLOEXEC
@@ -370,6 +370,13 @@ def _link_or_raise(here: int, name: str, error: OSError) -> str | None:
 
 def _protected(target: Target) -> RespondToModel:
     return RespondToModel(f"path `{target.given}` is inside a `{PROTECTED_DIR}` directory, which file tools do not change")
+
+
+def open_entry(dir_fd: int, name: str, *, directory: bool = False) -> int:
+    """Entry `name` of an open directory, for a tree walk: never through a symlink (ELOOP), and a
+    FIFO swapped in since the listing opens without blocking (O_NONBLOCK); check its type on the fd."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0)
+    return os.open(name, flags, dir_fd=dir_fd)
 
 
 def regular_status(fd: int) -> os.stat_result:

@@ -9,6 +9,7 @@ import tracemalloc
 import pytest
 
 from toolq.orchestrator.errors import RespondToModel
+from tests.hostile import Flipper, race_tree
 from tests.unit.tools import call
 from toolq.workers.catalog import ToolReturn
 from toolq.workers.tools import grep_files as grep_module
@@ -179,3 +180,15 @@ def test_nested_braces_expand_like_rg(files):
 def test_matching_is_line_by_line(tmp_path, text, pattern, hit):
     (tmp_path / "f.txt").write_bytes(text.encode())
     assert run(tmp_path, pattern=pattern).output == (str(tmp_path.resolve() / "f.txt") if hit else "No matches found.")
+
+
+def test_a_directory_swapped_for_a_symlink_to_a_fifo_never_blocks_the_walk(tmp_path):
+    ws, _ = race_tree(tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # no writer, ever: an open that follows a symlink to it without O_NONBLOCK waits
+    outcomes = set()
+    with Flipper(ws, fifo):
+        for _ in range(300):
+            outcomes.add(run(ws, pattern="inside").output)
+    found = {str(ws.resolve() / d / "f.txt") for d in ("d", "d.real")}  # d.real: the flipper's stash
+    assert outcomes <= found | {"\n".join(found), "\n".join(sorted(found, reverse=True)), "No matches found."}

@@ -9,9 +9,8 @@ NUL byte), non-regular files and symlinks, which are never followed. Unlike rg i
 A hostile model chooses the pattern, the glob and the files, so every cost is bounded:
 - the pattern is RE2 syntax, matched in linear time (as rg's regex crate): backreferences and
   lookaround, which need backtracking, are refused;
-- the tree is walked through directory fds (`os.fwalk`, never following symlinks) and each file
-  opened `O_NOFOLLOW | O_NONBLOCK` from its directory's fd, so a FIFO never blocks and a swapped
-  symlink never leads out;
+- the tree is walked through directory fds, each entry opened `O_NOFOLLOW | O_NONBLOCK` from its
+  directory's fd, so a FIFO never blocks and a swapped symlink never leads out;
 - files are read in chunks, a line longer than `MAX_LINE_BYTES` is searched in its first
   `MAX_LINE_BYTES`, and the deadline is checked on every chunk;
 - brace alternatives in `include` expand to at most `MAX_GLOBS` globs.
@@ -33,7 +32,7 @@ from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, ToolReturn, tool
 from toolq.workers.reading import line_blocks
 from toolq.workers.sandbox import CallCancelled
-from toolq.workers.workspace import Workspace, describe
+from toolq.workers.workspace import Workspace, describe, open_entry
 
 MAX_LIMIT = 2000
 #: Codex gives rg 30 s.
@@ -111,7 +110,7 @@ def grep_files(args: GrepFilesArgs, ctx: ToolContext) -> ToolReturn:
         try:
             status = os.fstat(fd)
             if stat.S_ISDIR(status.st_mode):
-                _search_tree(fd, str(root), search, matches)
+                _search_tree(fd, str(root), "", search, matches)
             elif include is None or include.matches(target.rel.name, target.rel.name):
                 _search_file(fd, str(root), search, matches)
         finally:
@@ -141,24 +140,45 @@ def _block_prefilter(pattern: str) -> re2._Regexp | None:
     return re2.compile("(?m)" + pattern, _BLOCK_OPTIONS)
 
 
-def _search_tree(fd: int, root: str, search: _Search, matches: list[tuple[float, str]]) -> None:
-    for directory, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        relative_dir = os.path.normpath(directory)
-        for name in sorted(filenames):
-            if name.startswith("."):
-                continue
-            relative = name if relative_dir == "." else f"{relative_dir}/{name}"
-            if search.include is not None and not search.include.matches(name, relative):
-                continue
-            try:
-                file_fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-            except OSError:
-                continue  # a symlink (ELOOP), or unreadable: skipped, like rg --no-messages
-            try:
-                _search_file(file_fd, f"{root}/{relative}", search, matches)
-            finally:
-                os.close(file_fd)
+def _search_tree(fd: int, root: str, relative_dir: str, search: _Search, matches: list[tuple[float, str]]) -> None:
+    """Search the directory open at `fd`: its files, then its subdirectories (as rg, in name order).
+    Each entry is opened from this fd with O_NOFOLLOW | O_NONBLOCK (`os.fwalk` opens a
+    subdirectory without either: one swapped for a symlink to a FIFO would block it)."""
+    try:
+        with os.scandir(fd) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError:
+        return  # unreadable: skipped, like rg --no-messages
+    subdirectories = []
+    for entry in entries:
+        name = entry.name
+        if name.startswith("."):
+            continue
+        relative = f"{relative_dir}/{name}" if relative_dir else name
+        if entry.is_dir(follow_symlinks=False):
+            subdirectories.append((name, relative))
+        elif entry.is_file(follow_symlinks=False) and (search.include is None or search.include.matches(name, relative)):
+            _search_entry(fd, name, f"{root}/{relative}", search, matches)
+    for name, relative in subdirectories:
+        try:
+            sub = open_entry(fd, name, directory=True)
+        except OSError:
+            continue  # swapped for a symlink since the listing, or unreadable
+        try:
+            _search_tree(sub, root, relative, search, matches)
+        finally:
+            os.close(sub)
+
+
+def _search_entry(dir_fd: int, name: str, path: str, search: _Search, matches: list[tuple[float, str]]) -> None:
+    try:
+        fd = open_entry(dir_fd, name)
+    except OSError:
+        return  # a symlink (ELOOP), or unreadable: skipped, like rg --no-messages
+    try:
+        _search_file(fd, path, search, matches)
+    finally:
+        os.close(fd)
 
 
 def _search_file(fd: int, path: str, search: _Search, matches: list[tuple[float, str]]) -> None:

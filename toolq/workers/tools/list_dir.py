@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, tool
-from toolq.workers.workspace import Workspace, describe
+from toolq.workers.workspace import Workspace, describe, open_entry
 
 MAX_ENTRY_BYTES = 500
 INDENT = "  "
@@ -83,7 +83,7 @@ def _collect(fd: int, prefix: str, remaining: int, entries: list[_Entry]) -> Non
         elif item.is_dir(follow_symlinks=False):
             suffix = "/"
             if remaining > 1:
-                sub = os.open(item.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                sub = open_entry(fd, item.name, directory=True)
                 try:
                     _collect(sub, relative, remaining - 1, entries)
                 finally:
