@@ -72,10 +72,13 @@ def openat2(dir_fd: int, path: str, flags: int, mode: int = 0, resolve: int = 0)
 
 
 def _kernel_has_openat2() -> bool:
+    root = os.open("/", os.O_PATH | os.O_CLOEXEC)
     try:
-        os.close(openat2(os.open("/", os.O_PATH | os.O_CLOEXEC), ".", os.O_PATH | os.O_CLOEXEC, 0, RESOLVE_BENEATH))
+        os.close(openat2(root, ".", os.O_PATH | os.O_CLOEXEC, 0, RESOLVE_BENEATH))
     except OSError:  # ENOSYS on old kernels, EPERM under some seccomp profiles
         return False
+    finally:
+        os.close(root)
     return True
 
 
