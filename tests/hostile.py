@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 _FLIP = """
 import os, shutil, sys, time
@@ -56,3 +59,25 @@ def race_tree(root: Path) -> tuple[Path, Path]:
     (ws / "d" / "f.txt").write_text("inside\n")
     (outside / "f.txt").write_text("s3cret\n")
     return ws, outside
+
+
+@contextmanager
+def deep_tree(root: Path, depth: int, leaf: str) -> Iterator[str]:
+    """`root/d/d/.../d/f.txt` (`depth` levels, holding `leaf`), made and removed through fds: its
+    path is longer than PATH_MAX, and a recursive rmtree would exceed Python's stack. Yields the
+    file's path relative to `root`."""
+    fds = [os.open(root, os.O_PATH | os.O_DIRECTORY)]
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fds[-1])
+            fds.append(os.open("d", os.O_PATH | os.O_DIRECTORY, dir_fd=fds[-1]))
+        with open(os.open("f.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fds[-1]), "w") as f:
+            f.write(leaf)
+        yield "/".join(["d"] * depth + ["f.txt"])
+    finally:
+        if len(fds) == depth + 1:
+            os.unlink("f.txt", dir_fd=fds[-1])
+        while len(fds) > 1:
+            os.close(fds.pop())
+            os.rmdir("d", dir_fd=fds[-1])
+        os.close(fds[0])

@@ -31,7 +31,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 from toolq.orchestrator.errors import RespondToModel
 
@@ -380,6 +380,57 @@ def open_entry(dir_fd: int, name: str, *, directory: bool = False) -> int:
     FIFO swapped in since the listing opens without blocking (O_NONBLOCK); check its type on the fd."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0)
     return os.open(name, flags, dir_fd=dir_fd)
+
+
+def walk(top: int, depth: int | None = None, enter: Callable[[os.DirEntry[str]], bool] = lambda entry: True,
+         ) -> Iterator[tuple[int, str, list[os.DirEntry[str]]]]:
+    """Each directory of the tree open at `top`, top-down and depth-first in name order: its fd,
+    its path relative to `top` ("" for `top`), and its entries sorted by name (types from lstat).
+
+    Subdirectories are opened with `open_entry` from their parent's fd, so the walk never follows a
+    symlink nor blocks on a FIFO swapped in, and goes `depth` levels deep at most (1: `top` only);
+    those `enter` refuses are skipped. A subdirectory that cannot be opened or listed is skipped; an
+    error listing `top` is raised. Iterative: a deep tree costs an fd per level, not a stack frame.
+    Close the generator (`contextlib.closing`) to close the fds of an unfinished walk at once.
+    """
+
+    def listing(fd: int) -> list[os.DirEntry[str]]:
+        with os.scandir(fd) as it:
+            return sorted(it, key=lambda entry: entry.name)
+
+    def subdirectories(entries: list[os.DirEntry[str]], level: int) -> Iterator[os.DirEntry[str]]:
+        if depth is not None and level >= depth:
+            return iter(())
+        return iter([e for e in entries if e.is_dir(follow_symlinks=False) and enter(e)])
+
+    entries = listing(top)
+    yield top, "", entries
+    stack = [(top, "", 1, subdirectories(entries, 1))]
+    try:
+        while stack:
+            fd, relative, level, pending = stack[-1]
+            entry = next(pending, None)
+            if entry is None:
+                stack.pop()
+                if fd != top:
+                    os.close(fd)
+                continue
+            try:
+                sub = open_entry(fd, entry.name, directory=True)
+            except OSError:
+                continue  # swapped for a symlink since the listing, or unreadable
+            try:
+                entries = listing(sub)
+            except OSError:
+                os.close(sub)
+                continue
+            sub_relative = f"{relative}/{entry.name}" if relative else entry.name
+            stack.append((sub, sub_relative, level + 1, subdirectories(entries, level + 1)))
+            yield sub, sub_relative, entries
+    finally:
+        for fd, *_ in stack:
+            if fd != top:
+                os.close(fd)
 
 
 def regular_status(fd: int) -> os.stat_result:

@@ -9,7 +9,7 @@ import tracemalloc
 import pytest
 
 from toolq.orchestrator.errors import RespondToModel
-from tests.hostile import Flipper, race_tree
+from tests.hostile import Flipper, deep_tree, race_tree
 from tests.unit.tools import call
 from toolq.workers.catalog import ToolReturn
 from toolq.workers.tools import grep_files as grep_module
@@ -192,3 +192,8 @@ def test_a_directory_swapped_for_a_symlink_to_a_fifo_never_blocks_the_walk(tmp_p
             outcomes.add(run(ws, pattern="inside").output)
     found = {str(ws.resolve() / d / "f.txt") for d in ("d", "d.real")}  # d.real: the flipper's stash
     assert outcomes <= found | {"\n".join(found), "\n".join(sorted(found, reverse=True)), "No matches found."}
+
+
+def test_a_tree_deeper_than_the_python_stack_is_searched(tmp_path):
+    with deep_tree(tmp_path, 1200, "needle\n") as leaf:  # a recursive walk would hit the recursion limit
+        assert run(tmp_path, pattern="needle").output == f"{tmp_path.resolve()}/{leaf}"

@@ -23,6 +23,7 @@ import os
 import re
 import stat
 import time
+from contextlib import closing
 from dataclasses import dataclass
 
 import re2
@@ -32,7 +33,7 @@ from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, ToolReturn, tool
 from toolq.workers.reading import line_blocks
 from toolq.workers.sandbox import CallCancelled
-from toolq.workers.workspace import Workspace, describe, open_entry
+from toolq.workers.workspace import Workspace, describe, open_entry, walk
 
 MAX_LIMIT = 2000
 #: Codex gives rg 30 s.
@@ -110,7 +111,10 @@ def grep_files(args: GrepFilesArgs, ctx: ToolContext) -> ToolReturn:
         try:
             status = os.fstat(fd)
             if stat.S_ISDIR(status.st_mode):
-                _search_tree(fd, str(root), "", search, matches)
+                try:
+                    _search_tree(fd, str(root), search, matches)
+                except OSError:
+                    pass  # the directory cannot be listed: nothing found, like rg --no-messages
             elif include is None or include.matches(target.rel.name, target.rel.name):
                 _search_file(fd, str(root), search, matches)
         finally:
@@ -140,34 +144,18 @@ def _block_prefilter(pattern: str) -> re2._Regexp | None:
     return re2.compile("(?m)" + pattern, _BLOCK_OPTIONS)
 
 
-def _search_tree(fd: int, root: str, relative_dir: str, search: _Search, matches: list[tuple[float, str]]) -> None:
-    """Search the directory open at `fd`: its files, then its subdirectories (as rg, in name order).
-    Each entry is opened from this fd with O_NOFOLLOW | O_NONBLOCK (`os.fwalk` opens a
-    subdirectory without either: one swapped for a symlink to a FIFO would block it)."""
-    try:
-        with os.scandir(fd) as it:
-            entries = sorted(it, key=lambda e: e.name)
-    except OSError:
-        return  # unreadable: skipped, like rg --no-messages
-    subdirectories = []
-    for entry in entries:
-        name = entry.name
-        if name.startswith("."):
-            continue
-        relative = f"{relative_dir}/{name}" if relative_dir else name
-        if entry.is_dir(follow_symlinks=False):
-            subdirectories.append((name, relative))
-        elif entry.is_file(follow_symlinks=False) and (search.include is None or search.include.matches(name, relative)):
-            _search_entry(fd, name, f"{root}/{relative}", search, matches)
-    for name, relative in subdirectories:
-        try:
-            sub = open_entry(fd, name, directory=True)
-        except OSError:
-            continue  # swapped for a symlink since the listing, or unreadable
-        try:
-            _search_tree(sub, root, relative, search, matches)
-        finally:
-            os.close(sub)
+def _search_tree(fd: int, root: str, search: _Search, matches: list[tuple[float, str]]) -> None:
+    """Search each directory's files, then its subdirectories (in name order), hidden ones skipped.
+    (`os.fwalk` opens a subdirectory without O_NOFOLLOW or O_NONBLOCK: one swapped for a symlink
+    to a FIFO would block it; `walk` never does.)"""
+    with closing(walk(fd, enter=lambda entry: not entry.name.startswith("."))) as directories:
+        for dir_fd, relative_dir, entries in directories:
+            for entry in entries:
+                name = entry.name
+                relative = f"{relative_dir}/{name}" if relative_dir else name
+                if (not name.startswith(".") and entry.is_file(follow_symlinks=False)
+                        and (search.include is None or search.include.matches(name, relative))):
+                    _search_entry(dir_fd, name, f"{root}/{relative}", search, matches)
 
 
 def _search_entry(dir_fd: int, name: str, path: str, search: _Search, matches: list[tuple[float, str]]) -> None:

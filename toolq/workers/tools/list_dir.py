@@ -10,13 +10,14 @@ out of the workspace.
 from __future__ import annotations
 
 import os
+from contextlib import closing
 from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, tool
-from toolq.workers.workspace import Workspace, describe, open_entry
+from toolq.workers.workspace import Workspace, describe, walk
 
 MAX_ENTRY_BYTES = 500
 INDENT = "  "
@@ -53,7 +54,7 @@ def list_dir(args: ListDirArgs, ctx: ToolContext) -> str:
         try:
             fd = ws.open_dir(target)
             try:
-                _collect(fd, "", args.depth, entries)
+                _collect(fd, args.depth, entries)
             finally:
                 os.close(fd)
         except OSError as e:
@@ -71,28 +72,23 @@ def list_dir(args: ListDirArgs, ctx: ToolContext) -> str:
     return "\n".join(lines)
 
 
-def _collect(fd: int, prefix: str, remaining: int, entries: list[_Entry]) -> None:
-    """Add the entries of the directory open at `fd` (depth first; the caller sorts them)."""
-    with os.scandir(fd) as it:
-        found = list(it)
-    for item in found:
-        relative = f"{prefix}/{item.name}" if prefix else item.name
-        # DirEntry types come from lstat: a symlink is reported as a symlink and never followed.
-        if item.is_symlink():
-            suffix = "@"
-        elif item.is_dir(follow_symlinks=False):
-            suffix = "/"
-            if remaining > 1:
-                sub = open_entry(fd, item.name, directory=True)
-                try:
-                    _collect(sub, relative, remaining - 1, entries)
-                finally:
-                    os.close(sub)
-        elif item.is_file(follow_symlinks=False):
-            suffix = ""
-        else:
-            suffix = "?"
-        entries.append(_Entry(_cut(relative), _cut(item.name), prefix.count("/") + 1 if prefix else 0, suffix))
+def _collect(fd: int, depth: int, entries: list[_Entry]) -> None:
+    """Add every entry of the tree open at `fd`, `depth` levels deep (the caller sorts them)."""
+    with closing(walk(fd, depth)) as directories:
+        for _, prefix, found in directories:
+            level = prefix.count("/") + 1 if prefix else 0
+            for item in found:
+                relative = f"{prefix}/{item.name}" if prefix else item.name
+                entries.append(_Entry(_cut(relative), _cut(item.name), level, _marker(item)))
+
+
+def _marker(item: os.DirEntry[str]) -> str:
+    # DirEntry types come from lstat: a symlink is reported as a symlink and never followed.
+    if item.is_symlink():
+        return "@"
+    if item.is_dir(follow_symlinks=False):
+        return "/"
+    return "" if item.is_file(follow_symlinks=False) else "?"
 
 
 def _cut(text: str) -> str:
