@@ -278,3 +278,33 @@ def test_the_same_race_beats_a_path_checked_as_a_string(tmp_path):
     with Flipper(ws, outside):
         seen = race(checked_then_opened, lambda seen: "s3cret\n" in seen)
     assert "s3cret\n" in seen, seen
+
+
+# --- walk ---------------------------------------------------------------------------------------
+
+
+def test_walk_is_top_down_in_name_order_within_its_depth(tmp_path):
+    for d in ("b/x", "a/y/z", ".hidden"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "link").symlink_to("a")
+    top = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        seen = [(rel, [e.name for e in entries]) for _, rel, entries in
+                workspace.walk(top, depth=3, enter=lambda e: not e.name.startswith("."))]
+    finally:
+        os.close(top)
+    assert seen == [("", [".hidden", "a", "b", "link"]), ("a", ["y"]), ("a/y", ["z"]), ("b", ["x"])]
+
+
+def test_an_unfinished_walk_closes_its_fds_when_closed(tmp_path):
+    (tmp_path / "a" / "b" / "c").mkdir(parents=True)
+    top = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    before = len(os.listdir("/proc/self/fd"))
+    walker = workspace.walk(top)
+    for _, rel, _ in walker:
+        if rel == "a/b":
+            break
+    assert len(os.listdir("/proc/self/fd")) > before
+    walker.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+    os.close(top)
