@@ -293,7 +293,7 @@ def test_walk_is_top_down_in_name_order_within_its_depth(tmp_path):
                 workspace.walk(top, depth=3, enter=lambda e: not e.name.startswith("."))]
     finally:
         os.close(top)
-    assert seen == [("", [".hidden", "a", "b", "link"]), ("a", ["y"]), ("a/y", ["z"]), ("b", ["x"])]
+    assert seen == [("", [".hidden", "a", "b", "link"]), ("a", ["y"]), ("a/y", ["z"]), ("b", ["x"]), ("b/x", [])]
 
 
 def test_an_unfinished_walk_closes_its_fds_when_closed(tmp_path):
