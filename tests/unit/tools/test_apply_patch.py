@@ -8,6 +8,7 @@ import pytest
 
 from toolq.orchestrator.errors import RespondToModel
 from tests.unit.tools import call
+from toolq.workers.tools import apply_patch as apply_patch_module
 from toolq.workers.tools.apply_patch import GRAMMAR, apply_patch
 
 OK = "Exit code: 0\nWall time: 0 seconds\nOutput:\nSuccess. Updated the following files:\n"
@@ -335,3 +336,12 @@ def test_a_dangling_symlink_is_refused_before_anything_is_written(tmp_path):
     message = failure(tmp_path, patch("*** Add File: first.txt", "+x", "*** Add File: hook", "+#!/bin/sh"))
     assert message == FAILED + f"Failed to write file {tmp_path.resolve()}/hook: Too many levels of symbolic links (os error 40)"
     assert not (tmp_path / "first.txt").exists() and list((tmp_path / ".git").iterdir()) == []
+
+
+def test_a_file_over_the_size_cap_is_refused_not_read_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(apply_patch_module, "MAX_FILE_BYTES", 8 * 1024 * 1024)
+    with open(tmp_path / "big.txt", "wb") as f:
+        f.truncate(3 * 1024**3)  # sparse
+    assert failure(tmp_path, patch("*** Update File: big.txt", "@@", "-a", "+b")) == (
+        FAILED + f"Failed to read file to update {tmp_path.resolve()}/big.txt: larger than 8 MiB"
+    )
