@@ -1,8 +1,4 @@
-"""Where tools may touch the machine: workspace confinement and a process-group runner.
-
-Confinement: every path a model names goes through `resolve_in_workspace`, which resolves it fully
-(symlinks included) and refuses anything that ends up outside the workspace. Nothing is followed
-before the check.
+"""How tools run processes: a process-group runner (confinement of paths: `toolq.workers.workspace`).
 
 Processes: `run_command` starts each command in its own session (pid = pgid) and always ends by
 SIGKILLing that whole group, so no grandchild outlives its call. Celery's `revoke(terminate=True)`
@@ -22,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from toolq.orchestrator.errors import RespondToModel
 
 #: Output kept per command (Codex's `DEFAULT_OUTPUT_BYTES_CAP`): half head, half tail.
 DEFAULT_OUTPUT_CAP = 1024 * 1024
@@ -36,39 +31,6 @@ _READ_CHUNK = 8192
 
 class CallCancelled(Exception):
     """The call was cancelled while it ran; its process group is already dead."""
-
-
-# --- confinement -----------------------------------------------------------------------------
-
-
-def resolve_in_workspace(workspace: Path, path: str) -> Path:
-    """The fully resolved path that `path` names, which must lie inside `workspace`.
-
-    Relative paths resolve against the workspace; absolute paths must already point inside it.
-    `..` components are refused outright, and so is a path whose symlinks lead out.
-    """
-    root = Path(workspace).resolve()
-    if "\0" in path:
-        raise RespondToModel(f"path `{path}` contains a NUL byte")
-    given = Path(path)
-    if ".." in given.parts:
-        raise RespondToModel(f"path `{path}` is not allowed: `..` components may not be used")
-    if given.is_absolute():
-        # Accept the workspace as configured or as resolved (it may itself sit under a symlink).
-        lexical = Path(os.path.normpath(given))
-        if not (_is_within(lexical, root) or _is_within(lexical, Path(os.path.abspath(workspace)))):
-            raise RespondToModel(f"path `{path}` is outside the workspace `{root}`")
-        candidate = lexical
-    else:
-        candidate = root / given
-    resolved = candidate.resolve()
-    if not _is_within(resolved, root):
-        raise RespondToModel(f"path `{path}` leads outside the workspace `{root}` through a symlink")
-    return resolved
-
-
-def _is_within(path: Path, root: Path) -> bool:
-    return path == root or path.is_relative_to(root)
 
 
 # --- live process groups ---------------------------------------------------------------------

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from toolq.orchestrator.errors import RespondToModel
 from toolq.orchestrator.truncate import TruncationPolicy, approx_token_count, formatted_truncate_text
 from toolq.workers.catalog import ToolContext, ToolReturn, tool
-from toolq.workers.sandbox import CallCancelled, resolve_in_workspace, run_command
+from toolq.workers.sandbox import CallCancelled, run_command
+from toolq.workers.workspace import resolve_in_workspace
 
 DEFAULT_MAX_OUTPUT_TOKENS = 10_000
 #: Codex clamps `max_output_tokens` to the model's truncation policy (10k tokens for gpt-5.x).
