@@ -13,7 +13,6 @@ Deltas are for a live view only.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal, Union
@@ -22,6 +21,7 @@ import httpx
 from httpx_sse import EventSource
 from pydantic import BaseModel, Field
 
+from toolq.orchestrator.protocol import untrusted
 from toolq.orchestrator.protocol.items import ResponseItem, decode_item
 
 
@@ -222,10 +222,19 @@ class EventDecoder:
             self.skipped["done_marker"] += 1
             return None
         try:
-            obj = json.loads(data)
+            obj = untrusted.loads(data)
+        except untrusted.TooDeep:
+            # serde_json's limit, so Codex skips the same frames; past it Python itself would
+            # raise RecursionError here, or pydantic and `json.dumps` later.
+            self.skipped["too_deep"] += 1
+            return None
         except ValueError:
             self.skipped["malformed_json"] += 1
             return None
+        if untrusted.may_hold_surrogate(data):
+            # Valid JSON, invalid Unicode: kept, with U+FFFD for each lone surrogate, so nothing
+            # downstream (Celery, Redis, the next request, a file path) meets one.
+            obj = untrusted.scrub(obj)
         if not isinstance(obj, dict):
             self.skipped["not_an_object"] += 1
             return None

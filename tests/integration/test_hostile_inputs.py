@@ -1,0 +1,81 @@
+"""Hostile input from the model or a tool never raises out of the turn loop (issue 13, item 5).
+
+Real Redis, real prefork workers, the fake model over TCP. Each turn must end normally, with
+every request paired (the `drive` fixture checks every body) and the bad call answered.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tests.integration.hostile_tools as hostile_tools
+from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
+from toolq.orchestrator.embedded import WorkerProcess
+from toolq.orchestrator.fake_model import builders as b
+
+pytestmark = pytest.mark.integration
+
+DEPTH = 100_000
+
+
+def final(text="done"):
+    return [b.message(text)]
+
+
+def test_arguments_nested_100k_deep_get_a_parse_error_and_the_turn_goes_on(fleet, drive):
+    nested = '{"text": ' + "[" * DEPTH + "]" * DEPTH + "}"
+    run = drive([
+        [b.function_call("sleep_echo", nested, "call_deep"),
+         b.function_call("sleep_echo", {"text": "fine"}, "call_fine")],
+        final(),
+    ])
+    assert run.outcome.status == "completed", run.outcome.error
+    outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
+    assert outputs["call_deep"] == "failed to parse function arguments: nesting too deep (more than 128 levels)"
+    assert json.loads(outputs["call_fine"])["text"] == "fine"
+    assert run.outcome.final_message == "done"
+
+
+def test_a_lone_surrogate_in_a_path_argument_gets_a_parse_error(fleet, drive, tmp_path):
+    (tmp_path / "real.txt").write_text("hello\n")
+    # The JSON escape is valid JSON; the string it makes is not valid Unicode.
+    run = drive([
+        [b.function_call("read_file", '{"file_path": "real\\ud800.txt"}', "call_sur"),
+         b.function_call("list_dir", '{"dir_path": "\\udcff"}', "call_sur2"),
+         b.function_call("read_file", {"file_path": "real.txt"}, "call_ok")],
+        final(),
+    ], workspace=tmp_path)
+    assert run.outcome.status == "completed", run.outcome.error
+    outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
+    assert outputs["call_sur"] == ("failed to parse function arguments: lone surrogate \\ud800 in a string: "
+                                   "not valid Unicode")
+    assert outputs["call_sur2"].endswith("lone surrogate \\udcff in a string: not valid Unicode")
+    assert "hello" in outputs["call_ok"]
+
+
+def test_a_lone_surrogate_in_an_item_is_replaced_and_the_history_stays_sendable(fleet, drive):
+    # A raw `\ud800` escape in the frame itself: in the call_id, a message and the custom input.
+    run = drive([
+        [b.message("half a pair: \ud83d"),
+         b.function_call("sleep_echo", {"text": "x"}, "call_\udc00")],
+        final(),
+    ])
+    assert run.outcome.status == "completed", run.outcome.error
+    second = run.input_of(1)
+    assert [o["call_id"] for o in run.outputs_of(1)] == ["call_\ufffd"]
+    assert any("half a pair: \ufffd" in json.dumps(i, ensure_ascii=False) for i in second)
+
+
+def test_a_non_utf8_file_name_in_a_tool_output_becomes_a_replacement_character(redis_server, drive, tmp_path):
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    w = WorkerProcess(redis_server.url, name="hostile1@test", queues=[hostile_tools.QUEUE], concurrency=1,
+                      tools=[TEST_TOOLS, "tests.integration.hostile_tools"], env=WORKER_ENV, logdir=tmp_path)
+    with w:
+        run = drive([[b.function_call("list_raw_names", {}, "call_names")], final()], workspace=workspace)
+    assert run.outcome.status == "completed", run.outcome.error
+    output = run.outputs_of(1)[0]["output"]
+    assert output == "caf\ufffd-latin1.txt"
+    output.encode("utf-8")  # what Redis, the next request and the terminal all do with it
