@@ -79,3 +79,55 @@ def test_a_non_utf8_file_name_in_a_tool_output_becomes_a_replacement_character(r
     output = run.outputs_of(1)[0]["output"]
     assert output == "caf\ufffd-latin1.txt"
     output.encode("utf-8")  # what Redis, the next request and the terminal all do with it
+
+
+def oversized_frame(type_: str, size: int, **fields) -> dict:
+    event = {"type": type_, **fields, "pad": "x" * size}
+    return b.raw_frame(f"event: {type_}\ndata: {json.dumps(event)}\n\n")
+
+
+def test_an_sse_event_over_the_default_bound_is_dropped_and_counted(fleet, drive):
+    # 20 MiB of one text delta: the default bound is 8 MiB, and the live view only loses a piece.
+    run = drive([
+        [oversized_frame("response.output_text.delta", 20 * 1024 * 1024, item_id="msg_1", output_index=0,
+                         delta="never seen"),
+         b.function_call("sleep_echo", {"text": "after"}, "call_after")],
+        final(),
+    ])
+    assert run.outcome.status == "completed", run.outcome.error
+    assert run.session.rt.client.skipped["oversize"] == 1
+    assert json.loads(run.outputs_of(1)[0]["output"])["text"] == "after"
+    assert len(run.requests) == 2  # nothing was retried
+
+
+def test_a_cut_output_item_done_breaks_the_stream_and_the_request_is_retried(fleet, drive):
+    cut_call = {"type": "function_call", "call_id": "call_cut", "name": "sleep_echo", "arguments": "{}"}
+    run = drive([
+        [b.function_call("sleep_echo", {"text": "committed"}, "call_kept"),
+         oversized_frame("response.output_item.done", 64 * 1024, output_index=1, item=cut_call)],
+        [b.message("retried")],
+    ], max_sse_event_bytes=16 * 1024)
+    assert run.outcome.status == "completed", run.outcome.error
+    assert run.outcome.final_message == "retried"
+    assert run.session.rt.client.skipped["oversize"] == 1
+    # The committed call ran and its output went back with the retried request; the cut one never
+    # committed, so it appears nowhere (and needs no output).
+    retried = run.input_of(1)
+    assert [i.get("call_id") for i in retried if i["type"].startswith("function_call")] == ["call_kept"] * 2
+    assert json.loads(run.outputs_of(1)[0]["output"])["text"] == "committed"
+    reconnect = [e["message"] for e in run.events if e["type"] == "error"]
+    assert len(reconnect) == 1 and reconnect[0].startswith("Reconnecting... 1/5 (stream disconnected before "
+                                                           "completion: a response.output_item.done event of ")
+    assert "TOOLQ_MAX_SSE_EVENT_BYTES" in reconnect[0]
+
+
+def test_a_deeply_nested_sse_frame_is_skipped_and_counted(fleet, drive):
+    deep = '{"type": "response.output_item.done", "item": ' + "[" * DEPTH + "]" * DEPTH + "}"
+    run = drive([
+        [b.raw_frame(f"event: response.output_item.done\ndata: {deep}\n\n"),
+         b.function_call("sleep_echo", {"text": "after"}, "call_after")],
+        final(),
+    ])
+    assert run.outcome.status == "completed", run.outcome.error
+    assert run.session.rt.client.skipped["too_deep"] == 1
+    assert json.loads(run.outputs_of(1)[0]["output"])["text"] == "after"

@@ -24,9 +24,9 @@ from http import HTTPStatus
 from typing import Any
 
 import httpx
-from httpx_sse import EventSource
 
-from toolq.orchestrator.protocol.events import EventDecoder, StreamEvent
+from toolq.orchestrator.protocol.events import EventDecoder, StreamCut, StreamEvent
+from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES, aiter_frames
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 
@@ -95,6 +95,8 @@ class ModelSettings:
     stream_idle_timeout: float = 300.0
     """Seconds without a byte from the server before the stream counts as dead."""
     connect_timeout: float = 10.0
+    max_sse_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
+    """Bigger SSE events are dropped unread (counted in `skipped["oversize"]`)."""
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ModelSettings:
@@ -172,14 +174,16 @@ class ModelClient:
         """
         response = await self._open(body)
         decoder = EventDecoder()
-        frames = EventSource(response).aiter_sse()
+        frames = aiter_frames(response, self.settings.max_sse_event_bytes)
         pending: ModelError | None = None
         try:
-            async for sse in frames:
-                event = decoder.decode(sse.data)
+            async for frame in frames:
+                event = decoder.decode(frame)
                 if event is None:
                     continue
                 kind = event.kind
+                if kind == "cut":  # an event over the bound that may have held a commit
+                    raise ModelError(STREAM_DISCONNECTED + event_too_large(event), retryable=True)
                 if kind == "completed":
                     # Stop here even if the server keeps the socket open (Codex does the same).
                     yield event
@@ -287,6 +291,11 @@ def http_failure(status: int, headers: Mapping[str, str], body: str, url: str) -
     )
 
 
+def event_too_large(cut: StreamCut) -> str:
+    return (f"a {cut.event_type or 'unreadable'} event of {cut.size} bytes was over the "
+            f"TOOLQ_MAX_SSE_EVENT_BYTES bound and was dropped")
+
+
 def stream_failure(code: str | None, message: str | None) -> ModelError:
     """A `response.failed` or `error` event, classified by `error.code` (codex-contracts.md §3.3)."""
     text = message or ""
@@ -345,7 +354,7 @@ def try_again_in(message: str) -> float | None:
 def _error_object(body: str) -> dict[str, Any]:
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # an error body nested too deep is no error object either
         return {}
     error = doc.get("error", doc) if isinstance(doc, dict) else None
     return error if isinstance(error, dict) else {}
