@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tests.integration.hostile_tools as hostile_tools
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
@@ -131,3 +133,58 @@ def test_a_deeply_nested_sse_frame_is_skipped_and_counted(fleet, drive):
     assert run.outcome.status == "completed", run.outcome.error
     assert run.session.rt.client.skipped["too_deep"] == 1
     assert json.loads(run.outputs_of(1)[0]["output"])["text"] == "after"
+
+
+# --- random hostile responses through the real turn loop -----------------------------------------
+
+HOSTILE_ARGS = st.sampled_from([
+    '{"text": ' + "[" * 5000 + "]" * 5000 + "}",
+    '{"text": "\\ud800"}',
+    '{"file_path": "\\udcff"}',
+    '{"text": "\ud83d"}',
+    "{not json",
+    '{"ms": "soon"}',
+    '{"text": "ok"}',
+    "",
+])
+HOSTILE_TEXT = st.sampled_from(["plain", "half a pair \ud83d", "\udcff\udcfe", "caf\u00e9"])
+
+
+@st.composite
+def hostile_steps(draw):
+    kind = draw(st.sampled_from(["call", "call", "custom", "message", "deep_frame", "huge_delta", "garbage"]))
+    n = draw(st.integers(0, 99))
+    if kind == "call":
+        name = draw(st.sampled_from(["sleep_echo", "read_file", "list_dir", "no_such_tool"]))
+        return b.function_call(name, draw(HOSTILE_ARGS), draw(st.sampled_from([f"call_{n}", f"call_{n}\udc00"])))
+    if kind == "custom":
+        return b.custom_tool_call(draw(st.sampled_from(["apply_patch", "no_such_custom"])), draw(HOSTILE_TEXT),
+                                  f"call_c{n}")
+    if kind == "message":
+        return b.message(draw(HOSTILE_TEXT))
+    if kind == "deep_frame":
+        return b.raw_frame("data: {\"type\": \"response.output_item.done\", \"item\": " + "[" * 3000 + "]" * 3000
+                           + "}\n\n")
+    if kind == "huge_delta":
+        return oversized_frame("response.output_text.delta", 20_000, delta="x")
+    return b.raw_frame("data: \udcff\x00{\n\n".encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
+
+
+@settings(max_examples=6, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.lists(st.lists(hostile_steps(), min_size=1, max_size=4), min_size=1, max_size=2))
+def test_random_hostile_responses_end_the_turn_normally_with_every_call_answered(fleet, drive, responses):
+    # One sound call per response, so the turn goes on to the final message whatever else is in it.
+    script = [[*steps, b.function_call("sleep_echo", {"text": "ok"}, f"call_ok{k}")]
+              for k, steps in enumerate(responses)]
+    run = drive([*script, final()], max_sse_event_bytes=8 * 1024)
+    # `drive` checked that every request was paired; the turn ended on its own terms.
+    assert run.outcome.status == "completed", run.outcome.error
+    assert run.outcome.final_message == "done"
+    assert len(run.requests) == len(script) + 1
+    for k in range(1, len(run.requests)):
+        body = run.input_of(k)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        calls = [i for i in body if i["type"] in ("function_call", "custom_tool_call")]
+        outputs = [i for i in body if i["type"] in ("function_call_output", "custom_tool_call_output")]
+        assert len(calls) == len(outputs)
