@@ -7,6 +7,8 @@ import tracemalloc
 
 import httpx
 from httpx_sse import EventSource
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from toolq.orchestrator.protocol.events import EventDecoder
 from toolq.orchestrator.protocol.sse import Oversize, SSEReader, iter_frames
@@ -113,3 +115,31 @@ def test_lone_surrogates_in_a_frame_become_replacement_characters():
     # is text here, for `load_arguments` to refuse.
     assert event.item.arguments == '{"p": "\ufffd \\udcff"}'
     json.dumps(event.item.to_wire(), ensure_ascii=False).encode("utf-8")
+
+
+LINES = st.lists(st.one_of(st.sampled_from([b"", b"data", b"data:", b"data: x", b": hi", b"event: e", b"id: 1",
+                                            b"retry: 5", b"data:  two spaces", b"bogus: 1"]),
+                           st.binary(max_size=12).map(lambda b: b"data: " + b.replace(b"\r", b"").replace(b"\n", b""))),
+                 max_size=20)
+SEPARATORS = st.sampled_from([b"\n", b"\r\n", b"\r"])
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(LINES, st.lists(SEPARATORS, min_size=1, max_size=3), st.integers(1, 9))
+def test_framing_matches_httpx_sse_on_random_bodies(lines, seps, chunk):
+    body = b"".join(line + seps[i % len(seps)] for i, line in enumerate(lines))
+    assert frames_of(body, chunk=chunk) == httpx_sse_data(body)
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=6), st.integers(1, 50), st.integers(50, 400))
+def test_each_event_is_kept_whole_or_cut_at_the_bound(sizes, chunk, bound):
+    events = [b"data: " + b"z" * n + b"\n\n" for n in sizes]
+    out = frames_of(b"".join(events), max_event_bytes=bound, chunk=chunk)
+    assert len(out) == len(events)
+    for n, frame in zip(sizes, out):
+        lines_bytes = len(b"data: ") + n + 1  # the blank line that ends it is not part of it
+        if lines_bytes > bound:
+            assert isinstance(frame, Oversize) and frame.size == lines_bytes
+        else:
+            assert frame == "z" * n

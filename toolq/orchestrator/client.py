@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+import logging
 import os
 import random
 import re
@@ -27,6 +28,8 @@ import httpx
 
 from toolq.orchestrator.protocol.events import EventDecoder, StreamCut, StreamEvent
 from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES, aiter_frames
+
+log = logging.getLogger("toolq.client")
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 
@@ -210,6 +213,9 @@ class ModelClient:
             raise ModelError(STREAM_DISCONNECTED + f"transport error: {_describe(e)}", retryable=True) from e
         finally:
             self.skipped.update(decoder.skipped)
+            if decoder.skipped["oversize"]:
+                log.warning("dropped %d SSE event(s) over TOOLQ_MAX_SSE_EVENT_BYTES (%d bytes)",
+                            decoder.skipped["oversize"], self.settings.max_sse_event_bytes)
             await frames.aclose()
             await response.aclose()
         if pending is not None:

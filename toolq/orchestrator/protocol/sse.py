@@ -50,7 +50,7 @@ class SSEReader:
     def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
         self.max_event_bytes = max_event_bytes
         self._cr = False  # the last chunk ended in CR: an LF starting the next one belongs to it
-        self._line: list[bytes] = []  # pieces of the current line, while the event is in bounds
+        self._line: list[bytes] = []  # pieces of an unfinished line, while the event is in bounds
         self._line_len = 0
         self._data: list[bytes] = []
         self._fields = False  # an event:/id:/retry: line was seen (httpx-sse yields those too)
@@ -59,7 +59,6 @@ class SSEReader:
         self._head = b""
 
     def feed(self, chunk: bytes) -> list[Frame]:
-        out: list[Frame] = []
         if self._cr:
             self._cr = False
             if chunk.startswith(b"\n"):
@@ -67,48 +66,66 @@ class SSEReader:
         if b"\r" in chunk:
             self._cr = chunk.endswith(b"\r")
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        start, end = 0, len(chunk)
-        while start < end:
-            nl = chunk.find(b"\n", start)
-            if nl < 0:
-                self._take(chunk, start, end)
-                break
-            self._take(chunk, start, nl)
-            frame = self._end_line()
-            if frame is not None:
-                out.append(frame)
-            start = nl + 1
+        lines = chunk.split(b"\n")
+        unfinished = lines.pop()
+        out: list[Frame] = []
+        for line in lines:
+            if self._line_len or self._over:  # the slow path: a line split across chunks, or a cut event
+                self._take(line)
+                line = self._finish_line()
+                if line is None:
+                    continue
+            if not line:
+                frame = self._end_event()
+                if frame is not None:
+                    out.append(frame)
+                continue
+            size = self._size + len(line) + 1
+            if size > self.max_event_bytes:
+                self._cut([line], size)
+                continue
+            self._size = size
+            self._field(line)
+        if unfinished:
+            self._take(unfinished)
         return out
 
-    def _take(self, chunk: bytes, start: int, stop: int) -> None:
-        n = stop - start
-        if n == 0:
-            return
-        self._line_len += n
-        self._size += n
-        if len(self._head) < HEAD_BYTES:
-            self._head += chunk[start : min(stop, start + HEAD_BYTES - len(self._head))]
+    def _take(self, piece: bytes) -> None:
+        """Part of a line: kept while the event is in bounds, else only counted."""
+        self._line_len += len(piece)
         if self._over:
+            self._size += len(piece)
             return
-        if self._size > self.max_event_bytes:
-            # From here on the event is only counted: memory stays at what was kept so far.
-            self._over = True
-            self._line.clear()
-            self._data.clear()
+        if self._size + self._line_len > self.max_event_bytes:
+            self._cut([*self._line, piece], self._size + self._line_len)
             return
-        self._line.append(chunk[start:stop])
+        self._line.append(piece)
 
-    def _end_line(self) -> Frame | None:
-        if self._line_len == 0:
-            return self._end_event()
-        self._size += 1
-        self._line_len = 0
+    def _cut(self, pending: list[bytes], size: int) -> None:
+        """The event passed the bound: from here on it is only counted, so memory stays at what
+        was kept so far; its first bytes are kept to tell its type."""
+        self._head = _first_bytes([*self._data, *pending], HEAD_BYTES)
+        self._over = True
+        self._size = size
+        self._line.clear()
+        self._data.clear()
+
+    def _finish_line(self) -> bytes | None:
+        """The line the pieces made; in a cut event None, or b"" for the blank line that ends it."""
         if self._over:
+            if self._line_len == 0:
+                return b""
+            self._size += 1
+            self._line_len = 0
             return None
         line = self._line[0] if len(self._line) == 1 else b"".join(self._line)
         self._line.clear()
+        self._line_len = 0
+        return line
+
+    def _field(self, line: bytes) -> None:
         if line.startswith(b":"):
-            return None  # a comment (keep-alive)
+            return  # a comment (keep-alive)
         name, _, value = line.partition(b":")
         if value.startswith(b" "):
             value = value[1:]
@@ -116,7 +133,6 @@ class SSEReader:
             self._data.append(value)
         elif name in (b"event", b"id", b"retry"):
             self._fields = True
-        return None
 
     def _end_event(self) -> Frame | None:
         frame: Frame | None
@@ -131,6 +147,15 @@ class SSEReader:
         self._size = 0
         self._head = b""
         return frame
+
+
+def _first_bytes(parts: list[bytes], n: int) -> bytes:
+    out = b""
+    for part in parts:
+        out += part[: n - len(out)]
+        if len(out) >= n:
+            break
+    return out
 
 
 def iter_frames(chunks: Iterable[bytes], max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> Iterable[Frame]:
