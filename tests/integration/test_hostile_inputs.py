@@ -123,6 +123,19 @@ def test_a_cut_output_item_done_breaks_the_stream_and_the_request_is_retried(fle
     assert "TOOLQ_MAX_SSE_EVENT_BYTES" in reconnect[0]
 
 
+def test_a_cut_response_completed_still_completes_the_response(fleet, drive):
+    # It repeats the whole output, so it is the event most likely to pass the bound: no retry.
+    run = drive([
+        [b.function_call("sleep_echo", {"text": "kept"}, "call_kept"),
+         oversized_frame("response.completed", 64 * 1024, response={"id": "resp_big", "output": []})],
+        final(),
+    ], max_sse_event_bytes=16 * 1024)
+    assert run.outcome.status == "completed", run.outcome.error
+    assert len(run.requests) == 2
+    assert not [e for e in run.events if e["type"] == "error"]
+    assert json.loads(run.outputs_of(1)[0]["output"])["text"] == "kept"
+
+
 def test_a_deeply_nested_sse_frame_is_skipped_and_counted(fleet, drive):
     deep = '{"type": "response.output_item.done", "item": ' + "[" * DEPTH + "]" * DEPTH + "}"
     run = drive([
