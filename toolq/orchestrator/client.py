@@ -14,6 +14,7 @@ import asyncio
 import email.utils
 import ipaddress
 import json
+import logging
 import os
 import random
 import re
@@ -25,9 +26,11 @@ from http import HTTPStatus
 from typing import Any
 
 import httpx
-from httpx_sse import EventSource
 
-from toolq.orchestrator.protocol.events import EventDecoder, StreamEvent
+from toolq.orchestrator.protocol.events import EventDecoder, StreamCut, StreamEvent
+from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES, aiter_frames
+
+log = logging.getLogger("toolq.client")
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 
@@ -107,6 +110,8 @@ class ModelSettings:
     stream_idle_timeout: float = 300.0
     """Seconds without a byte from the server before the stream counts as dead."""
     connect_timeout: float = 10.0
+    max_sse_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
+    """Bigger SSE events are dropped unread (counted in `skipped["oversize"]`)."""
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ModelSettings:
@@ -205,14 +210,16 @@ class ModelClient:
         """
         response = await self._open(body)
         decoder = EventDecoder()
-        frames = EventSource(response).aiter_sse()
+        frames = aiter_frames(response, self.settings.max_sse_event_bytes)
         pending: ModelError | None = None
         try:
-            async for sse in frames:
-                event = decoder.decode(sse.data)
+            async for frame in frames:
+                event = decoder.decode(frame)
                 if event is None:
                     continue
                 kind = event.kind
+                if kind == "cut":  # an event over the bound that may have held a commit
+                    raise ModelError(STREAM_DISCONNECTED + event_too_large(event), retryable=True)
                 if kind == "completed":
                     # Stop here even if the server keeps the socket open (Codex does the same).
                     yield event
@@ -239,6 +246,9 @@ class ModelClient:
             raise transport_failure(e, self.settings.responses_url) from e
         finally:
             self.skipped.update(decoder.skipped)
+            if decoder.skipped["oversize"]:
+                log.warning("dropped %d SSE event(s) over TOOLQ_MAX_SSE_EVENT_BYTES (%d bytes)",
+                            decoder.skipped["oversize"], self.settings.max_sse_event_bytes)
             await frames.aclose()
             await response.aclose()
         if pending is not None:
@@ -335,6 +345,11 @@ def http_failure(status: int, headers: Mapping[str, str], body: str, url: str) -
     )
 
 
+def event_too_large(cut: StreamCut) -> str:
+    return (f"a {cut.event_type or 'unreadable'} event of {cut.size} bytes was over the "
+            f"TOOLQ_MAX_SSE_EVENT_BYTES bound and was dropped")
+
+
 def stream_failure(code: str | None, message: str | None) -> ModelError:
     """A `response.failed` or `error` event, classified by `error.code` (codex-contracts.md §3.3)."""
     text = message or ""
@@ -393,7 +408,7 @@ def try_again_in(message: str) -> float | None:
 def _error_object(body: str) -> dict[str, Any]:
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # an error body nested too deep is no error object either
         return {}
     error = doc.get("error", doc) if isinstance(doc, dict) else None
     return error if isinstance(error, dict) else {}

@@ -7,7 +7,6 @@ a payload kind the tool does not take raises `Fatal`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +15,7 @@ from jsonschema.exceptions import ValidationError as SchemaError
 
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolInvocation, ToolName
 from toolq.orchestrator.errors import Fatal, RespondToModel
-from toolq.workers.catalog import Catalog, ToolSpec, is_nullable, map_subschemas
+from toolq.workers.catalog import Catalog, ToolSpec, is_nullable, load_arguments, map_subschemas
 
 #: Codex's `functions` namespace also names the top-level tools (codex-reference S7).
 FUNCTIONS_NAMESPACE = "functions"
@@ -69,14 +68,14 @@ class Registry:
         )
 
     def _validate_arguments(self, spec: ToolSpec, raw: str) -> None:
-        try:
-            args = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise RespondToModel(f"failed to parse function arguments: {e}") from None
+        args = load_arguments(raw)
         validator = self._validators.get(spec.tool_name)
         if validator is None:
             return
-        error = next(iter(sorted(validator.iter_errors(args), key=lambda e: list(e.path))), None)
+        try:
+            error = next(iter(sorted(validator.iter_errors(args), key=lambda e: list(e.path))), None)
+        except RecursionError:  # a recursive schema ($ref) walked down deeply nested arguments
+            raise RespondToModel("failed to parse function arguments: nesting too deep for the schema") from None
         if error is not None:
             raise RespondToModel(f"failed to parse function arguments: {describe_schema_error(error)}")
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.protocol.reasoning import ReasoningSetting
+from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES
 
 DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
 
@@ -35,6 +36,7 @@ ENV = {
     "request_max_retries": ("TOOLQ_REQUEST_MAX_RETRIES",),
     "stream_max_retries": ("TOOLQ_STREAM_MAX_RETRIES",),
     "stream_idle_timeout": ("TOOLQ_STREAM_IDLE_TIMEOUT",),
+    "max_sse_event_bytes": ("TOOLQ_MAX_SSE_EVENT_BYTES",),
     "flower_user": ("FLOWER_USER",),
     "flower_password": ("FLOWER_PASSWORD",),
     "flower_port": ("FLOWER_PORT",),
@@ -74,6 +76,9 @@ class Settings(BaseModel):
     """Whole-request retries after a model stream broke mid-way."""
     stream_idle_timeout: float = Field(default=300.0, gt=0)
     """Seconds without a byte from the model before its stream counts as dead."""
+    max_sse_event_bytes: int = Field(default=DEFAULT_MAX_EVENT_BYTES, ge=1024)
+    """A bigger SSE event from the model is dropped unread, so memory stays bounded; one that may
+    have held a call (`output_item.done`) breaks the stream, which is retried."""
     flower_user: str | None = None
     flower_password: str | None = None
     flower_port: int = Field(default=5555, ge=0, le=65535)

@@ -92,7 +92,8 @@ class Runtime:
         model = model or ModelSettings(base_url=settings.openai_base_url, api_key=settings.openai_api_key,
                                        model=settings.model, request_max_retries=settings.request_max_retries,
                                        stream_max_retries=settings.stream_max_retries,
-                                       stream_idle_timeout=settings.stream_idle_timeout)
+                                       stream_idle_timeout=settings.stream_idle_timeout,
+                                       max_sse_event_bytes=settings.max_sse_event_bytes)
         signer = required_signer(settings.signing_key, "an orchestrator with REDIS_URL")
         ledger = Ledger.from_url(settings.redis_url)
         router = ResultRouter(settings.result_backend_url() or settings.redis_url, signer)

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ValidationError
 
 from toolq.orchestrator.calls import PayloadKind, ToolInvocation, ToolName
 from toolq.orchestrator.errors import ConfigurationError, RespondToModel
+from toolq.orchestrator.protocol import untrusted
 from toolq.orchestrator.protocol.items import ContentPart, ToolOutputBody
 
 DEFAULT_QUEUE = "toolq"
@@ -347,10 +348,7 @@ def parse_arguments(spec: ToolSpec, raw: str) -> BaseModel | Any:
     """Parse a function call's raw JSON with the tool's own args model (Codex's `parse_arguments`);
     a tool declared with `parameters=` alone gets the parsed JSON (the registry has checked it
     against that schema before dispatch)."""
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise RespondToModel(f"failed to parse function arguments: {e}") from None
+    obj = load_arguments(raw)
     if spec.args_model is None:
         return obj
     if isinstance(obj, dict):
@@ -360,6 +358,23 @@ def parse_arguments(spec: ToolSpec, raw: str) -> BaseModel | Any:
         return spec.args_model.model_validate(obj)
     except ValidationError as e:
         raise RespondToModel(f"failed to parse function arguments: {describe_validation_error(e)}") from None
+
+
+def load_arguments(raw: str) -> Any:
+    """A function call's `arguments` as JSON, or `RespondToModel` naming what is wrong with them.
+
+    Refused like serde_json (which Codex parses with) refuses them: past its nesting limit, or
+    with a lone surrogate, which would raise `UnicodeEncodeError` wherever the value went next
+    (a file path, a Celery message, the next request)."""
+    try:
+        obj = untrusted.loads(raw)
+    except ValueError as e:
+        raise RespondToModel(f"failed to parse function arguments: {e}") from None
+    if untrusted.may_hold_surrogate(raw):
+        bad = untrusted.first_surrogate(obj)
+        if bad is not None:
+            raise RespondToModel(f"failed to parse function arguments: {untrusted.describe_surrogate(bad)}")
+    return obj
 
 
 def describe_validation_error(e: ValidationError) -> str:
