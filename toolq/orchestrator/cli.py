@@ -70,6 +70,15 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from toolq.workers.app import app, catalog, configure
 
     configure(settings)
+    from toolq.orchestrator.errors import ConfigurationError
+    from toolq.workers.isolation import worker_started
+
+    try:  # probed once here; the pool children inherit the choice
+        banner = worker_started([s.name for s in catalog() if s.shell_like])
+    except ConfigurationError as e:
+        print(f"toolq worker: {e}", file=sys.stderr)
+        return 2
+    print(banner, file=sys.stderr, flush=True)
     queues = settings.queues or catalog().queues()
     argv = ["worker", "--pool", "prefork", "--concurrency", str(settings.concurrency), "--queues", ",".join(queues),
             "--events", "--without-gossip", "--without-mingle", "--loglevel", args.loglevel]
@@ -106,6 +115,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
     out = settings.masked()
     backend = settings.result_backend_url()
     out["result_url"] = mask_url_password(backend) if backend else None  # the derived default, if unset
+    from toolq.workers.isolation import current
+
+    out["sandbox_chosen"] = current(settings).describe()
     print(json.dumps(out, indent=2))
     return 0
 

@@ -7,6 +7,7 @@ prefork, `acks_late` + prefetch 1 (fair, and queued revokes are honoured), START
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any
@@ -14,11 +15,12 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
-from celery.signals import worker_process_init, worker_shutdown, worker_shutting_down
+from celery.signals import celeryd_after_setup, worker_process_init, worker_shutdown, worker_shutting_down
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.settings import Settings
 from toolq.workers.catalog import Catalog, load_catalog
+from toolq.workers import isolation
 from toolq.workers.execute import execute
 from toolq.workers.sandbox import install_sigterm_handler
 
@@ -99,6 +101,14 @@ def redis_client() -> redis.Redis:
 def _child_init(**_: Any) -> None:
     global _redis
     _redis = None  # never share a socket across fork
+    isolation.pool_child_started()
+
+
+@celeryd_after_setup.connect
+def _banner(**_: Any) -> None:
+    sandbox = isolation.current()
+    log_level = logging.WARNING if sandbox.backend == "none" or sandbox.unavailable else logging.INFO
+    logging.getLogger("toolq.worker").log(log_level, "%s", sandbox.describe())
 
 
 @worker_shutting_down.connect
