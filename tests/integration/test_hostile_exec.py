@@ -116,11 +116,12 @@ def test_files_outside_the_workspace_are_out_of_reach(drive, hostile_worker, tmp
     (tmp_path / ".git").mkdir()
     (tmp_path / ".git" / "config").write_text("[core]\n")
     worker_file = hostile_worker.logdir / "worker-secret.txt"
+    planted = Path(f"/etc/toolq-planted-{secrets.token_hex(4)}")
     out = attack(drive, hostile_worker, tmp_path, {
         "call_inside": "echo ok > inside.txt && cat inside.txt",
         "call_other": f"cat {other}/secret.txt",
         "call_worker": f"cat {worker_file}; ls {hostile_worker.logdir}",
-        "call_write_out": f"echo x > {other}/planted.txt; echo x > /etc/toolq-planted",
+        "call_write_out": f"echo x > {other}/planted.txt; echo x > {planted}",
         "call_git": "echo '[core] fsmonitor = touch /tmp/pwned' >> .git/config",
         "call_home": f"ls {Path.home()}/ && cat {Path.home()}/.bashrc",
     })
@@ -133,7 +134,7 @@ def test_files_outside_the_workspace_are_out_of_reach(drive, hostile_worker, tmp
     assert code != 0 and "worker-private" not in body and "hostile" not in body, body
     code, body = out["call_write_out"]
     assert code != 0 and ("Read-only" in body or "Permission denied" in body or "No such file" in body), body
-    assert not (other / "planted.txt").exists() and not Path("/etc/toolq-planted").exists()
+    assert not (other / "planted.txt").exists() and not planted.exists()
     if hostile_worker.backend == "bwrap":  # Landlock cannot take write access back beneath the workspace
         code, body = out["call_git"]
         assert code != 0 and "Read-only file system" in body, body

@@ -141,7 +141,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("decode", "pipeline", "steps", "cancel")
+BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "sandbox")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

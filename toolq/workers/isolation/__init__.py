@@ -179,6 +179,11 @@ def worker_started(shell_tools: list[str]) -> str:
 
 
 def pool_child_started() -> None:
-    """In each pool child: without a pid namespace, the child adopts its calls' orphans."""
-    if current().backend == "landlock":
+    """In each pool child: enter its pids cgroup (where it may); without a pid namespace, it also
+    adopts its calls' orphans."""
+    sandbox = current()
+    if sandbox.unavailable or sandbox.backend == "none":
+        return
+    limits.enter_pool_cgroup(sandbox.policy.limits)
+    if sandbox.backend == "landlock":
         reaper.become_subreaper()

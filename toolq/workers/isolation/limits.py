@@ -2,14 +2,15 @@
 worker may create one, and the line that tells the model which limit a command hit.
 
 RLIMIT_NPROC counts every process of the uid (and is never enforced for root), so the process
-limit comes from a per-call pids cgroup when the worker can create one (root on cgroup v1 here),
-else from RLIMIT_NPROC raised by what the uid already runs; as root without a pids cgroup there
-is none, and the banner says so.
+limit comes from a pids cgroup when the worker can create one (root on cgroup v1 here), else from
+RLIMIT_NPROC raised by what the uid already runs; as root without a pids cgroup there is none,
+and the banner says so. The cgroup is one per pool child, entered once at its start: moving a
+process into a v1 cgroup costs ~15 ms here (an RCU grace period), too much for every call, and a
+pool child runs one call at a time, so its cgroup holds that call's processes and nothing else.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import resource
@@ -42,7 +43,9 @@ def _pids_cgroup_base() -> Path | None:
 
 
 _BASE: Path | None | bool = False
-_counter = itertools.count()
+#: Slack over the process limit in the pool child's cgroup, for the pool child's own threads.
+OWN_TASKS_SLACK = 16
+_pool_cgroup: Path | None = None
 
 
 def pids_cgroup_base() -> Path | None:
@@ -59,28 +62,53 @@ def process_limit_mode() -> str:
     return "not enforced (root without a pids cgroup)" if os.geteuid() == 0 else "RLIMIT_NPROC"
 
 
+def enter_pool_cgroup(limits: Limits) -> Path | None:
+    """Put this pool child in a pids cgroup of its own (once); stale ones of dead children go."""
+    global _pool_cgroup
+    base = pids_cgroup_base()
+    if base is None or _pool_cgroup is not None:
+        return _pool_cgroup
+    for stale in base.glob("toolq-pool-*"):
+        try:
+            stale.rmdir()  # only empty ones: their pool child is gone
+        except OSError:
+            pass
+    cg = base / f"toolq-pool-{os.getpid()}"
+    try:
+        cg.mkdir(exist_ok=True)
+        own = len(os.listdir("/proc/self/task"))
+        (cg / "pids.max").write_text(str(limits.processes + own + OWN_TASKS_SLACK))
+        (cg / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        return None
+    _pool_cgroup = cg
+    return cg
+
+
+def _limit_failures(cg: Path) -> int:
+    try:
+        for line in (cg / "pids.events").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == "max":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 class CallLimits:
-    """The limits of one call: prepare in the worker, `apply_in_child` before exec, `close` after."""
+    """The limits of one call: made in the worker, `apply_in_child` before exec, `close` after."""
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
-        self.cgroup: Path | None = None
-        self._procs_path: bytes | None = None
+        self.cgroup = _pool_cgroup if _pool_cgroup is not None and _pool_cgroup.exists() else None
+        self._failures_before = _limit_failures(self.cgroup) if self.cgroup else 0
         self.nproc: int | None = None
-        base = pids_cgroup_base()
-        if base is not None:
-            try:
-                cg = base / f"toolq-{os.getpid()}-{next(_counter)}"
-                cg.mkdir()
-                (cg / "pids.max").write_text(str(limits.processes))
-                self.cgroup, self._procs_path = cg, os.fsencode(cg / "cgroup.procs")
-            except OSError:
-                self.cgroup = None
         if self.cgroup is None and os.geteuid() != 0:
             self.nproc = _processes_of_uid(os.getuid()) + limits.processes
 
     def apply_in_child(self) -> None:
-        """Runs between fork and exec (async-signal-safe enough: syscalls only, no locks)."""
+        """Runs between fork and exec: syscalls only."""
         lim = self.limits
         resource.setrlimit(resource.RLIMIT_AS, (lim.memory_mb * MIB,) * 2)
         resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_seconds, lim.cpu_seconds + CPU_HARD_SLACK))
@@ -88,20 +116,15 @@ class CallLimits:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         if self.nproc is not None:
             resource.setrlimit(resource.RLIMIT_NPROC, (self.nproc,) * 2)
-        if self._procs_path is not None:
-            fd = os.open(self._procs_path, os.O_WRONLY)
-            try:
-                os.write(fd, b"0")
-            finally:
-                os.close(fd)
 
     def kill_all(self) -> None:
-        """SIGKILL whatever is still in the call's cgroup, until it is empty."""
+        """SIGKILL every process in the pool child's cgroup but the pool child, until none is left."""
         if self.cgroup is None:
             return
+        me = os.getpid()
         for _ in range(1000):
             try:
-                pids = [int(p) for p in (self.cgroup / "cgroup.procs").read_text().split()]
+                pids = [int(p) for p in (self.cgroup / "cgroup.procs").read_text().split() if int(p) != me]
             except OSError:
                 return
             if not pids:
@@ -113,30 +136,12 @@ class CallLimits:
                     pass
             time.sleep(0.001)
 
-    def hit_process_limit(self) -> bool:
+    def close(self) -> bool:
+        """True if a fork failed on the process limit during the call."""
         if self.cgroup is None:
             return False
-        try:
-            events = (self.cgroup / "pids.events").read_text()
-        except OSError:
-            return False
-        return any(line.split() and line.split()[0] == "max" and line.split()[1] != "0" for line in events.splitlines())
-
-    def close(self) -> bool:
-        """Remove the cgroup; True if a fork failed on the process limit during the call."""
-        hit = self.hit_process_limit()
-        if self.cgroup is not None:
-            self.kill_all()
-            for _ in range(100):
-                try:
-                    self.cgroup.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.002)
-            self.cgroup = None
-        return hit
+        self.kill_all()
+        return _limit_failures(self.cgroup) > self._failures_before
 
 
 def _processes_of_uid(uid: int) -> int:
