@@ -7,7 +7,9 @@ the broker URL, API keys or Flower credentials, whatever the operator adds.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
@@ -30,6 +32,12 @@ SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "
 
 def _matches(name: str, patterns: tuple[str, ...] | list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+@functools.lru_cache(maxsize=8)
+def _pattern(patterns: tuple[str, ...]) -> re.Pattern[str]:
+    """One regex for a list of `*` patterns (the environment is filtered on every call)."""
+    return re.compile("|".join(fnmatch.translate(p) for p in patterns))
 
 
 @dataclass(frozen=True)
@@ -68,8 +76,8 @@ class Policy:
         """The environment a command gets: the allowlist from `source`, then the overrides. When
         `confined`, HOME and TMPDIR point at the call's private temporary directory (the worker's
         home is hidden) and PATH keeps only the directories the command may read."""
-        allowed = (*BASE_ENV, *self.extra_env)
-        env = {k: v for k, v in source.items() if _matches(k, allowed) and not _matches(k, FORBIDDEN_ENV)}
+        allowed, forbidden = _pattern((*BASE_ENV, *self.extra_env)), _pattern(FORBIDDEN_ENV)
+        env = {k: v for k, v in source.items() if allowed.match(k) and not forbidden.match(k)}
         env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
         env.update(ENV_OVERRIDES)
         if confined:
