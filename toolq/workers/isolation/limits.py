@@ -69,10 +69,13 @@ def enter_pool_cgroup(limits: Limits) -> Path | None:
     if base is None or _pool_cgroup is not None:
         return _pool_cgroup
     for stale in base.glob("toolq-pool-*"):
-        try:
-            stale.rmdir()  # only empty ones: their pool child is gone
-        except OSError:
-            pass
+        owner = stale.name.rpartition("-")[2]
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            _kill_members(stale)  # left behind by a pool child that was killed mid-call
+            try:
+                stale.rmdir()
+            except OSError:
+                pass
     cg = base / f"toolq-pool-{os.getpid()}"
     try:
         cg.mkdir(exist_ok=True)
@@ -83,6 +86,24 @@ def enter_pool_cgroup(limits: Limits) -> Path | None:
         return None
     _pool_cgroup = cg
     return cg
+
+
+def _kill_members(cg: Path) -> None:
+    """SIGKILL every process in `cg` but this one, until none is left."""
+    me = os.getpid()
+    for _ in range(1000):
+        try:
+            pids = [int(p) for p in (cg / "cgroup.procs").read_text().split() if int(p) != me]
+        except OSError:
+            return
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.001)
 
 
 def _limit_failures(cg: Path) -> int:
@@ -119,22 +140,8 @@ class CallLimits:
 
     def kill_all(self) -> None:
         """SIGKILL every process in the pool child's cgroup but the pool child, until none is left."""
-        if self.cgroup is None:
-            return
-        me = os.getpid()
-        for _ in range(1000):
-            try:
-                pids = [int(p) for p in (self.cgroup / "cgroup.procs").read_text().split() if int(p) != me]
-            except OSError:
-                return
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.001)
+        if self.cgroup is not None:
+            _kill_members(self.cgroup)
 
     def close(self) -> bool:
         """True if a fork failed on the process limit during the call."""
