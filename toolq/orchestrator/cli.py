@@ -73,13 +73,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from toolq.orchestrator.errors import ConfigurationError
     from toolq.workers.isolation import worker_started
 
+    queues = settings.queues or catalog().queues()
     try:  # probed once here; the pool children inherit the choice
-        banner = worker_started([s.name for s in catalog() if s.shell_like])
+        banner = worker_started([s.name for s in catalog() if s.shell_like and s.queue in queues])
     except ConfigurationError as e:
         print(f"toolq worker: {e}", file=sys.stderr)
         return 2
     print(banner, file=sys.stderr, flush=True)
-    queues = settings.queues or catalog().queues()
     argv = ["worker", "--pool", "prefork", "--concurrency", str(settings.concurrency), "--queues", ",".join(queues),
             "--events", "--without-gossip", "--without-mingle", "--loglevel", args.loglevel]
     if args.name:
