@@ -200,21 +200,13 @@ def run_command(
     start = time.monotonic()
     launch: Launch | None = None
     try:
-        preexec = None
+        popen = dict(cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     start_new_session=True, close_fds=True)
         if sandbox is not None:
             launch = sandbox.launch(argv, workspace=str(workspace or cwd), cwd=str(cwd), env=env or dict(os.environ))
-            argv, env, preexec = launch.argv, launch.env, launch.preexec_fn
-        proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-            preexec_fn=preexec,
-        )
+            proc = launch.spawn(**popen)
+        else:
+            proc = subprocess.Popen(argv, env=env, **popen)
     except OSError as e:
         if launch is not None:
             launch.close()

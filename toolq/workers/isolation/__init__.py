@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
@@ -34,14 +36,38 @@ class SandboxUnavailable(Exception):
 
 
 class Launch:
-    """One command's spawn: `argv`, `env`, `preexec_fn`; `kill` after the group kill, `close` at the end."""
+    """One command's spawn: `spawn` it, `kill` what is left after the group kill, `close` at the end."""
 
     def __init__(self, argv: list[str], env: dict[str, str], preexec_fn: Callable[[], None] | None,
                  call_limits: limits.CallLimits | None = None, tmpdir: str | None = None,
-                 reap: bool = False, ruleset: landlock.Ruleset | None = None) -> None:
+                 reap: bool = False, ruleset: landlock.Ruleset | None = None,
+                 confine_thread: Callable[[], None] | None = None) -> None:
         self.argv, self.env, self.preexec_fn = argv, env, preexec_fn
         self.call_limits, self.tmpdir, self.reap, self.ruleset = call_limits, tmpdir, reap, ruleset
+        self.confine_thread = confine_thread
         self.process_limit_hit = False
+
+    def spawn(self, **popen: Any) -> subprocess.Popen:
+        """Popen the command. With `confine_thread`, from a new thread that confines itself first:
+        Landlock, no_new_privs and the capability bounding set are per thread and inherited by
+        the child, so the spawn needs no pre-exec function and Python can use vfork."""
+        if self.confine_thread is None:
+            return subprocess.Popen(self.argv, env=self.env, preexec_fn=self.preexec_fn, **popen)
+        spawned: dict[str, Any] = {}
+
+        def confined() -> None:
+            try:
+                self.confine_thread()  # type: ignore[misc]
+                spawned["proc"] = subprocess.Popen(self.argv, env=self.env, **popen)
+            except BaseException as e:  # handed to the caller
+                spawned["error"] = e
+
+        thread = threading.Thread(target=confined, name="toolq-confined-spawn")
+        thread.start()
+        thread.join()
+        if "error" in spawned:
+            raise spawned["error"]
+        return spawned["proc"]
 
     def kill(self, spare: frozenset[int]) -> None:
         """Kill what left the process group: the cgroup's members, the worker's adopted orphans."""
@@ -88,10 +114,13 @@ class Sandbox:
             _require_program(argv[0], command_env)
             return Launch(argv, command_env, None)
         call_limits = limits.CallLimits(self.policy.limits)
+        prefix = call_limits.prlimit_prefix()  # None: the limits are set by a pre-exec function
         if self.backend == "bwrap":
             command_env = self.policy.command_env(env, home=bwrap.SANDBOX_TMP)
             _require_program(argv[0], command_env)
             wrapped = bwrap.argv(self.bwrap_path or "bwrap", self.policy, os.path.abspath(workspace), cwd, argv)
+            if prefix:
+                return Launch(prefix + wrapped, command_env, None, call_limits)
             return Launch(wrapped, command_env, call_limits.apply_in_child, call_limits)
         tmpdir = tempfile.mkdtemp(prefix="toolq-call-")
         command_env = self.policy.command_env(env, home=tmpdir)
@@ -104,12 +133,17 @@ class Sandbox:
             call_limits.close()
             raise
 
+        reap = reaper.is_subreaper()
+        if prefix:
+            return Launch(prefix + argv, command_env, None, call_limits, tmpdir, reap=reap, ruleset=ruleset,
+                          confine_thread=ruleset.restrict_self)
+
         def confine() -> None:
             call_limits.apply_in_child()
             landlock._libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             ruleset.restrict_self()
 
-        return Launch(argv, command_env, confine, call_limits, tmpdir, reap=reaper.is_subreaper(), ruleset=ruleset)
+        return Launch(argv, command_env, confine, call_limits, tmpdir, reap=reap, ruleset=ruleset)
 
     def explain(self, launch: Launch, exit_code: int, output: str) -> str | None:
         if self.backend == "none":

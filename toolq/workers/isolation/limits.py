@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import resource
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -128,6 +129,19 @@ class CallLimits:
         if self.cgroup is None and os.geteuid() != 0:
             self.nproc = _processes_of_uid(os.getuid()) + limits.processes
 
+    def prlimit_prefix(self) -> list[str] | None:
+        """The same limits as a `prlimit ... --` prefix (util-linux), so that the worker can spawn
+        with vfork: a pre-exec function makes Python fork the whole pool child (~6 ms at 100 MB)."""
+        prlimit = _prlimit()
+        if prlimit is None:
+            return None
+        lim = self.limits
+        args = [prlimit, f"--as={lim.memory_mb * MIB}", f"--cpu={lim.cpu_seconds}:{lim.cpu_seconds + CPU_HARD_SLACK}",
+                f"--fsize={lim.file_mb * MIB}", "--core=0"]
+        if self.nproc is not None:
+            args.append(f"--nproc={self.nproc}")
+        return [*args, "--"]
+
     def apply_in_child(self) -> None:
         """Runs between fork and exec: syscalls only."""
         lim = self.limits
@@ -149,6 +163,16 @@ class CallLimits:
             return False
         self.kill_all()
         return _limit_failures(self.cgroup) > self._failures_before
+
+
+_PRLIMIT: str | None | bool = False
+
+
+def _prlimit() -> str | None:
+    global _PRLIMIT
+    if _PRLIMIT is False:
+        _PRLIMIT = shutil.which("prlimit", path="/usr/bin:/bin:/usr/sbin:/sbin")
+    return _PRLIMIT  # type: ignore[return-value]
 
 
 def _processes_of_uid(uid: int) -> int:
