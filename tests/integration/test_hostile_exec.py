@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -94,11 +95,20 @@ def no_secret(text: str) -> None:
 
 def test_no_secret_in_the_environment_and_the_broker_is_unreachable(drive, hostile_worker, tmp_path):
     port = hostile_worker.redis.port
+    listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the host's loopback, as UDP
+    listener.bind(("127.0.0.1", 0))
+    listener.settimeout(0.5)
+    udp = listener.getsockname()[1]
     out = attack(drive, hostile_worker, tmp_path, {
         "call_env": "env",
         "call_tcp": f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo CONNECTED",
         "call_py": f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2); print('CONNECTED')\"",
+        "call_udp": f"python3 -c \"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'leak', "
+                    f"('127.0.0.1', {udp}))\"",
     })
+    with pytest.raises(TimeoutError):
+        listener.recvfrom(16)  # nothing crossed over from the sandbox
+    listener.close()
     code, env = out["call_env"]
     assert code == 0 and "PATH=" in env  # the control: env did run
     no_secret(env)

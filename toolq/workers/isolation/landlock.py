@@ -6,9 +6,12 @@ workspace, write the workspace and the call's private temporary directory), TCP 
 also cannot ptrace, so `/proc/<worker>/mem` and `environ` stay closed. The ruleset is built in
 the worker for each call; the child only calls `landlock_restrict_self` before exec.
 
+Landlock confines TCP only; with the network off, a seccomp filter also refuses every socket
+that is not AF_UNIX (UDP, raw, netlink), as Codex's Landlock sandbox does.
+
 Limits of this backend, compared with bubblewrap: `.git/` inside the workspace stays writable
-(Landlock rules only add rights, beneath a directory), pathname unix sockets and UDP are not
-confined, and `/tmp` itself is not writable (TMPDIR points at the call's own directory).
+(Landlock rules only add rights, beneath a directory), pathname unix sockets are not confined,
+and `/tmp` itself is not writable (TMPDIR points at the call's own directory).
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ FILE_ONLY = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE
 DEVICES = {"/dev/null": READ_FILE | WRITE_FILE | TRUNCATE, "/dev/zero": READ_FILE, "/dev/full": READ_FILE | WRITE_FILE,
            "/dev/random": READ_FILE, "/dev/urandom": READ_FILE}
 
+# seccomp: the architecture and socket(2)'s number, per machine
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(platform.machine())
+_NR_SOCKET = {"x86_64": 41, "aarch64": 198}.get(platform.machine())
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_AF_UNIX = 1
+_X32_SYSCALL_BIT = 0x40000000
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
@@ -83,6 +93,41 @@ def handled_fs(abi: int) -> int:
     return rights
 
 
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _socket_filter() -> bytes:
+    """BPF: socket(family != AF_UNIX) fails with EACCES; so does every syscall of a foreign ABI
+    (i386, x32), which could reach socket(2) by another number."""
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, deny = 0x7FFF0000, 0x00050000 | errno.EACCES
+    prog = [
+        (ld, 0, 0, 4),                   # 0: arch
+        (jeq, 1, 0, _AUDIT_ARCH),        # 1: native -> 3
+        (ret, 0, 0, deny),               # 2
+        (ld, 0, 0, 0),                   # 3: syscall number
+        (jge, 3, 0, _X32_SYSCALL_BIT),   # 4: x32 -> 8
+        (jeq, 0, 3, _NR_SOCKET),         # 5: socket -> 6, else -> 9
+        (ld, 0, 0, 16),                  # 6: args[0], the family (low 32 bits)
+        (jeq, 1, 0, _AF_UNIX),           # 7: AF_UNIX -> 9
+        (ret, 0, 0, deny),               # 8
+        (ret, 0, 0, allow),              # 9
+    ]
+    return b"".join(struct.pack("HBBI", *insn) for insn in prog)
+
+
+def deny_network_sockets() -> None:
+    """On this thread (and what it spawns); needs no_new_privs first."""
+    if _AUDIT_ARCH is None or _NR_SOCKET is None:
+        raise OSError(errno.ENOSYS, f"no socket filter for {platform.machine()}")
+    code = _socket_filter()
+    buf = ctypes.create_string_buffer(code, len(code))
+    prog = _SockFprog(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    if _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+
+
 class Ruleset:
     """One call's ruleset, as an fd the child hands to `landlock_restrict_self`."""
 
@@ -90,6 +135,7 @@ class Ruleset:
         fs = handled_fs(abi)
         net = NET_BIND_TCP | NET_CONNECT_TCP if deny_tcp and abi >= 4 else 0
         scoped = SCOPE_ABSTRACT_UNIX | SCOPE_SIGNAL if abi >= 6 else 0
+        self.deny_sockets = deny_tcp
         attr = struct.pack("QQQ", fs, net, scoped)[: 8 if abi < 4 else 16 if abi < 6 else 24]
         self.fd = _syscall(CREATE, attr, len(attr), 0)
         try:
@@ -128,6 +174,8 @@ class Ruleset:
         if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         _syscall(RESTRICT, self.fd, 0)
+        if self.deny_sockets:
+            deny_network_sockets()
 
     def close(self) -> None:
         if self.fd >= 0:
