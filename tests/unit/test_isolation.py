@@ -15,6 +15,7 @@ from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
 from toolq.workers.isolation import bwrap, choose, landlock, limits
 from toolq.workers.isolation.policy import Limits, Policy
+from toolq.workers.sandbox import run_command
 
 SECRET_ENV = {"REDIS_URL": "redis://:pw@h/0", "CELERY_BROKER_URL": "redis://:pw@h/0", "OPENAI_API_KEY": "sk-x",
               "FLOWER_PASSWORD": "f", "TOOLQ_SIGNING_KEY": "k", "AWS_SECRET_ACCESS_KEY": "a"}
@@ -132,3 +133,17 @@ def test_the_subreaper_sweep_kills_what_left_the_process_group(tmp_path):
     assert out.stdout.strip() == "2", out.stderr
     ps = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True)
     assert ps.stdout == ""
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "landlock"])
+def test_a_workspace_reached_through_a_symlink_is_writable_at_its_own_path(tmp_path, backend):
+    sandbox = choose(policy(sandbox=backend))
+    if sandbox.unavailable:
+        pytest.skip(f"{backend} cannot run here: {sandbox.unavailable}")
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    # exec_command's workdir arrives resolved; the workspace as configured
+    r = run_command("echo ok > f && cat f && cat ../sub/f", cwd=tmp_path / "real" / "sub", sandbox=sandbox,
+                    workspace=tmp_path / "link", env=dict(os.environ))
+    assert (r.exit_code, r.output) == (0, b"ok\nok\n"), r.output
+    assert (tmp_path / "real" / "sub" / "f").read_text() == "ok\n"

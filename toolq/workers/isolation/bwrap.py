@@ -36,7 +36,11 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
             args += ["--symlink", os.readlink(d), d]
         else:
             args += ["--ro-bind-try", d, d]
-    args += ["--bind", workspace, workspace]
+    real = os.path.realpath(workspace)
+    args += ["--bind", real, real]
+    if real != workspace:  # reached through a symlink: the same path inside as outside
+        args += ["--symlink", real, workspace]
+    workspace = real
     git = os.path.join(workspace, ".git")
     if os.path.lexists(git):
         # a symlinked .git is hidden rather than followed: its target could be anywhere
