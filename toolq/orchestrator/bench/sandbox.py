@@ -36,7 +36,7 @@ def _sandbox_setting(value: str) -> Iterator[None]:
 
 
 def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: int = 6,
-        rounds: int = 3) -> dict[str, Any]:
+        rounds: int = 6) -> dict[str, Any]:
     backends = [b for b in ("bwrap", "landlock")
                 if not isolation.choose(Policy.from_settings(Settings(sandbox=b))).unavailable]
     if not backends:
