@@ -134,6 +134,7 @@ def test_files_outside_the_workspace_are_out_of_reach(drive, hostile_worker, tmp
         "call_write_out": f"echo x > {other}/planted.txt; echo x > {planted}",
         "call_git": "echo '[core] fsmonitor = touch /tmp/pwned' >> .git/config",
         "call_home": f"ls {Path.home()}/ && cat {Path.home()}/.bashrc",
+        "call_shadow": "cat /etc/shadow",
     })
     assert out["call_inside"] == (0, "ok\n")  # the control: the workspace is writable
     assert (tmp_path / "inside.txt").read_text() == "ok\n"
@@ -151,6 +152,8 @@ def test_files_outside_the_workspace_are_out_of_reach(drive, hostile_worker, tmp
         assert (tmp_path / ".git" / "config").read_text() == "[core]\n"
     code, body = out["call_home"]
     assert code != 0 or body.strip() == "", body
+    if hostile_worker.backend == "bwrap" or os.geteuid() != 0:  # Landlock cannot mask a file from root
+        assert "root:" not in out["call_shadow"][1]
 
 
 def test_the_worker_can_be_neither_read_nor_signalled(drive, hostile_worker, tmp_path):

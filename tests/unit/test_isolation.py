@@ -60,9 +60,12 @@ def test_bwrap_command_line_isolates_everything_and_protects_git(tmp_path):
     args = bwrap.argv("bwrap", policy(), str(tmp_path), str(tmp_path), ["bash", "-c", "true"])
     assert args[:4] == ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
     assert "--share-net" not in args
-    ws, git = args.index("--bind"), args.index("--ro-bind")
+    ws, git = args.index("--bind"), args.index(str(tmp_path / ".git")) - 1
     assert args[ws:ws + 3] == ["--bind", str(tmp_path), str(tmp_path)]
     assert args[git:git + 3] == ["--ro-bind", str(tmp_path / ".git"), str(tmp_path / ".git")] and git > ws
+    if os.path.exists("/etc/shadow"):
+        shadow = args.index("/etc/shadow")
+        assert args[shadow - 2:shadow + 1] == ["--ro-bind", "/dev/null", "/etc/shadow"]
     assert args[-4:] == ["--", "bash", "-c", "true"]
     assert "/root" not in args and os.path.expanduser("~") not in args
     assert "--share-net" in bwrap.argv("bwrap", policy(sandbox_network="host"), "/w", "/w", ["true"])
@@ -147,3 +150,18 @@ def test_a_workspace_reached_through_a_symlink_is_writable_at_its_own_path(tmp_p
                     workspace=tmp_path / "link", env=dict(os.environ))
     assert (r.exit_code, r.output) == (0, b"ok\nok\n"), r.output
     assert (tmp_path / "real" / "sub" / "f").read_text() == "ok\n"
+
+
+def test_exec_command_refuses_with_the_reason_when_no_sandbox_works(tmp_path, monkeypatch):
+    import json
+
+    from tests.unit.tools import call
+    from toolq.orchestrator.errors import RespondToModel
+    from toolq.workers import isolation
+    from toolq.workers.tools.exec_command import exec_command
+
+    broken = isolation.Sandbox("bwrap", policy(), "none", unavailable="bwrap is not installed: install it")
+    monkeypatch.setattr(isolation, "_current", broken)
+    with pytest.raises(RespondToModel, match="^exec_command refused: bwrap is not installed: install it$"):
+        call(exec_command, tmp_path, json.dumps({"cmd": "touch ran"}))
+    assert not (tmp_path / "ran").exists()

@@ -20,6 +20,10 @@ from toolq.workers.isolation.policy import Policy
 
 #: Where the private /tmp is: HOME and TMPDIR point here inside the sandbox.
 SANDBOX_TMP = "/tmp"
+#: Host secrets under the read-only system directories, masked: a root worker's command is uid 0
+#: (without capabilities), and uid 0 owns them.
+MASKED = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/ssh", "/etc/ssl/private",
+          "/etc/sudoers", "/etc/sudoers.d")
 
 
 def executable() -> str | None:
@@ -36,6 +40,11 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
             args += ["--symlink", os.readlink(d), d]
         else:
             args += ["--ro-bind-try", d, d]
+    for path in MASKED:
+        if os.path.isdir(path) and not os.path.islink(path):
+            args += ["--tmpfs", path]
+        elif os.path.lexists(path):
+            args += ["--ro-bind", "/dev/null", path]
     real = os.path.realpath(workspace)
     args += ["--bind", real, real]
     if real != workspace:  # reached through a symlink: the same path inside as outside
