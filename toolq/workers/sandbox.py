@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from toolq.orchestrator.errors import RespondToModel
+from toolq.workers.isolation import reaper
 
 if TYPE_CHECKING:
     from toolq.workers.isolation import Launch, Sandbox
@@ -89,8 +90,6 @@ def live_process_groups() -> frozenset[int]:
 
 def kill_live_groups() -> None:
     """SIGKILL every live group, and what left them (safe to call from a signal handler)."""
-    from toolq.workers.isolation import reaper
-
     for pgid in live_process_groups():
         _killpg(pgid)
     reaper.sweep()
