@@ -28,7 +28,7 @@ from toolq.orchestrator.embedded import WorkerProcess, free_port, redis_server_b
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.settings import Settings
-from toolq.workers.isolation import choose
+from toolq.workers.isolation import choose, limits
 from toolq.workers.isolation.policy import Policy
 
 pytestmark = pytest.mark.integration
@@ -244,3 +244,26 @@ def test_limits_stop_a_fork_bomb_a_big_allocation_a_cpu_hog_and_a_big_file(drive
     while pids_matching(f"bomb-{tag}") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pids_matching(f"bomb-{tag}") == [], "the fork bomb's children outlived the call"
+
+
+def test_nothing_outlives_a_pool_process_killed_mid_call(hostile_worker, tmp_path):
+    if hostile_worker.backend == "landlock" and limits.pids_cgroup_base() is None:
+        pytest.skip("without a pid namespace or a pids cgroup, a killed pool process's orphans escape")
+    tag = f"{os.getpid() % 1000}5"
+    script = [[b.function_call("exec_command", {"cmd": escapes(tag) + "; sleep 100"}, "call_killed")],
+              [b.message("never")]]
+    main = psutil.Process(hostile_worker.proc.proc.pid)
+
+    async def during(session, runtime):
+        await wait_until(lambda: all(pids_matching(f"sleep 300.{tag}{i}") for i in (1, 2, 3)),
+                         what="the escaped processes")
+        marked = set(pids_matching(f"sleep 300.{tag}"))
+        (runner,) = [p for p in main.children() if marked & {c.pid for c in p.children(recursive=True)}]
+        runner.kill()  # a pool process dying mid-call (OOM killer, Celery's hard time limit)
+        await asyncio.sleep(0.5)
+        session.cancel()
+
+    with FakeModel(script) as fake:
+        settings = c.settings_for(hostile_worker.redis.url, fake, tmp_path)
+        asyncio.run(asyncio.wait_for(c.run_session(settings, ["go"], [], during), 60))
+    assert_gone(tag)
