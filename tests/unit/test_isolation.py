@@ -165,3 +165,18 @@ def test_exec_command_refuses_with_the_reason_when_no_sandbox_works(tmp_path, mo
     with pytest.raises(RespondToModel, match="^exec_command refused: bwrap is not installed: install it$"):
         call(exec_command, tmp_path, json.dumps({"cmd": "touch ran"}))
     assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "landlock"])
+@pytest.mark.parametrize("network", ["none", "host"])
+def test_the_network_setting_decides_whether_a_host_port_is_reachable(tmp_path, backend, network):
+    import socket
+
+    sandbox = choose(policy(sandbox=backend, sandbox_network=network))
+    if sandbox.unavailable:
+        pytest.skip(f"{backend} cannot run here: {sandbox.unavailable}")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        r = run_command(f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo CONNECTED", cwd=tmp_path, sandbox=sandbox,
+                        env=dict(os.environ), timeout=20)
+    assert (b"CONNECTED" in r.output) == (network == "host"), r.output
