@@ -124,6 +124,7 @@ def _draining(sender: Any = None, **_: Any) -> None:
 
 @worker_shutdown.connect
 def _drained(sender: Any = None, **_: Any) -> None:
+    isolation.worker_stopped()
     try:
         redis_client().delete(keys.draining(str(getattr(sender, "hostname", sender))))
     except redis.RedisError:

@@ -212,6 +212,11 @@ def worker_started(shell_tools: list[str]) -> str:
     return sandbox.describe()
 
 
+def worker_stopped() -> None:
+    """At the worker's shutdown, once its pool children are gone: remove their cgroups."""
+    limits.remove_stale_pool_cgroups()
+
+
 def pool_child_started() -> None:
     """In each pool child: enter its pids cgroup (where it may); without a pid namespace, it also
     adopts its calls' orphans."""

@@ -63,20 +63,26 @@ def process_limit_mode() -> str:
     return "not enforced (root without a pids cgroup)" if os.geteuid() == 0 else "RLIMIT_NPROC"
 
 
+def remove_stale_pool_cgroups() -> None:
+    """The cgroups of pool children that are gone; what a killed one left running dies first."""
+    base = pids_cgroup_base()
+    for stale in base.glob("toolq-pool-*") if base is not None else ():
+        owner = stale.name.rpartition("-")[2]
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            _kill_members(stale)
+            try:
+                stale.rmdir()
+            except OSError:
+                pass
+
+
 def enter_pool_cgroup(limits: Limits) -> Path | None:
     """Put this pool child in a pids cgroup of its own (once); stale ones of dead children go."""
     global _pool_cgroup
     base = pids_cgroup_base()
     if base is None or _pool_cgroup is not None:
         return _pool_cgroup
-    for stale in base.glob("toolq-pool-*"):
-        owner = stale.name.rpartition("-")[2]
-        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
-            _kill_members(stale)  # left behind by a pool child that was killed mid-call
-            try:
-                stale.rmdir()
-            except OSError:
-                pass
+    remove_stale_pool_cgroups()
     cg = base / f"toolq-pool-{os.getpid()}"
     try:
         cg.mkdir(exist_ok=True)
