@@ -77,7 +77,16 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from toolq.workers.app import app, catalog, configure
 
     configure(settings)
+    from toolq.orchestrator.errors import ConfigurationError
+    from toolq.workers.isolation import worker_started
+
     queues = settings.queues or catalog().queues()
+    try:  # probed once here; the pool children inherit the choice
+        banner = worker_started([s.name for s in catalog() if s.shell_like and s.queue in queues])
+    except ConfigurationError as e:
+        print(f"toolq worker: {e}", file=sys.stderr)
+        return 2
+    print(banner, file=sys.stderr, flush=True)
     argv = ["worker", "--pool", "prefork", "--concurrency", str(settings.concurrency), "--queues", ",".join(queues),
             "--events", "--without-gossip", "--without-mingle", "--loglevel", args.loglevel]
     if args.name:
@@ -138,6 +147,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
     out = settings.masked()
     backend = settings.result_backend_url()
     out["result_url"] = mask_url_password(backend) if backend else None  # the derived default, if unset
+    from toolq.workers.isolation import current
+
+    out["sandbox_chosen"] = current(settings).describe()
     print(json.dumps(out, indent=2))
     return 0
 
@@ -158,7 +170,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing")
+BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

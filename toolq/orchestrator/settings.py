@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
@@ -43,6 +43,15 @@ ENV = {
     "flower_address": ("FLOWER_ADDRESS",),
     "signing_key": ("TOOLQ_SIGNING_KEY",),
     "log_tool_output": ("TOOLQ_LOG_TOOL_OUTPUT",),
+    # the sandbox every command of a shell tool runs in (toolq/workers/isolation)
+    "sandbox": ("TOOLQ_SANDBOX",),
+    "sandbox_network": ("TOOLQ_SANDBOX_NETWORK",),
+    "sandbox_env": ("TOOLQ_SANDBOX_ENV",),
+    "sandbox_read": ("TOOLQ_SANDBOX_READ",),
+    "sandbox_memory_mb": ("TOOLQ_SANDBOX_MEMORY_MB",),
+    "sandbox_processes": ("TOOLQ_SANDBOX_PROCESSES",),
+    "sandbox_cpu_seconds": ("TOOLQ_SANDBOX_CPU_SECONDS",),
+    "sandbox_file_mb": ("TOOLQ_SANDBOX_FILE_MB",),
 }
 
 SECRETS = {"openai_api_key", "flower_password", "signing_key"}
@@ -89,6 +98,18 @@ class Settings(BaseModel):
     log_tool_output: bool = False
     """Debugging only: put tool output in the workers' task-succeeded log lines and Flower's
     results (by default they carry status and sizes)."""
+    # --- the sandbox of shell tools' commands (toolq/workers/isolation) ---
+    sandbox: Literal["auto", "bwrap", "landlock", "none"] = "auto"
+    """auto: bubblewrap if it runs here, else Landlock; none runs commands unconfined (warned)."""
+    sandbox_network: Literal["none", "host"] = "none"
+    sandbox_env: list[str] = Field(default_factory=list)
+    """Extra environment variables a command may see (besides PATH, LANG, TERM, the pagers...)."""
+    sandbox_read: list[str] = Field(default_factory=list)
+    """Extra directories a command may read (besides the system directories and its workspace)."""
+    sandbox_memory_mb: int = Field(default=2048, ge=16)
+    sandbox_processes: int = Field(default=256, ge=8)
+    sandbox_cpu_seconds: int = Field(default=300, ge=1)
+    sandbox_file_mb: int = Field(default=1024, ge=1)
 
     @field_validator("redis_url", "result_url")
     @classmethod
@@ -112,7 +133,7 @@ class Settings(BaseModel):
             raise ValueError(f"must have at least {MIN_KEY_CHARS} characters; generate one with {GENERATE}")
         return v
 
-    @field_validator("tools", "queues", mode="before")
+    @field_validator("tools", "queues", "sandbox_env", "sandbox_read", mode="before")
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
         return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v

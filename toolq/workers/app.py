@@ -15,12 +15,13 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
-from celery.signals import worker_process_init, worker_shutdown, worker_shutting_down
+from celery.signals import celeryd_after_setup, worker_process_init, worker_shutdown, worker_shutting_down
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.settings import Settings
 from toolq.workers import signing
 from toolq.workers.catalog import Catalog, load_catalog
+from toolq.workers import isolation
 from toolq.workers.execute import execute
 from toolq.workers.sandbox import install_sigterm_handler
 from toolq.workers.summary import returned
@@ -107,6 +108,14 @@ def redis_client() -> redis.Redis:
 def _child_init(**_: Any) -> None:
     global _redis
     _redis = None  # never share a socket across fork
+    isolation.pool_child_started()
+
+
+@celeryd_after_setup.connect
+def _banner(**_: Any) -> None:
+    sandbox = isolation.current()
+    log_level = logging.WARNING if sandbox.backend == "none" or sandbox.unavailable else logging.INFO
+    logging.getLogger("toolq.worker").log(log_level, "%s", sandbox.describe())
 
 
 @worker_shutting_down.connect
@@ -122,6 +131,7 @@ def _draining(sender: Any = None, **_: Any) -> None:
 
 @worker_shutdown.connect
 def _drained(sender: Any = None, **_: Any) -> None:
+    isolation.worker_stopped()
     try:
         redis_client().delete(keys.draining(str(getattr(sender, "hostname", sender))))
     except redis.RedisError:

@@ -61,13 +61,18 @@ def _request_times(settings: Any, responses: list[Any]) -> list[float]:
         return [float(m) for m in re.findall(r"^request \d+: .* at ([0-9.]+)$", log.read_text(), re.M)]
 
 
+def step_times(settings: Any, n: int, steps: int) -> dict[str, float]:
+    """p50 and p90 of the time per step with `n` parallel `exec_command true`, after a warm-up step."""
+    t = _request_times(settings, script(n, steps))
+    per_step = [t[k + 1] - t[k] for k in range(1, len(t) - 1)]  # skip the warm-up step
+    return {"p50": median(per_step), "p90": pct(per_step, 0.9), "samples": per_step}
+
+
 def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: int = 10) -> dict[int, Any]:
     results: dict[int, Any] = {}
     with stack(workers=2, concurrency=8) as settings:
         for n in sizes:
-            t = _request_times(settings, script(n, steps))
-            per_step = [t[k + 1] - t[k] for k in range(1, len(t) - 1)]  # skip the warm-up step
-            results[n] = {"p50": median(per_step), "p90": pct(per_step, 0.9)}
+            results[n] = step_times(settings, n, steps)
     print("\n".join(report(results, steps)), file=out)
     return results
 
