@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hostile import Flipper
+from tests.hostile import Flipper, race_tree
 from tests.integration.test_hostile_exec import attack, hostile_workers, locked_redis  # noqa: F401 - fixtures
 from toolq.orchestrator.fake_model import builders as b
 from toolq.workers.isolation import limits
@@ -218,3 +218,38 @@ def test_git_is_read_only(drive, redteam_worker, tmp_path, request):
     (tmp_path / ".git" / "config").write_text("[core]\n")
     attack(drive, redteam_worker, tmp_path, {"call_git": "echo '[core] fsmonitor = touch /tmp/pwned' >> .git/config"})
     assert (tmp_path / ".git" / "config").read_text() == "[core]\n"
+
+
+def test_a_workdir_swapped_for_a_symlink_reaches_nothing_outside(drive, redteam_worker, tmp_path):
+    """`workdir` is checked as a string, then the sandbox enters it: another process flips it for a
+    symlink to a directory outside (another turn's, with a secret) between the two."""
+    ws, outside = race_tree(tmp_path)
+    (outside / "f.txt").chmod(0o600)
+    calls = [b.function_call("exec_command", {"cmd": "cat f.txt; echo x > planted.txt; pwd", "workdir": "d"},
+                             f"call_{i}") for i in range(40)]
+    responses = [calls[i:i + 20] for i in range(0, len(calls), 20)]
+    with Flipper(ws, outside):
+        run = drive([*responses, [b.message("done")]], redis_url=redteam_worker.redis.url, workspace=ws,
+                    timeout=120)
+    outputs = [o["output"] for o in run.outputs_of(len(responses))]
+    assert len(outputs) == 40
+    assert not [o for o in outputs if "s3cret" in o], "a command read outside the workspace through workdir"
+    assert sorted(p.name for p in outside.iterdir()) == ["f.txt"], "a command wrote outside through workdir"
+    assert any("inside" in o for o in outputs), "no call ran in the workspace's own d"  # the control
+
+
+def test_an_output_flood_until_the_timeout_is_slowed_down(drive, redteam_worker, tmp_path):
+    """Reading `yes` as fast as it writes kept most of a worker core busy for the whole timeout."""
+    flood = ("import os\n"
+             "n = 0\n"
+             "while True:\n"
+             "    os.write(1, b'y' * 65536)\n"
+             "    n += 1\n"
+             "    if n % 16 == 0:\n"
+             "        open('written.new', 'w').write(str(n * 65536))\n"
+             "        os.replace('written.new', 'written')\n")  # never read half-written
+    (tmp_path / "flood.py").write_text(flood)
+    script = [[b.function_call("exec_command", {"cmd": "python3 flood.py"}, "call_flood")], [b.message("done")]]
+    drive(script, redis_url=redteam_worker.redis.url, workspace=tmp_path, turn_timeout=4)
+    written = int((tmp_path / "written").read_text())
+    assert written <= 256 * 1024 * 1024, f"the worker read {written / 2**20:.0f} MiB of one call's output in 4 s"
