@@ -4,11 +4,12 @@ The workers are those of `test_hostile_exec.py` (the fleet's secrets in their en
 password-protected broker, once per sandbox backend), with a small memory limit so that a fill
 can be seen to stop. Each test is one turn whose calls are the attacks. The holes these found,
 now closed: a root worker's bwrap command kept every capability of its user namespace (it
-unmounted the /etc/shadow mask and remounted the host's /etc read-write); /tmp and /dev/shm
-were unbounded tmpfs (memory outside RLIMIT_AS); Landlock let a command connect to any pathname
-unix socket on the host, and io_uring could make sockets past the seccomp filter; `.git` swapped
-for a symlink while bwrap started bound the host's directory in its place. The xfail tests are
-the holes still open.
+unmounted the /etc/shadow mask and remounted the host's /etc read-write) and could write the
+host's sysctls; /tmp and /dev/shm were unbounded tmpfs, and a call of many processes could hold
+many times the memory limit; Landlock let a command connect to any unix socket on the host, and
+io_uring made sockets past the seccomp filter; `.git` swapped for a symlink while bwrap started
+got the host's directory bound in its place; an output flood kept a worker core busy. The xfail
+tests are the holes still open.
 """
 
 from __future__ import annotations
@@ -57,6 +58,17 @@ def test_root_in_the_sandbox_has_no_capabilities(drive, redteam_worker, tmp_path
         code, body = out[call]
         assert code != 0 and marker not in body and "MOUNTED" not in body, (call, body)
     assert not planted.exists()
+
+
+def test_the_hosts_sysctls_are_read_only(drive, redteam_worker, tmp_path):
+    """uid 0 in bwrap's sandbox is the host's root for /proc/sys' permission check, capabilities
+    or not. The attack writes the value back unchanged, so a failing run changes nothing."""
+    out = attack(drive, redteam_worker, tmp_path, {
+        "call_sysctl": "v=$(cat /proc/sys/vm/swappiness) && echo \"$v\" > /proc/sys/vm/swappiness && echo WROTE",
+    })
+    code, body = out["call_sysctl"]
+    assert code != 0 and "WROTE" not in body, body
+    assert "Read-only file system" in body or "Permission denied" in body, body
 
 
 def test_memory_outside_the_address_space_is_bounded(drive, redteam_worker, tmp_path):

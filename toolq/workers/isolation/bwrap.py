@@ -11,7 +11,8 @@ The command has no capabilities, even in its own user namespace: run by a root w
 would otherwise keep them all, and the command could `umount` a mask or remount `/usr`
 read-write (uid 0 in the sandbox is the host's root). Memory the command could fill outside its
 processes' address space is bounded: `/tmp` and `/dev/shm` are tmpfs of the call's memory limit,
-and the rest of `/dev` is read-only. A command that finds `.git` bound from anywhere but the
+and the rest of `/dev` is read-only. `/proc/sys` is read-only too: uid 0 in the sandbox passes the
+sysctls' permission check, capabilities or not (it rewrote `vm.swappiness` of the host). A command that finds `.git` bound from anywhere but the
 workspace does not run (`GIT_CHECK`).
 """
 
@@ -43,7 +44,8 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
         args.append("--share-net")
     size = str(policy.limits.memory_mb * 1024 * 1024)
     args += ["--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-             "--proc", "/proc", "--size", size, "--tmpfs", SANDBOX_TMP]
+             "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger",
+             "/proc/sysrq-trigger", "--size", size, "--tmpfs", SANDBOX_TMP]
     for d in policy.read_dirs:
         if os.path.islink(d):
             args += ["--symlink", os.readlink(d), d]
