@@ -129,7 +129,8 @@ class Sandbox:
         try:
             _require_program(argv[0], command_env)
             ruleset = landlock.Ruleset(self.landlock_abi, read=[*self.policy.read_dirs, "/proc", "/sys"],
-                                       write=[workspace, tmpdir], deny_tcp=self.policy.network == "none")
+                                       write=[workspace, tmpdir], deny_tcp=self.policy.network == "none",
+                                       hidden=bwrap.MASKED if os.geteuid() == 0 else ())
         except BaseException:
             shutil.rmtree(tmpdir, ignore_errors=True)
             call_limits.close()

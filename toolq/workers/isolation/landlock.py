@@ -12,6 +12,10 @@ too: Landlock does not confine connecting to a pathname socket, so a root comman
 a Redis unix socket, `docker.sock` or systemd's private socket anywhere on the host. Pipes and
 `socketpair(2)` still work.
 
+For a root worker (whose command is uid 0, without capabilities), the host secrets bubblewrap
+masks (`bwrap.MASKED`: shadow, ssh host keys, sudoers) are left out: a rule grants a whole
+hierarchy, so /etc is granted entry by entry around them (descriptors kept per process).
+
 Limits of this backend, compared with bubblewrap: `.git/` inside the workspace stays writable
 (Landlock rules only add rights, beneath a directory), a command cannot listen on a unix socket
 of its own (Python's multiprocessing forkserver and managers need one), and `/tmp` itself is not writable (TMPDIR points at the call's own directory).
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import platform
 import struct
@@ -132,10 +137,39 @@ def deny_network_sockets() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
 
 
+@functools.lru_cache(maxsize=64)
+def _granted(top: str, hidden: tuple[str, ...]) -> tuple[tuple[str, bool], ...]:
+    """The rules that grant reading `top` but nothing in `hidden`: (path, listing only). A rule
+    grants a whole hierarchy, so each parent of a hidden path is listed only and its other
+    entries granted one by one. Symlinks are left out: a target is checked by its own hierarchy.
+    Cached per process (the system directories do not change under a worker)."""
+    if not any(h.startswith(top.rstrip("/") + "/") for h in hidden):
+        return ((top, False),)
+    try:
+        entries = [e.path for e in os.scandir(top) if not e.is_symlink() and e.path not in hidden]
+    except OSError:
+        return ()
+    return ((top, True), *(g for path in sorted(entries) for g in _granted(path, hidden)))
+
+
+@functools.lru_cache(maxsize=None)
+def _pinned(path: str) -> tuple[int, bool]:
+    """An O_PATH descriptor of a granted system path, kept for the process's life (opening the
+    ~150 entries of /etc for every call cost ~1.3 ms), and whether it is a directory; -1 if gone."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return -1, False
+    return fd, os.path.isdir(path)
+
+
 class Ruleset:
     """One call's ruleset, as an fd the child hands to `landlock_restrict_self`."""
 
-    def __init__(self, abi: int, *, read: list[str], write: list[str], deny_tcp: bool) -> None:
+    def __init__(self, abi: int, *, read: list[str], write: list[str], deny_tcp: bool,
+                 hidden: tuple[str, ...] = ()) -> None:
+        """`hidden`: paths beneath `read` that stay unreadable (a rule grants a whole hierarchy,
+        so their parents are granted entry by entry instead)."""
         fs = handled_fs(abi)
         net = NET_BIND_TCP | NET_CONNECT_TCP if deny_tcp and abi >= 4 else 0
         scoped = SCOPE_ABSTRACT_UNIX | SCOPE_SIGNAL if abi >= 6 else 0
@@ -144,7 +178,10 @@ class Ruleset:
         self.fd = _syscall(CREATE, attr, len(attr), 0)
         try:
             for path in read:
-                self._allow(path, READ & fs)
+                if not hidden:
+                    self._allow(path, READ & fs)
+                for granted, listing_only in _granted(path, hidden) if hidden else ():
+                    self._add_rule(*_pinned(granted), READ_DIR & fs if listing_only else READ & fs)
             for path, rights in DEVICES.items():
                 self._allow(path, rights & fs)
             for path in write:
@@ -159,12 +196,15 @@ class Ruleset:
         except FileNotFoundError:
             return
         try:
-            if not os.path.isdir(path):
-                rights &= FILE_ONLY
-            rule = struct.pack("=Qi", rights, target)
-            _syscall(ADD_RULE, self.fd, _RULE_PATH_BENEATH, rule, 0)
+            self._add_rule(target, os.path.isdir(path), rights)
         finally:
             os.close(target)
+
+    def _add_rule(self, target: int, is_dir: bool, rights: int) -> None:
+        if target < 0:
+            return
+        rule = struct.pack("=Qi", rights if is_dir else rights & FILE_ONLY, target)
+        _syscall(ADD_RULE, self.fd, _RULE_PATH_BENEATH, rule, 0)
 
     def restrict_self(self) -> None:
         """In the child, before exec: from here on this process and its descendants are confined.
