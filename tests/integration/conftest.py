@@ -18,7 +18,7 @@ from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime, Session, TurnOutcome
-from toolq.workers.catalog import load_catalog
+from toolq.workers.loader import load_catalog
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_TOOLS = "tests.integration.testtools"
@@ -95,7 +95,7 @@ async def run_session(settings: Settings, prompts: list[str], events: list, duri
         session = Session(runtime, **session_kw)
         outcomes = []
         for prompt in prompts:
-            turn = asyncio.create_task(session.run_turn(prompt, events.append))
+            turn = asyncio.create_task(session.run_turn(prompt, lambda e: events.append(e.to_json())))
             if during is not None:
                 await during(session, runtime)
             outcomes.append(await turn)

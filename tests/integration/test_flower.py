@@ -23,7 +23,7 @@ from toolq.orchestrator.flower import FlowerProcess
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.status import status_cmd
-from toolq.workers.app import TASK, TASK_IDEMPOTENT
+from toolq.workers.contracts import TASK, TASK_IDEMPOTENT
 
 pytestmark = pytest.mark.integration
 

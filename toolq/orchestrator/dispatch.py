@@ -18,8 +18,10 @@ from redis.exceptions import RedisError
 from toolq.orchestrator.calls import ToolInvocation
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.settings import Settings
-from toolq.workers.app import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, make_app
+from toolq.orchestrator.transport import DispatchError
 from toolq.workers.catalog import ToolSpec
+from toolq.workers.config import make_app
+from toolq.workers.contracts import TIME_LIMIT_MARGIN, task_name
 
 log = logging.getLogger("toolq.dispatch")
 
@@ -27,13 +29,12 @@ log = logging.getLogger("toolq.dispatch")
 PUBLISH_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2.0}
 
 
-class DispatchError(Exception):
-    """The broker could not take the call; the call gets a model-visible "unavailable" output."""
+__all__ = ["DispatchError", "Dispatcher"]
 
 
 class Dispatcher:
-    def __init__(self, settings: Settings, ledger: Ledger) -> None:
-        self.app = make_app(settings)
+    def __init__(self, settings: Settings, ledger: Ledger, longest_timeout: float = 60.0) -> None:
+        self.app = make_app(settings, longest_timeout)
         self.ledger = ledger
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="toolq-dispatch")
 
@@ -53,7 +54,7 @@ class Dispatcher:
 
     def _send(self, inv: ToolInvocation, spec: ToolSpec) -> None:
         self.app.send_task(
-            TASK_IDEMPOTENT if spec.idempotent else TASK,
+            task_name(spec.idempotent),
             args=[inv.model_dump(mode="json")],
             task_id=inv.task_id,
             queue=spec.queue,

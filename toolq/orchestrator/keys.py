@@ -23,6 +23,11 @@ def turn_calls(turn_id: str) -> str:
     return f"{PREFIX}:turn:{turn_id}:calls"
 
 
+def turn_steps(turn_id: str) -> str:
+    """Counter of the turn's steps handed out by the ledger (task ids embed the step)."""
+    return f"{PREFIX}:turn:{turn_id}:steps"
+
+
 def call(task_id: str) -> str:
     """HASH: one call's ledger record (call_id, tool, state, worker, times)."""
     return f"{PREFIX}:call:{task_id}"

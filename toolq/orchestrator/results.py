@@ -1,4 +1,5 @@
-"""Hear results from the workers without blocking and without piling up subscriptions.
+"""Hear results from the workers without blocking and without piling up subscriptions, and hand
+the barrier typed outcomes (`TaskOutcome`): Celery's result format stays in this module.
 
 Celery's Redis backend publishes every state change of a task on `celery-task-meta-<task id>`.
 Task ids start with the turn id, so one PSUBSCRIBE per turn covers all of its calls. After
@@ -13,7 +14,6 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import redis.asyncio as aioredis
@@ -21,21 +21,39 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from toolq.orchestrator import keys
+from toolq.orchestrator.calls import ToolResult
+from toolq.orchestrator.states import FAILURE, REVOKED, STARTED, SUCCESS, CallState
+from toolq.orchestrator.transport import CallWatch, TaskOutcome
+from toolq.workers.contracts import ToolCallFailed
 
 log = logging.getLogger("toolq.results")
 
-READY = {"SUCCESS", "FAILURE", "REVOKED"}
+READY = {SUCCESS, FAILURE, REVOKED}
 
 
-@dataclass(eq=False)
-class CallWatch:
-    """What the router knows of one task: where it started, and its terminal meta."""
+def outcome_from_meta(meta: dict[str, Any]) -> TaskOutcome:
+    """A terminal Celery result meta as the barrier needs it.
 
-    task_id: str
-    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    hostname: str | None = None
-    started_at: float | None = None
-    on_started: Callable[[CallWatch], None] | None = None
+    SUCCESS and a `ToolCallFailed` FAILURE carry the worker's `ToolResult`; any other FAILURE is
+    Celery's own (the pool child died, the hard time limit), and REVOKED is a cancel."""
+    status = meta.get("status")
+    info = meta.get("result") or {}
+    if status == SUCCESS:
+        result = ToolResult.model_validate(info)
+        return TaskOutcome(state=result.status, result=result)
+    if status == REVOKED:  # e.g. from Flower: this call is cancelled, the turn goes on
+        return TaskOutcome(state=CallState.CANCELLED)
+    exc, msg = info.get("exc_type", "Error"), info.get("exc_message")
+    if exc == ToolCallFailed.__name__ and isinstance(msg, list) and msg and isinstance(msg[0], dict):
+        result = ToolResult.model_validate(msg[0])
+        return TaskOutcome(state=result.status, result=result)
+    msg = " ".join(str(m) for m in msg) if isinstance(msg, list) else str(msg or "")
+    if exc == "WorkerLostError":
+        return TaskOutcome(state=CallState.LOST, reason=f"the worker process running this call died ({msg}); "
+                                                        "the call may have partially executed")
+    if exc == "TimeLimitExceeded":
+        return TaskOutcome(state=CallState.TIMED_OUT, reason=f"call exceeded its time limit and was killed ({msg})")
+    return TaskOutcome(state=CallState.FAILED, reason=f"call failed on the worker: {exc}: {msg}")
 
 
 class ResultRouter:
@@ -100,9 +118,9 @@ class ResultRouter:
             if raw is not None:
                 self._deliver(task_id, raw)
 
-    async def meta(self, task_id: str) -> dict[str, Any] | None:
-        raw = await self.r.get(keys.celery_meta(task_id))
-        return json.loads(raw) if raw else None
+    async def has_result(self, task_id: str) -> bool:
+        """Whether the backend holds any state (STARTED included) for the task."""
+        return bool(await self.r.exists(keys.celery_meta(task_id)))
 
     def _deliver(self, task_id: str, raw: bytes | str) -> None:
         w = self._watches.get(task_id)
@@ -114,14 +132,13 @@ class ResultRouter:
             log.warning("unreadable result meta for %s", task_id)
             return
         status = meta.get("status")
-        if status == "STARTED" and w.hostname is None:
-            info = meta.get("result") or {}
-            w.hostname = info.get("hostname")
-            w.started_at = time.time()
-            if w.on_started:
-                w.on_started(w)
+        if status == STARTED and w.hostname is None:
+            w.set_started((meta.get("result") or {}).get("hostname"))
         elif status in READY:
-            w.done.set_result(meta)
+            try:
+                w.finish(outcome_from_meta(meta))
+            except ValueError as e:  # pydantic: a result no toolq worker wrote
+                log.warning("unreadable result for %s: %s", task_id, e)
 
     async def _read(self) -> None:
         await self._subscribed.wait()

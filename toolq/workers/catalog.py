@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import importlib
 import inspect
 import json
 import time
@@ -178,7 +177,7 @@ class Catalog:
         return sorted({s.queue for s in self})
 
 
-#: The process-wide catalog that `@tool` fills; built-ins register on import of `toolq.workers.tools`.
+#: The process-wide catalog that `@tool` fills; `toolq.workers.loader.load_catalog` adds the built-ins.
 CATALOG = Catalog()
 
 
@@ -312,17 +311,3 @@ async def call_handler(spec: ToolSpec, args: Any, ctx: ToolContext) -> Any:
     if asyncio.iscoroutine(result):
         result = await result
     return result
-
-
-def load_catalog(modules: list[str] | tuple[str, ...] = ()) -> Catalog:
-    """The built-in tools plus the user's modules (each registers its tools on import)."""
-    importlib.import_module("toolq.workers.tools")
-    for m in modules:
-        try:
-            importlib.import_module(m)
-        except ModuleNotFoundError as e:
-            if e.name and m.startswith(e.name):
-                raise ConfigurationError(f"tool module {m!r} not found: run toolq from the directory that holds "
-                                         "it, or put that directory on PYTHONPATH") from None
-            raise
-    return CATALOG

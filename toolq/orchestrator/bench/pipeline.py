@@ -17,14 +17,14 @@ from typing import IO, Any
 
 from celery import Celery
 
-from toolq.orchestrator.barrier import Step
 from toolq.orchestrator.bench.harness import BENCH_TOOLS, median, ms, pct, stack
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from toolq.orchestrator.protocol.items import FunctionCallItem
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.turn import Runtime
-from toolq.workers.app import TASK, celery_config
-from toolq.workers.catalog import load_catalog
+from toolq.workers.config import celery_config
+from toolq.workers.contracts import TASK
+from toolq.workers.loader import load_catalog
 
 
 async def _toolq_calls(rt: Runtime, turn_id: str, n: int, step0: int) -> list[float]:
@@ -32,9 +32,8 @@ async def _toolq_calls(rt: Runtime, turn_id: str, n: int, step0: int) -> list[fl
     for i in range(n):
         item = FunctionCallItem(call_id=f"call_{i}", name="bench_noop", arguments="{}")
         t0 = time.perf_counter()
-        step = Step(StepContext(turn_id, step0 + i, time.time() + 60, "/tmp"), rt.registry, rt.dispatcher,
-                    rt.router, rt.ledger)
-        step.add(item, 0)
+        step = rt.step(StepContext(turn_id, step0 + i, time.time() + 60, "/tmp"))
+        step.add(rt.bind(item, step.ctx, 0))
         (out,) = await step.wait()
         times.append(time.perf_counter() - t0)
         assert out.output == "ok", out
@@ -57,7 +56,7 @@ def _baseline_calls(client: Celery, rt: Runtime, n: int) -> list[float]:
 async def _measure(settings: Any, rounds: int, per_round: int) -> dict[str, Any]:
     rt = await Runtime.create(settings, catalog=load_catalog([BENCH_TOOLS]))
     client = Celery("bench-baseline", set_as_current=False)
-    conf = celery_config(settings)
+    conf = celery_config(settings, longest=60.0)
     conf["result_backend"] = conf["result_backend"].split("+", 1)[1]  # the stock, subscribing backend
     client.conf.update(conf)
     turn_id = f"turn-bench{uuid.uuid4().hex[:8]}"
