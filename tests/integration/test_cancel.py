@@ -128,7 +128,7 @@ def test_cancelling_one_call_aborts_it_and_the_turn_goes_on(fleet, drive):
         ledger = runtime.ledger
 
         async def started():
-            return any(c.get("call_id") == "call_long" and c.get("state") == "started"
+            return any(c.get("call_id") == "call_long" and c.get("state") == "running"
                        for c in await ledger.calls(session.turn_id))
 
         end = time.monotonic() + 20

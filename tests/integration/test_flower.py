@@ -85,8 +85,8 @@ def test_flower_lists_a_turns_tasks_by_tool_name_with_call_id_state_worker_and_r
     assert set(rows) == set(task_ids)
     for call_id, row in rows.items():
         assert row["task_id"] == task_ids[call_id] and row["tool"] == "sleep_echo"
-        assert row["state"] == "succeeded" and row["worker"] in {w.name for w in fleet}
-        assert row["duration"] >= 0.04
+        assert row["state"] == "completed" and row["worker"] in {w.name for w in fleet}
+        assert row["run_time"] >= 0.04
 
     with httpx.Client(base_url=flower.url, auth=AUTH, timeout=5) as client:
         def listed() -> dict[str, Any] | None:
@@ -144,7 +144,7 @@ def test_a_revoke_through_flower_aborts_the_call_and_the_turn_goes_on(fleet, flo
                 assert time.monotonic() < deadline, "the long call never showed up as started in Flower"
                 turn_id = next((t for t, _ in await runtime.ledger.recent_turns(1)), None)
                 task_id = turn_id and next((c["task_id"] for c in await runtime.ledger.calls(turn_id)
-                                            if c.get("call_id") == "call_long" and c.get("state") == "started"), None)
+                                            if c.get("call_id") == "call_long" and c.get("state") == "running"), None)
                 if task_id:
                     info = await client.get(f"/api/task/info/{task_id}")
                     if info.status_code == 200 and info.json().get("state") == "STARTED":

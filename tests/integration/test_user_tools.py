@@ -129,7 +129,8 @@ def test_a_tool_declared_differently_on_the_worker_is_refused_and_not_run(redis_
     assert mismatch_tools.touch_marker.tool_spec.digest() in output  # the orchestrator's side is named
     assert not (workspace / "marker.txt").exists(), "the refused call ran anyway"
     item = completed_items(run)["call_mm"]
-    assert (item["status"], item["success"], item["worker"]) == ("rejected", False, "mismatch1@test")
+    assert (item["status"], item["state"], item["success"], item["worker"]) == ("failed", "rejected", False,
+                                                                              "mismatch1@test")
     assert run.outcome.status == "completed"  # the model reads the refusal; the turn goes on
 
 
@@ -153,5 +154,6 @@ def test_a_tool_whose_queue_has_no_worker_waits_and_times_out_without_running_el
     assert re.fullmatch(r"call timed out after \d+\.\ds and was stopped", outputs["call_stranded"])
     assert json.loads(outputs["call_alive"])["text"] == "alive"
     items = completed_items(run)
-    assert items["call_stranded"]["status"] == "timed_out" and "worker" not in items["call_stranded"]
+    assert items["call_stranded"]["state"] == "timed_out" and "worker" not in items["call_stranded"]
+    assert items["call_stranded"]["status"] == "failed"  # as `codex exec --json` marks it
     assert items["call_alive"]["worker"] == "toolq-only@test"

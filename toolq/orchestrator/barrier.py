@@ -25,6 +25,7 @@ from toolq.orchestrator.states import CallState, codex_status
 from toolq.orchestrator.transport import CallRecords, CallWatch, DispatchError, TaskOutcome, Transport
 from toolq.orchestrator.truncate import DEFAULT_POLICY, truncate_text
 from toolq.orchestrator.turn_events import Emit, ItemCompleted, ItemStarted, ItemUpdated, ToolCallView, TurnEvent, ignore
+from toolq.workers.catalog import ToolSpec
 from toolq.workers.contracts import TIME_LIMIT_MARGIN
 
 log = logging.getLogger("toolq.barrier")
@@ -85,6 +86,10 @@ class CallEntry:
     @property
     def inv(self) -> ToolInvocation | None:
         return self.call.invocation
+
+    @property
+    def spec(self) -> ToolSpec | None:
+        return self.call.spec
 
     @property
     def task_id(self) -> str | None:

@@ -44,16 +44,17 @@ def new_turn_id() -> str:
     return "turn-" + uuid.uuid4().hex[:12]
 
 
-async def cancel_requested(ledger: Ledger, turn_id: str) -> None:
-    """Return once the turn is cancelled from any process; Redis trouble only stops the listening."""
+async def cancel_requested(ledger: Ledger, turn_id: str) -> bool:
+    """True once the turn is cancelled from any process; False if Redis trouble stopped the
+    listening (Ctrl-C still works, and the calls are not held up)."""
     try:
         await ledger.wait_for_cancel(turn_id)
-        return
+        return True
     except asyncio.CancelledError:
         raise
-    except Exception as e:  # Ctrl-C still works; the calls are not held up
+    except Exception as e:  # redis-py may turn a cancel during a read into a connection error
         log.warning("cancel listener stopped: %s", e)
-    await asyncio.Event().wait()
+        return False
 
 
 class Fleet:
@@ -156,6 +157,8 @@ class Fleet:
                     step.add(bound)
             waiter = asyncio.create_task(step.wait())
             await asyncio.wait({waiter, cancel}, return_when=asyncio.FIRST_COMPLETED)
+            if not waiter.done() and not cancel.result():  # no longer listening: just wait
+                await asyncio.wait({waiter})
             outputs = waiter.result() if waiter.done() else await step.abort()
             waiter.cancel()
         finally:

@@ -176,8 +176,8 @@ class Session:
 
     async def _listen_for_cancel(self, turn_id: str) -> None:
         """Hear `toolq cancel` from any process; the durable record covers a cancel sent earlier."""
-        await cancel_requested(self.rt.ledger, turn_id)
-        self._cancel.set()
+        if await cancel_requested(self.rt.ledger, turn_id):
+            self._cancel.set()
 
     async def _loop(self, turn_id: str, outcome: TurnOutcome, emit: Emit) -> None:
         settings = self.rt.settings
