@@ -57,6 +57,16 @@ async def cancel_requested(ledger: Ledger, turn_id: str) -> bool:
         return False
 
 
+#: How long a cancelled helper task may take to close its connection.
+STOP_GRACE = 2.0
+
+
+async def stop(task: asyncio.Task) -> None:
+    """Cancel a helper task and let it finish (its Redis connection closes before ours does)."""
+    task.cancel()
+    await asyncio.wait({task}, timeout=STOP_GRACE)
+
+
 class Fleet:
     """A connection to toolq's worker fleet: its tools, its queue, its ledger.
 
@@ -162,7 +172,7 @@ class Fleet:
             outputs = waiter.result() if waiter.done() else await step.abort()
             waiter.cancel()
         finally:
-            cancel.cancel()
+            await stop(cancel)
             await self.router.unwatch_turn(turn_id)
         self.note_outputs(outputs)
         wire = [o.to_wire() for o in outputs]

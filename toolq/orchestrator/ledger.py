@@ -7,6 +7,7 @@ absent), and holds the durable cancel records that workers check before they sta
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -137,9 +138,13 @@ class Ledger:
             await pubsub.subscribe(keys.cancel_channel(turn_id))
             if await self.is_cancelled(turn_id):
                 return
-            async for msg in pubsub.listen():
-                if json.loads(msg["data"]).get("scope") == "turn":
+            while True:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg and json.loads(msg["data"]).get("scope") == "turn":
                     return
+                me = asyncio.current_task()
+                if me is not None and me.cancelling():  # redis-py can swallow a cancel during a read
+                    raise asyncio.CancelledError
         finally:
             await pubsub.aclose()
 

@@ -44,6 +44,8 @@ SECRETS = {"openai_api_key", "flower_password"}
 
 
 class Settings(BaseModel):
+    """toolq's configuration: each field has an environment variable (`Settings.load()` reads them)."""
+
     redis_url: str | None = None
     """Broker and ledger. Unset: `toolq run`/`demo` start an embedded Redis-protocol server."""
     result_url: str | None = None

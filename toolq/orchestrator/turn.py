@@ -19,7 +19,7 @@ from toolq.orchestrator.barrier import Step, flush_background
 from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, backoff, build_request
 from toolq.orchestrator.dispatch import Dispatcher
-from toolq.orchestrator.fleet import Fleet, cancel_requested, new_turn_id
+from toolq.orchestrator.fleet import Fleet, cancel_requested, new_turn_id, stop
 from toolq.orchestrator.history import History
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.protocol.events import Usage
@@ -98,10 +98,13 @@ class Runtime(Fleet):
 
 
 class Session:
-    """A conversation: its history carries over from turn to turn, cancelled ones included."""
-
     """The whole agent loop (what `toolq run` uses): request, stream, calls on the fleet, next
-    request, until the model answers without calls. Its history carries over from turn to turn."""
+    request, until the model answers without calls. The history carries over from turn to turn,
+    cancelled ones included.
+
+        runtime = await Runtime.create(Settings.load())
+        outcome = await Session(runtime).run_turn("fix the tests", emit=print)
+    """
 
     def __init__(self, runtime: Runtime, *, instructions: str | None = None,
                  reasoning: dict[str, Any] | None = None) -> None:
@@ -144,7 +147,7 @@ class Session:
             outcome.status, outcome.error = "failed", e.message
         finally:
             cancelled.cancel()
-            listener.cancel()
+            await stop(listener)
             await self.rt.router.unwatch_turn(turn_id)
         if outcome.status == "failed":
             emit(ErrorEvent(message=outcome.error or ""))
