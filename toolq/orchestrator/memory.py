@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 
 from toolq.orchestrator.calls import ToolInvocation, ToolResult
 from toolq.orchestrator.states import CallState
-from toolq.orchestrator.transport import CallWatch, DispatchError, TaskOutcome
+from toolq.orchestrator.transport import DispatchError, TaskOutcome, Watches
 from toolq.workers.catalog import Catalog, ToolSpec
 
 #: Runs one call to its result (by default: the tool's handler, as a worker runs it).
@@ -37,10 +37,11 @@ def catalog_runner(catalog: Catalog, hostname: str = HOSTNAME) -> Runner:
     return run
 
 
-class MemoryTransport:
+class MemoryTransport(Watches):
     """Calls run in-process; every send, revoke and outcome is kept for tests to read."""
 
     def __init__(self, run: Runner, *, hostname: str = HOSTNAME) -> None:
+        super().__init__()
         self.run = run
         self.hostname = hostname
         self.reconnected_at = 0.0
@@ -52,17 +53,7 @@ class MemoryTransport:
         self.vanished_tasks: set[str] = set()
         self.refuse_sends: str | None = None
         """When set, every send fails with this reason (the queue is down)."""
-        self._watches: dict[str, CallWatch] = {}
         self._running: dict[str, asyncio.Task] = {}
-
-    def watch(self, task_id: str, on_started: Callable[[CallWatch], None] | None = None) -> CallWatch:
-        w = self._watches.get(task_id)
-        if w is None:
-            w = self._watches[task_id] = CallWatch(task_id=task_id, on_started=on_started)
-        return w
-
-    def forget(self, task_id: str) -> None:
-        self._watches.pop(task_id, None)
 
     async def send(self, inv: ToolInvocation, spec: ToolSpec) -> None:
         if self.refuse_sends is not None:

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -23,7 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from toolq.orchestrator import keys
 from toolq.orchestrator.calls import ToolResult
 from toolq.orchestrator.states import FAILURE, REVOKED, STARTED, SUCCESS, CallState
-from toolq.orchestrator.transport import CallWatch, TaskOutcome
+from toolq.orchestrator.transport import TaskOutcome, Watches
 from toolq.workers.contracts import ToolCallFailed
 
 log = logging.getLogger("toolq.results")
@@ -56,11 +56,14 @@ def outcome_from_meta(meta: dict[str, Any]) -> TaskOutcome:
     return TaskOutcome(state=CallState.FAILED, reason=f"call failed on the worker: {exc}: {msg}")
 
 
-class ResultRouter:
+class ResultRouter(Watches):
+    """Watches tasks of watched turns. A task sent after `watch` needs nothing more; one that may
+    have reported before (a re-dispatch) needs `catch_up`."""
+
     def __init__(self, url: str) -> None:
         self.r = aioredis.Redis.from_url(url, client_name="toolq-results")
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
-        self._watches: dict[str, CallWatch] = {}
+        super().__init__()
         self._turns: dict[str, int] = {}
         self._reader: asyncio.Task | None = None
         self._subscribed = asyncio.Event()
@@ -98,17 +101,6 @@ class ResultRouter:
                 await self.pubsub.punsubscribe(keys.celery_meta_pattern(turn_id))
             except (RedisConnectionError, RedisTimeoutError, OSError):
                 pass  # the connection is gone; so is the subscription
-
-    def watch(self, task_id: str, on_started: Callable[[CallWatch], None] | None = None) -> CallWatch:
-        """Start waiting for a task whose turn is watched. A task sent after this needs nothing
-        more; one that may have reported before (a re-dispatch) needs `catch_up`."""
-        w = self._watches.get(task_id)
-        if w is None:
-            w = self._watches[task_id] = CallWatch(task_id=task_id, on_started=on_started)
-        return w
-
-    def forget(self, task_id: str) -> None:
-        self._watches.pop(task_id, None)
 
     async def catch_up(self, task_ids: list[str] | None = None) -> None:
         ids = [t for t in (task_ids if task_ids is not None else list(self._watches)) if t in self._watches]

@@ -60,6 +60,23 @@ class CallWatch:
         return True
 
 
+class Watches:
+    """The calls a transport is listening for, by task id (a base for each implementation)."""
+
+    def __init__(self) -> None:
+        self._watches: dict[str, CallWatch] = {}
+
+    def watch(self, task_id: str, on_started: Callable[[CallWatch], None] | None = None) -> CallWatch:
+        """Start listening for a task before it is sent, so no report is missed."""
+        w = self._watches.get(task_id)
+        if w is None:
+            w = self._watches[task_id] = CallWatch(task_id=task_id, on_started=on_started)
+        return w
+
+    def forget(self, task_id: str) -> None:
+        self._watches.pop(task_id, None)
+
+
 class Transport(Protocol):
     """Dispatch and results, behind one seam."""
 

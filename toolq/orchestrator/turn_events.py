@@ -17,7 +17,8 @@ from toolq.orchestrator.states import CallState
 
 class _Event(BaseModel):
     def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude_none=True)
+        d = self.model_dump(mode="json", exclude_none=True)
+        return {"type": d.pop("type"), **d} if "type" in d else d  # `type` first, as Codex writes it
 
 
 class ToolCallView(_Event):
@@ -67,19 +68,20 @@ class TurnStarted(_Event):
     turn_id: str
 
 
-class ItemStarted(_Event):
+class _ItemEvent(_Event):
+    item: ItemView
+
+
+class ItemStarted(_ItemEvent):
     type: Literal["item.started"] = "item.started"
-    item: ItemView
 
 
-class ItemUpdated(_Event):
+class ItemUpdated(_ItemEvent):
     type: Literal["item.updated"] = "item.updated"
-    item: ItemView
 
 
-class ItemCompleted(_Event):
+class ItemCompleted(_ItemEvent):
     type: Literal["item.completed"] = "item.completed"
-    item: ItemView
 
 
 class ErrorEvent(_Event):
