@@ -18,7 +18,7 @@ from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.ledger import Ledger
 from toolq.workers.loader import load_catalog
 
-from tests.integration.conftest import ROOT, TEST_TOOLS, WORKER_ENV
+from tests.integration.conftest import ROOT, TEST_TOOLS
 
 pytestmark = pytest.mark.integration
 
@@ -32,10 +32,11 @@ def fleet_on(redis_url: str, workspace) -> Fleet:
     return open_()
 
 
-def test_the_readme_example_drives_the_openai_sdk_and_runs_every_call_on_the_fleet(fleet, redis_server, tmp_path):
+def test_the_readme_example_drives_the_openai_sdk_and_runs_every_call_on_the_fleet(tmp_path):
+    """As the README runs it: no REDIS_URL, so `Fleet.connect()` starts its own embedded stack."""
     with FakeModel() as fake:  # the script `toolq fake-model` serves by default
-        env = {**os.environ, **WORKER_ENV, "OPENAI_BASE_URL": fake.base_url, "OPENAI_API_KEY": "fake",
-               "REDIS_URL": redis_server.url, "TOOLQ_WORKSPACE": str(tmp_path), "TOOLQ_TOOLS": TEST_TOOLS}
+        env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL", "TOOLQ_TOOLS")}
+        env.update(OPENAI_BASE_URL=fake.base_url, OPENAI_API_KEY="fake", TOOLQ_WORKSPACE=str(tmp_path))
         proc = subprocess.run([sys.executable, str(EXAMPLE)], env=env, capture_output=True, text=True, timeout=90,
                               cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr

@@ -114,10 +114,11 @@ class Fleet:
 
         `tools`: the tool modules both sides load (names, modules or `@tool` functions).
         Other keywords override `toolq.Settings` fields (e.g. `workspace=...`)."""
+        base = Settings.load()
         modules = sorted({_module_name(t) for t in tools})
-        base = Settings.load().model_copy(update={"tools": modules or Settings.load().tools, **settings})
-        if redis_url:
-            base = base.model_copy(update={"redis_url": redis_url})
+        # Validated like the environment's values: a wrong type is one clear error here.
+        base = Settings.model_validate({**base.model_dump(), "tools": modules or base.tools, **settings,
+                                        **({"redis_url": redis_url} if redis_url else {})})
         async with AsyncExitStack() as stack:
             if not base.redis_url:
                 from toolq.orchestrator.embedded import EmbeddedStack
