@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -56,10 +57,19 @@ def installed(tmp_path_factory) -> Path:
                    check=True, capture_output=True, timeout=300)
     (wheel,) = (base / "dist").glob("toolq-*.whl")
     venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    # Dependencies come from PyPI through pip's cache (fast after the dev venv's own install).
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(wheel)], check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    # Offline and fast: the dependencies are this interpreter's, put on the new venv's path by a
+    # .pth line. Only .pth files in a site directory run, so the dev venv's editable toolq finder
+    # does not: `toolq` can only come from the wheel installed below (the test checks where from).
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "toolq_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    pip = [sys.executable, "-m", "pip", "--python", python]
+    subprocess.run([*pip, "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True, capture_output=True,
+                   timeout=300)
+    # The wheel's declared dependencies are all there (what `pip install` would have resolved).
+    subprocess.run([*pip, "check"], check=True, capture_output=True, timeout=120)
     return venv / "bin"
 
 
