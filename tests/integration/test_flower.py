@@ -217,6 +217,8 @@ def test_failed_calls_are_failure_in_flower_failed_in_the_events_and_unchanged_f
         eventually(listed_failed, "Flower's Failed filter to list both failed calls")
         info = client.get(f"/api/task/info/{task_ids['call_exit3']}").raise_for_status().json()
         assert info["state"] == "FAILURE" and "exit code 3" in info["exception"]
-        assert "oops" not in info["exception"], "Flower shows the reason, not the call's output"
+        assert "oops" not in info["exception"] + (info.get("traceback") or ""), "the call's output leaked into Flower"
+        nofile = client.get(f"/api/task/info/{task_ids['call_nofile']}").raise_for_status().json()
+        assert nofile["exception"] == "ToolCallFailed(failed)"
         eventually(lambda: client.get(f"/api/task/info/{task_ids['call_fine']}").json().get("state") == "SUCCESS",
                    "the successful call to stay SUCCESS")

@@ -243,3 +243,4 @@ async def test_a_tool_that_reports_failure_shows_failed_with_its_exit_code(tmp_p
     view = h.completed()["call_e"]
     assert (view.status, view.state, view.exit_code, view.reason) == ("failed", CallState.FAILED, 3, "exit code 3")
     assert view.run_time is not None and view.round_trip is not None and view.round_trip >= view.run_time
+

@@ -32,14 +32,11 @@ class ToolCallFailed(Exception):
         super().__init__(result)
         self.result = result
 
-    def __repr__(self) -> str:  # what Flower shows in its exception column: short, no output dump
+    def __repr__(self) -> str:
+        # What Flower's exception column and the worker's log line show: the state and the exit
+        # code, never the output (a command may have printed secrets; the ledger has the rest).
         r = self.result
-        reason = f"exit code {r['exit_code']}" if r.get("exit_code") not in (None, 0) else _first_line(r.get("output"))
-        return f"ToolCallFailed({r.get('status')}: {reason})"
+        code = r.get("exit_code")
+        return f"ToolCallFailed({r.get('status')}" + (f", exit code {code})" if code not in (None, 0) else ")")
 
     __str__ = __repr__
-
-
-def _first_line(output: Any) -> str:
-    text = output if isinstance(output, str) else ""
-    return (text.strip().splitlines() or [""])[0][:200]
