@@ -232,6 +232,9 @@ async def test_a_rejected_call_is_answered_at_once_and_still_listed(tmp_path):
     await barrier.flush_background()
     (record,) = h.records.calls.values()
     assert (record["call_id"], record["state"]) == ("call_bad", "rejected")
+    view = h.completed()["call_bad"]  # the user sees it fail too, with the reason
+    assert (view.status, view.state) == ("failed", CallState.REJECTED)
+    assert view.reason.startswith("failed to parse function arguments")
 
 
 @sync

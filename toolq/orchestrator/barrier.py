@@ -130,9 +130,10 @@ class Step:
         return entry
 
     def _settle_now(self, entry: CallEntry, result: ToolResult) -> None:
-        """Give a call its output here, with no task, and still list it in the ledger."""
+        """Give a call its output here, with no task, and still list it in the ledger and the view."""
         entry.result, entry.state, entry.finished_at = result, result.status, time.time()
         entry.done.set()
+        self.emit(ItemCompleted(item=self._view(entry)))
         if result.status is not CallState.COMPLETED:
             log.info("! %s %s %s: %s", entry.call_id, entry.tool, result.status, result.output_text())
         task_id = task_id_for(self.ctx.turn_id, self.ctx.step, entry.call.output_index, entry.call_id)
