@@ -1,16 +1,8 @@
-"""Where the shared reference material sits: `../shared` beside the checkout."""
+"""Where the tests' recorded fixtures sit: `tests/fixtures/` (sources: tests/fixtures/README.md)."""
 
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-SSE_FIXTURES = SHARED / "fixtures" / "sse"
-CODEX_FIXTURES = SHARED / "fixtures" / "codex"
-
-
-def require_shared() -> Path:
-    if not SHARED.is_dir():
-        pytest.skip(f"reference material not found at {SHARED}")
-    return SHARED
+FIXTURES = ROOT / "tests" / "fixtures"
+SSE_FIXTURES = FIXTURES / "sse"
+CODEX_FIXTURES = FIXTURES / "codex"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,42 @@ from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime, Session, TurnOutcome
 from toolq.workers.loader import load_catalog
+from tests.responses_schema import schema_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_TOOLS = "tests.integration.testtools"
-WORKER_ENV = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+#: The test fleet's key: every worker and orchestrator of the suite signs and checks with it.
+SIGNING_KEY = secrets.token_hex(32)
+WORKER_ENV = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "TOOLQ_SIGNING_KEY": SIGNING_KEY}
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def requests_follow_the_official_schema(monkeypatch):
+    """Every request body toolq sends to a fake model in a test must be a valid `CreateResponse`
+    (the official OpenAPI schema: tests/responses_schema.py), checked when the test ends."""
+    fakes: list[FakeModel] = []
+    init = FakeModel.__init__
+
+    def recording_init(self: FakeModel, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        fakes.append(self)
+
+    monkeypatch.setattr(FakeModel, "__init__", recording_init)
+    yield
+    for fake in fakes:
+        for k, body in enumerate(fake.requests):
+            assert schema_errors(body) == [], f"request {k + 1} is not a valid CreateResponse"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fleet_signing_key():
+    """Every toolq process a test starts itself (`toolq run`, `toolq demo`) inherits the key."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TOOLQ_SIGNING_KEY", SIGNING_KEY)
+    yield SIGNING_KEY
+    patch.undo()
 
 
 @pytest.fixture(scope="session")
@@ -84,6 +115,7 @@ class Driven:
 
 def settings_for(redis_url: str, fake: FakeModel, workspace: Path, **kw: Any) -> Settings:
     kw.setdefault("tools", [TEST_TOOLS])
+    kw.setdefault("signing_key", SIGNING_KEY)
     return Settings(redis_url=redis_url, openai_base_url=fake.base_url, openai_api_key="test", workspace=workspace,
                     **kw)
 

@@ -30,3 +30,41 @@ def test_steps_bench_reports_each_size():
 def test_cancel_bench_cancels_every_run():
     res = cancel.run(io.StringIO(), runs=2)
     assert res["runs"] == 2 and res["p50"] > 0
+
+
+# --- on one's own fleet (REDIS_URL set) ------------------------------------------------------
+
+
+@pytest.fixture
+def own_redis(monkeypatch):
+    """A fleet's broker of its own, so no shared worker answers for it."""
+    from toolq.orchestrator.embedded import RedisServer
+
+    with RedisServer() as server:
+        monkeypatch.setenv("REDIS_URL", server.url)
+        yield server
+
+
+def test_bench_on_a_fleet_without_bench_workers_says_in_one_line_what_to_start(own_redis, capsys):
+    from toolq.orchestrator import cli
+
+    assert cli.main(["bench", "pipeline", "steps"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "toolq bench pipeline: no worker on REDIS_URL consumes queue toolq-bench (no worker answered); "
+        "start one with `toolq worker --tools toolq.orchestrator.bench.tools` on that broker",
+        "toolq bench steps: no worker on REDIS_URL consumes queue toolq (no worker answered); "
+        "start one with `toolq worker --tools toolq.orchestrator.bench.tools` on that broker",
+    ]
+
+
+def test_pipeline_bench_runs_on_a_fleet_whose_worker_loads_the_bench_tools(own_redis, tmp_path):
+    from toolq.orchestrator.bench.harness import BENCH_TOOLS
+    from toolq.orchestrator.embedded import WorkerProcess
+
+    worker = WorkerProcess(own_redis.url, tools=[BENCH_TOOLS], logdir=tmp_path, name="bench1@test").start()
+    try:
+        res = pipeline.run(io.StringIO(), rounds=1, per_round=3)
+    finally:
+        worker.stop()
+    assert res["calls"] == 3 and res["toolq_p50"] > 0 and isinstance(res["goal_met"], bool)

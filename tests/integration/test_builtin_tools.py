@@ -242,7 +242,7 @@ def test_grep_files_lists_matching_paths_or_says_none_matched(fleet, drive, tree
     out = outputs(run)
     assert out["call_hit"] == f"{tree}/sub/inner.txt"
     assert out["call_miss"] == "No matches found."
-    assert out["call_bad"] == "invalid regex `(`: missing ), unterminated subpattern at position 0"
+    assert out["call_bad"] == "invalid regex `(`: missing ): ("
 
 
 # --- tool_search over deferred tools -------------------------------------------------------------

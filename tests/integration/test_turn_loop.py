@@ -155,7 +155,8 @@ def test_dispatch_is_at_most_once_per_call(fleet, tmp_path):
     """Contract 11: asking twice to dispatch one call sends it once."""
 
     async def go():
-        settings = Settings(redis_url=fleet[0].redis_url, workspace=tmp_path, tools=[c.TEST_TOOLS])
+        settings = Settings(redis_url=fleet[0].redis_url, workspace=tmp_path, tools=[c.TEST_TOOLS],
+                            signing_key=c.SIGNING_KEY)
         rt = await Runtime.create(settings, catalog=load_catalog([c.TEST_TOOLS]))
         try:
             call = ToolCall(tool_name=ToolName.plain("sleep_echo"), call_id="call_once",
@@ -246,7 +247,8 @@ def _one_call_step(rt, turn_id, tmp_path, call_id):
 
 
 async def _runtime(fleet, tmp_path):
-    settings = Settings(redis_url=fleet[0].redis_url, workspace=tmp_path, tools=[c.TEST_TOOLS])
+    settings = Settings(redis_url=fleet[0].redis_url, workspace=tmp_path, tools=[c.TEST_TOOLS],
+                        signing_key=c.SIGNING_KEY)
     return await Runtime.create(settings, catalog=load_catalog([c.TEST_TOOLS]))
 
 

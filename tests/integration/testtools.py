@@ -66,3 +66,24 @@ def count_runs(args: NoArgs, ctx: ToolContext) -> str:
         f.write(f"{os.getpid()}\n")
     time.sleep(0.2)
     return "counted"
+
+
+class NoteArgs(BaseModel):
+    title: str
+    type: str = "note"
+
+
+@tool(namespace="notes")
+def file_note(args: NoteArgs, ctx: ToolContext) -> str:
+    """Arguments named like JSON Schema keywords (`title`, `type`) under a strict schema."""
+    return f"filed {args.type} {args.title!r}"
+
+
+TAG_PARAMETERS = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}},
+                  "required": ["tags"], "additionalProperties": False}
+
+
+@tool(parameters=TAG_PARAMETERS)
+def count_tags(args, ctx: ToolContext) -> str:
+    """A function tool declared by its JSON Schema alone: the handler gets the parsed dict."""
+    return f"{type(args).__name__} with {len(args['tags'])} tags"

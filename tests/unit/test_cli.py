@@ -1,5 +1,11 @@
 """The `toolq` command line: every subcommand parses; bad input is one clear line."""
 
+import argparse
+import io
+import re
+import subprocess
+import sys
+
 import pytest
 
 from toolq.orchestrator import cli
@@ -11,6 +17,10 @@ from toolq.orchestrator import cli
         ["decode", "x.sse"],
         ["fake-model", "--port", "0"],
         ["run", "--json", "--model", "m", "--workspace", "/tmp", "--tools", "a", "--tools", "b", "hi"],
+        ["run", "-"],
+        ["run"],
+        ["fake-model", "--loop"],
+        ["demo", "--workspace", "/tmp"],
         ["worker", "--queues", "toolq,search", "--concurrency", "2", "--name", "w@h"],
         ["demo", "--json"],
         ["cancel", "turn-1", "--call", "call_1"],
@@ -27,7 +37,8 @@ def test_bench_runs_all_by_default_and_refuses_unknown_names(capsys):
     assert "unknown benchmark nope" in capsys.readouterr().err
 
 
-def test_cancel_without_redis_says_what_to_set(capsys, monkeypatch):
+def test_cancel_without_redis_says_what_to_set(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # no embedded run of ours announced there
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
     assert cli.main(["cancel", "turn-1"]) == 2
@@ -47,8 +58,98 @@ def test_a_session_file_round_trips_a_paired_history(tmp_path):
     assert [i["type"] for i in again.to_json()] == ["message", "function_call", "function_call_output"]
 
 
-def test_a_file_that_is_not_a_session_is_one_clear_line(tmp_path, capsys):
+def test_a_file_that_is_not_a_session_is_one_clear_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "a list"}')
     assert cli.main(["run", "--session", str(bad), "--workspace", str(tmp_path), "hi"]) == 2
     assert "is not a toolq session" in capsys.readouterr().err
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+def test_subcommands_are_listed_in_the_order_a_user_needs_them():
+    assert list(subcommands()) == ["run", "worker", "cancel", "status", "turns", "flower", "config",
+                                   "demo", "fake-model", "decode", "bench"]
+    listing = cli.build_parser().format_help().split("COMMAND\n")[-1]
+    assert re.findall(r"^    (\S+)", listing, re.M) == list(subcommands())
+
+
+def test_every_argument_and_option_has_help_text():
+    missing = [(name, a.dest) for name, parser in subcommands().items() for a in parser._actions
+               if not a.help or a.help == argparse.SUPPRESS]
+    assert missing == []
+
+
+def test_version_prints_the_installed_version():
+    from importlib import metadata
+
+    out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "--version"], capture_output=True, text=True)
+    assert (out.returncode, out.stdout) == (0, f"toolq {metadata.version('toolq')}\n")
+
+
+class Stdin(io.StringIO):
+    def __init__(self, text: str, tty: bool = False) -> None:
+        super().__init__(text)
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_the_prompt_comes_from_the_argument_or_from_stdin():
+    assert cli.read_prompt("hi", Stdin("ignored")) == "hi"
+    assert cli.read_prompt("-", Stdin("from a pipe\nline two\n")) == "from a pipe\nline two"
+    assert cli.read_prompt(None, Stdin("piped")) == "piped"
+    assert cli.read_prompt("-", Stdin("typed, then ^D", tty=True)) == "typed, then ^D"  # `-` asked for it
+
+
+@pytest.mark.parametrize("arg, stdin, said", [
+    (None, Stdin("", tty=True), "give a PROMPT, or pipe one on stdin (`echo ... | toolq run`)"),
+    (None, Stdin(""), "the prompt is empty"),
+    ("-", Stdin(" \n\t"), "the prompt is empty"),
+    ("  ", Stdin("unused"), "the prompt is empty"),
+])
+def test_no_prompt_or_an_empty_one_is_refused(arg, stdin, said):
+    with pytest.raises(cli.UsageError, match=f"^{said.replace('(', '.').replace(')', '.')}$"):
+        cli.read_prompt(arg, stdin)
+
+
+def test_toolq_run_refuses_an_empty_piped_prompt_in_one_line_before_starting_anything():
+    out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "run"], input="\n", capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin", "OPENAI_API_KEY": "sk-x"}, timeout=60)
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", "toolq run: the prompt is empty\n")
+
+
+def test_toolq_run_without_a_key_for_a_remote_url_fails_in_one_line_before_starting_anything(monkeypatch, tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "OPENAI_BASE_URL": "https://api.example.com/v1"}
+    out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--workspace", str(tmp_path), "hi"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == ("toolq run: no API key for https://api.example.com/v1: set the OPENAI_API_KEY environment "
+                          "variable (only a server on localhost or 127.0.0.1 may be used without one)\n")
+
+
+def test_demo_refuses_a_workspace_that_is_not_a_directory(tmp_path, capsys):
+    assert cli.main(["demo", "--workspace", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err == f"toolq: workspace {tmp_path / 'missing'} is not a directory\n"
+
+
+def test_the_live_view_shows_the_final_error_once():
+    from toolq.orchestrator.view import LiveView
+
+    out = io.StringIO()
+    view = LiveView(out)
+    final = "401 Unauthorized from http://127.0.0.1:1/v1/responses: bad key; set OPENAI_API_KEY to a valid key"
+    for event in [{"type": "turn.started", "turn_id": "turn-1"},
+                  {"type": "error", "message": "Reconnecting... 1/5 (cannot reach ...)"},
+                  {"type": "error", "message": final},
+                  {"type": "turn.failed", "turn_id": "turn-1", "error": {"message": final}}]:
+        view(event)
+    assert out.getvalue().splitlines() == ["toolq turn turn-1", "  ! Reconnecting... 1/5 (cannot reach ...)",
+                                           f"  ! {final}", "turn failed"]
+    view({"type": "turn.failed", "turn_id": "turn-1", "error": {"message": "turn stopped after 100 responses"}})
+    assert out.getvalue().splitlines()[-1] == "turn failed: turn stopped after 100 responses"

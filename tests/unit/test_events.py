@@ -32,15 +32,13 @@ from toolq.orchestrator.protocol.items import (
     ReasoningItem,
     UnknownItem,
 )
+from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-SSE = SHARED / "fixtures" / "sse"
-CODEX = SHARED / "fixtures" / "codex"
+SSE = SSE_FIXTURES
+CODEX = CODEX_FIXTURES
 
 
 def fixture(path: Path) -> bytes:
-    if not path.is_file():
-        pytest.skip(f"shared reference fixtures not found at {path.parent}")
     return path.read_bytes()
 
 

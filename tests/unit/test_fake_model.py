@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import typing
-from pathlib import Path
 
 import httpx
 import openai
@@ -32,8 +31,9 @@ from toolq.orchestrator.fake_model.builders import (
     web_search_call,
 )
 from toolq.orchestrator.protocol.events import EventDecoder, iter_sse_data
+from tests.paths import SSE_FIXTURES
 
-SSE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "sse"
+SSE = SSE_FIXTURES
 
 #: SDK 3.57.0 event class per `type`, from its own discriminated union.
 SDK_EVENTS = {
@@ -60,7 +60,7 @@ def frames(resp: httpx.Response) -> list[dict]:
     return [json.loads(d) for d in iter_sse_data(resp.content)]
 
 
-def test_records_every_request_and_answers_past_the_script_with_script_exhausted():
+def test_records_every_request_and_answers_past_the_script_with_an_http_error_saying_so():
     with FakeModel([[message("one")]]) as fake:
         replies = [
             post(fake, {"model": "m", "input": [{"role": "user", "content": f"q{i}"}]}, headers={"X-Probe": str(i)})
@@ -69,8 +69,81 @@ def test_records_every_request_and_answers_past_the_script_with_script_exhausted
     assert [r["input"][0]["content"] for r in fake.requests] == ["q0", "q1"]
     assert [h["X-Probe"] for h in fake.request_headers] == ["0", "1"]
     assert len(fake.request_times) == 2 and fake.request_times[0] <= fake.request_times[1]
-    last_item = frames(replies[1])[-2]["item"]
-    assert last_item["content"][0]["text"] == "script exhausted"
+    assert replies[0].status_code == 200
+    # Past the end the model does not "speak": an error, so no run mistakes it for an answer.
+    assert replies[1].status_code == 400
+    error = replies[1].json()["error"]
+    assert error["code"] == "script_exhausted"
+    assert error["message"] == ("fake model: script exhausted: all 1 scripted responses were served; "
+                                "restart `toolq fake-model`, or start it with --loop")
+
+
+def test_the_toolq_client_ends_at_once_on_an_exhausted_script():
+    import asyncio
+
+    from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, build_request
+
+    async def ask(base_url: str) -> ModelError:
+        async with ModelClient(ModelSettings(base_url=base_url, api_key=None)) as client:
+            with pytest.raises(ModelError) as info:
+                async for _ in client.stream(build_request("m", [], [])):
+                    pass
+            return info.value
+
+    with FakeModel([]) as fake:
+        error = asyncio.run(ask(fake.base_url))
+    assert not error.retryable and "script exhausted" in error.message and len(fake.requests) == 1
+
+
+def user(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": text}
+
+
+def texts(resp: httpx.Response) -> list[str]:
+    return [f["delta"] for f in frames(resp) if f["type"] == "response.output_text.delta"]
+
+
+CALL_THEN_ANSWER = [[function_call("exec_command", {"cmd": "ls"}, "call_1")], [message("done")]]
+CALL_ITEMS = [{"type": "function_call", "name": "exec_command", "arguments": "{}", "call_id": "call_1"},
+              {"type": "function_call_output", "call_id": "call_1", "output": "x"}]
+
+
+def names(resp: httpx.Response) -> list[str | None]:
+    return [f["item"].get("name") for f in frames(resp) if f["type"] == "response.output_item.done"]
+
+
+def test_loop_serves_the_script_again_for_the_next_run():
+    with FakeModel(CALL_THEN_ANSWER, loop=True) as fake:
+        first_run = [post(fake, {"input": [user("a")]}), post(fake, {"input": [user("a"), *CALL_ITEMS]})]
+        second_run = [post(fake, {"input": [user("a")]}), post(fake, {"input": [user("a"), *CALL_ITEMS]})]
+    for run in (first_run, second_run):
+        assert [r.status_code for r in run] == [200, 200]
+        assert names(run[0]) == ["exec_command"] and texts(run[1]) == ["done"]
+
+
+def test_loop_restarts_a_run_cut_short_and_a_session_that_goes_on():
+    with FakeModel(CALL_THEN_ANSWER, loop=True) as fake:
+        cut_short = post(fake, {"input": [user("a")]})  # Ctrl-C: the run never asked again
+        continued = post(fake, {"input": [user("a"), *CALL_ITEMS, user("turn aborted"), user("b")]})
+    assert names(cut_short) == names(continued) == ["exec_command"]
+
+
+def test_loop_does_not_restart_a_retry_within_a_run():
+    with FakeModel([[http_error(500)], [message("after the retry")]], loop=True) as fake:
+        replies = [post(fake, {"input": [user("a")]}) for _ in range(2)]
+    assert [r.status_code for r in replies] == [500, 200] and texts(replies[1]) == ["after the retry"]
+
+
+def test_loop_wraps_around_when_a_run_outlasts_the_script():
+    with FakeModel([[message("one")], [message("two")]], loop=True) as fake:
+        got = [texts(post(fake, {"input": [user("a")]})) for _ in range(3)]
+    assert got == [["one"], ["two"], ["one"]]
+
+
+def test_an_empty_script_is_exhausted_even_with_loop():
+    with FakeModel([], loop=True) as fake:
+        resp = post(fake)
+    assert resp.status_code == 400 and "the script is empty" in resp.json()["error"]["message"]
 
 
 def test_each_request_replays_its_own_scripted_response():
@@ -205,8 +278,6 @@ def test_gate_holds_the_stream_until_released(scripted):
 
 def test_replay_serves_a_recording_verbatim_with_its_last_blank_line(tmp_path):
     path = SSE / "sse-text-message.txt"
-    if not path.is_file():
-        pytest.skip(f"shared fixtures not found at {SSE}")
     with FakeModel([[replay(path)]]) as fake:
         resp = post(fake)
     assert resp.content == path.read_bytes() + b"\n\n"
@@ -251,9 +322,10 @@ def test_built_in_demo_is_the_documented_deterministic_conversation():
     assert [i["type"] for i in done[2]] == ["message"]
 
 
-def test_toolq_fake_model_prints_its_base_url_and_serves_the_demo():
+@pytest.mark.parametrize("loop", [False, True])
+def test_toolq_fake_model_prints_its_base_url_and_serves_the_demo(loop):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "toolq.orchestrator.cli", "fake-model", "--port", "0"],
+        [sys.executable, "-m", "toolq.orchestrator.cli", "fake-model", "--port", "0", *(["--loop"] if loop else [])],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -261,10 +333,14 @@ def test_toolq_fake_model_prints_its_base_url_and_serves_the_demo():
     try:
         base_url = proc.stdout.readline().strip()
         assert base_url.startswith("http://127.0.0.1:") and base_url.endswith("/v1")
-        resp = httpx.post(base_url + "/responses", json={"model": "m", "input": []}, timeout=10)
-        names = [e["item"].get("name") for e in frames(resp) if e["type"] == "response.output_item.done"]
-        assert names == [None, "exec_command", "exec_command"]
-        assert proc.stderr.readline().startswith("serving 3 scripted responses")
+        replies = [httpx.post(base_url + "/responses", json={"model": "m", "input": []}, timeout=10) for _ in range(4)]
+        assert names(replies[0]) == [None, "exec_command", "exec_command"]
+        if loop:
+            assert names(replies[3]) == names(replies[0])  # the demo (3 responses) starts again
+        else:
+            assert replies[3].json()["error"]["code"] == "script_exhausted"
+        said = proc.stderr.readline()
+        assert said.startswith("serving 3 scripted responses") and ("again for each run" in said) == loop
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -98,3 +98,30 @@ def test_repairs_persist_so_they_are_counted_once():
 def test_unknown_items_are_kept_out_of_the_prompt():
     h = History([user(), {"type": "brand_new", "x": 1}])
     assert h.for_prompt() == [user()]
+
+
+# --- reasoning items under store: false ---------------------------------------------------------
+
+
+def reasoning(**fields):
+    return {"type": "reasoning", "id": "rs_1", "summary": [], **fields}
+
+
+def test_reasoning_with_encrypted_content_or_raw_text_is_sent_back():
+    encrypted = reasoning(encrypted_content="gAAAA")
+    raw = reasoning(id="rs_2", content=[{"type": "reasoning_text", "text": "I should list files"}])
+    h = History([user(), encrypted, raw, fc("a"), fco("a")])
+    assert h.for_prompt() == [user(), encrypted, raw, fc("a"), fco("a")]
+    assert not h.repairs
+
+
+def test_reasoning_the_server_cannot_resolve_is_dropped_counted_and_logged_once(caplog):
+    h = History([user(), reasoning(), fc("a"), fco("a")])
+    with caplog.at_level("WARNING", logger="toolq.orchestrator.history"):
+        assert h.for_prompt() == [user(), fc("a"), fco("a")]
+        h.record(reasoning(id="rs_2", encrypted_content=""), fc("b"), fco("b"))
+        assert h.for_prompt() == [user(), fc("a"), fco("a"), fc("b"), fco("b")]
+    assert h.repairs == {"reasoning_without_encrypted_content_dropped": 2}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("dropped 1 reasoning item(s) without encrypted_content from the next request")

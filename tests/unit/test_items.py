@@ -17,7 +17,7 @@ from toolq.orchestrator.protocol.items import (
     decode_item,
     is_api_item,
 )
-from tests.paths import CODEX_FIXTURES, SSE_FIXTURES, require_shared
+from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
 
 
 def done_items(path):
@@ -35,7 +35,6 @@ def done_items(path):
 
 
 def recordings():
-    require_shared()
     return sorted(SSE_FIXTURES.glob("*.txt")) + [CODEX_FIXTURES / "cli_responses_fixture.sse"]
 
 

@@ -91,7 +91,8 @@ def test_turns_json_keeps_timestamps_and_the_full_prompt():
     assert render_turns([]) == "no turns in the ledger\n"
 
 
-def test_status_and_turns_need_redis_url():
+def test_status_and_turns_need_redis_url_or_a_running_embedded_stack(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # none announced there
     err = io.StringIO()
     assert status_cmd(Settings(), "turn-1", err=err) == 2
     assert "REDIS_URL" in err.getvalue()

@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from toolq.orchestrator.states import CallState
+from toolq.orchestrator.protocol import untrusted
 from toolq.orchestrator.protocol.items import (
     ContentPart,
     CustomToolCallOutputItem,
@@ -123,6 +124,14 @@ class ToolResult(BaseModel):
     tools: list[dict[str, Any]] | None = None
     """tool_search results: the specs the search found."""
 
+    @field_validator("output", "tools", mode="before")
+    @classmethod
+    def _valid_utf8(cls, value: Any) -> Any:
+        # Tool output is the outside world's text: a non-UTF-8 file name (`surrogateescape`) or a
+        # lone surrogate would raise UnicodeEncodeError in whatever encodes it next (Redis, the
+        # next request, the terminal). Each one becomes U+FFFD here, on both sides of the queue.
+        return untrusted.scrub(_plain(value))
+
     @property
     def duration(self) -> float | None:
         if self.started_at is None or self.finished_at is None:
@@ -133,6 +142,13 @@ class ToolResult(BaseModel):
         if isinstance(self.output, str):
             return self.output
         return "\n".join(p.text for p in self.output if isinstance(p, InputText) and p.text)
+
+
+def _plain(value: Any) -> Any:
+    """Content parts given as models, as the dicts `scrub` walks (validation rebuilds them)."""
+    if isinstance(value, list):
+        return [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
+    return value
 
 
 def aborted_text(shell_like: bool, elapsed: float) -> str:

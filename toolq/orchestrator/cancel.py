@@ -5,14 +5,18 @@ a call still in the queue, or sent while no worker is online, never runs (a revo
 alone is lost when nobody hears it, celery-lab.md §4a). Then every task of the turn is revoked
 with SIGTERM, which kills the tool's whole process group, and the orchestrator running the turn
 hears the cancel on its channel and records the aborted outputs.
+
+With no REDIS_URL, the turn is looked for in this user's running embedded stacks (runtime_dir.py).
 """
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.ledger import TERMINAL, Ledger
+from toolq.orchestrator.runtime_dir import ledgers
 from toolq.orchestrator.settings import Settings
 
 
@@ -28,13 +32,21 @@ class UnknownTarget(LookupError):
 
 
 async def cancel(settings: Settings, turn_id: str, call_id: str | None = None) -> CancelReport:
-    assert settings.redis_url
-    ledger = Ledger.from_url(settings.redis_url)
+    """Cancel on the Redis that knows the turn: REDIS_URL, else the embedded stack running it.
+    ConfigurationError when there is nothing to ask; UnknownTarget when nobody knows the turn."""
+    async with aclosing(ledgers(settings.redis_url)) as each:
+        async for url, ledger in each:
+            calls = await ledger.calls(turn_id)
+            if calls or await ledger.turn(turn_id):
+                return await _cancel(settings.model_copy(update={"redis_url": url}), ledger, turn_id, calls, call_id)
+    raise UnknownTarget(f"no turn {turn_id} in the ledger" if settings.redis_url
+                        else f"no turn {turn_id} in your running embedded `toolq run`s")
+
+
+async def _cancel(settings: Settings, ledger: Ledger, turn_id: str, calls: list[dict[str, str]],
+                  call_id: str | None) -> CancelReport:
     dispatcher = Dispatcher(settings, ledger)
     try:
-        calls = await ledger.calls(turn_id)
-        if not calls and not await ledger.turn(turn_id):
-            raise UnknownTarget(f"no turn {turn_id} in the ledger")
         if call_id is None:
             await ledger.cancel_turn(turn_id)
             targets = [c["task_id"] for c in calls if c.get("task_id") and c.get("state") not in TERMINAL]
@@ -48,4 +60,3 @@ async def cancel(settings: Settings, turn_id: str, call_id: str | None = None) -
         return CancelReport(turn_id, targets, call_id)
     finally:
         await dispatcher.aclose()
-        await ledger.aclose()

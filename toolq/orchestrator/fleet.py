@@ -33,6 +33,7 @@ from toolq.orchestrator.turn_events import Emit, ignore
 from toolq.workers.catalog import Catalog
 from toolq.workers.config import longest_timeout
 from toolq.workers.loader import load_catalog
+from toolq.workers.signing import required_signer
 
 log = logging.getLogger("toolq.fleet")
 
@@ -95,10 +96,11 @@ class Fleet:
         if not settings.redis_url:
             raise ValueError("a fleet needs a Redis URL (Fleet.connect starts an embedded one when none is given)")
         catalog = catalog if catalog is not None else load_catalog(settings.tools)
+        signer = required_signer(settings.signing_key, "an orchestrator with REDIS_URL")
         ledger = Ledger.from_url(settings.redis_url)
-        router = ResultRouter(settings.result_backend_url() or settings.redis_url)
+        router = ResultRouter(settings.result_backend_url() or settings.redis_url, signer)
         await router.start()
-        return catalog, ledger, Dispatcher(settings, ledger, longest_timeout(catalog)), router
+        return catalog, ledger, Dispatcher(settings, ledger, signer, longest_timeout(catalog)), router
 
     @classmethod
     async def open(cls, settings: Settings, *, catalog: Catalog | None = None) -> Fleet:
@@ -126,7 +128,7 @@ class Fleet:
                 embedded = EmbeddedStack(workers=2, concurrency=4, tools=base.tools)
                 await asyncio.to_thread(embedded.__enter__)
                 stack.push_async_callback(asyncio.to_thread, embedded.__exit__, None, None, None)
-                base = base.model_copy(update={"redis_url": embedded.url})
+                base = base.model_copy(update={"redis_url": embedded.url, "signing_key": embedded.signing_key})
             fleet = await cls.open(base)
             stack.push_async_callback(fleet.aclose)
             yield fleet

@@ -3,6 +3,10 @@
 Before every request each call must have exactly one output of the matching kind: a call with
 none gets `aborted` right after it, an output with no call is dropped. Every repair is logged
 and counted, because a repair means something upstream lost an output.
+
+A reasoning item the server cannot read back is dropped too (counted, logged once): requests are
+`store: false`, so its id refers to nothing stored, and without `encrypted_content` (or raw
+reasoning text, which open-weight servers take back) the real API rejects the whole request.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any, Iterable
 from toolq.orchestrator.protocol.items import (
     CustomToolCallOutputItem,
     FunctionCallOutputItem,
+    ReasoningItem,
     ResponseItem,
     ToolSearchOutputItem,
     decode_item,
@@ -94,12 +99,20 @@ def _aborted_output(call: dict[str, Any]) -> ResponseItem:
     return FunctionCallOutputItem(call_id=call_id, output=ABORTED)
 
 
+def can_replay(item: ResponseItem) -> bool:
+    """False for a reasoning item with nothing the server can read it back from."""
+    if not isinstance(item, ReasoningItem):
+        return True
+    return bool(item.encrypted_content) or any(part.get("text") for part in item.content or ())
+
+
 class History:
     """Items in the order they happened; `for_prompt()` is the next request's `input`."""
 
     def __init__(self, items: Iterable[ResponseItem | dict[str, Any]] = ()) -> None:
         self.items: list[ResponseItem] = []
         self.repairs: Counter[str] = Counter()
+        self._said_reasoning_dropped = False
         self.record(*items)
 
     def record(self, *items: ResponseItem | dict[str, Any]) -> None:
@@ -129,7 +142,23 @@ class History:
                 repaired.append(_aborted_output(wire[i]))
         self.items = repaired
 
+    def drop_unreadable_reasoning(self) -> None:
+        """Drop reasoning items `can_replay` refuses; counted each time, logged the first time."""
+        kept = [i for i in self.items if can_replay(i)]
+        dropped = len(self.items) - len(kept)
+        if not dropped:
+            return
+        self.items = kept
+        self.repairs["reasoning_without_encrypted_content_dropped"] += dropped
+        if not self._said_reasoning_dropped:
+            self._said_reasoning_dropped = True
+            log.warning("dropped %d reasoning item(s) without encrypted_content from the next request: with "
+                        "store=false the server cannot resolve them. Set TOOLQ_REASONING_EFFORT (or leave it at "
+                        "auto for a gpt-5/o-series model) so toolq asks for reasoning.encrypted_content; later "
+                        "drops are counted in History.repairs, not logged", dropped)
+
     def for_prompt(self) -> list[dict[str, Any]]:
+        self.drop_unreadable_reasoning()
         self.normalize()
         return [i.to_wire() for i in self.items]
 

@@ -7,7 +7,6 @@ a payload kind the tool does not take raises `Fatal`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +15,7 @@ from jsonschema.exceptions import ValidationError as SchemaError
 
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolInvocation, ToolName
 from toolq.orchestrator.errors import Fatal, RespondToModel
-from toolq.workers.catalog import Catalog, ToolSpec, is_nullable
+from toolq.workers.catalog import Catalog, ToolSpec, is_nullable, load_arguments, map_subschemas
 
 #: Codex's `functions` namespace also names the top-level tools (codex-reference S7).
 FUNCTIONS_NAMESPACE = "functions"
@@ -69,14 +68,14 @@ class Registry:
         )
 
     def _validate_arguments(self, spec: ToolSpec, raw: str) -> None:
-        try:
-            args = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise RespondToModel(f"failed to parse function arguments: {e}") from None
+        args = load_arguments(raw)
         validator = self._validators.get(spec.tool_name)
         if validator is None:
             return
-        error = next(iter(sorted(validator.iter_errors(args), key=lambda e: list(e.path))), None)
+        try:
+            error = next(iter(sorted(validator.iter_errors(args), key=lambda e: list(e.path))), None)
+        except RecursionError:  # a recursive schema ($ref) walked down deeply nested arguments
+            raise RespondToModel("failed to parse function arguments: nesting too deep for the schema") from None
         if error is not None:
             raise RespondToModel(f"failed to parse function arguments: {describe_schema_error(error)}")
 
@@ -113,11 +112,9 @@ class Registry:
 def _nullable_is_optional(schema: Any) -> Any:
     """Strict schemas list every key as required and mark optional ones nullable; models that
     are not in strict mode (compatible servers) simply omit them, which is just as valid."""
-    if isinstance(schema, list):
-        return [_nullable_is_optional(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _nullable_is_optional(v) for k, v in schema.items()}
+    out = map_subschemas(schema, _nullable_is_optional)
     props = out.get("properties")
     if isinstance(props, dict) and "required" in out:
         out["required"] = [k for k in out["required"] if not is_nullable(props.get(k, {}))]

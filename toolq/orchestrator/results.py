@@ -25,6 +25,7 @@ from toolq.orchestrator.calls import ToolResult
 from toolq.orchestrator.states import FAILURE, REVOKED, STARTED, SUCCESS, CallState
 from toolq.orchestrator.transport import TaskOutcome, Watches
 from toolq.workers.contracts import ToolCallFailed
+from toolq.workers.signing import Signer
 
 log = logging.getLogger("toolq.results")
 
@@ -60,7 +61,9 @@ class ResultRouter(Watches):
     """Watches tasks of watched turns. A task sent after `watch` needs nothing more; one that may
     have reported before (a re-dispatch) needs `catch_up`."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, signer: Signer) -> None:
+        self.signer = signer
+        """Checks every meta before it counts (toolq/workers/signing.py)."""
         self.r = aioredis.Redis.from_url(url, client_name="toolq-results")
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         super().__init__()
@@ -122,6 +125,8 @@ class ResultRouter(Watches):
             meta = json.loads(raw)
         except (TypeError, ValueError):
             log.warning("unreadable result meta for %s", task_id)
+            return
+        if not self.signer.accept_meta(task_id, meta):  # signing hook: a forged meta is dropped, logged
             return
         status = meta.get("status")
         if status == STARTED and w.hostname is None:

@@ -54,11 +54,15 @@ def save_session(path: Path, history: History) -> None:
     tmp.replace(path)
 
 
-def run_demo(settings: Settings, *, json_events: bool = False) -> int:
+def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path | None = None) -> int:
     from toolq.orchestrator.fake_model.server import FakeModel
 
+    if workspace is not None and not workspace.is_dir():
+        raise ConfigurationError(f"workspace {workspace} is not a directory")
     with ExitStack() as stack:
-        workspace = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="toolq-demo-")))
+        if workspace is None:
+            workspace = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="toolq-demo-")))
+        workspace = workspace.resolve()
         fake = stack.enter_context(FakeModel())
         settings = settings.model_copy(update={"openai_base_url": fake.base_url, "openai_api_key": "demo",
                                                "workspace": workspace})
@@ -83,7 +87,7 @@ def _with_redis(settings: Settings, stack: ExitStack, quiet: bool) -> Settings:
     if not quiet:
         print("no REDIS_URL: starting an embedded Redis-protocol server and 2 workers...", file=sys.stderr)
     embedded = stack.enter_context(EmbeddedStack(workers=2, concurrency=4, tools=settings.tools))
-    return settings.model_copy(update={"redis_url": embedded.url})
+    return settings.model_copy(update={"redis_url": embedded.url, "signing_key": embedded.signing_key})
 
 
 def default_instructions(settings: Settings) -> str:
@@ -98,8 +102,7 @@ async def _run(settings: Settings, prompt: str, json_events: bool,
                history: History | None = None) -> tuple[TurnOutcome, History]:
     view: Any = JsonView() if json_events else LiveView()
     runtime = await Runtime.create(settings)
-    session = Session(runtime, instructions=settings.instructions or default_instructions(settings),
-                      reasoning={"effort": settings.reasoning_effort} if settings.reasoning_effort else None)
+    session = Session(runtime, instructions=settings.instructions or default_instructions(settings))
     if history is not None:
         session.history = history
     turn_id = new_turn_id()

@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.protocol.reasoning import ReasoningSetting
+from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES
 
 DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
 
@@ -34,13 +36,25 @@ ENV = {
     "request_max_retries": ("TOOLQ_REQUEST_MAX_RETRIES",),
     "stream_max_retries": ("TOOLQ_STREAM_MAX_RETRIES",),
     "stream_idle_timeout": ("TOOLQ_STREAM_IDLE_TIMEOUT",),
+    "max_sse_event_bytes": ("TOOLQ_MAX_SSE_EVENT_BYTES",),
     "flower_user": ("FLOWER_USER",),
     "flower_password": ("FLOWER_PASSWORD",),
     "flower_port": ("FLOWER_PORT",),
     "flower_address": ("FLOWER_ADDRESS",),
+    "signing_key": ("TOOLQ_SIGNING_KEY",),
+    "log_tool_output": ("TOOLQ_LOG_TOOL_OUTPUT",),
+    # the sandbox every command of a shell tool runs in (toolq/workers/isolation)
+    "sandbox": ("TOOLQ_SANDBOX",),
+    "sandbox_network": ("TOOLQ_SANDBOX_NETWORK",),
+    "sandbox_env": ("TOOLQ_SANDBOX_ENV",),
+    "sandbox_read": ("TOOLQ_SANDBOX_READ",),
+    "sandbox_memory_mb": ("TOOLQ_SANDBOX_MEMORY_MB",),
+    "sandbox_processes": ("TOOLQ_SANDBOX_PROCESSES",),
+    "sandbox_cpu_seconds": ("TOOLQ_SANDBOX_CPU_SECONDS",),
+    "sandbox_file_mb": ("TOOLQ_SANDBOX_FILE_MB",),
 }
 
-SECRETS = {"openai_api_key", "flower_password"}
+SECRETS = {"openai_api_key", "flower_password", "signing_key"}
 
 
 class Settings(BaseModel):
@@ -55,9 +69,10 @@ class Settings(BaseModel):
     model: str = "gpt-5.5"
     instructions: str | None = None
     """The request's `instructions`; unset: a short default naming the workspace and the tools."""
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    """Sent as `reasoning.effort` (with encrypted reasoning carried between stateless requests);
-    unset: no `reasoning` field, for models and servers that do not take one."""
+    reasoning_effort: ReasoningSetting = "auto"
+    """Sent as `reasoning.effort`, with encrypted reasoning asked for so that stateless requests
+    can carry it back. `auto`: `medium` for reasoning models (gpt-5*, o*), no `reasoning` field
+    for others; `off`: never one (`toolq.orchestrator.protocol.reasoning`)."""
     workspace: Path = Field(default_factory=Path.cwd)
     tools: list[str] = Field(default_factory=list)
     """Extra modules whose `@tool` declarations both sides load."""
@@ -72,10 +87,31 @@ class Settings(BaseModel):
     """Whole-request retries after a model stream broke mid-way."""
     stream_idle_timeout: float = Field(default=300.0, gt=0)
     """Seconds without a byte from the model before its stream counts as dead."""
+    max_sse_event_bytes: int = Field(default=DEFAULT_MAX_EVENT_BYTES, ge=1024)
+    """A bigger SSE event from the model is dropped unread, so memory stays bounded; one that may
+    have held a call (`output_item.done`) breaks the stream, which is retried."""
     flower_user: str | None = None
     flower_password: str | None = None
     flower_port: int = Field(default=5555, ge=0, le=65535)
     flower_address: str = "127.0.0.1"
+    signing_key: str | None = None
+    """The fleet's shared HMAC key: the orchestrator signs calls, workers sign results
+    (toolq/workers/signing.py). Required with REDIS_URL; the embedded default generates one."""
+    log_tool_output: bool = False
+    """Debugging only: put tool output in the workers' task-succeeded log lines and Flower's
+    results (by default they carry status and sizes)."""
+    # --- the sandbox of shell tools' commands (toolq/workers/isolation) ---
+    sandbox: Literal["auto", "bwrap", "landlock", "none"] = "auto"
+    """auto: bubblewrap if it runs here, else Landlock; none runs commands unconfined (warned)."""
+    sandbox_network: Literal["none", "host"] = "none"
+    sandbox_env: list[str] = Field(default_factory=list)
+    """Extra environment variables a command may see (besides PATH, LANG, TERM, the pagers...)."""
+    sandbox_read: list[str] = Field(default_factory=list)
+    """Extra directories a command may read (besides the system directories and its workspace)."""
+    sandbox_memory_mb: int = Field(default=2048, ge=16)
+    sandbox_processes: int = Field(default=256, ge=8)
+    sandbox_cpu_seconds: int = Field(default=300, ge=1)
+    sandbox_file_mb: int = Field(default=1024, ge=1)
 
     @field_validator("redis_url", "result_url")
     @classmethod
@@ -90,7 +126,16 @@ class Settings(BaseModel):
             raise ValueError("a rediss:// URL needs ?ssl_cert_reqs=required (or optional, none)")
         return v
 
-    @field_validator("tools", "queues", mode="before")
+    @field_validator("signing_key")
+    @classmethod
+    def _key_length(cls, v: str | None) -> str | None:
+        from toolq.workers.signing import GENERATE, MIN_KEY_CHARS
+
+        if v is not None and len(v) < MIN_KEY_CHARS:
+            raise ValueError(f"must have at least {MIN_KEY_CHARS} characters; generate one with {GENERATE}")
+        return v
+
+    @field_validator("tools", "queues", "sandbox_env", "sandbox_read", mode="before")
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
         return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v

@@ -9,10 +9,12 @@ import asyncio
 import json
 import sys
 import time
+from contextlib import aclosing
 from datetime import datetime
 from typing import Any, TextIO
 
-from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.runtime_dir import ledger_urls, ledgers
 from toolq.orchestrator.settings import Settings, mask_url_password
 from toolq.orchestrator.states import parse_state
 
@@ -108,29 +110,33 @@ def render_turns(rows: list[dict[str, Any]], as_json: bool = False) -> str:
 # --- commands (Redis) ------------------------------------------------------------------------
 
 
-def _ledger_url(settings: Settings, command: str, err: TextIO) -> str | None:
-    if not settings.redis_url:
-        print(f"toolq {command}: set REDIS_URL (or CELERY_BROKER_URL) to the Redis the orchestrator uses; "
-              "the embedded default keeps no ledger after the run", file=err)
-    return settings.redis_url
+def _ledger_urls(settings: Settings, command: str, err: TextIO) -> list[str] | None:
+    """REDIS_URL, else this user's running embedded stacks (runtime_dir.py); None: said why on err."""
+    try:
+        return ledger_urls(settings.redis_url)
+    except ConfigurationError as e:
+        print(f"toolq {command}: {e}", file=err)
+        return None
 
 
 def status_cmd(settings: Settings, turn_id: str, *, as_json: bool = False, out: TextIO = sys.stdout,
                err: TextIO = sys.stderr) -> int:
-    url = _ledger_url(settings, "status", err)
-    if url is None:
+    urls = _ledger_urls(settings, "status", err)
+    if urls is None:
         return 2
 
     async def read() -> tuple[dict[str, str], list[dict[str, str]]]:
-        ledger = Ledger.from_url(url)
-        try:
-            return await ledger.turn(turn_id), await ledger.calls(turn_id)
-        finally:
-            await ledger.aclose()
+        async with aclosing(ledgers(settings.redis_url)) as each:
+            async for _, ledger in each:
+                turn, calls = await ledger.turn(turn_id), await ledger.calls(turn_id)
+                if turn or calls:
+                    return turn, calls
+        return {}, []
 
     turn, calls = asyncio.run(read())
     if not turn and not calls:
-        print(f"toolq status: no turn {turn_id!r} in the ledger at {mask_url_password(url)} "
+        where = mask_url_password(urls[0]) if settings.redis_url else f"{len(urls)} running embedded stack(s)"
+        print(f"toolq status: no turn {turn_id!r} in the ledger at {where} "
               "(records are kept 7 days; `toolq turns` lists recent ones)", file=err)
         return 1
     out.write(render_status(turn_id, turn, calls, time.time(), as_json))
@@ -142,20 +148,21 @@ def turns_cmd(settings: Settings, *, limit: int = 20, as_json: bool = False, out
     if limit < 1:
         print("toolq turns: --limit must be at least 1", file=err)
         return 2
-    url = _ledger_url(settings, "turns", err)
-    if url is None:
+    urls = _ledger_urls(settings, "turns", err)
+    if urls is None:
         return 2
 
     async def read() -> list[tuple[str, dict[str, str], int]]:
-        ledger = Ledger.from_url(url)
-        try:
-            turns = await ledger.recent_turns(limit)
-            counts = [len(await ledger.calls(t)) for t, _ in turns]
-            return [(t, h, n) for (t, h), n in zip(turns, counts)]
-        finally:
-            await ledger.aclose()
+        found = []
+        async with aclosing(ledgers(settings.redis_url)) as each:
+            async for _, ledger in each:
+                turns = await ledger.recent_turns(limit)
+                counts = [len(await ledger.calls(t)) for t, _ in turns]
+                found += [(t, h, n) for (t, h), n in zip(turns, counts)]
+        return found
 
     now = time.time()
     rows = [turn_row(t, h, n, now) for t, h, n in asyncio.run(read()) if h]
+    rows = sorted(rows, key=lambda r: r["started_at"] or 0, reverse=True)[:limit]  # newest first, across stacks
     out.write(render_turns(rows, as_json))
     return 0

@@ -31,6 +31,7 @@ from toolq.orchestrator.protocol.items import (
     ToolSearchOutputItem,
     is_api_item,
 )
+from toolq.orchestrator.protocol.reasoning import reasoning_for
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.results import ResultRouter
 from toolq.orchestrator.settings import Settings
@@ -87,7 +88,8 @@ class Runtime(Fleet):
         model = model or ModelSettings(base_url=settings.openai_base_url, api_key=settings.openai_api_key,
                                        model=settings.model, request_max_retries=settings.request_max_retries,
                                        stream_max_retries=settings.stream_max_retries,
-                                       stream_idle_timeout=settings.stream_idle_timeout)
+                                       stream_idle_timeout=settings.stream_idle_timeout,
+                                       max_sse_event_bytes=settings.max_sse_event_bytes)
         catalog, ledger, dispatcher, router = await cls._parts(settings, catalog)
         return cls(settings, catalog, ModelClient(model), ledger, dispatcher, router)
 
@@ -110,7 +112,9 @@ class Session:
                  reasoning: dict[str, Any] | None = None) -> None:
         self.rt = runtime
         self.instructions = instructions
-        self.reasoning = reasoning
+        # None: from TOOLQ_REASONING_EFFORT and the model (on by default for reasoning models)
+        self.reasoning = reasoning if reasoning is not None else reasoning_for(
+            runtime.client.settings.model, runtime.settings.reasoning_effort)
         self.history = History()
         self.loaded_tools: set[ToolName] = set()
         self.unknown_items = 0

@@ -53,6 +53,9 @@ class JsonView(_View):
 class LiveView(_View):
     """One line per transition: glyph, tool, call id, state, durations, worker, why it failed."""
 
+    _last_error: str | None = None
+    """The final error comes as `error` then `turn.failed` (as in Codex's JSON); it is shown once."""
+
     def __call__(self, event: TurnEvent) -> None:
         line: str | None = None
         item = getattr(event, "item", None)
@@ -66,11 +69,13 @@ class LiveView(_View):
             line = f"\n{item.text}\n"
         elif isinstance(event, ErrorEvent):
             line = f"  ! {event.message}"
+            self._last_error = event.message
         elif isinstance(event, TurnCompleted):
             u = event.usage
             line = f"turn completed ({u.get('input_tokens', 0)} input / {u.get('output_tokens', 0)} output tokens)"
         elif isinstance(event, TurnFailed):
-            line = f"turn failed: {event.error.message}"
+            message = event.error.message
+            line = "turn failed" if message == self._last_error else f"turn failed: {message}"
         elif isinstance(event, TurnAborted):
             line = "turn cancelled"
         if line is not None:

@@ -7,14 +7,15 @@ prefork, `acks_late` + prefetch 1 (fair, and queued revokes are honoured), START
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any
 
 import redis
 from celery import Celery
-from celery.exceptions import SoftTimeLimitExceeded
-from celery.signals import worker_process_init, worker_shutdown, worker_shutting_down
+from celery.exceptions import Ignore, SoftTimeLimitExceeded
+from celery.signals import celeryd_after_setup, worker_process_init, worker_shutdown, worker_shutting_down
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.settings import Settings
@@ -23,8 +24,12 @@ from toolq.workers.catalog import Catalog
 from toolq.workers.config import configure_app, longest_timeout, make_app
 from toolq.workers.contracts import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, ToolCallFailed
 from toolq.workers.loader import load_catalog
+from toolq.workers import isolation, signing
 from toolq.workers.execute import execute
 from toolq.workers.sandbox import install_sigterm_handler
+from toolq.workers.summary import returned
+
+log = logging.getLogger("toolq.worker")
 
 _catalog: Catalog | None = None
 _redis: redis.Redis | None = None
@@ -57,6 +62,14 @@ def redis_client() -> redis.Redis:
 def _child_init(**_: Any) -> None:
     global _redis
     _redis = None  # never share a socket across fork
+    isolation.pool_child_started()
+
+
+@celeryd_after_setup.connect
+def _banner(**_: Any) -> None:
+    sandbox = isolation.current()
+    log_level = logging.WARNING if sandbox.backend == "none" or sandbox.unavailable else logging.INFO
+    logging.getLogger("toolq.worker").log(log_level, "%s", sandbox.describe())
 
 
 @worker_shutting_down.connect
@@ -72,6 +85,7 @@ def _draining(sender: Any = None, **_: Any) -> None:
 
 @worker_shutdown.connect
 def _drained(sender: Any = None, **_: Any) -> None:
+    isolation.worker_stopped()
     try:
         redis_client().delete(keys.draining(str(getattr(sender, "hostname", sender))))
     except redis.RedisError:
@@ -82,7 +96,14 @@ def _hostname(task: Any) -> str:
     return task.request.hostname or f"{os.getpid()}@{socket.gethostname()}"
 
 
-def _execute(task: Any, invocation: dict, redelivery: bool) -> dict:
+def _execute(task: Any, invocation: dict, signature: str, redelivery: bool) -> Any:
+    # A task the orchestrator did not sign (pushed by whoever reached Redis) is not run, and
+    # stores no state: Ignore acks it without a result, so it cannot answer a live call's id.
+    refusal = signing.refuse_invocation(app.conf.get(signing.CONF_KEY), task.name, task.request.id, invocation,
+                                        signature)
+    if refusal:
+        log.warning("refused task %s (%s): %s; not run", task.request.id, task.name, refusal)
+        raise Ignore()
     # revoke(terminate=True) SIGTERMs the pool child; its command's process group must die too.
     # Installed per call: billiard resets the pool child's signal handlers after
     # worker_process_init, so a handler set there is gone by the time a task runs.
@@ -91,17 +112,17 @@ def _execute(task: Any, invocation: dict, redelivery: bool) -> dict:
                      time_limit_errors=(SoftTimeLimitExceeded,))
     if celery_state(CallState(result["status"])) == FAILURE:
         raise ToolCallFailed(result)  # Celery records FAILURE; the result travels in the exception
-    return result
+    return returned(result, log_output=bool(app.conf.get("toolq_log_tool_output")))
 
 
 # `throws`: an expected outcome, logged in one line without a traceback.
 @app.task(name=TASK, bind=True, acks_late=True, reject_on_worker_lost=False, track_started=True,
           throws=(ToolCallFailed,))
-def run_tool(self: Any, invocation: dict) -> dict:
-    return _execute(self, invocation, redelivery=False)
+def run_tool(self: Any, invocation: dict, signature: str = "") -> Any:
+    return _execute(self, invocation, signature, redelivery=False)
 
 
 @app.task(name=TASK_IDEMPOTENT, bind=True, acks_late=True, reject_on_worker_lost=True, track_started=True,
           throws=(ToolCallFailed,))
-def run_tool_idempotent(self: Any, invocation: dict) -> dict:
-    return _execute(self, invocation, redelivery=True)
+def run_tool_idempotent(self: Any, invocation: dict, signature: str = "") -> Any:
+    return _execute(self, invocation, signature, redelivery=True)

@@ -12,7 +12,8 @@ workers read it to execute (`toolq.workers.app`). A tool is a function with a `@
         ...
 
 Function tools take a pydantic args model (rendered to a strict JSON Schema unless an explicit
-`parameters` schema is given); custom tools take `grammar=` and receive the freeform text.
+`parameters` schema is given) or, with `parameters=` alone, a dict; custom tools take `grammar=`
+(or a `str` input) and receive the freeform text.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ValidationError
 
 from toolq.orchestrator.calls import PayloadKind, ToolInvocation, ToolName
 from toolq.orchestrator.errors import ConfigurationError, RespondToModel
+from toolq.orchestrator.protocol import untrusted
 from toolq.orchestrator.protocol.items import ContentPart, ToolOutputBody
 
 DEFAULT_QUEUE = "toolq"
@@ -201,20 +205,28 @@ def tool(
 ) -> Any:
     """Declare a function (sync or async) as a tool and register it.
 
-    The first parameter's annotation is the args model (a pydantic `BaseModel`) for a function
-    tool, or `str` for a custom tool (give `grammar=`). The docstring is the description.
+    The handler's first parameter says what the tool takes:
+    - a pydantic `BaseModel` annotation: a function tool; its arguments arrive as that model and
+      its schema is the model's, in strict form (or `parameters=` when given, sent as given);
+    - `parameters=` (a JSON Schema dict) with no args model: a function tool whose arguments
+      arrive as the parsed JSON `dict`, checked against that schema (jsonschema) before dispatch;
+    - `str` (or `grammar=`): a custom (freeform) tool that receives the model's text.
+    The kind is never changed silently: `parameters=` together with `grammar=`, `kind="custom"`
+    or a `str` input is refused with a `ConfigurationError`, as is a schema that is not valid
+    JSON Schema. The docstring is the description.
     """
 
     def register(f: Handler) -> Handler:
+        label = name or f.__name__
         args_model = _args_model(f)
-        k: PayloadKind = kind or ("custom" if grammar is not None or args_model is None else "function")
+        k = _payload_kind(label, f, kind, args_model, parameters, grammar)
         schema = parameters
         if k == "function" and schema is None:
             if args_model is None:
-                raise ConfigurationError(f"tool {name or f.__name__}: a function tool needs an args model")
+                raise ConfigurationError(f"tool {label}: a function tool needs an args model")
             schema = strict_json_schema(args_model)
         spec = ToolSpec(
-            name=name or f.__name__,
+            name=label,
             namespace=namespace,
             description=description or inspect.cleandoc(f.__doc__ or ""),
             kind=k,
@@ -237,13 +249,39 @@ def tool(
     return register(fn) if fn is not None else register
 
 
-def _args_model(f: Handler) -> type[BaseModel] | None:
+def _payload_kind(label: str, f: Handler, kind: PayloadKind | None, args_model: type[BaseModel] | None,
+                  parameters: dict[str, Any] | None, grammar: dict[str, Any] | None) -> PayloadKind:
+    """The kind a declaration asks for, or one clear error when its parts disagree."""
+    if parameters is not None:
+        if grammar is not None or kind == "custom":
+            raise ConfigurationError(f"tool {label}: parameters= declares a function tool's JSON arguments; a custom "
+                                     "tool takes freeform text (grammar=), so give one or the other")
+        if args_model is None and _first_annotation(f) is str:
+            raise ConfigurationError(f"tool {label}: parameters= makes a function tool, whose handler gets the "
+                                     "arguments as a dict (or an args model), but its input is annotated str")
+        try:
+            Draft202012Validator.check_schema(parameters)
+        except SchemaError as e:
+            raise ConfigurationError(f"tool {label}: parameters= is not a valid JSON Schema: {e.message}") from None
+    if kind is not None:
+        return kind
+    if grammar is not None:
+        return "custom"
+    return "function" if args_model is not None or parameters is not None else "custom"
+
+
+def _first_annotation(f: Handler) -> Any:
     params = list(inspect.signature(f).parameters.values())
     if not params:
         return None
     ann = params[0].annotation
     if isinstance(ann, str):  # `from __future__ import annotations`
-        ann = f.__globals__.get(ann, ann)
+        ann = {"str": str, "dict": dict}.get(ann) or f.__globals__.get(ann, ann)
+    return ann
+
+
+def _args_model(f: Handler) -> type[BaseModel] | None:
+    ann = _first_annotation(f)
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 
@@ -253,24 +291,49 @@ def strict_json_schema(model: type[BaseModel]) -> dict[str, Any]:
     return _strictify(model.model_json_schema())
 
 
+# JSON Schema keywords whose values are subschemas. Everything else (`default`, `enum`, `const`,
+# `examples`, `required`, ...) is data, and the keys of `properties` are argument names: a walk
+# that treated every dict key as a keyword would strip an argument named `title`.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+
+
+def map_subschemas(node: dict[str, Any], fn: Callable[[Any], Any], drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A copy of one schema node with `fn` applied to each of its direct subschemas (and the
+    keywords in `drop` left out); every other value is copied as it is."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in drop:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: fn(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            value = [fn(sub) for sub in value]
+        elif key in _SCHEMA_ONE:
+            value = [fn(sub) for sub in value] if isinstance(value, list) else fn(value)
+        out[key] = value
+    return out
+
+
 def _strictify(node: Any) -> Any:
-    if isinstance(node, list):
-        return [_strictify(n) for n in node]
+    """One schema node in strict form; pydantic's annotation `title`s go."""
     if not isinstance(node, dict):
-        return node
-    node = {k: _strictify(v) for k, v in node.items() if k != "title"}
-    if node.get("type") == "object" or "properties" in node:
-        props = node.get("properties", {})
-        required = set(node.get("required", []))
+        return node  # `true`/`false` schemas
+    out = map_subschemas(node, _strictify, drop=("title",))
+    if out.get("type") == "object" or "properties" in out:
+        props = out.get("properties", {})
+        required = set(out.get("required", []))
         for key, sub in props.items():
-            if key not in required and not is_nullable(sub):
+            if key not in required and isinstance(sub, dict) and not is_nullable(sub):
                 sub = {k: v for k, v in sub.items() if k != "default"}
                 props[key] = {"anyOf": [sub, {"type": "null"}]}
-        node["required"] = list(props)
-        node["additionalProperties"] = False
-    if node.get("default", 0) is None:
-        del node["default"]
-    return node
+        out["required"] = list(props)
+        out["additionalProperties"] = False
+    if "default" in out and out["default"] is None:
+        del out["default"]
+    return out
 
 
 def is_nullable(schema: dict[str, Any]) -> bool:
@@ -280,13 +343,13 @@ def is_nullable(schema: dict[str, Any]) -> bool:
     return any(is_nullable(s) for s in schema.get("anyOf", []) if isinstance(s, dict))
 
 
-def parse_arguments(spec: ToolSpec, raw: str) -> BaseModel:
-    """Parse a function call's raw JSON with the tool's own args model (Codex's `parse_arguments`)."""
-    assert spec.args_model is not None
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise RespondToModel(f"failed to parse function arguments: {e}") from None
+def parse_arguments(spec: ToolSpec, raw: str) -> BaseModel | Any:
+    """Parse a function call's raw JSON with the tool's own args model (Codex's `parse_arguments`);
+    a tool declared with `parameters=` alone gets the parsed JSON (the registry has checked it
+    against that schema before dispatch)."""
+    obj = load_arguments(raw)
+    if spec.args_model is None:
+        return obj
     if isinstance(obj, dict):
         # Strict schemas make optional keys nullable: a null means "use the default".
         obj = {k: v for k, v in obj.items() if v is not None}
@@ -294,6 +357,23 @@ def parse_arguments(spec: ToolSpec, raw: str) -> BaseModel:
         return spec.args_model.model_validate(obj)
     except ValidationError as e:
         raise RespondToModel(f"failed to parse function arguments: {describe_validation_error(e)}") from None
+
+
+def load_arguments(raw: str) -> Any:
+    """A function call's `arguments` as JSON, or `RespondToModel` naming what is wrong with them.
+
+    Refused like serde_json (which Codex parses with) refuses them: past its nesting limit, or
+    with a lone surrogate, which would raise `UnicodeEncodeError` wherever the value went next
+    (a file path, a Celery message, the next request)."""
+    try:
+        obj = untrusted.loads(raw)
+    except ValueError as e:
+        raise RespondToModel(f"failed to parse function arguments: {e}") from None
+    if untrusted.may_hold_surrogate(raw):
+        bad = untrusted.first_surrogate(obj)
+        if bad is not None:
+            raise RespondToModel(f"failed to parse function arguments: {untrusted.describe_surrogate(bad)}")
+    return obj
 
 
 def describe_validation_error(e: ValidationError) -> str:

@@ -14,6 +14,7 @@ from celery import Celery
 
 from toolq.orchestrator.settings import Settings
 from toolq.workers.catalog import ToolSpec
+from toolq.workers import signing
 from toolq.workers.contracts import TIME_LIMIT_MARGIN
 
 
@@ -48,6 +49,9 @@ def celery_config(settings: Settings, longest: float) -> dict[str, Any]:
         },
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
+        # toolq's own: the fleet key (signing.py; Celery masks it in `inspect conf`) and whether
+        # task-succeeded log lines and Flower may show tool output (summary.py).
+        **{signing.CONF_KEY: settings.signing_key, "toolq_log_tool_output": settings.log_tool_output},
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 import traceback
 from pathlib import Path
@@ -65,6 +66,18 @@ if first == 1 and cancelled == 0 then
 end
 return {cancelled, first, prev[1], prev[2]}
 """
+
+
+def worker_name(raw: bytes | None) -> str:
+    """A worker name read back from the ledger, fit to quote in an output. The ledger is unsigned:
+    whoever reaches Redis could write a sentence there for the model to read."""
+    name = (raw or b"").decode(errors="replace")
+    return name if _WORKER_NAME.fullmatch(name) else "?"
+
+
+_WORKER_NAME = re.compile(r"[\w.@:%+-]{1,200}")
+
+
 def _may_redeliver(spec: ToolSpec | None, redelivery: bool) -> bool:
     return redelivery and spec is not None and spec.idempotent
 
@@ -95,7 +108,7 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
         args=[hostname, keys.RECORD_TTL, started_at, os.getpid(), CallState.RUNNING.value],
     )
     prev_state = (prev_state or b"").decode()
-    prev_worker = (prev_worker or b"?").decode()
+    prev_worker = worker_name(prev_worker)
 
     if cancelled:
         _set_state(r, inv, state=CallState.CANCELLED, worker=hostname, finished_at=time.time())
@@ -179,7 +192,7 @@ async def call_tool(inv: ToolInvocation, spec: ToolSpec, catalog: Catalog,
     ctx = ToolContext(invocation=inv, workspace=workspace, is_cancelled=is_cancelled, catalog=catalog)
     try:
         if isinstance(inv.payload, FunctionPayload):
-            args: Any = parse_arguments(spec, inv.payload.arguments) if spec.args_model else inv.payload.arguments
+            args: Any = parse_arguments(spec, inv.payload.arguments)
         elif isinstance(inv.payload, CustomPayload):
             args = inv.payload.input
         else:

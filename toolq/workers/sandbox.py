@@ -1,8 +1,4 @@
-"""Where tools may touch the machine: workspace confinement and a process-group runner.
-
-Confinement: every path a model names goes through `resolve_in_workspace`, which resolves it fully
-(symlinks included) and refuses anything that ends up outside the workspace. Nothing is followed
-before the check.
+"""How tools run processes: a process-group runner (confinement of paths: `toolq.workers.workspace`).
 
 Processes: `run_command` starts each command in its own session (pid = pgid) and always ends by
 SIGKILLing that whole group, so no grandchild outlives its call. Celery's `revoke(terminate=True)`
@@ -20,9 +16,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from toolq.orchestrator.errors import RespondToModel
+from toolq.workers.isolation import reaper
+
+if TYPE_CHECKING:
+    from toolq.workers.isolation import Launch, Sandbox
 
 #: Output kept per command (Codex's `DEFAULT_OUTPUT_BYTES_CAP`): half head, half tail.
 DEFAULT_OUTPUT_CAP = 1024 * 1024
@@ -36,39 +35,6 @@ _READ_CHUNK = 8192
 
 class CallCancelled(Exception):
     """The call was cancelled while it ran; its process group is already dead."""
-
-
-# --- confinement -----------------------------------------------------------------------------
-
-
-def resolve_in_workspace(workspace: Path, path: str) -> Path:
-    """The fully resolved path that `path` names, which must lie inside `workspace`.
-
-    Relative paths resolve against the workspace; absolute paths must already point inside it.
-    `..` components are refused outright, and so is a path whose symlinks lead out.
-    """
-    root = Path(workspace).resolve()
-    if "\0" in path:
-        raise RespondToModel(f"path `{path}` contains a NUL byte")
-    given = Path(path)
-    if ".." in given.parts:
-        raise RespondToModel(f"path `{path}` is not allowed: `..` components may not be used")
-    if given.is_absolute():
-        # Accept the workspace as configured or as resolved (it may itself sit under a symlink).
-        lexical = Path(os.path.normpath(given))
-        if not (_is_within(lexical, root) or _is_within(lexical, Path(os.path.abspath(workspace)))):
-            raise RespondToModel(f"path `{path}` is outside the workspace `{root}`")
-        candidate = lexical
-    else:
-        candidate = root / given
-    resolved = candidate.resolve()
-    if not _is_within(resolved, root):
-        raise RespondToModel(f"path `{path}` leads outside the workspace `{root}` through a symlink")
-    return resolved
-
-
-def _is_within(path: Path, root: Path) -> bool:
-    return path == root or path.is_relative_to(root)
 
 
 # --- live process groups ---------------------------------------------------------------------
@@ -85,9 +51,10 @@ def live_process_groups() -> frozenset[int]:
 
 
 def kill_live_groups() -> None:
-    """SIGKILL every live group (safe to call from a signal handler)."""
+    """SIGKILL every live group, and what left them (safe to call from a signal handler)."""
     for pgid in live_process_groups():
         _killpg(pgid)
+    reaper.sweep()
 
 
 def install_sigterm_handler() -> bool:
@@ -139,6 +106,8 @@ class CommandResult:
     """Bytes cut from the middle of the output to respect the cap."""
     spawn_error: OSError | None = None
     """Set when the process could not be started (missing cwd, missing shell...)."""
+    limit_note: str | None = None
+    """The sandbox limit the command ran into, in words (CPU time, file size, processes, memory)."""
 
 
 class HeadTailBuffer:
@@ -177,28 +146,31 @@ def run_command(
     output_cap: int = DEFAULT_OUTPUT_CAP,
     env: dict[str, str] | None = None,
     shell: str = "bash",
+    sandbox: Sandbox | None = None,
+    workspace: Path | str | None = None,
 ) -> CommandResult:
     """Run `command` (a script for `shell -c`, or an argv) in its own process group.
 
     Returns when the process exits, the timeout passes, or `is_cancelled()` turns true (checked
     every `POLL_INTERVAL`). Whatever the reason, the whole group is SIGKILLed before returning,
     so background children and grandchildren never outlive the call. A spawn failure is reported
-    in `spawn_error`, never raised.
+    in `spawn_error`, never raised. With a `sandbox`, the command runs confined to `workspace`
+    (default: `cwd`) with the sandbox's environment and limits (toolq/workers/isolation).
     """
     argv = [shell, "-c", command] if isinstance(command, str) else list(command)
     start = time.monotonic()
+    launch: Launch | None = None
     try:
-        proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-        )
+        popen = dict(cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     start_new_session=True, close_fds=True)
+        if sandbox is not None:
+            launch = sandbox.launch(argv, workspace=str(workspace or cwd), cwd=str(cwd), env=env or dict(os.environ))
+            proc = launch.spawn(**popen)
+        else:
+            proc = subprocess.Popen(argv, env=env, **popen)
     except OSError as e:
+        if launch is not None:
+            launch.close()
         return CommandResult(exit_code=-1, output=b"", wall_time=time.monotonic() - start, spawn_error=e)
 
     pgid = proc.pid
@@ -232,6 +204,8 @@ def run_command(
         # The leader is still unreaped here (alive or a zombie), so its pgid cannot be reused:
         # this kills the command on timeout/cancel, and any leftover members after a normal exit.
         _killpg(pgid)
+        if launch is not None:
+            launch.kill(live_process_groups())
         if not eof:
             _drain(fd, buf, selector, DRAIN_TIMEOUT)
         returncode = proc.wait()
@@ -240,9 +214,15 @@ def run_command(
         proc.stdout.close()
         with _groups_lock:
             _live_groups.discard(pgid)
+        if launch is not None:
+            launch.close()
+    exit_code = returncode if returncode >= 0 else 128 - returncode
+    output = buf.getvalue()
     return CommandResult(
-        exit_code=returncode if returncode >= 0 else 128 - returncode,
-        output=buf.getvalue(),
+        exit_code=exit_code,
+        output=output,
+        limit_note=None if launch is None or sandbox is None else sandbox.explain(
+            launch, exit_code, output.decode("utf-8", errors="replace")),
         wall_time=time.monotonic() - start,
         timed_out=timed_out,
         cancelled=cancelled,

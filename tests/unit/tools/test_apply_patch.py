@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from toolq.orchestrator.errors import RespondToModel
 from tests.unit.tools import call
+from toolq.workers.tools import apply_patch as apply_patch_module
 from toolq.workers.tools.apply_patch import GRAMMAR, apply_patch
 
 OK = "Exit code: 0\nWall time: 0 seconds\nOutput:\nSuccess. Updated the following files:\n"
@@ -253,3 +256,92 @@ def test_grammar_accepts_the_envelope_and_rejects_other_text():
                        " ", "*** End of File"))
     with pytest.raises(lark.exceptions.LarkError):
         parser.parse("*** Begin Patch\n*** Frob File: x\n*** End Patch\n")
+
+
+# --- a hostile workspace ----------------------------------------------------------------------------
+
+FSMONITOR = ["*** Update File: .git/config", "@@", " [core]", "+\tfsmonitor = touch /tmp/pwned"]
+
+
+@pytest.fixture
+def repo(tmp_path):
+    (tmp_path / ".git" / "hooks").mkdir(parents=True)
+    (tmp_path / ".git" / "config").write_text("[core]\n")
+    (tmp_path / "git_link").symlink_to(".git")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg_link").symlink_to("pkg")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("hunk", "named"),
+    [
+        (FSMONITOR, ".git/config"),
+        (["*** Add File: .git/hooks/pre-commit", "+#!/bin/sh", "+touch /tmp/pwned"], ".git/hooks/pre-commit"),
+        (["*** Delete File: .git/config"], ".git/config"),
+        (["*** Update File: git_link/config", "@@", " [core]", "+\tfsmonitor = x"], "git_link/config"),
+        (["*** Add File: git_link/hooks/post-checkout", "+x"], "git_link/hooks/post-checkout"),
+        (["*** Update File: pkg/a.txt", "*** Move to: git_link/config", "@@", "-a", "+[core]"], "git_link/config"),
+        (["*** Add File: pkg_link/.git/config", "+x"], "pkg_link/.git/config"),
+    ],
+)
+def test_nothing_under_git_is_created_changed_or_deleted(repo, hunk, named):
+    (repo / "pkg" / "a.txt").write_text("a\n")
+    message = failure(repo, patch("*** Add File: inside.txt", "+i", *hunk))
+    assert message == FAILED + f"path `{named}` is inside a `.git` directory, which file tools do not change"
+    assert (repo / ".git" / "config").read_text() == "[core]\n"
+    assert sorted(p.name for p in (repo / ".git").rglob("*")) == ["config", "hooks"]
+    assert not (repo / "inside.txt").exists() and not (repo / "pkg" / ".git").exists()
+    assert (repo / "pkg" / "a.txt").read_text() == "a\n"
+
+
+def test_a_hard_link_to_a_file_outside_is_not_written_through(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep\n")
+    os.link(victim, ws / "linked.txt")
+    for hunk in (["*** Update File: linked.txt", "@@", "-keep", "+pwned"], ["*** Add File: linked.txt", "+pwned"]):
+        message = failure(ws, patch("*** Add File: inside.txt", "+i", *hunk))
+        assert message == FAILED + (
+            "path `linked.txt` has 2 hard links: writing it would change a file elsewhere too, so it is not written"
+        )
+    assert victim.read_text() == "keep\n" and not (ws / "inside.txt").exists()
+
+
+def test_a_fifo_is_not_read_and_does_not_block(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    assert failure(tmp_path, patch("*** Update File: pipe", "@@", "-a", "+b")) == (
+        FAILED + f"Failed to read file to update {tmp_path.resolve()}/pipe: not a regular file (a FIFO)"
+    )
+
+
+def test_deleting_a_symlink_removes_the_link_not_its_target(tmp_path):
+    (tmp_path / "real.txt").write_text("real\n")
+    (tmp_path / "alias.txt").symlink_to("real.txt")
+    assert run(tmp_path, patch("*** Delete File: alias.txt")) == OK + "D alias.txt\n"
+    assert not (tmp_path / "alias.txt").is_symlink() and (tmp_path / "real.txt").read_text() == "real\n"
+
+
+def test_updating_through_a_symlink_inside_changes_its_target(tmp_path):
+    (tmp_path / "real.txt").write_text("old\n")
+    (tmp_path / "alias.txt").symlink_to(tmp_path / "real.txt")  # absolute, still inside
+    assert run(tmp_path, patch("*** Update File: alias.txt", "@@", "-old", "+new")) == OK + "M alias.txt\n"
+    assert (tmp_path / "real.txt").read_text() == "new\n" and (tmp_path / "alias.txt").is_symlink()
+
+
+def test_a_dangling_symlink_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "hook").symlink_to(".git/pre-commit")  # would create a file in .git if followed
+    message = failure(tmp_path, patch("*** Add File: first.txt", "+x", "*** Add File: hook", "+#!/bin/sh"))
+    assert message == FAILED + f"Failed to write file {tmp_path.resolve()}/hook: Too many levels of symbolic links (os error 40)"
+    assert not (tmp_path / "first.txt").exists() and list((tmp_path / ".git").iterdir()) == []
+
+
+def test_a_file_over_the_size_cap_is_refused_not_read_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(apply_patch_module, "MAX_FILE_BYTES", 8 * 1024 * 1024)
+    with open(tmp_path / "big.txt", "wb") as f:
+        f.truncate(3 * 1024**3)  # sparse
+    assert failure(tmp_path, patch("*** Update File: big.txt", "@@", "-a", "+b")) == (
+        FAILED + f"Failed to read file to update {tmp_path.resolve()}/big.txt: larger than 8 MiB"
+    )

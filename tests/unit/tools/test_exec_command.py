@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -106,29 +107,30 @@ def test_missing_workdir_gives_codex_spawn_failure_text(tmp_path):
 
 
 def test_timeout_kills_the_group_and_reports_exit_124(tmp_path):
+    # A marker, not a pid: inside the sandbox's pid namespace `$!` is not the host's pid.
+    marker = f"30.{os.getpid() % 1000}7"
     started = time.monotonic()
-    r = run_with_deadline(tmp_path, "sleep 30 & echo $!; sleep 30", deadline_in=0.5)
+    r = run_with_deadline(tmp_path, f"sleep {marker} & echo started; sleep 30", deadline_in=0.5)
     assert time.monotonic() - started < 10
     exit_code, _, body = split(r)
     assert (exit_code, r.exit_code, r.success) == (124, 124, False)
-    m = re.fullmatch(r"command timed out after (\d+) milliseconds\n(\d+)\n", body)
+    m = re.fullmatch(r"command timed out after (\d+) milliseconds\nstarted\n", body)
     assert m and 0 < int(m.group(1)) <= 500
-    grandchild = int(m.group(2))
     deadline = time.monotonic() + 5
-    while _alive(grandchild) and time.monotonic() < deadline:
+    while _running(f"sleep {marker}") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(grandchild)
+    assert not _running(f"sleep {marker}")
 
 
 def run_with_deadline(tmp_path, cmd: str, deadline_in: float) -> ToolReturn:
     return call(exec_command, tmp_path, json.dumps({"cmd": cmd}), deadline_in=deadline_in)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def _running(cmdline: str) -> bool:
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if " ".join(p.info["cmdline"] or []) == cmdline and p.info["status"] != psutil.STATUS_ZOMBIE:
+            return True
+    return False
 
 
 def test_cancellation_kills_the_command_and_raises_call_cancelled(tmp_path):

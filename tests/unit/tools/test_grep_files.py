@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import tracemalloc
 
 import pytest
 
 from toolq.orchestrator.errors import RespondToModel
+from tests.hostile import Flipper, deep_tree, race_tree
 from tests.unit.tools import call
 from toolq.workers.catalog import ToolReturn
+from toolq.workers.tools import grep_files as grep_module
 from toolq.workers.tools.grep_files import grep_files
+
+
+LINEAR = " (grep_files matches in linear time, as rg does: no backreferences or lookaround)"
 
 
 def run(tmp_path, **arguments) -> ToolReturn:
@@ -76,7 +82,10 @@ def test_no_match_is_reported_as_codex_does(files):
     [
         ({"pattern": "  "}, "pattern must not be empty"),
         ({"pattern": "x", "limit": 0}, "limit must be greater than zero"),
-        ({"pattern": "("}, "invalid regex `(`: missing ), unterminated subpattern at position 0"),
+        ({"pattern": "("}, "invalid regex `(`: missing ): ("),
+        ({"pattern": r"(a)\1"}, r"invalid regex `(a)\1`: invalid escape sequence: \1" + LINEAR),
+        ({"pattern": "x(?=y)"}, "invalid regex `x(?=y)`: invalid perl operator: (?=" + LINEAR),
+        ({"pattern": "x", "include": "{a,b}" * 11}, f"include glob `{'{a,b}' * 11}` expands to more than 1024 globs"),
     ],
 )
 def test_bad_arguments_are_clear_errors(files, arguments, message):
@@ -102,3 +111,89 @@ def test_symlinks_inside_the_tree_are_not_followed(tmp_path):
     (ws / "link.txt").symlink_to(tmp_path / "secret.txt")
     (ws / "dirlink").symlink_to(tmp_path)
     assert run(ws, pattern="needle").output == "No matches found."
+
+
+# --- a hostile workspace: every cost bounded --------------------------------------------------------
+
+
+def test_catastrophic_regex_runs_in_linear_time(tmp_path):
+    (tmp_path / "a.txt").write_text("a" * 100_000 + "b\n")  # Python's re would backtrack ~2^100000 ways
+    assert run(tmp_path, pattern="(a+)+$").output == "No matches found."
+    assert run(tmp_path, pattern="(a+)+b$").output == str(tmp_path.resolve() / "a.txt")
+
+
+def test_a_3_gib_sparse_file_is_binary_and_skipped_at_once(tmp_path):
+    with open(tmp_path / "huge.bin", "wb") as f:
+        f.truncate(3 * 1024**3)
+    (tmp_path / "hit.txt").write_text("needle\n")
+    assert run(tmp_path, pattern="needle").output == str(tmp_path.resolve() / "hit.txt")
+
+
+def test_a_huge_line_is_searched_in_its_first_8_mib_with_bounded_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(grep_module, "MAX_LINE_BYTES", 1024 * 1024)
+    (tmp_path / "early.txt").write_bytes(b"x" * 1000 + b"needle" + b"x" * (24 * 1024 * 1024))
+    (tmp_path / "late.txt").write_bytes(b"x" * (2 * 1024 * 1024) + b"needle")
+    tracemalloc.start()
+    try:
+        out = run(tmp_path, pattern="needle").output
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out == str(tmp_path.resolve() / "early.txt")  # late.txt's match lies past the cut
+    assert peak < 8 * 1024 * 1024, f"grep_files held {peak} bytes for a 24 MiB line"
+
+
+def test_a_fifo_in_the_tree_is_skipped_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "hit.txt").write_text("needle\n")
+    assert run(tmp_path, pattern="needle").output == str(tmp_path.resolve() / "hit.txt")
+    assert run(tmp_path, pattern="needle", path="pipe").output == "No matches found."
+
+
+def test_the_deadline_is_checked_inside_a_file(tmp_path):
+    (tmp_path / "f.txt").write_text("needle\n")
+    with pytest.raises(RespondToModel, match="grep_files timed out after 30 seconds"):
+        call(grep_files, tmp_path, json.dumps({"pattern": "needle"}), deadline_in=-1)
+
+
+def test_a_brace_bomb_is_refused_before_any_glob_is_built(tmp_path):
+    bomb = "{a,b}" * 64  # 2^64 globs
+    assert error(tmp_path, pattern="x", include=bomb) == f"include glob `{bomb}` expands to more than 1024 globs"
+
+
+def test_nested_braces_expand_like_rg(files):
+    assert run(files, pattern="alpha", include="*.{p{y,x},{t,j}s}").output.splitlines() == [
+        str(files / "pkg/new.py"), str(files / "mid.ts"), str(files / "old.py"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern", "hit"),
+    [
+        ("foo\nbar\n", r"foo\sbar", False),  # a match never spans lines
+        ("foo\nbar\n", r"\Abar", True),  # \A is the start of a line, as before
+        ("foo\r\nx\n", "foo$", True),  # a line is matched without its \r
+        ("foo\r\nx\n", r"foo\s", False),  # ... so \s does not find the \r either
+        ("x\nfoo", "^foo$", True),  # the last line needs no newline
+    ],
+)
+def test_matching_is_line_by_line(tmp_path, text, pattern, hit):
+    (tmp_path / "f.txt").write_bytes(text.encode())
+    assert run(tmp_path, pattern=pattern).output == (str(tmp_path.resolve() / "f.txt") if hit else "No matches found.")
+
+
+def test_a_directory_swapped_for_a_symlink_to_a_fifo_never_blocks_the_walk(tmp_path):
+    ws, _ = race_tree(tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # no writer, ever: an open that follows a symlink to it without O_NONBLOCK waits
+    outcomes = set()
+    with Flipper(ws, fifo):
+        for _ in range(300):
+            outcomes.add(run(ws, pattern="inside").output)
+    found = {str(ws.resolve() / d / "f.txt") for d in ("d", "d.real")}  # d.real: the flipper's stash
+    assert outcomes <= found | {"\n".join(found), "\n".join(sorted(found, reverse=True)), "No matches found."}
+
+
+def test_a_tree_deeper_than_the_python_stack_is_searched(tmp_path):
+    with deep_tree(tmp_path, 1200, "needle\n") as leaf:  # a recursive walk would hit the recursion limit
+        assert run(tmp_path, pattern="needle").output == f"{tmp_path.resolve()}/{leaf}"

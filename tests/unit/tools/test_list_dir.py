@@ -7,6 +7,7 @@ import json
 import pytest
 
 from toolq.orchestrator.errors import RespondToModel
+from tests.hostile import deep_tree
 from tests.unit.tools import call
 from toolq.workers.tools.list_dir import list_dir
 
@@ -88,3 +89,9 @@ def test_symlinked_directory_inside_is_listed_but_not_entered(tmp_path):
     (tmp_path / "real" / "f").write_text("")
     (tmp_path / "alias").symlink_to(tmp_path.parent)  # would lead out if followed
     assert run(tmp_path, dir_path=".", depth=5).splitlines()[1:] == ["alias@", "real/", "  f"]
+
+
+def test_a_tree_deeper_than_the_python_stack_is_listed(tmp_path):
+    with deep_tree(tmp_path, 1200, ""):  # a recursive walk would hit the recursion limit
+        out = run(tmp_path, dir_path=".", depth=5000, offset=1199, limit=3)
+    assert out.splitlines()[1:] == ["  " * 1198 + "d/", "  " * 1199 + "d/", "  " * 1200 + "f.txt"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tracemalloc
 
 import pytest
 
@@ -85,3 +87,37 @@ def test_paths_leaving_the_workspace_are_refused(tmp_path, path):
 def test_missing_file_path_is_a_parse_error(tmp_path):
     with pytest.raises(RespondToModel, match="missing field `file_path`"):
         call(read_file, tmp_path, "{}")
+
+
+# --- a hostile workspace --------------------------------------------------------------------------
+
+
+def test_a_3_gib_file_without_newline_is_read_in_bounded_memory(tmp_path):
+    with open(tmp_path / "huge.bin", "wb") as f:
+        f.truncate(3 * 1024**3)  # sparse: no disk used, 3 GiB of NUL bytes and no newline
+    tracemalloc.start()
+    try:
+        first = run(tmp_path, file_path="huge.bin", limit=1)
+        past = error(tmp_path, file_path="huge.bin", offset=2)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert first == "L1: " + "\0" * 500
+    assert past == "offset exceeds file length"
+    assert peak < 8 * 1024 * 1024, f"read_file held {peak} bytes for one line"
+
+
+def test_lines_after_a_cut_line_keep_their_numbers(tmp_path):
+    (tmp_path / "f.txt").write_bytes(b"x" * 100_000 + b"\nnext\n")
+    assert run(tmp_path, file_path="f.txt") == "L1: " + "x" * 500 + "\nL2: next"
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "pipe")  # no writer: a blocking open would wait forever
+    assert error(tmp_path, file_path="pipe") == "failed to read file: not a regular file (a FIFO)"
+
+
+def test_the_deadline_is_checked_while_reading(tmp_path):
+    (tmp_path / "f.txt").write_text("a\n")
+    with pytest.raises(RespondToModel, match="read_file timed out after reading 0 lines"):
+        call(read_file, tmp_path, json.dumps({"file_path": "f.txt"}), deadline_in=-1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 
 import pytest
 
@@ -63,3 +64,8 @@ def test_images_outside_the_workspace_are_refused(tmp_path, path):
     (tmp_path / "x.png").write_bytes(PNG)
     (ws / "link.png").symlink_to(tmp_path / "x.png")
     assert f"`{path}`" in error(ws, path)
+
+
+def test_a_fifo_is_not_a_file_and_does_not_block(tmp_path):
+    os.mkfifo(tmp_path / "pipe.png")
+    assert error(tmp_path, "pipe.png") == f"image path `{tmp_path.resolve()}/pipe.png` is not a file"

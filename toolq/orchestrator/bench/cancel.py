@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from toolq.orchestrator.bench.harness import median, ms, pct, stack
+from toolq.orchestrator.bench.harness import FleetNotReady, median, ms, pct, stack
 from toolq.orchestrator.cancel import cancel
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
@@ -35,10 +35,21 @@ def _pids(marker: str) -> list[int]:
     return found
 
 
+#: How long the call's processes may take to appear before the bench concludes they run elsewhere.
+APPEAR_TIMEOUT = 30.0
+
+
 async def _one(rt: Runtime, fake: FakeModel, marker: str) -> float:
     session = Session(rt)
     turn = asyncio.create_task(session.run_turn("bench"))
+    deadline = time.monotonic() + APPEAR_TIMEOUT
     while not _pids(marker):
+        if time.monotonic() > deadline:
+            session.cancel()
+            await turn
+            # The processes are watched in /proc: a fleet on other hosts cannot be measured from here.
+            raise FleetNotReady(f"the call's processes did not appear on this host within {APPEAR_TIMEOUT:g} s; "
+                                "run `toolq bench cancel` on a host whose worker consumes queue toolq")
         await asyncio.sleep(0.005)
     t0 = time.perf_counter()
     await cancel(rt.settings, session.turn_id or "")

@@ -16,10 +16,16 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from toolq.orchestrator.bench.harness import goal
 from toolq.orchestrator.client import ModelClient, ModelSettings, build_request
 from toolq.orchestrator.fake_model.render import replay_frames
 
-FIXTURE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "sse" / "sse-parallel-function-calls.txt"
+# Package data (a copy of tests/fixtures/sse/sse-parallel-function-calls.txt, source noted there).
+FIXTURE = Path(__file__).resolve().parent / "recordings" / "sse-parallel-function-calls.txt"
+
+
+GOAL = 1.0
+"""toolq decodes at least as fast as the official SDK."""
 
 
 def build_transcript(fixture: Path, target_events: int) -> list[bytes]:
@@ -111,10 +117,11 @@ def run(out: IO[str] = sys.stdout, target_events: int = 20_000) -> dict[str, Any
         "toolq_yielded": ours_n,
         "sdk_yielded": sdk_n,
     }
+    result["goal_met"], note = goal(result["ratio"], GOAL, at_least=True)
     print(f"decode: {n} SSE events in one response, served by the fake model over TCP", file=out)
     print(f"  toolq ModelClient.stream   {result['toolq_events_per_s']:>10,.0f} events/s  ({ours_s:.3f} s)", file=out)
     print(f"  openai SDK (AsyncOpenAI)   {result['sdk_events_per_s']:>10,.0f} events/s  ({sdk_s:.3f} s)", file=out)
-    print(f"  ratio toolq/sdk            {result['ratio']:>10.2f}", file=out)
+    print(f"  ratio toolq/sdk            {result['ratio']:>10.2f}x  ({note})", file=out)
     return result
 
 

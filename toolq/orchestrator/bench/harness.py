@@ -9,19 +9,54 @@ from typing import Iterator
 from toolq.orchestrator.settings import Settings
 
 BENCH_TOOLS = "toolq.orchestrator.bench.tools"
+#: The bench tools' own queue: only a worker that loaded them consumes it (see tools.py).
+BENCH_QUEUE = "toolq-bench"
+START_BENCH_WORKER = f"toolq worker --tools {BENCH_TOOLS}"
+
+
+class FleetNotReady(Exception):
+    """The user's fleet (REDIS_URL) cannot run this benchmark; the message says what to start."""
 
 
 @contextmanager
-def stack(workers: int = 2, concurrency: int = 4) -> Iterator[Settings]:
-    """Settings pointing at a Redis with workers that load the bench tools."""
+def stack(workers: int = 2, concurrency: int = 4, *, queues: tuple[str, ...] = ("toolq",)) -> Iterator[Settings]:
+    """Settings pointing at a Redis with workers that load the bench tools and serve `queues`."""
     settings = Settings.load(tools=[BENCH_TOOLS])
     if settings.redis_url:
-        yield settings  # the user's fleet: its workers must load toolq.orchestrator.bench.tools too
+        require_queues(settings, queues)
+        yield settings
         return
     from toolq.orchestrator.embedded import EmbeddedStack
 
     with EmbeddedStack(workers=workers, concurrency=concurrency, tools=[BENCH_TOOLS]) as embedded:
-        yield settings.model_copy(update={"redis_url": embedded.url})
+        yield settings.model_copy(update={"redis_url": embedded.url, "signing_key": embedded.signing_key})
+
+
+def require_queues(settings: Settings, queues: tuple[str, ...], timeout: float = 2.0) -> None:
+    """Ask the fleet's workers which queues they consume; a benchmark's call never waits on none."""
+    from toolq.workers.app import make_app
+
+    app = make_app(settings)
+    try:
+        replies = app.control.inspect(timeout=timeout).active_queues() or {}
+    finally:
+        app.close()
+    served = {q.get("name") for qs in replies.values() for q in qs or []}
+    missing = [q for q in queues if q not in served]
+    if missing:
+        raise FleetNotReady(missing_queues_line(missing, len(replies)))
+
+
+def missing_queues_line(missing: list[str], workers: int) -> str:
+    found = f"{workers} worker(s) answered" if workers else "no worker answered"
+    return (f"no worker on REDIS_URL consumes queue {', '.join(missing)} ({found}); "
+            f"start one with `{START_BENCH_WORKER}` on that broker")
+
+
+def goal(value: float, limit: float, *, at_least: bool = False) -> tuple[bool, str]:
+    """Whether a ratio meets its goal, and the printout's note: a miss is never silent."""
+    met = value >= limit if at_least else value <= limit
+    return met, f"goal {'>=' if at_least else '<='} {limit:g}x: {'met' if met else 'MISSED'}"
 
 
 def pct(values: list[float], p: float) -> float:

@@ -1,8 +1,11 @@
 """A scripted Responses API server speaking real SSE over TCP on 127.0.0.1.
 
-Request k to `POST /v1/responses` gets scripted response k; when the script runs out, every
-further request gets the message "script exhausted". Every request body is recorded
-(`requests`, with `request_times` and `request_headers`) so tests can assert what was sent.
+Request k to `POST /v1/responses` gets scripted response k. When the script runs out, every
+further request gets HTTP 400 with error code `script_exhausted` (a client ends the turn and
+shows it; it is never mistaken for the model speaking). With `loop=True` the script starts
+again instead, both when it runs out and when a new run begins (see `_starts_run`), so one
+server can answer `toolq run` after `toolq run`. Every request body is recorded (`requests`,
+with `request_times` and `request_headers`) so tests can assert what was sent.
 
 Script format (a JSON file, or the same structure built in Python with `builders`): a list of
 responses, or `{"responses": [...]}`. A response is one of
@@ -39,10 +42,9 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Any
 
-from toolq.orchestrator.fake_model import builders
 from toolq.orchestrator.fake_model.render import Cut, Gate, HttpError, Op, Stall, render
 
-EXHAUSTED = [builders.message("script exhausted")]
+SCRIPT_EXHAUSTED = "script_exhausted"
 #: How long a gate holds a response when nobody releases it: long for a test, short for CI.
 GATE_TIMEOUT = 60.0
 
@@ -68,8 +70,12 @@ def _responses(doc: Any) -> list[Any]:
 class FakeModel:
     """A running fake server; a context manager that stops it on exit."""
 
-    def __init__(self, script: Any = None, *, port: int = 0, log: IO[str] | None = None) -> None:
+    def __init__(self, script: Any = None, *, port: int = 0, log: IO[str] | None = None, loop: bool = False) -> None:
         self.script, self._base_dir = load_script(script)
+        self.loop = loop
+        self._next = 0
+        """Index of the script entry the next request gets."""
+        self._last_input: list[Any] | None = None
         self.requests: list[dict[str, Any]] = []
         self.request_times: list[float] = []
         self.request_headers: list[dict[str, str]] = []
@@ -110,17 +116,44 @@ class FakeModel:
         self.close()
 
     def _plan(self, body: dict[str, Any], headers: dict[str, str]) -> HttpError | list[Op]:
+        inputs = body.get("input") if isinstance(body.get("input"), list) else [body.get("input")]
         with self._lock:
             number = len(self.requests) + 1
             self.requests.append(body)
             self.request_times.append(time.monotonic())
             self.request_headers.append(headers)
-        entry = self.script[number - 1] if number <= len(self.script) else EXHAUSTED
+            if self.loop and (self._next >= len(self.script) or _starts_run(self._last_input, inputs)):
+                self._next = 0
+            self._last_input = inputs
+            index = self._next
+            self._next += 1
+        exhausted = index >= len(self.script)
         if self._log is not None:
-            n_input = len(body.get("input") or []) if isinstance(body.get("input"), list) else 1
-            note = "" if number <= len(self.script) else " (script exhausted)"
-            print(f"request {number}: {n_input} input items{note} at {time.monotonic():.6f}", file=self._log, flush=True)
-        return render(entry, body, number, self._base_dir)
+            note = " (script exhausted)" if exhausted else f" (response {index + 1}/{len(self.script)})"
+            print(f"request {number}: {len(inputs)} input items{note} at {time.monotonic():.6f}", file=self._log, flush=True)
+        if exhausted:
+            return self._exhausted()
+        return render(self.script[index], body, number, self._base_dir)
+
+    def _exhausted(self) -> HttpError:
+        fix = "the script is empty" if not self.script else "restart `toolq fake-model`, or start it with --loop"
+        message = f"fake model: script exhausted: all {len(self.script)} scripted responses were served; {fix}"
+        return HttpError(400, _error_json(message, SCRIPT_EXHAUSTED))
+
+
+def _starts_run(previous: list[Any] | None, inputs: list[Any]) -> bool:
+    """A new run (a new turn) is under way: a new user message, or a history that is not the last one grown.
+
+    Within a turn toolq's input only grows, by model items and tool outputs; a retry resends it.
+    A new turn adds a user message (`--session`) or starts from a shorter history.
+    """
+    if previous is None:
+        return True
+    return len(inputs) < len(previous) or _user_messages(inputs) != _user_messages(previous)
+
+
+def _user_messages(inputs: list[Any]) -> int:
+    return sum(1 for i in inputs if isinstance(i, dict) and i.get("role") == "user" and i.get("type", "message") == "message")
 
 
 class _Server(ThreadingHTTPServer):
@@ -210,16 +243,18 @@ def _error_json(message: str, code: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}).encode()
 
 
-def serve_forever(port: int = 0, script: str | None = None) -> int:
+def serve_forever(port: int = 0, script: str | None = None, *, loop: bool = False) -> int:
     """`toolq fake-model`: print the base URL, serve until interrupted."""
     try:
-        fake = FakeModel(script, port=port, log=sys.stderr)
+        fake = FakeModel(script, port=port, log=sys.stderr, loop=loop)
     except (OSError, ValueError) as e:
         print(f"toolq fake-model: {e}", file=sys.stderr)
         return 1
     print(fake.base_url, flush=True)
     what = script or "the built-in demo conversation"
-    print(f"serving {len(fake.script)} scripted responses from {what}; Ctrl-C stops", file=sys.stderr, flush=True)
+    again = "again for each run" if loop else "once (--loop: for every run)"
+    print(f"serving {len(fake.script)} scripted responses from {what}, {again}; Ctrl-C stops", file=sys.stderr,
+          flush=True)
     try:
         while fake._thread.is_alive():
             fake._thread.join(timeout=1.0)

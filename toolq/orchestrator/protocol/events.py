@@ -2,7 +2,9 @@
 
 `EventDecoder` is pure (no I/O). It dispatches on the JSON `type`, never on the SSE `event:` line
 (compat servers omit it; responses-protocol.md §0.2), and it never raises on bad input: malformed
-JSON, frames without `type` and unknown types are skipped and counted in `skipped` by reason.
+JSON, JSON nested past serde_json's limit (`too_deep`), frames without `type`, unknown types and
+events over the size bound (`oversize`, see `sse.py`) are skipped and counted in `skipped` by
+reason; lone surrogates become U+FFFD (`untrusted.py`).
 Known events that carry nothing toolq acts on (`response.in_progress`, `content_part.*`,
 `*.done` text events, hosted-tool progress...) are counted in `ignored` instead.
 
@@ -13,16 +15,15 @@ Deltas are for a live view only.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal, Union
 
-import httpx
-from httpx_sse import EventSource
 from pydantic import BaseModel, Field
 
+from toolq.orchestrator.protocol import untrusted
 from toolq.orchestrator.protocol.items import ResponseItem, decode_item
+from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES, Frame, Oversize, iter_frames
 
 
 class Usage(BaseModel):
@@ -126,6 +127,16 @@ class Incomplete(BaseModel):
     reason: str | None = None
 
 
+class StreamCut(BaseModel):
+    """An event over the size bound (`sse.SSEReader`), dropped unread, that may have carried a
+    commit (an `output_item.done`, or a type that cannot be read): the response is not whole,
+    so the client ends the stream as broken, which is retryable (as Codex treats a broken stream)."""
+
+    kind: Literal["cut"] = "cut"
+    event_type: str | None = None
+    size: int
+
+
 class ErrorEvent(BaseModel):
     """A top-level `error` event; OpenAI follows it with `response.failed`."""
 
@@ -146,6 +157,7 @@ StreamEvent = Annotated[
         Failed,
         Incomplete,
         ErrorEvent,
+        StreamCut,
     ],
     Field(discriminator="kind"),
 ]
@@ -212,7 +224,9 @@ class EventDecoder:
         self.skipped: Counter[str] = Counter()
         self.ignored: Counter[str] = Counter()
 
-    def decode(self, data: str) -> StreamEvent | None:
+    def decode(self, data: Frame) -> StreamEvent | None:
+        if isinstance(data, Oversize):
+            return self._cut(data)
         if not data:
             # httpx-sse yields empty events after an `id:` line or for `event:`-only frames.
             self.skipped["empty"] += 1
@@ -222,10 +236,19 @@ class EventDecoder:
             self.skipped["done_marker"] += 1
             return None
         try:
-            obj = json.loads(data)
+            obj = untrusted.loads(data)
+        except untrusted.TooDeep:
+            # serde_json's limit, so Codex skips the same frames; past it Python itself would
+            # raise RecursionError here, or pydantic and `json.dumps` later.
+            self.skipped["too_deep"] += 1
+            return None
         except ValueError:
             self.skipped["malformed_json"] += 1
             return None
+        if untrusted.may_hold_surrogate(data):
+            # Valid JSON, invalid Unicode: kept, with U+FFFD for each lone surrogate, so nothing
+            # downstream (Celery, Redis, the next request, a file path) meets one.
+            obj = untrusted.scrub(obj)
         if not isinstance(obj, dict):
             self.skipped["not_an_object"] += 1
             return None
@@ -244,6 +267,33 @@ class EventDecoder:
         if event is None:
             self.skipped[f"bad_fields:{type_}"] += 1
         return event
+
+
+    def _cut(self, frame: Oversize) -> StreamEvent | None:
+        """An event over the bound: counted; harmless ones are dropped, a lost commit is a `StreamCut`."""
+        self.skipped["oversize"] += 1
+        type_ = frame.type
+        if type_ == "response.completed":
+            # It repeats the whole output, so it is the event most likely to be cut; the items came
+            # in their own `output_item.done` events. Only its usage is lost.
+            return Completed()
+        if type_ in _LIVE_VIEW_TYPES or type_ in IGNORED_TYPES:
+            return None
+        return StreamCut(event_type=type_, size=frame.size)
+
+
+#: Events whose loss costs the live view only: no commit, no terminal state.
+_LIVE_VIEW_TYPES = frozenset(
+    {
+        "response.created",
+        "response.output_item.added",
+        "response.output_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.reasoning_text.delta",
+        "response.function_call_arguments.delta",
+        "response.custom_tool_call_input.delta",
+    }
+)
 
 
 # Handlers check each field by hand so a bad value is skipped, never raised. Item events use
@@ -325,8 +375,8 @@ _HANDLERS = {
 TERMINAL_KINDS = frozenset({"completed", "failed", "incomplete"})
 
 
-def iter_sse_data(body: bytes | str) -> Iterator[str]:
-    """The `data` of each SSE event in a whole recorded body, decoded by httpx-sse.
+def iter_sse_data(body: bytes | str, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> Iterator[Frame]:
+    """The `data` of each SSE event in a whole recorded body, framed as the client frames a stream.
 
     A body whose last event lacks its blank line gets one: SSE decoders drop an unterminated
     last event, and 3 of the 5 recorded fixtures end that way (responses-protocol.md §1).
@@ -334,9 +384,7 @@ def iter_sse_data(body: bytes | str) -> Iterator[str]:
     raw = body.encode() if isinstance(body, str) else body
     if raw and not raw.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
         raw = raw.rstrip(b"\r\n") + b"\n\n"
-    response = httpx.Response(200, headers={"content-type": "text/event-stream"}, content=raw)
-    for sse in EventSource(response).iter_sse():
-        yield sse.data
+    yield from iter_frames([raw], max_event_bytes)
 
 
 def _response_id(obj: dict[str, Any]) -> str | None:

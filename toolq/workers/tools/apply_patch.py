@@ -3,16 +3,23 @@
 The model sends the patch envelope as a custom tool call's raw `input`. The whole patch is parsed
 and checked against the files first (every path confined to the workspace); nothing is written
 unless every hunk applies. Error texts follow Codex's `apply_patch verification failed: ...`.
+
+Files are read and written through the workspace's directory fd (`toolq.workers.workspace`): only
+regular files, never one with another hard link, never anything under `.git` (git runs commands
+named in `.git/config`). Verification checks each of these before anything is written, and each
+write checks them again on the file it opened.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, tool
-from toolq.workers.sandbox import resolve_in_workspace
+from toolq.workers.reading import read_at_most
+from toolq.workers.workspace import Target, Workspace, describe
 
 BEGIN_PATCH = "*** Begin Patch"
 END_PATCH = "*** End Patch"
@@ -23,6 +30,8 @@ MOVE_TO = "*** Move to: "
 END_OF_FILE = "*** End of File"
 CONTEXT = "@@ "
 EMPTY_CONTEXT = "@@"
+#: A file to update is read whole; a larger one is refused rather than exhausting the worker.
+MAX_FILE_BYTES = 64 * 1024 * 1024
 
 #: The envelope as a Lark grammar, for the model's constrained sampling.
 GRAMMAR = r"""start: begin_patch hunk+ end_patch
@@ -100,15 +109,16 @@ class PatchError(Exception):
 
 @tool(grammar={"type": "grammar", "syntax": "lark", "definition": GRAMMAR}, description=DESCRIPTION, parallel=False)
 def apply_patch(patch: str, ctx: ToolContext) -> str:
-    try:
-        hunks = parse_patch(patch)
-        writes, summary = verify(hunks, Path(ctx.workspace))
-    except PatchError as e:
-        raise RespondToModel(f"apply_patch verification failed: {e}") from None
-    try:
-        commit(writes)
-    except OSError as e:
-        raise RespondToModel(f"apply_patch failed: {_describe_os_error(e)}") from None
+    with Workspace(ctx.workspace) as ws:
+        try:
+            hunks = parse_patch(patch)
+            writes, summary = verify(hunks, ws)
+        except PatchError as e:
+            raise RespondToModel(f"apply_patch verification failed: {e}") from None
+        try:
+            commit(ws, writes)
+        except OSError as e:
+            raise RespondToModel(f"apply_patch failed: {describe(e)}") from None
     return "Exit code: 0\nWall time: 0 seconds\nOutput:\n" + summary
 
 
@@ -239,67 +249,79 @@ def _parse_chunk(lines: list[str], line_number: int, allow_missing_context: bool
 # --- verification: every change computed in memory before anything is written -----------------
 
 
-def verify(hunks: list[Hunk], workspace: Path) -> tuple[dict[Path, str | None], str]:
+#: What a patch does to each file, by its path in the workspace: new text, or None to delete it.
+Writes = dict[PurePosixPath, tuple[Target, str | None]]
+
+
+def verify(hunks: list[Hunk], ws: Workspace) -> tuple[Writes, str]:
     """The files to write (None = delete), in order, and Codex's summary of them."""
     if not hunks:
         raise PatchError("No files were modified.")
-    state: dict[Path, str | None] = {}  # the files as they will be after the hunks so far
+    state: Writes = {}  # the files as they will be after the hunks so far
     added: list[str] = []
     modified: list[str] = []
     deleted: list[str] = []
-    for hunk in hunks:
-        path = _resolve(workspace, hunk.path)
-        if isinstance(hunk, AddFile):
-            if path.is_dir():
-                raise PatchError(f"Failed to write file {path}: Is a directory (os error 21)")
-            state[path] = hunk.contents
-            added.append(hunk.path)
-        elif isinstance(hunk, DeleteFile):
-            _read(state, path, "Failed to read")
-            state[path] = None
-            deleted.append(hunk.path)
-        else:
-            original = _read(state, path, "Failed to read file to update")
-            new = apply_chunks(original, hunk.chunks, path)
-            if hunk.move_to is not None:
-                dest = _resolve(workspace, hunk.move_to)
-                if dest.is_dir():
-                    raise PatchError(f"Failed to write file {dest}: Is a directory (os error 21)")
-                state[path] = None
-                state[dest] = new
-                modified.append(hunk.move_to)
+    try:
+        for hunk in hunks:
+            target = ws.locate(hunk.path)
+            if isinstance(hunk, AddFile):
+                _check_writable(ws, target)
+                state[target.rel] = (target, hunk.contents)
+                added.append(hunk.path)
+            elif isinstance(hunk, DeleteFile):
+                _read(ws, state, target, "Failed to read")
+                ws.check_removable(target)
+                state[target.rel] = (target, None)
+                deleted.append(hunk.path)
             else:
-                state[path] = new
-                modified.append(hunk.path)
+                original = _read(ws, state, target, "Failed to read file to update")
+                new = apply_chunks(original, hunk.chunks, ws.display(target))
+                if hunk.move_to is not None:
+                    dest = ws.locate(hunk.move_to)
+                    _check_writable(ws, dest)
+                    ws.check_removable(target)
+                    state[target.rel] = (target, None)
+                    state[dest.rel] = (dest, new)
+                    modified.append(hunk.move_to)
+                else:
+                    _check_writable(ws, target)
+                    state[target.rel] = (target, new)
+                    modified.append(hunk.path)
+    except RespondToModel as e:  # a path out of the workspace, into .git, or with other hard links
+        raise PatchError(e.message) from None
     summary = "Success. Updated the following files:\n" + "".join(
         f"{kind} {p}\n" for kind, paths in (("A", added), ("M", modified), ("D", deleted)) for p in paths
     )
     return state, summary
 
 
-def _resolve(workspace: Path, path: str) -> Path:
+def _check_writable(ws: Workspace, target: Target) -> None:
     try:
-        return resolve_in_workspace(workspace, path)
-    except RespondToModel as e:
-        raise PatchError(e.message) from None
+        ws.check_writable(target)
+    except OSError as e:
+        raise PatchError(f"Failed to write file {ws.display(target)}: {describe(e)}") from None
 
 
-def _read(state: dict[Path, str | None], path: Path, context: str) -> str:
-    if path in state:
-        content = state[path]
+def _read(ws: Workspace, state: Writes, target: Target, context: str) -> str:
+    path = ws.display(target)
+    if target.rel in state:
+        content = state[target.rel][1]
         if content is None:
             raise PatchError(f"{context} {path}: No such file or directory (os error 2)")
         return content
     try:
-        return path.read_bytes().decode("utf-8")  # bytes: keep CRLF line endings as they are
+        fd, _ = ws.open_file(target)
+        try:
+            data = read_at_most(fd, MAX_FILE_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(data) > MAX_FILE_BYTES:
+            raise PatchError(f"{context} {path}: larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB")
+        return data.decode("utf-8")  # bytes: keep CRLF line endings as they are
     except OSError as e:
-        raise PatchError(f"{context} {path}: {_describe_os_error(e)}") from None
+        raise PatchError(f"{context} {path}: {describe(e)}") from None
     except UnicodeDecodeError:
         raise PatchError(f"{context} {path}: stream did not contain valid UTF-8") from None
-
-
-def _describe_os_error(e: OSError) -> str:
-    return f"{e.strerror} (os error {e.errno})" if e.errno else str(e)
 
 
 def apply_chunks(original: str, chunks: list[Chunk], path: Path) -> str:
@@ -372,12 +394,11 @@ def seek_sequence(lines: list[str], pattern: list[str], start: int, eof: bool) -
     return None
 
 
-def commit(writes: dict[Path, str | None]) -> None:
-    for path, content in writes.items():
+def commit(ws: Workspace, writes: Writes) -> None:
+    for target, content in writes.values():
         if content is None:
-            if path.exists():
-                path.unlink()
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(content.encode("utf-8"))
-
+            ws.unlink(target)
+            continue
+        with open(ws.open_for_writing(target), "wb") as f:  # checked again on the fd it writes
+            f.truncate(0)
+            f.write(content.encode("utf-8"))

@@ -16,16 +16,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.orchestrator.truncate import TruncationPolicy, approx_token_count, formatted_truncate_text
+from toolq.workers import isolation
 from toolq.workers.catalog import ToolContext, ToolReturn, tool
-from toolq.workers.sandbox import CallCancelled, resolve_in_workspace, run_command
+from toolq.workers.sandbox import CallCancelled, run_command
+from toolq.workers.workspace import resolve_in_workspace
 
 DEFAULT_MAX_OUTPUT_TOKENS = 10_000
 #: Codex clamps `max_output_tokens` to the model's truncation policy (10k tokens for gpt-5.x).
 MAX_OUTPUT_TOKENS_CAP = 10_000
 TIMEOUT_EXIT_CODE = 124
 EXEC_TIMEOUT = 300.0
-#: Keep tools non-interactive: no pagers waiting for a key, no colour codes in the output.
-_ENV_OVERRIDES = {"PAGER": "cat", "GIT_PAGER": "cat", "NO_COLOR": "1", "TERM": "dumb"}
 
 PARAMETERS: dict[str, Any] = {
     "type": "object",
@@ -78,20 +78,27 @@ class ExecCommandArgs(BaseModel):
 def exec_command(args: ExecCommandArgs, ctx: ToolContext) -> ToolReturn:
     """Runs a shell command in the workspace and returns its output (stdout and stderr merged) once it exits.
 
-    The command runs in its own process group. It runs to completion or until the call's time limit,
-    when the whole group is killed; there are no background sessions, so processes left running in
-    the background are killed when the command exits, and yield_time_ms does not return early.
+    The command runs in a sandbox: it may write only inside the workspace (not `.git/`) and its own
+    temporary directory, has no network, and has limits on memory, processes, CPU time and file size.
+    It runs to completion or until the call's time limit, when every process it started is killed;
+    there are no background sessions, so processes left running in the background are killed when
+    the command exits, and yield_time_ms does not return early.
     """
     cwd = resolve_in_workspace(ctx.workspace, args.workdir) if args.workdir else Path(ctx.workspace)
     limit = min(exec_command.tool_spec.timeout, ctx.remaining())  # type: ignore[attr-defined]
-    result = run_command(
-        args.cmd,
-        cwd=cwd,
-        timeout=limit,
-        is_cancelled=ctx.cancelled,
-        env={**os.environ, **_ENV_OVERRIDES},
-        shell=args.shell or "bash",
-    )
+    try:
+        result = run_command(
+            args.cmd,
+            cwd=cwd,
+            timeout=limit,
+            is_cancelled=ctx.cancelled,
+            env=dict(os.environ),
+            shell=args.shell or "bash",
+            sandbox=isolation.current(),
+            workspace=ctx.workspace,
+        )
+    except isolation.SandboxUnavailable as e:
+        raise RespondToModel(f"exec_command refused: {e}") from None
     if result.spawn_error is not None:
         raise RespondToModel(spawn_failure_text(result.spawn_error))
     if result.cancelled:
@@ -101,6 +108,8 @@ def exec_command(args: ExecCommandArgs, ctx: ToolContext) -> ToolReturn:
     if result.timed_out:
         content = f"command timed out after {round(limit * 1000)} milliseconds\n" + content
         exit_code = TIMEOUT_EXIT_CODE
+    elif result.limit_note:
+        content += f"\n[{result.limit_note}]\n"
     budget = DEFAULT_MAX_OUTPUT_TOKENS if args.max_output_tokens is None else int(args.max_output_tokens)
     text = format_exec_output(content, exit_code, result.wall_time, min(budget, MAX_OUTPUT_TOKENS_CAP))
     return ToolReturn(output=text, success=exit_code == 0, exit_code=exit_code)

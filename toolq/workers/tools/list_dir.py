@@ -2,20 +2,22 @@
 
 Entries are sorted by their path relative to `dir_path`, indented two spaces per level, and marked
 `/` (directory), `@` (symlink, never followed) or `?` (other). Unlike Codex, `dir_path` may also be
-relative to the workspace.
+relative to the workspace. The tree is read through directory fds, each subdirectory opened with
+`O_NOFOLLOW` from its parent's fd, so swapping a directory for a symlink cannot lead the listing
+out of the workspace.
 """
 
 from __future__ import annotations
 
 import os
-from collections import deque
+from contextlib import closing
 from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, tool
-from toolq.workers.sandbox import resolve_in_workspace
+from toolq.workers.workspace import Workspace, describe, walk
 
 MAX_ENTRY_BYTES = 500
 INDENT = "  "
@@ -45,9 +47,18 @@ def list_dir(args: ListDirArgs, ctx: ToolContext) -> str:
         raise RespondToModel("limit must be greater than zero")
     if args.depth < 1:
         raise RespondToModel("depth must be greater than zero")
-    root = resolve_in_workspace(ctx.workspace, args.dir_path)
-    lines = [f"Absolute path: {root}"]
-    entries = _collect(root, args.depth)
+    with Workspace(ctx.workspace) as ws:
+        target = ws.locate(args.dir_path)
+        lines = [f"Absolute path: {ws.display(target)}"]
+        entries: list[_Entry] = []
+        try:
+            fd = ws.open_dir(target)
+            try:
+                _collect(fd, args.depth, entries)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise RespondToModel(f"failed to read directory: {describe(e)}") from None
     if not entries:
         return lines[0]
     entries.sort(key=lambda e: e.sort_key)
@@ -61,31 +72,23 @@ def list_dir(args: ListDirArgs, ctx: ToolContext) -> str:
     return "\n".join(lines)
 
 
-def _collect(root: os.PathLike[str] | str, depth: int) -> list[_Entry]:
-    entries: list[_Entry] = []
-    queue: deque[tuple[str, str, int]] = deque([(os.fspath(root), "", depth)])
-    while queue:
-        directory, prefix, remaining = queue.popleft()
-        try:
-            with os.scandir(directory) as it:
-                found = list(it)
-        except OSError as e:
-            raise RespondToModel(f"failed to read directory: {e.strerror} (os error {e.errno})") from None
-        for item in found:
-            relative = f"{prefix}/{item.name}" if prefix else item.name
-            # DirEntry types come from lstat: a symlink is reported as a symlink and never followed.
-            if item.is_symlink():
-                suffix = "@"
-            elif item.is_dir(follow_symlinks=False):
-                suffix = "/"
-                if remaining > 1:
-                    queue.append((item.path, relative, remaining - 1))
-            elif item.is_file(follow_symlinks=False):
-                suffix = ""
-            else:
-                suffix = "?"
-            entries.append(_Entry(_cut(relative), _cut(item.name), prefix.count("/") + 1 if prefix else 0, suffix))
-    return entries
+def _collect(fd: int, depth: int, entries: list[_Entry]) -> None:
+    """Add every entry of the tree open at `fd`, `depth` levels deep (the caller sorts them)."""
+    with closing(walk(fd, depth)) as directories:
+        for _, prefix, found in directories:
+            level = prefix.count("/") + 1 if prefix else 0
+            for item in found:
+                relative = f"{prefix}/{item.name}" if prefix else item.name
+                entries.append(_Entry(_cut(relative), _cut(item.name), level, _marker(item)))
+
+
+def _marker(item: os.DirEntry[str]) -> str:
+    # DirEntry types come from lstat: a symlink is reported as a symlink and never followed.
+    if item.is_symlink():
+        return "@"
+    if item.is_dir(follow_symlinks=False):
+        return "/"
+    return "" if item.is_file(follow_symlinks=False) else "?"
 
 
 def _cut(text: str) -> str:

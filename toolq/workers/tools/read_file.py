@@ -1,18 +1,28 @@
 """`read_file`: numbered lines from a file in the workspace (Codex's `read_file`, slice mode).
 
 Codex removed this tool upstream (contracts §9); toolq keeps its slice mode: lines come back as
-`L<n>: <text>`, each cut to 500 bytes. The indentation-aware mode is not offered.
+`L<n>: <text>`, each cut to 500 bytes (Codex's `MAX_LINE_LENGTH`). The indentation-aware mode is not
+offered. Only a regular file is read (a FIFO or device gets an error, never a blocked call), and
+in chunks: a line is never held longer than needed to print it, and the deadline is checked as
+the file is read.
 """
 
 from __future__ import annotations
+
+import os
 
 from pydantic import BaseModel, Field
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, tool
-from toolq.workers.sandbox import resolve_in_workspace
+from toolq.workers.reading import bounded_lines
+from toolq.workers.sandbox import CallCancelled
+from toolq.workers.workspace import Workspace, describe
 
 MAX_LINE_BYTES = 500
+#: Bytes of a line kept to print its first MAX_LINE_BYTES: a UTF-8 character is at most 4 bytes,
+#: and every byte read prints as at least one byte.
+_KEEP_BYTES = MAX_LINE_BYTES + 4
 
 
 class ReadFileArgs(BaseModel):
@@ -28,27 +38,37 @@ def read_file(args: ReadFileArgs, ctx: ToolContext) -> str:
         raise RespondToModel("offset must be a 1-indexed line number")
     if args.limit < 1:
         raise RespondToModel("limit must be greater than zero")
-    path = resolve_in_workspace(ctx.workspace, args.file_path)
     collected: list[str] = []
     seen = 0
+
+    def in_time(_chunk: bytes) -> None:
+        if ctx.cancelled():
+            raise CallCancelled("read_file cancelled")
+        if ctx.remaining() <= 0:
+            raise RespondToModel(f"read_file timed out after reading {seen} lines")
+
     try:
-        with open(path, "rb") as f:
-            for raw in f:
+        with Workspace(ctx.workspace) as ws:
+            fd, _ = ws.open_file(ws.locate(args.file_path))
+        try:
+            for raw in bounded_lines(fd, _KEEP_BYTES, in_time):
                 seen += 1
                 if seen < args.offset:
                     continue
                 collected.append(f"L{seen}: {_format_line(raw)}")
                 if len(collected) == args.limit:
                     break
+        finally:
+            os.close(fd)
     except OSError as e:
-        raise RespondToModel(f"failed to read file: {e.strerror} (os error {e.errno})") from None
+        raise RespondToModel(f"failed to read file: {describe(e)}") from None
     if seen < args.offset:
         raise RespondToModel("offset exceeds file length")
     return "\n".join(collected)
 
 
 def _format_line(raw: bytes) -> str:
-    line = raw.removesuffix(b"\n").removesuffix(b"\r")
+    line = raw.removesuffix(b"\r")
     text = line.decode("utf-8", errors="replace")
     data = text.encode()
     if len(data) <= MAX_LINE_BYTES:

@@ -1,15 +1,21 @@
-"""`view_image`: attach a local image from the workspace to the conversation."""
+"""`view_image`: attach a local image from the workspace to the conversation.
+
+The image is opened through the workspace's directory fd (see `toolq.workers.workspace`), only a
+regular file is read, and never more than `MAX_IMAGE_BYTES` of it.
+"""
 
 from __future__ import annotations
 
 import base64
+import os
 
 from pydantic import BaseModel, Field
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.orchestrator.protocol.items import InputImage
 from toolq.workers.catalog import ToolContext, tool
-from toolq.workers.sandbox import resolve_in_workspace
+from toolq.workers.reading import read_at_most
+from toolq.workers.workspace import NotARegularFile, Workspace, describe
 
 #: Larger images would bloat every later request of the turn; the Responses API caps input images too.
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
@@ -29,18 +35,26 @@ class ViewImageArgs(BaseModel):
 @tool
 def view_image(args: ViewImageArgs, ctx: ToolContext) -> list[InputImage]:
     """View a local image from the workspace (only use if given a path by the user or a tool)."""
-    path = resolve_in_workspace(ctx.workspace, args.path)
-    if not path.exists():
-        raise RespondToModel(f"unable to locate image at `{path}`: No such file or directory (os error 2)")
-    if not path.is_file():
-        raise RespondToModel(f"image path `{path}` is not a file")
-    size = path.stat().st_size
-    if size > MAX_IMAGE_BYTES:
-        raise RespondToModel(f"image `{path}` is too large ({size} bytes; the limit is {MAX_IMAGE_BYTES})")
+    with Workspace(ctx.workspace) as ws:
+        target = ws.locate(args.path)
+        path = ws.display(target)
+        try:
+            fd, status = ws.open_file(target)
+        except FileNotFoundError:
+            raise RespondToModel(f"unable to locate image at `{path}`: No such file or directory (os error 2)") from None
+        except (IsADirectoryError, NotARegularFile):
+            raise RespondToModel(f"image path `{path}` is not a file") from None
+        except OSError as e:
+            raise RespondToModel(f"unable to read image at `{path}`: {describe(e)}") from None
     try:
-        data = path.read_bytes()
+        data = read_at_most(fd, MAX_IMAGE_BYTES + 1)
     except OSError as e:
-        raise RespondToModel(f"unable to read image at `{path}`: {e.strerror} (os error {e.errno})") from None
+        raise RespondToModel(f"unable to read image at `{path}`: {describe(e)}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_IMAGE_BYTES:
+        size = max(status.st_size, len(data))
+        raise RespondToModel(f"image `{path}` is too large ({size} bytes; the limit is {MAX_IMAGE_BYTES})")
     mime = image_mime_type(data)
     if mime is None:
         raise RespondToModel(f"`{path}` is not a supported image (png, jpeg, gif or webp)")

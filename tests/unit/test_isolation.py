@@ -1,0 +1,182 @@
+"""toolq.workers.isolation: the policy, the bubblewrap command line, limits' texts, the choice of
+a backend, the subreaper, and a worker that refuses to start without a sandbox."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.settings import Settings
+from toolq.workers.isolation import bwrap, choose, landlock, limits
+from toolq.workers.isolation.policy import Limits, Policy
+from toolq.workers.sandbox import run_command
+
+SECRET_ENV = {"REDIS_URL": "redis://:pw@h/0", "CELERY_BROKER_URL": "redis://:pw@h/0", "OPENAI_API_KEY": "sk-x",
+              "FLOWER_PASSWORD": "f", "TOOLQ_SIGNING_KEY": "k", "AWS_SECRET_ACCESS_KEY": "a"}
+
+
+def policy(**settings) -> Policy:
+    return Policy.from_settings(Settings(**settings))
+
+
+def test_the_environment_is_an_allowlist_without_the_fleets_secrets():
+    source = {**SECRET_ENV, "PATH": "/usr/bin:/root/.local/bin", "LANG": "C.UTF-8", "LC_ALL": "C", "TERM": "xterm",
+              "HOME": "/root", "MY_TOOL_CONFIG": "1"}
+    env = policy(sandbox_env=["MY_TOOL_CONFIG"]).command_env(source, home="/tmp")
+    assert not set(SECRET_ENV) & set(env)
+    assert env["LANG"] == "C.UTF-8" and env["LC_ALL"] == "C" and env["MY_TOOL_CONFIG"] == "1"
+    assert (env["TERM"], env["PAGER"], env["GIT_PAGER"], env["NO_COLOR"]) == ("dumb", "cat", "cat", "1")
+    assert env["HOME"] == env["TMPDIR"] == "/tmp"  # the worker's home is not visible in the sandbox
+    assert env["PATH"] == "/usr/bin"  # a directory the command cannot read is no use on its PATH
+
+
+def test_unconfined_commands_keep_home_and_path_but_not_the_secrets():
+    env = policy(sandbox="none").command_env({**SECRET_ENV, "PATH": "/x:/usr/bin", "HOME": "/root"}, home="/",
+                                             confined=False)
+    assert (env["PATH"], env["HOME"]) == ("/x:/usr/bin", "/root") and not set(SECRET_ENV) & set(env)
+
+
+@pytest.mark.parametrize("name", ["REDIS_URL", "OPENAI_API_KEY", "FLOWER_PASSWORD", "TOOLQ_SIGNING_KEY"])
+def test_the_operator_cannot_hand_a_fleet_credential_to_commands(name):
+    with pytest.raises(ConfigurationError, match=f"invalid setting sandbox_env .*{name}"):
+        policy(sandbox_env=[name])
+
+
+def test_sandbox_settings_come_from_the_environment_with_clear_errors():
+    s = Settings.load({"TOOLQ_SANDBOX": "landlock", "TOOLQ_SANDBOX_ENV": "A, B", "TOOLQ_SANDBOX_PROCESSES": "99"})
+    assert (s.sandbox, s.sandbox_env, s.sandbox_processes) == ("landlock", ["A", "B"], 99)
+    with pytest.raises(ConfigurationError, match=r"^invalid setting sandbox \(TOOLQ_SANDBOX\)"):
+        Settings.load({"TOOLQ_SANDBOX": "chroot"})
+
+
+def test_bwrap_command_line_isolates_everything_and_protects_git(tmp_path):
+    (tmp_path / ".git").mkdir()
+    args = bwrap.argv("bwrap", policy(), str(tmp_path), str(tmp_path), ["bash", "-c", "true"])
+    assert args[:4] == ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+    assert "--share-net" not in args
+    ws, git = args.index("--bind"), args.index(str(tmp_path / ".git")) - 1
+    assert args[ws:ws + 3] == ["--bind", str(tmp_path), str(tmp_path)]
+    assert args[git:git + 3] == ["--ro-bind", str(tmp_path / ".git"), str(tmp_path / ".git")] and git > ws
+    if os.path.exists("/etc/shadow"):
+        shadow = args.index("/etc/shadow")
+        assert args[shadow - 2:shadow + 1] == ["--ro-bind", "/dev/null", "/etc/shadow"]
+    assert args[-4:] == ["--", "bash", "-c", "true"]
+    assert "/root" not in args and os.path.expanduser("~") not in args
+    assert "--share-net" in bwrap.argv("bwrap", policy(sandbox_network="host"), "/w", "/w", ["true"])
+
+
+def test_a_symlinked_git_dir_is_hidden_not_followed(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / ".git").symlink_to(tmp_path / "elsewhere")
+    args = bwrap.argv("bwrap", policy(), str(tmp_path), str(tmp_path), ["true"])
+    git = args.index(str(tmp_path / ".git"))
+    assert args[git - 2:git + 1] == ["--ro-bind", "/dev/null", str(tmp_path / ".git")]
+
+
+LIM = Limits(memory_mb=512, processes=32, cpu_seconds=7, file_mb=3)
+
+
+@pytest.mark.parametrize("exit_code, output, hit, expected", [
+    (128 + signal.SIGXCPU, "", False, "CPU time limit of 7 s"),
+    (0, "bash: line 1: 12 CPU time limit exceeded python3", False, "CPU time limit of 7 s"),
+    (128 + signal.SIGXFSZ, "", False, "file size limit of 3 MiB"),
+    (1, "bash: fork: retry: Resource temporarily unavailable", False, "limit of 32 processes"),
+    (0, "", True, "limit of 32 processes"),
+    (1, "Traceback...\nMemoryError\n", False, "each process to 512 MiB"),
+    (0, "MemoryError is a class", False, None),
+    (3, "plain failure", False, None),
+])
+def test_a_command_that_hits_a_limit_is_told_which(exit_code, output, hit, expected):
+    note = limits.explain(LIM, exit_code, output, hit)
+    assert (note is None) if expected is None else (expected in note)
+
+
+def test_none_is_chosen_only_when_asked_and_says_so():
+    sandbox = choose(policy(sandbox="none"))
+    assert sandbox.backend == "none" and sandbox.unavailable is None
+    assert "UNCONFINED" in sandbox.describe()
+
+
+def test_landlock_abi_is_read_from_the_kernel():
+    abi = landlock.abi_version()
+    assert isinstance(abi, int) and abi >= 0
+    sandbox = choose(policy(sandbox="landlock"))
+    assert (sandbox.unavailable is None) == (abi >= 4), sandbox.describe()
+
+
+def test_a_worker_with_shell_tools_refuses_to_start_when_no_sandbox_works(tmp_path):
+    env = {"PATH": str(tmp_path), "REDIS_URL": "redis://127.0.0.1:1/0", "TOOLQ_SANDBOX": "bwrap",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "worker"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("toolq worker: exec_command"), proc.stderr
+    assert "bwrap is not installed" in lines[0] and "TOOLQ_SANDBOX=bwrap does not work here" in lines[0]
+
+
+def test_the_subreaper_sweep_kills_what_left_the_process_group(tmp_path):
+    # In a child process: a sweep kills every child of the process that runs it.
+    marker = f"300.{os.getpid() % 1000}9"
+    script = textwrap.dedent(f"""
+        import subprocess, time
+        from toolq.workers.isolation import reaper
+        reaper.become_subreaper()
+        subprocess.run(["bash", "-c", "setsid -f sleep {marker}; (sleep {marker} &)"], check=True)
+        time.sleep(0.3)
+        print(reaper.sweep())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "2", out.stderr
+    ps = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True)
+    assert ps.stdout == ""
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "landlock"])
+def test_a_workspace_reached_through_a_symlink_is_writable_at_its_own_path(tmp_path, backend):
+    sandbox = choose(policy(sandbox=backend))
+    if sandbox.unavailable:
+        pytest.skip(f"{backend} cannot run here: {sandbox.unavailable}")
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    # exec_command's workdir arrives resolved; the workspace as configured
+    r = run_command("echo ok > f && cat f && cat ../sub/f", cwd=tmp_path / "real" / "sub", sandbox=sandbox,
+                    workspace=tmp_path / "link", env=dict(os.environ))
+    assert (r.exit_code, r.output) == (0, b"ok\nok\n"), r.output
+    assert (tmp_path / "real" / "sub" / "f").read_text() == "ok\n"
+
+
+def test_exec_command_refuses_with_the_reason_when_no_sandbox_works(tmp_path, monkeypatch):
+    import json
+
+    from tests.unit.tools import call
+    from toolq.orchestrator.errors import RespondToModel
+    from toolq.workers import isolation
+    from toolq.workers.tools.exec_command import exec_command
+
+    broken = isolation.Sandbox("bwrap", policy(), "none", unavailable="bwrap is not installed: install it")
+    monkeypatch.setattr(isolation, "_current", broken)
+    with pytest.raises(RespondToModel, match="^exec_command refused: bwrap is not installed: install it$"):
+        call(exec_command, tmp_path, json.dumps({"cmd": "touch ran"}))
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "landlock"])
+@pytest.mark.parametrize("network", ["none", "host"])
+def test_the_network_setting_decides_whether_a_host_port_is_reachable(tmp_path, backend, network):
+    import socket
+
+    sandbox = choose(policy(sandbox=backend, sandbox_network=network))
+    if sandbox.unavailable:
+        pytest.skip(f"{backend} cannot run here: {sandbox.unavailable}")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        r = run_command(f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo CONNECTED", cwd=tmp_path, sandbox=sandbox,
+                        env=dict(os.environ), timeout=20)
+    assert (b"CONNECTED" in r.output) == (network == "host"), r.output

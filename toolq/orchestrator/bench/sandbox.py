@@ -1,0 +1,74 @@
+"""Benchmark: what the sandbox costs a model step, with N = 1, 8, 32 parallel `exec_command true`.
+
+Both sides in the same run, on the same embedded stack shape: workers with TOOLQ_SANDBOX=none
+(the baseline: the command runs unconfined), then workers with each sandbox that works here.
+Goal (issue 12): at most 3 ms added per call at 8 parallel calls.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import ExitStack, contextmanager
+from typing import IO, Any, Iterator
+
+from toolq.orchestrator.bench.harness import median, ms, stack
+from toolq.orchestrator.bench.steps import step_times
+from toolq.orchestrator.settings import Settings
+from toolq.workers import isolation
+from toolq.workers.isolation.policy import Policy
+
+GOAL_MS_PER_CALL_AT_8 = 3.0
+
+
+@contextmanager
+def _sandbox_setting(value: str) -> Iterator[None]:
+    """The embedded workers inherit this process's environment."""
+    before = os.environ.get("TOOLQ_SANDBOX")
+    os.environ["TOOLQ_SANDBOX"] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOOLQ_SANDBOX", None)
+        else:
+            os.environ["TOOLQ_SANDBOX"] = before
+
+
+def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: int = 6,
+        rounds: int = 6) -> dict[str, Any]:
+    backends = [b for b in ("bwrap", "landlock")
+                if not isolation.choose(Policy.from_settings(Settings(sandbox=b))).unavailable]
+    if not backends:
+        print(f"no sandbox to measure: {isolation.current().describe()}", file=out)
+        return {}
+    modes = ("none", *backends)
+    samples: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in sizes}
+    with ExitStack() as stacks:
+        fleets = {}
+        for mode in modes:
+            with _sandbox_setting(mode):  # read by the workers when they start
+                fleets[mode] = stacks.enter_context(stack(workers=2, concurrency=8))
+        # Interleaved rounds: load from elsewhere on the machine falls on every mode alike.
+        for _ in range(rounds):
+            for n in sizes:
+                for mode in modes:
+                    samples[mode, n] += step_times(fleets[mode], n, steps)["samples"]
+    results: dict[str, Any] = {}
+    for backend in backends:
+        print(f"time per model step, sandbox off (none) vs {backend}, p50 of {rounds}x{steps} interleaved steps:",
+              file=out)
+        for n in sizes:
+            off, on = median(samples["none", n]), median(samples[backend, n])
+            added = (on - off) / n
+            results[f"{backend}/{n}"] = {"off": off, "on": on, "ratio": on / off, "added_per_call": added}
+            line = (f"  {n:>2} parallel exec_command: off {ms(off)}  on {ms(on)}  = {on / off:.2f}x, "
+                    f"{added * 1000:+.2f} ms per call")
+            if n == 8:
+                line += f" (goal <= {GOAL_MS_PER_CALL_AT_8:.0f} ms)"
+            print(line, file=out)
+    return results
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,228 @@
+"""The sandbox every process of a shell tool runs in, chosen once per worker.
+
+`current()` is this worker's `Sandbox` (probed at `toolq worker` start, inherited by the pool
+children); `Sandbox.launch` turns one command into what `run_command` spawns: the argv (wrapped by
+bubblewrap, or as is), the allowlisted environment, and a pre-exec step (rlimits, the per-call
+pids cgroup, Landlock). Backends: `bwrap.py`, `landlock.py`; limits: `limits.py`; orphans
+without a pid namespace: `reaper.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.settings import Settings
+from toolq.workers.isolation import bwrap, landlock, limits, reaper
+from toolq.workers.isolation.policy import Backend, Policy
+
+INSTALL_HINT = ("no sandbox works here for shell tools: install bubblewrap (apt-get install bubblewrap) with "
+                "unprivileged user namespaces allowed, or use a kernel with Landlock ABI >= 4 (Linux >= 6.7); "
+                "or set TOOLQ_SANDBOX=none to run commands unconfined")
+#: Landlock ABI that can deny TCP (the broker must be unreachable).
+LANDLOCK_NET_ABI = 4
+_PR_SET_PDEATHSIG = 1
+
+
+class SandboxUnavailable(Exception):
+    """The configured sandbox cannot run here; shell tools refuse to run."""
+
+
+class Launch:
+    """One command's spawn: `spawn` it, `kill` what is left after the group kill, `close` at the end."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], preexec_fn: Callable[[], None] | None,
+                 call_limits: limits.CallLimits | None = None, tmpdir: str | None = None,
+                 reap: bool = False, ruleset: landlock.Ruleset | None = None,
+                 confine_thread: Callable[[], None] | None = None) -> None:
+        self.argv, self.env, self.preexec_fn = argv, env, preexec_fn
+        self.call_limits, self.tmpdir, self.reap, self.ruleset = call_limits, tmpdir, reap, ruleset
+        self.confine_thread = confine_thread
+        self.process_limit_hit = False
+
+    def spawn(self, **popen: Any) -> subprocess.Popen:
+        """Popen the command. With `confine_thread`, from a new thread that confines itself first:
+        Landlock, no_new_privs and the capability bounding set are per thread and inherited by
+        the child, so the spawn needs no pre-exec function and Python can use vfork."""
+        if self.confine_thread is None:
+            return subprocess.Popen(self.argv, env=self.env, preexec_fn=self.preexec_fn, **popen)
+        spawned: dict[str, Any] = {}
+
+        def confined() -> None:
+            try:
+                self.confine_thread()  # type: ignore[misc]
+                spawned["proc"] = subprocess.Popen(self.argv, env=self.env, **popen)
+            except BaseException as e:  # handed to the caller
+                spawned["error"] = e
+
+        thread = threading.Thread(target=confined, name="toolq-confined-spawn")
+        thread.start()
+        thread.join()
+        if "error" in spawned:
+            raise spawned["error"]
+        return spawned["proc"]
+
+    def kill(self, spare: frozenset[int]) -> None:
+        """Kill what left the process group: the cgroup's members, the worker's adopted orphans."""
+        if self.call_limits is not None:
+            self.call_limits.kill_all()
+        if self.reap:
+            reaper.sweep(spare)
+
+    def close(self) -> None:
+        if self.ruleset is not None:
+            self.ruleset.close()
+        if self.call_limits is not None:
+            self.process_limit_hit = self.call_limits.close()
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+@dataclass
+class Sandbox:
+    backend: Backend
+    policy: Policy
+    detail: str
+    bwrap_path: str | None = None
+    landlock_abi: int = 0
+    unavailable: str | None = None
+    """Why no command may run (the configured sandbox does not work here)."""
+
+    def describe(self) -> str:
+        if self.unavailable:
+            return f"sandbox: NONE WORKS ({self.unavailable}): shell tools refuse to run"
+        if self.backend == "none":
+            return "sandbox: none (TOOLQ_SANDBOX=none): commands run UNCONFINED with this worker's rights"
+        lim = self.policy.limits
+        return (f"sandbox: {self.detail} (network {self.policy.network}; per call: memory {lim.memory_mb} MiB, "
+                f"{lim.processes} processes [{limits.process_limit_mode()}], CPU {lim.cpu_seconds} s, "
+                f"files {lim.file_mb} MiB)")
+
+    def launch(self, argv: list[str], *, workspace: str, cwd: str, env: dict[str, str]) -> Launch:
+        """Raises SandboxUnavailable, or FileNotFoundError for a program that is not there."""
+        if self.unavailable:
+            raise SandboxUnavailable(self.unavailable)
+        if self.backend == "none":
+            command_env = self.policy.command_env(env, home="/", confined=False)
+            _require_program(argv[0], command_env)
+            return Launch(argv, command_env, None)
+        call_limits = limits.CallLimits(self.policy.limits)
+        prefix = call_limits.prlimit_prefix()  # None: the limits are set by a pre-exec function
+        if self.backend == "bwrap":
+            command_env = self.policy.command_env(env, home=bwrap.SANDBOX_TMP)
+            _require_program(argv[0], command_env)
+            wrapped = bwrap.argv(self.bwrap_path or "bwrap", self.policy, os.path.abspath(workspace), cwd, argv)
+            if prefix:
+                return Launch(prefix + wrapped, command_env, None, call_limits)
+            return Launch(wrapped, command_env, call_limits.apply_in_child, call_limits)
+        tmpdir = tempfile.mkdtemp(prefix="toolq-call-")
+        command_env = self.policy.command_env(env, home=tmpdir)
+        try:
+            _require_program(argv[0], command_env)
+            ruleset = landlock.Ruleset(self.landlock_abi, read=[*self.policy.read_dirs, "/proc", "/sys"],
+                                       write=[workspace, tmpdir], deny_tcp=self.policy.network == "none")
+        except BaseException:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            call_limits.close()
+            raise
+
+        reap = reaper.is_subreaper()
+        if prefix:
+            return Launch(prefix + argv, command_env, None, call_limits, tmpdir, reap=reap, ruleset=ruleset,
+                          confine_thread=ruleset.restrict_self)
+
+        def confine() -> None:
+            call_limits.apply_in_child()
+            landlock._libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            ruleset.restrict_self()
+
+        return Launch(argv, command_env, confine, call_limits, tmpdir, reap=reap, ruleset=ruleset)
+
+    def explain(self, launch: Launch, exit_code: int, output: str) -> str | None:
+        if self.backend == "none":
+            return None
+        return limits.explain(self.policy.limits, exit_code, output, launch.process_limit_hit)
+
+
+def _require_program(program: str, env: dict[str, str]) -> None:
+    """A missing shell is a spawn failure here, as without a sandbox (bwrap would exit 1 instead)."""
+    if shutil.which(program, path=env.get("PATH")) is None:
+        raise FileNotFoundError(2, os.strerror(2), program)
+
+
+def choose(policy: Policy) -> Sandbox:
+    """Probe what works here, once: auto takes bubblewrap, else Landlock, else none works."""
+    wanted = policy.requested
+    if wanted == "none":
+        return Sandbox("none", policy, "none")
+    reasons = []
+    if wanted in ("auto", "bwrap"):
+        why = bwrap.probe(policy)
+        path = bwrap.executable()
+        if why is None and path:
+            return Sandbox("bwrap", policy, f"bwrap {bwrap.version(path)}", bwrap_path=path)
+        reasons.append(why or "bwrap is not installed")
+    if wanted in ("auto", "landlock"):
+        abi = landlock.abi_version()
+        if abi == 0:
+            reasons.append("the kernel has no Landlock")
+        elif policy.network == "none" and abi < LANDLOCK_NET_ABI:
+            reasons.append(f"Landlock ABI {abi} cannot deny TCP (needs {LANDLOCK_NET_ABI})")
+        else:
+            return Sandbox("landlock", policy, f"landlock ABI {abi}", landlock_abi=abi)
+    backend: Backend = "bwrap" if wanted == "bwrap" else "landlock"
+    hint = INSTALL_HINT if wanted == "auto" else f"TOOLQ_SANDBOX={wanted} does not work here"
+    return Sandbox(backend, policy, "none", unavailable=f"{'; '.join(reasons)}: {hint}")
+
+
+_current: Sandbox | None = None
+
+
+def current(settings: Settings | None = None) -> Sandbox:
+    """This process's sandbox (chosen on first use; a forked pool child inherits its parent's)."""
+    global _current
+    if _current is None:
+        try:
+            policy = Policy.from_settings(settings or Settings.load())
+        except ConfigurationError as e:
+            return Sandbox("none", Policy.from_settings(Settings()), "none", unavailable=str(e))
+        _current = choose(policy)
+    return _current
+
+
+def reset() -> None:
+    """Forget the choice (tests that change the settings)."""
+    global _current
+    _current = None
+
+
+def worker_started(shell_tools: list[str]) -> str:
+    """At `toolq worker` start: choose (and probe) the sandbox; the banner line. Raises
+    ConfigurationError when no sandbox works and the catalog has shell tools."""
+    sandbox = current()
+    if sandbox.unavailable and shell_tools:
+        raise ConfigurationError(f"{', '.join(shell_tools)}: {sandbox.unavailable}")
+    return sandbox.describe()
+
+
+def worker_stopped() -> None:
+    """At the worker's shutdown, once its pool children are gone: remove their cgroups."""
+    limits.remove_stale_pool_cgroups()
+
+
+def pool_child_started() -> None:
+    """In each pool child: enter its pids cgroup (where it may); without a pid namespace, it also
+    adopts its calls' orphans."""
+    sandbox = current()
+    if sandbox.unavailable or sandbox.backend == "none":
+        return
+    limits.enter_pool_cgroup(sandbox.policy.limits)
+    if sandbox.backend == "landlock":
+        reaper.become_subreaper()
