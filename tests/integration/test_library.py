@@ -18,7 +18,7 @@ from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.ledger import Ledger
 from toolq.workers.loader import load_catalog
 
-from tests.integration.conftest import ROOT, TEST_TOOLS
+from tests.integration.conftest import ROOT, SIGNING_KEY, TEST_TOOLS
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,8 @@ EXAMPLE = ROOT / "examples" / "openai_sdk_loop.py"
 
 def fleet_on(redis_url: str, workspace) -> Fleet:
     async def open_() -> Fleet:
-        return await Fleet.open(Settings(redis_url=redis_url, workspace=workspace, tools=[TEST_TOOLS]),
+        return await Fleet.open(Settings(redis_url=redis_url, workspace=workspace, tools=[TEST_TOOLS],
+                                         signing_key=SIGNING_KEY),
                                 catalog=load_catalog([TEST_TOOLS]))
     return open_()
 

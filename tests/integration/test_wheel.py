@@ -19,7 +19,7 @@ from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 
-from tests.integration.conftest import ROOT
+from tests.integration.conftest import ROOT, SIGNING_KEY
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +96,7 @@ class InstalledWorker(WorkerProcess):
 
     def start(self, wait: bool = True) -> InstalledWorker:
         self.log.write_text("")
-        self.proc = subprocess.Popen(self.argv(), env=clean_env(REDIS_URL=self.redis_url), cwd=self.project,
+        self.proc = subprocess.Popen(self.argv(), env=clean_env(REDIS_URL=self.redis_url, TOOLQ_SIGNING_KEY=SIGNING_KEY), cwd=self.project,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
         if wait:
             self.wait_ready(timeout=60)
@@ -119,7 +119,8 @@ def test_the_installed_wheel_runs_worker_and_run_beside_a_projects_own_workers_p
         proc = subprocess.run(
             [str(installed / "toolq"), "run", "--json", "--tools", "project_tools", "--workspace", str(project),
              "where are you?"],
-            env=clean_env(REDIS_URL=server.url, OPENAI_BASE_URL=fake.base_url, OPENAI_API_KEY="test"),
+            env=clean_env(REDIS_URL=server.url, OPENAI_BASE_URL=fake.base_url, OPENAI_API_KEY="test",
+                          TOOLQ_SIGNING_KEY=SIGNING_KEY),
             cwd=project, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     events = [json.loads(line) for line in proc.stdout.splitlines()]

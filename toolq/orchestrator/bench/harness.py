@@ -34,7 +34,7 @@ def stack(workers: int = 2, concurrency: int = 4, *, queues: tuple[str, ...] = (
 
 def require_queues(settings: Settings, queues: tuple[str, ...], timeout: float = 2.0) -> None:
     """Ask the fleet's workers which queues they consume; a benchmark's call never waits on none."""
-    from toolq.workers.app import make_app
+    from toolq.workers.config import make_app
 
     app = make_app(settings)
     try:
