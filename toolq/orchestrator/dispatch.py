@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
@@ -16,8 +17,10 @@ from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
 from toolq.orchestrator.calls import ToolInvocation
+from toolq.orchestrator.catalog_reader import FleetCatalog
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.settings import Settings
+from toolq.workers.advert import tool_queue
 from toolq.workers.app import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, make_app
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.signing import Signer
@@ -38,6 +41,7 @@ class Dispatcher:
         self.ledger = ledger
         self.signer = signer
         """Signs each invocation (toolq/workers/signing.py); None: this dispatcher only revokes."""
+        self.fleet = FleetCatalog(ledger.r)  # fleet catalog hook: who serves which declaration
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="toolq-dispatch")
 
     async def _run(self, fn, *args, **kwargs):
@@ -49,6 +53,10 @@ class Dispatcher:
             if not await self.ledger.claim(inv, spec.queue):
                 log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
                 return False
+            unserved = await self.fleet.unserved(spec)  # fleet catalog hook: no live worker serves it
+            if unserved:
+                await self.ledger.set_state(inv.task_id, "rejected", finished_at=time.time())
+                raise DispatchError(unserved)
             await self._run(self._send, inv, spec)
         except (OperationalError, RedisError, OSError) as e:
             raise DispatchError(f"the task queue (Redis) is unavailable: {e}") from e
@@ -62,7 +70,7 @@ class Dispatcher:
             args=[invocation],
             kwargs={"signature": self.signer.sign_invocation(task, inv.task_id, invocation)},  # signing hook
             task_id=inv.task_id,
-            queue=spec.queue,
+            queue=tool_queue(spec),  # fleet catalog hook: only workers serving this declaration consume it
             # Kept in the message: a call still queued at the turn deadline never starts.
             expires=datetime.fromtimestamp(inv.deadline, tz=timezone.utc),
             soft_time_limit=spec.timeout + TIME_LIMIT_MARGIN / 2,

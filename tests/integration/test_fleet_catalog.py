@@ -1,0 +1,174 @@
+"""The fleet catalog and capability routing on real workers (issue 14, items 1 and 2): a call
+reaches only a worker that serves its tool's exact declaration; a call nobody serves is answered
+within seconds; `toolq workers` lists the live instances; a killed worker drops out after its TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+import tests.integration.joining_tools as joining_tools
+from tests.integration.conftest import JOINING_TOOLS, ROOT, TEST_TOOLS, WORKER_ENV, settings_for
+from tests.integration.upgrade_tools import VERSION_ENV, declare
+from toolq.orchestrator import keys
+from toolq.orchestrator.catalog_reader import UNSERVED_GRACE
+from toolq.orchestrator.embedded import RedisServer, WorkerProcess
+from toolq.orchestrator.fake_model import builders as b
+from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.orchestrator.history import pairing_problems
+from toolq.orchestrator.turn import Runtime, Session
+from toolq.workers.advert import WorkerAdvert, tool_queue
+from toolq.workers.catalog import Catalog, load_catalog
+from toolq.workers.presence import TTL
+
+pytestmark = pytest.mark.integration
+
+UPGRADE_TOOLS = "tests.integration.upgrade_tools"
+
+
+def completed_items(events) -> dict[str, dict]:
+    return {e["item"]["id"]: e["item"] for e in events if e["type"] == "item.completed"}
+
+
+def fleet_records(url: str) -> list[WorkerAdvert]:
+    r = redis.Redis.from_url(url)
+    try:
+        raws = [r.get(keys.fleet_worker(i.decode())) for i in r.smembers(keys.FLEET_WORKERS)]
+        return [WorkerAdvert.model_validate_json(raw) for raw in raws if raw is not None]
+    finally:
+        r.close()
+
+
+def record_of(url: str, hostname: str) -> WorkerAdvert | None:
+    return next((w for w in fleet_records(url) if w.hostname == hostname), None)
+
+
+def test_a_joining_worker_gets_every_call_to_its_new_tool_and_the_fleet_none(fleet, joining_worker, drive):
+    calls = [b.function_call("joined_echo", {"text": f"hi{k}"}, f"call_j{k}") for k in range(4)]
+    run = drive([calls, [b.message("done")]])
+    items = completed_items(run.events)
+    assert [items[f"call_j{k}"]["worker"] for k in range(4)] == ["joiner@test"] * 4
+    assert [items[f"call_j{k}"]["status"] for k in range(4)] == ["completed"] * 4, items
+    outputs = [o["output"] for o in run.outputs_of(1)]
+    assert all(re.fullmatch(rf"hi{k} from \d+", out) for k, out in enumerate(outputs)), outputs
+    # The fleet's workers were never offered the calls: their logs never name the tool.
+    for w in fleet:
+        assert "joined_echo" not in w.log.read_text(errors="replace")
+
+
+def test_a_rolling_upgrade_routes_each_declaration_to_its_own_workers(fleet, worker, tmp_path):
+    for version in ("1", "2"):
+        worker(["toolq"], concurrency=2, tools=[UPGRADE_TOOLS], env={VERSION_ENV: version},
+               name=f"upgrade-v{version}@test")
+    builtins = list(load_catalog([TEST_TOOLS]))
+    for version in ("1", "2"):
+        catalog = Catalog([*builtins, declare(version, Catalog())])  # an orchestrator with this version
+        calls = [b.function_call("upgraded", {"text": f"t{k}"}, f"call_u{k}") for k in range(4)]
+        with FakeModel([calls, [b.message("done")]]) as fake:
+            outcome, events = asyncio.run(asyncio.wait_for(run_turn(settings_for(fleet[0].redis_url, fake, tmp_path),
+                                                                     catalog), 60))
+            bodies = fake.requests
+        assert outcome.status == "completed"
+        assert all(pairing_problems(body["input"]) == [] for body in bodies)
+        outputs = [i["output"] for i in bodies[1]["input"] if i.get("type") == "function_call_output"]
+        assert outputs == [f"v{version}: t{k}" for k in range(4)]
+        items = completed_items(events)
+        assert {items[f"call_u{k}"]["worker"] for k in range(4)} == {f"upgrade-v{version}@test"}
+
+
+async def run_turn(settings, catalog: Catalog):
+    runtime = await Runtime.create(settings, catalog=catalog)
+    try:
+        events: list[dict] = []
+        return await Session(runtime).run_turn("go", events.append), events
+    finally:
+        await runtime.aclose()
+
+
+def test_a_call_no_live_worker_serves_is_answered_within_seconds_with_what_to_start(drive, tmp_path):
+    # A private broker whose only worker has the search tools loaded but serves `toolq`, not `search`.
+    with RedisServer() as server:
+        with WorkerProcess(server.url, name="toolq-only@test", queues=["toolq"], concurrency=2,
+                           tools=[TEST_TOOLS], env=WORKER_ENV, logdir=tmp_path):
+            started = time.monotonic()
+            run = drive([[b.function_call("joined_echo", {"text": "x"}, "call_stranded"),
+                          b.function_call("sleep_echo", {"text": "alive"}, "call_alive")], [b.message("done")]],
+                        redis_url=server.url)
+            elapsed = time.monotonic() - started
+            r = redis.Redis.from_url(server.url)
+            queued = r.llen(tool_queue(joining_tools.joined_echo.tool_spec))
+            r.close()
+    outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
+    assert outputs["call_stranded"] == (
+        "joined_echo was not run: no live worker serves tool `joined_echo` (declared in module "
+        f"`{JOINING_TOOLS}`): start one with `toolq worker --tools {JOINING_TOOLS}`")
+    assert json.loads(outputs["call_alive"])["text"] == "alive"
+    assert UNSERVED_GRACE <= elapsed < UNSERVED_GRACE + 10, elapsed
+    assert queued == 0, "an unserved call must not be left on a queue"
+    items = completed_items(run.events)
+    assert items["call_stranded"]["success"] is False and "worker" not in items["call_stranded"]
+    assert run.outcome.status == "completed"  # the model reads why and the turn goes on
+
+
+def toolq_workers(url: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "REDIS_URL": url, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "workers", *args], env=env,
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_toolq_workers_lists_each_live_instance_with_its_tools(fleet):
+    table = toolq_workers(fleet[0].redis_url)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["WORKER", "INSTANCE", "STATE", "PID", "HOST", "CONCURRENCY", "UP", "SANDBOX", "TOOLS"]
+    for w in fleet:
+        (line,) = [line for line in lines if line.startswith(w.name + " ")]
+        assert " ready " in line and f" {w.pid} " in line, line
+
+    listed = toolq_workers(fleet[0].redis_url, "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = {row["hostname"]: row for row in map(json.loads, listed.stdout.splitlines())}
+    exec_spec = next(s for s in load_catalog() if s.name == "exec_command")
+    for w in fleet:
+        row = rows[w.name]
+        assert (row["pid"], row["concurrency"], row["state"], row["queues"]) == (w.pid, 2, "ready", ["toolq"])
+        tools = {t["name"]: t for t in row["tools"]}
+        assert tools["exec_command"]["digest"] == exec_spec.digest()
+        assert tools["exec_command"]["route"] == tool_queue(exec_spec)
+        assert "hang" not in tools  # declared on the `faults` queue, which `--queues toolq` leaves out
+        assert len(row["instance"]) == 32 and row["started_at"] <= time.time()
+
+
+def test_toolq_workers_without_redis_url_says_what_to_set():
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL")}
+    done = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "workers"], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert done.stderr.startswith("toolq workers: set REDIS_URL")
+
+
+def test_a_killed_worker_leaves_the_catalog_after_its_ttl_and_comes_back_as_a_new_instance(worker, redis_server):
+    first = worker(["faults"], name="phoenix@test")
+    before = record_of(redis_server.url, "phoenix@test")
+    assert before is not None and before.pid == first.pid
+    first.kill()  # SIGKILL: no clean exit, so the record outlives the process until its TTL
+    assert record_of(redis_server.url, "phoenix@test") is not None
+    killed_at = time.monotonic()
+    while record_of(redis_server.url, "phoenix@test") is not None:
+        assert time.monotonic() - killed_at < TTL + 5, "the killed worker's record never expired"
+        time.sleep(0.2)
+    assert time.monotonic() - killed_at >= TTL - 4  # it lived on until (about) its TTL, not less
+
+    second = worker(["faults"], name="phoenix@test")
+    after = record_of(redis_server.url, "phoenix@test")
+    assert after is not None and after.instance != before.instance and after.pid == second.pid
+    second.stop()  # a clean exit withdraws the record at once
+    assert record_of(redis_server.url, "phoenix@test") is None
