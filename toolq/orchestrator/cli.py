@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="one JSON object per turn")
     t.set_defaults(func=_cmd_turns)
 
-    wk = sub.add_parser("workers", help="live workers from the fleet catalog: instance, pid, capacity, the tools they serve")
+    wk = sub.add_parser("workers", help="live workers from the fleet catalog: instance, pid, capacity, tools served")
     wk.add_argument("--json", action="store_true", help="one JSON object per worker instance, with every tool")
     wk.set_defaults(func=_cmd_workers)
 
