@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -16,18 +17,25 @@ import pytest
 import redis
 
 import tests.integration.joining_tools as joining_tools
-from tests.integration.conftest import JOINING_TOOLS, ROOT, TEST_TOOLS, WORKER_ENV, settings_for
+from tests.integration.conftest import JOINING_TOOLS, ROOT, SIGNING_KEY, TEST_TOOLS, WORKER_ENV, settings_for
+from tests.integration.test_flower import eventually
+from tests.integration.test_hostile_fleet import push
 from tests.integration.upgrade_tools import VERSION_ENV, declare
 from toolq.orchestrator import keys
+from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from toolq.orchestrator.catalog_reader import UNSERVED_GRACE
 from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
+from toolq.orchestrator.registry import Registry, StepContext
+from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime, Session
 from toolq.workers.advert import WorkerAdvert, tool_queue
+from toolq.workers.app import TASK
 from toolq.workers.catalog import Catalog, load_catalog
 from toolq.workers.presence import TTL
+from toolq.workers.signing import Signer
 
 pytestmark = pytest.mark.integration
 
@@ -172,3 +180,27 @@ def test_a_killed_worker_leaves_the_catalog_after_its_ttl_and_comes_back_as_a_ne
     assert after is not None and after.instance != before.instance and after.pid == second.pid
     second.stop()  # a clean exit withdraws the record at once
     assert record_of(redis_server.url, "phoenix@test") is None
+
+
+def test_a_call_on_the_plain_queue_for_a_tool_the_worker_lacks_is_still_refused_there(fleet, tmp_path):
+    """The worker's own check stays the second line: an orchestrator from before capability routing
+    sends to the tool's declared queue (`toolq`), which the fleet still consumes."""
+    registry = Registry(load_catalog([TEST_TOOLS]))
+    call = ToolCall(tool_name=ToolName.plain("joined_echo"), call_id="call_old",
+                    payload=FunctionPayload(arguments=json.dumps({"text": "x"})))
+    inv = registry.bind(call, StepContext("turn-old" + secrets.token_hex(4), 0, time.time() + 60, str(tmp_path)), 0)
+    invocation = inv.model_dump(mode="json")
+    push(fleet[0].redis_url, inv.task_id, invocation,
+         signature=Signer(SIGNING_KEY).sign_invocation(TASK, inv.task_id, invocation))
+    r = redis.Redis.from_url(Settings(redis_url=fleet[0].redis_url).result_backend_url())
+    def answered() -> bytes | None:
+        raw = r.get(keys.celery_meta(inv.task_id))
+        return raw if raw and b"SUCCESS" in raw else None
+
+    try:
+        meta = eventually(answered, "the worker's answer")
+    finally:
+        r.close()
+    result = json.loads(meta)["result"]
+    assert result["status"] == "rejected"
+    assert re.fullmatch(r"tool joined_echo is not loaded on worker fleet[01]@test; not run", result["output"])
