@@ -9,21 +9,24 @@ import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 import tests.integration.joining_tools as joining_tools
 from tests.integration.conftest import JOINING_TOOLS, ROOT, SIGNING_KEY, TEST_TOOLS, WORKER_ENV, settings_for
+from tests.integration.test_faults import wait_for_pid
 from tests.integration.test_flower import eventually
 from tests.integration.test_hostile_fleet import push
 from tests.integration.upgrade_tools import VERSION_ENV, declare
 from toolq.orchestrator import keys
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
-from toolq.orchestrator.catalog_reader import UNSERVED_GRACE
+from toolq.orchestrator.catalog_reader import UNSERVED_GRACE, FleetCatalog
 from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
@@ -204,3 +207,46 @@ def test_a_call_on_the_plain_queue_for_a_tool_the_worker_lacks_is_still_refused_
     result = json.loads(meta)["result"]
     assert result["status"] == "rejected"
     assert re.fullmatch(r"tool joined_echo is not loaded on worker fleet[01]@test; not run", result["output"])
+
+
+def test_a_worker_in_warm_shutdown_is_listed_draining_and_offered_no_new_call(worker, drive, tmp_path):
+    w = worker(["faults"], name="drainer@test")
+    hang = next(s for s in load_catalog([TEST_TOOLS]) if s.name == "hang")
+    seen: dict[str, object] = {}
+
+    def draining() -> WorkerAdvert | None:
+        record = record_of(w.redis_url, "drainer@test")
+        return record if record is not None and record.draining else None
+
+    async def during(session, runtime):
+        await asyncio.to_thread(wait_for_pid, tmp_path / "hang-call_drain.pid")
+        w.proc.send_signal(signal.SIGTERM)  # warm shutdown: the running call finishes
+        seen["record"] = await asyncio.to_thread(eventually, draining, "the record to say draining")
+        snapshot = await FleetCatalog(runtime.ledger.r).read()
+        seen["servers"] = [s.hostname for s in snapshot.servers(hang)]
+
+    run = drive([[b.function_call("hang", {"seconds": 4}, "call_drain")], [b.message("done")]], during=during)
+    assert run.outputs_of(1)[0]["output"] == "woke up"
+    assert seen["record"].pid == w.pid and "drainer@test" not in seen["servers"]
+    eventually(lambda: record_of(w.redis_url, "drainer@test") is None, "the drained worker to withdraw")
+
+
+def test_an_orchestrator_can_build_every_served_tool_from_the_catalog_alone(fleet):
+    """What a worker serves can be shown to the model without loading its module (tools whose
+    specs are known only at runtime): each declaration rebuilds to the spec the worker loaded."""
+
+    async def read():
+        r = aioredis.Redis.from_url(fleet[0].redis_url)
+        try:
+            return await FleetCatalog(r).declarations()
+        finally:
+            await r.aclose()
+
+    adverts = {a.digest: a for a in asyncio.run(read())}
+    local = {s.digest(): s for s in load_catalog([TEST_TOOLS])}
+    served = record_of(fleet[0].redis_url, fleet[0].name).tools
+    assert len(served) > 10
+    for spec in (local[t.digest] for t in served):
+        rebuilt = adverts[spec.digest()].to_spec()
+        assert rebuilt is not None and rebuilt.model_spec() == spec.model_spec() and rebuilt.handler is None
+        assert adverts[spec.digest()].module == spec.handler.__module__
