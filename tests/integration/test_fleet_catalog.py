@@ -250,3 +250,14 @@ def test_an_orchestrator_can_build_every_served_tool_from_the_catalog_alone(flee
         rebuilt = adverts[spec.digest()].to_spec()
         assert rebuilt is not None and rebuilt.model_spec() == spec.model_spec() and rebuilt.handler is None
         assert adverts[spec.digest()].module == spec.handler.__module__
+
+
+def test_a_worker_advertises_again_after_redis_restarts_empty(worker, tmp_path):
+    with RedisServer() as server:
+        w = worker(["toolq"], redis_url=server.url, name="survivor@test")
+        before = record_of(server.url, "survivor@test")
+        server.restart()  # nothing is persisted: the catalog is gone
+        assert record_of(server.url, "survivor@test") is None
+        after = eventually(lambda: record_of(server.url, "survivor@test"), "the worker to advertise again",
+                           timeout=TTL + 5)
+        assert after.instance == before.instance and after.pid == w.pid  # the same process, not a new one
