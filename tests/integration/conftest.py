@@ -84,15 +84,26 @@ def worker(redis_server, tmp_path):
     """Factory: extra workers for one test (fault tests kill them)."""
     started: list[WorkerProcess] = []
 
-    def make(queues: list[str], concurrency: int = 1, redis_url: str | None = None, **kw: Any) -> WorkerProcess:
-        w = WorkerProcess(redis_url or redis_server.url, queues=queues, concurrency=concurrency, tools=[TEST_TOOLS],
-                          env=WORKER_ENV, logdir=tmp_path, **kw)
+    def make(queues: list[str], concurrency: int = 1, redis_url: str | None = None, *, tools: list[str] = (),
+             env: dict[str, str] | None = None, **kw: Any) -> WorkerProcess:
+        w = WorkerProcess(redis_url or redis_server.url, queues=queues, concurrency=concurrency,
+                          tools=[TEST_TOOLS, *tools], env={**WORKER_ENV, **(env or {})}, logdir=tmp_path, **kw)
         started.append(w.start())
         return w
 
     yield make
     for w in started:
         w.stop(grace=3)
+
+
+JOINING_TOOLS = "tests.integration.joining_tools"
+
+
+@pytest.fixture
+def joining_worker(worker):
+    """A third worker, beside the shared fleet, started with a tool module the fleet has not loaded
+    (`toolq worker --tools tests.integration.joining_tools`)."""
+    return worker(["toolq"], concurrency=2, tools=[JOINING_TOOLS], name="joiner@test")
 
 
 @dataclass

@@ -188,7 +188,7 @@ class Step:
                 await self.transport.send(inv, spec)
             except DispatchError as e:
                 return ToolResult(call_id=inv.call_id, output=f"{spec.tool_name} was not run: {e}",
-                                  status=CallState.FAILED, success=False)
+                                  status=e.state, success=False)
             return await self._track(entry, watch)
         finally:
             self.transport.forget(inv.task_id)

@@ -43,6 +43,13 @@ def _cmd_turns(args: argparse.Namespace) -> int:
     return turns_cmd(Settings.load(), limit=args.limit, as_json=args.json)
 
 
+def _cmd_workers(args: argparse.Namespace) -> int:
+    from toolq.orchestrator.settings import Settings
+    from toolq.orchestrator.workers_cmd import workers_cmd
+
+    return workers_cmd(Settings.load(), as_json=args.json)
+
+
 def _settings(args: argparse.Namespace, **extra: object):
     from toolq.orchestrator.settings import Settings
 
@@ -237,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--limit", type=int, default=20, help="how many turns, newest first (default 20)")
     t.add_argument("--json", action="store_true", help="one JSON object per turn")
     t.set_defaults(func=_cmd_turns)
+
+    wk = sub.add_parser("workers", help="live workers from the fleet catalog: instance, pid, capacity, tools served")
+    wk.add_argument("--json", action="store_true", help="one JSON object per worker instance, with every tool")
+    wk.set_defaults(func=_cmd_workers)
 
     fl = sub.add_parser("flower", help="Flower on the configured broker (basic auth from FLOWER_USER/FLOWER_PASSWORD)")
     fl.add_argument("--port", type=int, help="default 5555, or FLOWER_PORT")

@@ -21,7 +21,12 @@ from toolq.workers.catalog import ToolSpec
 
 
 class DispatchError(Exception):
-    """The queue could not take the call; the call gets a model-visible "not run" output."""
+    """The queue could not take the call; the call gets a model-visible "not run" output.
+    `state`: FAILED when the queue was unavailable, REJECTED when no live worker serves the tool."""
+
+    def __init__(self, message: str, state: CallState = CallState.FAILED) -> None:
+        super().__init__(message)
+        self.state = state
 
 
 class TaskOutcome(BaseModel):

@@ -15,7 +15,8 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
-from celery.signals import celeryd_after_setup, worker_process_init, worker_shutdown, worker_shutting_down
+from celery.signals import (celeryd_after_setup, worker_process_init, worker_ready, worker_shutdown,
+                            worker_shutting_down)
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.settings import Settings
@@ -24,7 +25,7 @@ from toolq.workers.catalog import Catalog
 from toolq.workers.config import configure_app, longest_timeout, make_app
 from toolq.workers.contracts import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, ToolCallFailed
 from toolq.workers.loader import load_catalog
-from toolq.workers import isolation, signing
+from toolq.workers import isolation, presence, signing
 from toolq.workers.execute import execute
 from toolq.workers.sandbox import install_sigterm_handler
 from toolq.workers.summary import returned
@@ -90,6 +91,23 @@ def _drained(sender: Any = None, **_: Any) -> None:
         redis_client().delete(keys.draining(str(getattr(sender, "hostname", sender))))
     except redis.RedisError:
         pass
+
+
+# --- fleet catalog hooks (toolq/workers/presence.py): a worker consumes the queue of each tool it
+# serves besides its configured queues, and advertises itself from ready to a clean exit.
+@celeryd_after_setup.connect
+def _tool_queues(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    presence.add_tool_queues(instance.app.amqp.queues, catalog())
+
+
+@worker_ready.connect
+def _advertise(sender: Any = None, **_: Any) -> None:
+    presence.advertise(sender, catalog(), Settings.load())
+
+
+worker_shutting_down.connect(lambda **_: presence.draining(), weak=False)
+worker_shutdown.connect(lambda **_: presence.withdraw(), weak=False)
+# --- end of the fleet catalog hooks
 
 
 def _hostname(task: Any) -> str:
