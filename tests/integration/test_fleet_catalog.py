@@ -36,7 +36,8 @@ from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime, Session
 from toolq.workers.advert import WorkerAdvert, tool_queue
 from toolq.workers.app import TASK
-from toolq.workers.catalog import Catalog, load_catalog
+from toolq.workers.catalog import Catalog
+from toolq.workers.loader import load_catalog
 from toolq.workers.presence import TTL
 from toolq.workers.signing import Signer
 
