@@ -37,9 +37,19 @@ class Registry:
         self.catalog = catalog
         self._validators: dict[ToolName, Draft202012Validator] = {}
         for spec in catalog:
-            if spec.kind == "function" and spec.parameters is not None:
-                Draft202012Validator.check_schema(spec.parameters)
-                self._validators[spec.tool_name] = Draft202012Validator(_nullable_is_optional(spec.parameters))
+            self._index(spec)
+
+    def _index(self, spec: ToolSpec) -> None:
+        if spec.kind == "function" and spec.parameters is not None:
+            Draft202012Validator.check_schema(spec.parameters)
+            self._validators[spec.tool_name] = Draft202012Validator(_nullable_is_optional(spec.parameters))
+
+    def add(self, specs: list[ToolSpec]) -> None:
+        """Tools learned from the fleet rather than loaded here: the MCP tools its workers host
+        (`toolq.workers.mcp.specs.mcp_tool_specs`)."""
+        for spec in specs:
+            self.catalog.add(spec)
+            self._index(spec)
 
     def lookup(self, name: ToolName) -> ToolSpec | None:
         spec = self.catalog.get(name)

@@ -41,6 +41,7 @@ ENV = {
     "flower_address": ("FLOWER_ADDRESS",),
     "signing_key": ("TOOLQ_SIGNING_KEY",),
     "log_tool_output": ("TOOLQ_LOG_TOOL_OUTPUT",),
+    "mcp_config": ("TOOLQ_MCP_CONFIG",),
 }
 
 SECRETS = {"openai_api_key", "flower_password", "signing_key"}
@@ -84,6 +85,10 @@ class Settings(BaseModel):
     log_tool_output: bool = False
     """Debugging only: put tool output in the workers' task-succeeded log lines and Flower's
     results (by default they carry status and sizes)."""
+    mcp: list[str] = Field(default_factory=list)
+    """MCP servers a worker hosts, each `NAME=COMMAND ARGS...` (`toolq worker --mcp`; toolq/workers/mcp/)."""
+    mcp_config: Path | None = None
+    """A JSON (`mcpServers`) or TOML (`[mcp_servers.NAME]`) file of MCP servers a worker hosts."""
 
     @field_validator("redis_url", "result_url")
     @classmethod

@@ -22,6 +22,7 @@ from toolq.orchestrator.settings import Settings
 from toolq.workers import signing
 from toolq.workers.catalog import Catalog, load_catalog
 from toolq.workers.execute import execute
+from toolq.workers.mcp.worker import sync as sync_mcp_tools
 from toolq.workers.sandbox import install_sigterm_handler
 from toolq.workers.summary import returned
 
@@ -144,6 +145,7 @@ def _execute(task: Any, invocation: dict, signature: str, redelivery: bool) -> A
     # Installed per call: billiard resets the pool child's signal handlers after
     # worker_process_init, so a handler set there is gone by the time a task runs.
     install_sigterm_handler()
+    sync_mcp_tools(catalog(), invocation)  # an MCP server may have listed its tools anew since the fork
     result = execute(invocation, hostname=_hostname(task), r=redis_client(), catalog=catalog(), redelivery=redelivery,
                      time_limit_errors=(SoftTimeLimitExceeded,))
     return returned(result, log_output=bool(app.conf.get("toolq_log_tool_output")))
