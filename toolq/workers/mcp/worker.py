@@ -142,11 +142,13 @@ def start_host(servers: dict[str, McpServerConfig], catalog: Catalog) -> Listing
 
 
 def install(catalog: Catalog, listing: Listing) -> None:
-    """Each server's namespace in the catalog becomes exactly what it lists now (nothing while down)."""
+    """Each server's namespace in the catalog becomes exactly what it last listed. A server that is
+    restarting keeps its tools here, so that a call waits for it in the host (up to its startup
+    timeout) rather than being refused; the fleet is not offered them meanwhile (`Listing.records`)."""
     assert _host is not None
-    up = {s.name: s for s in listing.servers if s.state == "ready"}
+    listed = {s.name: s for s in listing.servers}
     for name in _host.servers:
-        server = up.get(name)
+        server = listed.get(name)
         records = server.tools if server else []
         catalog.replace_namespace(name, [tool_spec(r, Forward(r.server, r.name)) for r in records])
     _host.generation = listing.generation

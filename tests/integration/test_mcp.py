@@ -1,0 +1,270 @@
+"""MCP servers' tools on real workers (issue 16): `toolq worker --mcp ...` with the official
+`mcp-server-git` and `mcp-server-time`, and `tests/mcp_servers/edges.py` (FastMCP) for the edges.
+
+The orchestrator learns the tools from the workers (`fleet_records`, a remote-control command)
+and takes them through the registry seam (`mcp_tool_specs` → `Registry.add`); every request the
+fake model receives must pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tests.integration.mcp_tools  # noqa: F401  (the orchestrator loads the user's `search` too)
+from tests.integration.conftest import ROOT, TEST_TOOLS, WORKER_ENV, settings_for
+from toolq.orchestrator.calls import ToolName
+from toolq.orchestrator.embedded import WorkerProcess
+from toolq.orchestrator.fake_model import builders as b
+from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.orchestrator.history import pairing_problems
+from toolq.orchestrator.turn import Runtime, Session
+from toolq.workers.catalog import Catalog, load_catalog
+from toolq.workers.mcp.fleet import fleet_listings, fleet_records
+from toolq.workers.mcp.specs import McpToolRecord, mcp_tool_specs
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+EDGES = ROOT / "tests" / "mcp_servers" / "edges.py"
+MCP_TOOLS = "tests.integration.mcp_tools"
+NAME = "mcp1@test"
+
+
+class McpWorker(WorkerProcess):
+    """`toolq worker --mcp ...`, as a user runs it."""
+
+    def __init__(self, *args: Any, mcp: list[str], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.mcp = mcp
+
+    def argv(self) -> list[str]:
+        return super().argv() + [a for m in self.mcp for a in ("--mcp", m)]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    """A git repository with one commit and one untracked file."""
+    repo = tmp_path_factory.mktemp("repo")
+    git = ["git", "-C", str(repo), "-c", "user.name=Test", "-c", "user.email=t@example.com"]
+    subprocess.run(["git", "init", "-q", "-b", "trunk", str(repo)], check=True)
+    (repo / "a.txt").write_text("one\n")
+    subprocess.run(git + ["add", "a.txt"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "the first commit of the test repo"], check=True)
+    (repo / "untracked.txt").write_text("new\n")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def evidence(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("evidence")
+
+
+@pytest.fixture(scope="module")
+def mcp_worker(redis_server, repo, evidence, tmp_path_factory):
+    edges = f"{sys.executable} {EDGES}"
+    w = McpWorker(redis_server.url, name=NAME, queues=["mcp-test"], concurrency=2, tools=[TEST_TOOLS, MCP_TOOLS],
+                  env={**WORKER_ENV, "OPENAI_API_KEY": "sk-secret", "FLOWER_PASSWORD": "secret"},
+                  logdir=tmp_path_factory.mktemp("mcp"),
+                  mcp=[f"git={BIN / 'mcp-server-git'} --repository {repo}", f"time={BIN / 'mcp-server-time'}",
+                       f"edges={edges} edges {evidence}", f"other={edges} other {evidence}"])
+    w.start()
+    yield w
+    w.stop(grace=3)
+
+
+def records_for(app) -> list[McpToolRecord]:
+    return fleet_records(app, timeout=2.0)
+
+
+async def _run(settings, prompts, during=None, feed=None):
+    runtime = await Runtime.create(settings, catalog=Catalog(list(load_catalog([TEST_TOOLS, MCP_TOOLS]))))
+    try:
+        records = await asyncio.to_thread(records_for, runtime.dispatcher.app)
+        runtime.registry.add(mcp_tool_specs(feed(records) if feed else records))
+        session = Session(runtime)
+        events: list[dict] = []
+        outcomes = []
+        for prompt in prompts:
+            turn = asyncio.create_task(session.run_turn(prompt, events.append))
+            if during is not None:
+                await during(session, runtime)
+            outcomes.append(await turn)
+        return outcomes, events
+    finally:
+        await runtime.aclose()
+
+
+def drive(redis_server, workspace: Path, script: list, *, prompts=("go",), during=None, feed=None):
+    with FakeModel(script) as fake:
+        settings = settings_for(redis_server.url, fake, workspace, tools=[TEST_TOOLS, MCP_TOOLS])
+        outcomes, events = asyncio.run(asyncio.wait_for(_run(settings, list(prompts), during, feed), 90))
+        for body in fake.requests:
+            assert pairing_problems(body["input"]) == [], body["input"]
+        return outcomes, fake.requests, events
+
+
+def outputs(request: dict) -> dict[str, Any]:
+    return {i["call_id"]: i["output"] for i in request["input"] if i.get("type") == "function_call_output"}
+
+
+def completed(events: list[dict]) -> dict[str, dict]:
+    return {e["item"]["id"]: e["item"] for e in events if e["type"] == "item.completed"}
+
+
+def namespace(request: dict, name: str) -> dict:
+    return next(t for t in request["tools"] if t.get("type") == "namespace" and t["name"] == name)
+
+
+def test_the_worker_lists_its_servers_and_their_tool_counts_at_start(mcp_worker):
+    log = mcp_worker.log.read_text()
+    assert "mcp server git (stdio: " in log and "mcp server git (" in log
+    assert "): 12 tools" in log.split("mcp server git")[1].splitlines()[0]
+    assert "mcp server time (stdio: " in log and "): 2 tools" in log.split("mcp server time")[1].splitlines()[0]
+
+
+def test_git_and_time_tools_reach_the_model_and_answer_through_the_fleet(mcp_worker, redis_server, repo, tmp_path):
+    script = [
+        [b.function_call("git_status", {"repo_path": str(repo)}, "call_status", namespace="git"),
+         b.function_call("git_log", {"repo_path": str(repo), "max_count": 5}, "call_log", namespace="git"),
+         b.function_call("get_current_time", {"timezone": "Europe/Oslo"}, "call_time", namespace="time")],
+        [b.message("done")],
+    ]
+    (outcome,), requests, events = drive(redis_server, tmp_path, script)
+    assert outcome.status == "completed"
+    git = namespace(requests[0], "git")
+    assert {"git_status", "git_log", "git_diff", "git_commit"} <= {t["name"] for t in git["tools"]}
+    status = next(t for t in git["tools"] if t["name"] == "git_status")
+    assert status["parameters"]["properties"]["repo_path"]["type"] == "string"  # the schema as the server lists it
+    assert [t["name"] for t in namespace(requests[0], "time")["tools"]] == ["get_current_time", "convert_time"]
+
+    out = outputs(requests[1])
+    assert "On branch trunk" in out["call_status"] and "untracked.txt" in out["call_status"]
+    assert "the first commit of the test repo" in out["call_log"]
+    assert json.loads(out["call_time"])["timezone"] == "Europe/Oslo"
+    assert completed(events)["call_status"]["worker"] == NAME
+
+
+def test_error_image_and_structured_results_map_to_outputs(mcp_worker, redis_server, tmp_path):
+    script = [
+        [b.function_call("fail", {"reason": "no way"}, "call_fail", namespace="edges"),
+         b.function_call("picture", {}, "call_picture", namespace="edges"),
+         b.function_call("forecast", {"city": "Oslo"}, "call_forecast", namespace="edges")],
+        [b.message("done")],
+    ]
+    (outcome,), requests, events = drive(redis_server, tmp_path, script)
+    assert outcome.status == "completed"
+    out = outputs(requests[1])
+    assert "refused: no way" in out["call_fail"]
+    [image] = out["call_picture"]
+    assert image["type"] == "input_image" and image["image_url"].startswith("data:image/png;base64,iVBORw0KGgo")
+    assert json.loads(out["call_forecast"]) == {"city": "Oslo", "celsius": 21.5}
+    assert completed(events)["call_fail"]["status"] == "failed"
+
+
+def test_two_servers_and_a_user_tool_named_search_stay_three_tools(mcp_worker, redis_server, tmp_path):
+    script = [
+        [b.function_call("search", {"query": "q1"}, "call_edges", namespace="edges"),
+         b.function_call("search", {"query": "q2"}, "call_other", namespace="other"),
+         b.function_call("search", {"query": "q3"}, "call_user")],
+        [b.message("done")],
+    ]
+    (outcome,), requests, _ = drive(redis_server, tmp_path, script)
+    assert outcome.status == "completed"
+    assert "search" in {t["name"] for t in namespace(requests[0], "edges")["tools"]}
+    assert "search" in {t["name"] for t in namespace(requests[0], "other")["tools"]}
+    out = outputs(requests[1])
+    assert "edges found q1" in out["call_edges"]
+    assert "other found q2" in out["call_other"]
+    assert out["call_user"] == "user search found q3"
+
+
+def test_a_server_never_sees_the_workers_secrets(mcp_worker, redis_server, tmp_path):
+    script = [[b.function_call("environment", {}, "call_env", namespace="edges")], [b.message("done")]]
+    _, requests, _ = drive(redis_server, tmp_path, script)
+    names = json.loads(json.loads(outputs(requests[1])["call_env"])["result"])
+    leaked = [n for n in names if n.startswith(("TOOLQ_", "REDIS", "CELERY", "OPENAI", "FLOWER"))]
+    assert leaked == [] and "PATH" in names
+
+
+def test_a_cancelled_call_is_cancelled_on_the_server(mcp_worker, redis_server, evidence, tmp_path):
+    marker = evidence / "edges.cancelled"
+    marker.unlink(missing_ok=True)
+
+    async def during(session, runtime):
+        end = time.monotonic() + 20
+        while not (session.turn_id and any(c.get("state") == "started"
+                                           for c in await runtime.ledger.calls(session.turn_id))):
+            assert time.monotonic() < end, "the slow call never started"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # the call is in the server's hands
+        session.cancel()
+
+    script = [[b.function_call("slow", {"seconds": 30}, "call_slow", namespace="edges")], [b.message("done")]]
+    t0 = time.monotonic()
+    (outcome,), requests, _ = drive(redis_server, tmp_path, script, during=during)
+    assert outcome.status == "cancelled"
+    assert time.monotonic() - t0 < 20
+    end = time.monotonic() + 10
+    while not marker.exists():
+        assert time.monotonic() < end, "the server never saw notifications/cancelled"
+        time.sleep(0.05)
+
+
+def test_a_crashed_server_is_restarted_and_its_in_flight_call_is_told(mcp_worker, redis_server, evidence, tmp_path):
+    pid = (evidence / "other.pid").read_text()
+    script = [
+        [b.function_call("crash", {}, "call_crash", namespace="other")],
+        [b.function_call("search", {"query": "again"}, "call_again", namespace="other")],
+        [b.message("done")],
+    ]
+    (outcome,), requests, _ = drive(redis_server, tmp_path, script)
+    assert outcome.status == "completed"
+    assert "exited during the call and is being restarted" in outputs(requests[1])["call_crash"]
+    assert "other found again" in outputs(requests[2])["call_again"]  # waited for the restart
+    assert (evidence / "other.pid").read_text() != pid
+
+
+def test_a_changed_tool_list_reaches_the_fleet_and_a_stale_declaration_is_refused(mcp_worker, redis_server, tmp_path):
+    script = [[b.function_call("grow", {}, "call_grow", namespace="edges")], [b.message("grown")]]
+    drive(redis_server, tmp_path, script)
+
+    def listed() -> set[str]:
+        from toolq.workers.app import make_app
+        from toolq.orchestrator.settings import Settings
+        app = make_app(Settings(redis_url=redis_server.url))
+        return {r.name for r in records_for(app) if r.server == "edges"}
+
+    end = time.monotonic() + 10
+    while "added" not in listed():
+        assert time.monotonic() < end, "the fleet never learned the new tool"
+        time.sleep(0.1)
+
+    # A new turn sees it and calls it; a declaration the orchestrator holds that differs from
+    # the server's listing is refused by the worker.
+    def stale(records):
+        return [r.model_copy(update={"description": "an older description"}) if r.name == "search" else r
+                for r in records]
+
+    script = [[b.function_call("added", {}, "call_added", namespace="edges"),
+               b.function_call("search", {"query": "x"}, "call_stale", namespace="edges")], [b.message("done")]]
+    _, requests, _ = drive(redis_server, tmp_path, script, feed=stale)
+    out = outputs(requests[1])
+    assert "added says hi" in out["call_added"]
+    assert "declared differently" in out["call_stale"]
+
+
+def test_bad_mcp_config_is_one_line_at_worker_start(redis_server, tmp_path):
+    env = {**os.environ, **WORKER_ENV, "REDIS_URL": redis_server.url}
+    proc = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "worker", "--mcp", "bad name=x"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "server name" in proc.stderr
