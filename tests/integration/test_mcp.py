@@ -151,6 +151,7 @@ def test_git_and_time_tools_reach_the_model_and_answer_through_the_fleet(mcp_wor
     assert "the first commit of the test repo" in out["call_log"]
     assert json.loads(out["call_time"])["timezone"] == "Europe/Oslo"
     assert completed(events)["call_status"]["worker"] == NAME
+    assert "Task tool:git.git_status[" in mcp_worker.log.read_text()  # the name Flower shows
 
 
 def test_error_image_and_structured_results_map_to_outputs(mcp_worker, redis_server, tmp_path):
