@@ -22,7 +22,7 @@ import pytest
 import tests.integration.mcp_tools  # noqa: F401  (the orchestrator loads the user's `search` too)
 from tests.integration.conftest import ROOT, TEST_TOOLS, WORKER_ENV, settings_for
 from toolq.orchestrator.calls import ToolName
-from toolq.orchestrator.embedded import WorkerProcess
+from toolq.orchestrator.bench.mcp import McpWorkerProcess
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
@@ -37,17 +37,6 @@ BIN = Path(sys.executable).parent
 EDGES = ROOT / "tests" / "mcp_servers" / "edges.py"
 MCP_TOOLS = "tests.integration.mcp_tools"
 NAME = "mcp1@test"
-
-
-class McpWorker(WorkerProcess):
-    """`toolq worker --mcp ...`, as a user runs it."""
-
-    def __init__(self, *args: Any, mcp: list[str], **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.mcp = mcp
-
-    def argv(self) -> list[str]:
-        return super().argv() + [a for m in self.mcp for a in ("--mcp", m)]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +60,7 @@ def evidence(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def mcp_worker(redis_server, repo, evidence, tmp_path_factory):
     edges = f"{sys.executable} {EDGES}"
-    w = McpWorker(redis_server.url, name=NAME, queues=["mcp-test"], concurrency=2, tools=[TEST_TOOLS, MCP_TOOLS],
+    w = McpWorkerProcess(redis_server.url, name=NAME, queues=["mcp-test"], concurrency=2, tools=[TEST_TOOLS, MCP_TOOLS],
                   env={**WORKER_ENV, "OPENAI_API_KEY": "sk-secret", "FLOWER_PASSWORD": "secret"},
                   logdir=tmp_path_factory.mktemp("mcp"),
                   mcp=[f"git={BIN / 'mcp-server-git'} --repository {repo}", f"time={BIN / 'mcp-server-time'}",
@@ -114,6 +103,13 @@ def drive(redis_server, workspace: Path, script: list, *, prompts=("go",), durin
 
 def outputs(request: dict) -> dict[str, Any]:
     return {i["call_id"]: i["output"] for i in request["input"] if i.get("type") == "function_call_output"}
+
+
+def wait_for_cancel_on_the_server(marker: Path) -> None:
+    end = time.monotonic() + 10
+    while not marker.exists():
+        assert time.monotonic() < end, "the server never saw notifications/cancelled"
+        time.sleep(0.05)
 
 
 def completed(events: list[dict]) -> dict[str, dict]:
@@ -214,10 +210,7 @@ def test_a_cancelled_call_is_cancelled_on_the_server(mcp_worker, redis_server, e
     (outcome,), requests, _ = drive(redis_server, tmp_path, script, during=during)
     assert outcome.status == "cancelled"
     assert time.monotonic() - t0 < 20
-    end = time.monotonic() + 10
-    while not marker.exists():
-        assert time.monotonic() < end, "the server never saw notifications/cancelled"
-        time.sleep(0.05)
+    wait_for_cancel_on_the_server(marker)
 
 
 def test_a_crashed_server_is_restarted_and_its_in_flight_call_is_told(mcp_worker, redis_server, evidence, tmp_path):
@@ -269,3 +262,31 @@ def test_bad_mcp_config_is_one_line_at_worker_start(redis_server, tmp_path):
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "server name" in proc.stderr
+
+
+def test_a_codex_toml_config_with_a_tool_timeout_cancels_the_call_on_the_server(redis_server, evidence, tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text(f"""
+[mcp_servers.slowpoke]
+command = "{sys.executable}"
+args = ["{EDGES}", "slowpoke", "{evidence}"]
+tool_timeout_sec = 1
+enabled_tools = ["slow", "search"]
+
+[mcp_servers.off]
+command = "no-such-command"
+enabled = false
+""")
+    w = McpWorkerProcess(redis_server.url, name="mcp2@test", queues=["mcp-test"], concurrency=1,
+                         tools=[TEST_TOOLS, MCP_TOOLS], env={**WORKER_ENV, "TOOLQ_MCP_CONFIG": str(config)},
+                         logdir=tmp_path, mcp=[])
+    w.start()
+    try:
+        script = [[b.function_call("slow", {"seconds": 30}, "call_slow", namespace="slowpoke")], [b.message("done")]]
+        (outcome,), requests, _ = drive(redis_server, tmp_path, script)
+    finally:
+        w.stop(grace=3)
+    assert sorted(t["name"] for t in namespace(requests[0], "slowpoke")["tools"]) == ["search", "slow"]
+    assert not any(t.get("name") == "off" for t in requests[0]["tools"])
+    assert "timed out after 1s; the server was asked to cancel it" in outputs(requests[1])["call_slow"]
+    wait_for_cancel_on_the_server(evidence / "slowpoke.cancelled")

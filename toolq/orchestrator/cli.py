@@ -163,7 +163,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing")
+BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "mcp")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

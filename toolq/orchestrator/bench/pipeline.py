@@ -27,10 +27,11 @@ from toolq.workers.app import TASK, celery_config
 from toolq.workers.catalog import load_catalog
 
 
-async def _toolq_calls(rt: Runtime, turn_id: str, n: int, step0: int) -> list[float]:
+async def _toolq_calls(rt: Runtime, turn_id: str, n: int, step0: int, *, name: str = "bench_noop",
+                       namespace: str | None = None) -> list[float]:
     times = []
     for i in range(n):
-        item = FunctionCallItem(call_id=f"call_{i}", name="bench_noop", arguments="{}")
+        item = FunctionCallItem(call_id=f"call_{i}", name=name, namespace=namespace, arguments="{}")
         t0 = time.perf_counter()
         step = Step(StepContext(turn_id, step0 + i, time.time() + 60, "/tmp"), rt.registry, rt.dispatcher,
                     rt.router, rt.ledger)
