@@ -127,7 +127,8 @@ def test_the_worker_lists_its_servers_and_their_tool_counts_at_start(mcp_worker)
     assert "mcp server time (stdio: " in log and "): 2 tools" in log.split("mcp server time")[1].splitlines()[0]
 
 
-def test_git_and_time_tools_reach_the_model_and_answer_through_the_fleet(mcp_worker, redis_server, repo, tmp_path):
+def test_git_and_time_tools_reach_the_model_and_answer_through_the_fleet(mcp_worker, redis_server, repo, tmp_path,
+                                                                        capsys):
     script = [
         [b.function_call("git_status", {"repo_path": str(repo)}, "call_status", namespace="git"),
          b.function_call("git_log", {"repo_path": str(repo), "max_count": 5}, "call_log", namespace="git"),
@@ -148,6 +149,13 @@ def test_git_and_time_tools_reach_the_model_and_answer_through_the_fleet(mcp_wor
     assert json.loads(out["call_time"])["timezone"] == "Europe/Oslo"
     assert completed(events)["call_status"]["worker"] == NAME
     assert "Task tool:git.git_status[" in mcp_worker.log.read_text()  # the name Flower shows
+    from toolq.orchestrator.settings import Settings
+    from toolq.orchestrator.status import status_cmd
+
+    capsys.readouterr()
+    status_cmd(Settings(redis_url=redis_server.url), outcome.turn_id, as_json=True)
+    rows = {r["call_id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert rows["call_status"]["tool"] == "git.git_status" and rows["call_time"]["tool"] == "time.get_current_time"
 
 
 def test_error_image_and_structured_results_map_to_outputs(mcp_worker, redis_server, tmp_path):
@@ -281,12 +289,17 @@ enabled = false
                          tools=[TEST_TOOLS, MCP_TOOLS], env={**WORKER_ENV, "TOOLQ_MCP_CONFIG": str(config)},
                          logdir=tmp_path, mcp=[])
     w.start()
+    first_pid = int((evidence / "slowpoke.pid").read_text())
     try:
-        script = [[b.function_call("slow", {"seconds": 30}, "call_slow", namespace="slowpoke")], [b.message("done")]]
+        script = [[b.function_call("slow", {"seconds": 30}, "call_slow", namespace="slowpoke"),
+                   # not in enabled_tools: the model cannot reach it, whatever it sends
+                   b.function_call("crash", {}, "call_crash", namespace="slowpoke")], [b.message("done")]]
         (outcome,), requests, _ = drive(redis_server, tmp_path, script)
     finally:
         w.stop(grace=3)
     assert sorted(t["name"] for t in namespace(requests[0], "slowpoke")["tools"]) == ["search", "slow"]
     assert not any(t.get("name") == "off" for t in requests[0]["tools"])
     assert "timed out after 1s; the server was asked to cancel it" in outputs(requests[1])["call_slow"]
+    assert outputs(requests[1])["call_crash"] == "unsupported call: slowpokecrash"
+    assert (evidence / "slowpoke.pid").read_text() == str(first_pid)  # never crashed
     wait_for_cancel_on_the_server(evidence / "slowpoke.cancelled")

@@ -79,3 +79,16 @@ def test_namespace_specs_leave_deferred_tools_out():
 def test_a_tool_the_model_cannot_be_offered_is_skipped_with_the_reason(name, schema, says):
     assert says in (unusable(name, schema) or "")
     assert unusable("ok", OPEN) is None
+
+
+def test_a_deferred_server_is_found_by_tool_search_in_its_namespace():
+    from toolq.orchestrator.calls import ToolSearchPayload
+    from toolq.workers.tools.tool_search import search_catalog
+
+    registry = Registry(Catalog())
+    registry.add(mcp_tool_specs([record("a", "fetch_issue", deferred=True), record("a", "close_pr", deferred=True)]))
+    assert registry.model_visible_specs() == []
+    found = search_catalog(registry.catalog, ToolSearchPayload(query="fetch issue"))
+    assert [t["name"] for t in found] == ["a"] and [t["name"] for t in found[0]["tools"]] == ["fetch_issue"]
+    loaded = registry.deferred_names(found)
+    assert [s["name"] for s in registry.model_visible_specs(loaded)] == ["a"]
