@@ -28,7 +28,7 @@ from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.turn import Runtime, Session
 from toolq.workers.catalog import Catalog, load_catalog
-from toolq.workers.mcp.fleet import fleet_listings, fleet_records
+from toolq.workers.mcp.fleet import add_fleet_tools, fleet_records
 from toolq.workers.mcp.specs import McpToolRecord, mcp_tool_specs
 
 pytestmark = pytest.mark.integration
@@ -77,8 +77,11 @@ def records_for(app) -> list[McpToolRecord]:
 async def _run(settings, prompts, during=None, feed=None):
     runtime = await Runtime.create(settings, catalog=Catalog(list(load_catalog([TEST_TOOLS, MCP_TOOLS]))))
     try:
-        records = await asyncio.to_thread(records_for, runtime.dispatcher.app)
-        runtime.registry.add(mcp_tool_specs(feed(records) if feed else records))
+        if feed is None:
+            await asyncio.to_thread(add_fleet_tools, runtime.registry, runtime.dispatcher.app, 2.0)
+        else:
+            records = await asyncio.to_thread(records_for, runtime.dispatcher.app)
+            runtime.registry.add(mcp_tool_specs(feed(records)))
         session = Session(runtime)
         events: list[dict] = []
         outcomes = []

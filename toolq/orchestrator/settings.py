@@ -41,6 +41,7 @@ ENV = {
     "flower_address": ("FLOWER_ADDRESS",),
     "signing_key": ("TOOLQ_SIGNING_KEY",),
     "log_tool_output": ("TOOLQ_LOG_TOOL_OUTPUT",),
+    "mcp": ("TOOLQ_MCP",),
     "mcp_config": ("TOOLQ_MCP_CONFIG",),
 }
 
@@ -86,7 +87,8 @@ class Settings(BaseModel):
     """Debugging only: put tool output in the workers' task-succeeded log lines and Flower's
     results (by default they carry status and sizes)."""
     mcp: list[str] = Field(default_factory=list)
-    """MCP servers a worker hosts, each `NAME=COMMAND ARGS...` (`toolq worker --mcp`; toolq/workers/mcp/)."""
+    """MCP servers a worker hosts, each `NAME=COMMAND ARGS...` (`toolq worker --mcp`; toolq/workers/mcp/);
+    in `TOOLQ_MCP`, one per line (a command may hold commas)."""
     mcp_config: Path | None = None
     """A JSON (`mcpServers`) or TOML (`[mcp_servers.NAME]`) file of MCP servers a worker hosts."""
 
@@ -116,6 +118,11 @@ class Settings(BaseModel):
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
         return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+    @field_validator("mcp", mode="before")
+    @classmethod
+    def _line_list(cls, v: Any) -> Any:
+        return [s.strip() for s in v.splitlines() if s.strip()] if isinstance(v, str) else v
 
     @classmethod
     def load(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:

@@ -111,3 +111,8 @@ def test_the_environment_names_only_basics_and_the_config_never_the_fleets_secre
 def test_settings_read_the_config_file_from_the_environment(tmp_path):
     settings = Settings.load(env={"TOOLQ_MCP_CONFIG": str(tmp_path / "m.toml")}, mcp=["a=b"])
     assert settings.mcp_config == tmp_path / "m.toml" and settings.mcp == ["a=b"]
+
+
+def test_toolq_mcp_holds_one_server_per_line():
+    settings = Settings.load(env={"TOOLQ_MCP": "git=mcp-server-git --repository a,b\ntime=mcp-server-time\n"})
+    assert settings.mcp == ["git=mcp-server-git --repository a,b", "time=mcp-server-time"]

@@ -24,8 +24,8 @@ from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime
 from toolq.workers.catalog import Catalog, load_catalog
-from toolq.workers.mcp.fleet import fleet_records
-from toolq.workers.mcp.specs import mcp_queue, mcp_tool_specs
+from toolq.workers.mcp.fleet import add_fleet_tools
+from toolq.workers.mcp.specs import mcp_queue
 
 SERVER = "bench"
 SERVE_IT = f"{SERVER}={sys.executable} -m toolq.orchestrator.bench.mcp_server"
@@ -66,8 +66,7 @@ def mcp_stack() -> Iterator[Settings]:
 
 async def _measure(settings: Settings, rounds: int, per_round: int) -> dict[str, Any]:
     rt = await Runtime.create(settings, catalog=Catalog(list(load_catalog([BENCH_TOOLS]))))
-    records = [r for r in await asyncio.to_thread(fleet_records, rt.dispatcher.app, 2.0) if r.server == SERVER]
-    rt.registry.add(mcp_tool_specs(records))
+    await asyncio.to_thread(add_fleet_tools, rt.registry, rt.dispatcher.app, 2.0)
     turn_id = f"turn-bench{uuid.uuid4().hex[:8]}"
     await rt.router.watch_turn(turn_id)
     try:

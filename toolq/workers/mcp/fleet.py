@@ -15,11 +15,12 @@ from celery import Celery
 from celery.signals import worker_ready, worker_shutdown
 from celery.worker.control import inspect_command
 
+from toolq.orchestrator.registry import Registry
 from toolq.orchestrator.settings import Settings
 from toolq.workers.catalog import Catalog
 from toolq.workers.mcp import worker
 from toolq.workers.mcp.config import load_servers
-from toolq.workers.mcp.specs import McpToolRecord
+from toolq.workers.mcp.specs import McpToolRecord, mcp_tool_specs
 from toolq.workers.mcp.wire import Listing
 
 log = logging.getLogger("toolq.worker")
@@ -57,6 +58,14 @@ def fleet_listings(app: Celery, timeout: float = 1.0) -> dict[str, Listing]:
             if body and "servers" in body:
                 out[hostname] = Listing.model_validate(body)
     return out
+
+
+def add_fleet_tools(registry: Registry, app: Celery, timeout: float = 1.0) -> int:
+    """The orchestrator's wiring until the fleet catalog carries MCP records: every MCP tool some
+    live worker serves now goes into the registry (one call at runtime start). Returns how many."""
+    specs = mcp_tool_specs(fleet_records(app, timeout))
+    registry.add(specs)
+    return len(specs)
 
 
 def fleet_records(app: Celery, timeout: float = 1.0) -> list[McpToolRecord]:
