@@ -20,13 +20,12 @@ from typing import Any
 import pytest
 
 import tests.integration.mcp_tools  # noqa: F401  (the orchestrator loads the user's `search` too)
-from tests.integration.conftest import ROOT, TEST_TOOLS, WORKER_ENV, settings_for
+from tests.integration.conftest import ROOT, TEST_TOOLS, WORKER_ENV, run_session, settings_for
 from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.bench.mcp import McpWorkerProcess
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
-from toolq.orchestrator.turn import Runtime, Session
 from toolq.workers.catalog import Catalog, load_catalog
 from toolq.workers.mcp.fleet import add_fleet_tools, fleet_records
 from toolq.workers.mcp.specs import McpToolRecord, mcp_tool_specs
@@ -75,24 +74,17 @@ def records_for(app) -> list[McpToolRecord]:
 
 
 async def _run(settings, prompts, during=None, feed=None):
-    runtime = await Runtime.create(settings, catalog=Catalog(list(load_catalog([TEST_TOOLS, MCP_TOOLS]))))
-    try:
+    async def learn_the_fleets_tools(runtime):
         if feed is None:
             await asyncio.to_thread(add_fleet_tools, runtime.registry, runtime.dispatcher.app, 2.0)
         else:
             records = await asyncio.to_thread(records_for, runtime.dispatcher.app)
             runtime.registry.add(mcp_tool_specs(feed(records)))
-        session = Session(runtime)
-        events: list[dict] = []
-        outcomes = []
-        for prompt in prompts:
-            turn = asyncio.create_task(session.run_turn(prompt, events.append))
-            if during is not None:
-                await during(session, runtime)
-            outcomes.append(await turn)
-        return outcomes, events
-    finally:
-        await runtime.aclose()
+
+    events: list[dict] = []
+    outcomes, _ = await run_session(settings, prompts, events, during, prepare=learn_the_fleets_tools,
+                                    catalog=Catalog(list(load_catalog([TEST_TOOLS, MCP_TOOLS]))))
+    return outcomes, events
 
 
 def drive(redis_server, workspace: Path, script: list, *, prompts=("go",), during=None, feed=None):
