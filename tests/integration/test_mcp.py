@@ -298,3 +298,65 @@ enabled = false
     assert outputs(requests[1])["call_crash"] == "unsupported call: slowpokecrash"
     assert (evidence / "slowpoke.pid").read_text() == str(first_pid)  # never crashed
     wait_for_cancel_on_the_server(evidence / "slowpoke.cancelled")
+
+
+def test_a_streamable_http_server_by_url(redis_server, evidence, tmp_path):
+    from toolq.orchestrator.embedded import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(EDGES), "web", str(evidence), str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    w = McpWorkerProcess(redis_server.url, name="mcp3@test", queues=["mcp-test"], concurrency=1,
+                         tools=[TEST_TOOLS, MCP_TOOLS], env=WORKER_ENV, logdir=tmp_path,
+                         mcp=[f"web=http://127.0.0.1:{port}/mcp"])
+    try:
+        end = time.monotonic() + 20
+        while not (evidence / "web.pid").exists():
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        time.sleep(0.5)  # listening
+        w.start()
+        assert "mcp server web (http: http://127.0.0.1:" in w.log.read_text()
+        script = [[b.function_call("forecast", {"city": "Bergen"}, "call_web", namespace="web")], [b.message("done")]]
+        _, requests, _ = drive(redis_server, tmp_path, script)
+    finally:
+        w.stop(grace=3)
+        server.terminate()
+        server.wait(5)
+    assert json.loads(outputs(requests[1])["call_web"]) == {"city": "Bergen", "celsius": 21.5}
+
+
+def test_a_worker_killed_outright_leaves_no_mcp_server_behind(redis_server, evidence, tmp_path):
+    import signal
+
+    pid_file = evidence / "orphan.pid"
+    w = McpWorkerProcess(redis_server.url, name="mcp4@test", queues=["mcp-test"], concurrency=1,
+                         tools=[TEST_TOOLS], env=WORKER_ENV, logdir=tmp_path,
+                         mcp=[f"orphan={sys.executable} {EDGES} orphan {evidence}"])
+    w.start()
+    server_pid = int(pid_file.read_text())
+    assert w.proc is not None
+    os.kill(w.proc.pid, signal.SIGKILL)  # the main process only: the host must notice on its own
+    try:
+        end = time.monotonic() + 15
+        while _alive(server_pid):
+            assert time.monotonic() < end, "the MCP server outlived its worker"
+            time.sleep(0.1)
+    finally:
+        try:
+            os.killpg(w.proc.pid, signal.SIGKILL)  # the pool children Celery left
+        except ProcessLookupError:
+            pass
+        w.proc.wait(5)
+        w.proc = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False

@@ -1,7 +1,8 @@
-"""An MCP server for the edges, written with the SDK's FastMCP: `python edges.py LABEL DIR`.
+"""An MCP server for the edges, written with the SDK's FastMCP: `python edges.py LABEL DIR [PORT]`.
 
 LABEL tells two instances apart (both offer `search`); DIR is where the server leaves evidence
-the test reads (a cancelled call's marker, its pid for the crash test).
+the test reads (a cancelled call's marker, its pid for the crash test). With PORT it serves
+streamable HTTP on 127.0.0.1:PORT/mcp instead of stdio.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ DIR = Path(sys.argv[2] if len(sys.argv) > 2 else ".")
 DIR.mkdir(parents=True, exist_ok=True)
 (DIR / f"{LABEL}.pid").write_text(str(os.getpid()))
 
-server = FastMCP(LABEL)
+PORT = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+server = FastMCP(LABEL, host="127.0.0.1", port=PORT or 8000, log_level="WARNING")
 
 
 def tiny_png() -> bytes:
@@ -105,4 +107,4 @@ async def grow(ctx: Context) -> str:
 
 
 if __name__ == "__main__":
-    server.run("stdio")
+    server.run("streamable-http" if PORT else "stdio")
