@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-import tests.integration.mcp_tools  # noqa: F401  (the orchestrator loads the user's `search` too)
+import examples.search_tools  # noqa: F401  (the orchestrator loads the user's `search` too)
 from tests.integration.conftest import ROOT, TEST_TOOLS, WORKER_ENV, run_session, settings_for
 from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.bench.mcp import McpWorkerProcess
@@ -34,7 +35,8 @@ pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
 EDGES = ROOT / "tests" / "mcp_servers" / "edges.py"
-MCP_TOOLS = "tests.integration.mcp_tools"
+#: The README's user tools: a plain `search` (and `workspace.search`) on the queue `search`.
+MCP_TOOLS = "examples.search_tools"
 NAME = "mcp1@test"
 
 
@@ -59,7 +61,7 @@ def evidence(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def mcp_worker(redis_server, repo, evidence, tmp_path_factory):
     edges = f"{sys.executable} {EDGES}"
-    w = McpWorkerProcess(redis_server.url, name=NAME, queues=["mcp-test"], concurrency=2, tools=[TEST_TOOLS, MCP_TOOLS],
+    w = McpWorkerProcess(redis_server.url, name=NAME, queues=["search"], concurrency=2, tools=[TEST_TOOLS, MCP_TOOLS],
                   env={**WORKER_ENV, "OPENAI_API_KEY": "sk-secret", "FLOWER_PASSWORD": "secret"},
                   logdir=tmp_path_factory.mktemp("mcp"),
                   mcp=[f"git={BIN / 'mcp-server-git'} --repository {repo}", f"time={BIN / 'mcp-server-time'}",
@@ -117,9 +119,9 @@ def namespace(request: dict, name: str) -> dict:
 
 def test_the_worker_lists_its_servers_and_their_tool_counts_at_start(mcp_worker):
     log = mcp_worker.log.read_text()
-    assert "mcp server git (stdio: " in log and "mcp server git (" in log
-    assert "): 12 tools" in log.split("mcp server git")[1].splitlines()[0]
-    assert "mcp server time (stdio: " in log and "): 2 tools" in log.split("mcp server time")[1].splitlines()[0]
+    assert re.search(r"mcp server git \(stdio: \S*mcp-server-git --repository \S+\): 12 tools\n", log)
+    assert re.search(r"mcp server time \(stdio: \S*mcp-server-time\): 2 tools\n", log)
+    assert re.search(r"mcp server edges \(stdio: .*edges\.py edges \S+\): 9 tools\n", log)
 
 
 def test_git_and_time_tools_reach_the_model_and_answer_through_the_fleet(mcp_worker, redis_server, repo, tmp_path,
@@ -174,9 +176,10 @@ def test_two_servers_and_a_user_tool_named_search_stay_three_tools(mcp_worker, r
     script = [
         [b.function_call("search", {"query": "q1"}, "call_edges", namespace="edges"),
          b.function_call("search", {"query": "q2"}, "call_other", namespace="other"),
-         b.function_call("search", {"query": "q3"}, "call_user")],
+         b.function_call("search", {"query": "q3", "limit": None}, "call_user")],
         [b.message("done")],
     ]
+    (tmp_path / "q3.txt").write_text("")
     (outcome,), requests, _ = drive(redis_server, tmp_path, script)
     assert outcome.status == "completed"
     assert "search" in {t["name"] for t in namespace(requests[0], "edges")["tools"]}
@@ -184,7 +187,7 @@ def test_two_servers_and_a_user_tool_named_search_stay_three_tools(mcp_worker, r
     out = outputs(requests[1])
     assert "edges found q1" in out["call_edges"]
     assert "other found q2" in out["call_other"]
-    assert out["call_user"] == "user search found q3"
+    assert out["call_user"] == "q3.txt"
 
 
 def test_a_server_never_sees_the_workers_secrets(mcp_worker, redis_server, tmp_path):
@@ -280,7 +283,7 @@ enabled_tools = ["slow", "search"]
 command = "no-such-command"
 enabled = false
 """)
-    w = McpWorkerProcess(redis_server.url, name="mcp2@test", queues=["mcp-test"], concurrency=1,
+    w = McpWorkerProcess(redis_server.url, name="mcp2@test", queues=["mcp-idle"], concurrency=1,
                          tools=[TEST_TOOLS, MCP_TOOLS], env={**WORKER_ENV, "TOOLQ_MCP_CONFIG": str(config)},
                          logdir=tmp_path, mcp=[])
     w.start()
@@ -306,7 +309,7 @@ def test_a_streamable_http_server_by_url(redis_server, evidence, tmp_path):
     port = free_port()
     server = subprocess.Popen([sys.executable, str(EDGES), "web", str(evidence), str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    w = McpWorkerProcess(redis_server.url, name="mcp3@test", queues=["mcp-test"], concurrency=1,
+    w = McpWorkerProcess(redis_server.url, name="mcp3@test", queues=["mcp-idle"], concurrency=1,
                          tools=[TEST_TOOLS, MCP_TOOLS], env=WORKER_ENV, logdir=tmp_path,
                          mcp=[f"web=http://127.0.0.1:{port}/mcp"])
     try:
@@ -330,7 +333,7 @@ def test_a_worker_killed_outright_leaves_no_mcp_server_behind(redis_server, evid
     import signal
 
     pid_file = evidence / "orphan.pid"
-    w = McpWorkerProcess(redis_server.url, name="mcp4@test", queues=["mcp-test"], concurrency=1,
+    w = McpWorkerProcess(redis_server.url, name="mcp4@test", queues=["mcp-idle"], concurrency=1,
                          tools=[TEST_TOOLS], env=WORKER_ENV, logdir=tmp_path,
                          mcp=[f"orphan={sys.executable} {EDGES} orphan {evidence}"])
     w.start()

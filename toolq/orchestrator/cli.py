@@ -77,7 +77,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from toolq.workers.app import app, catalog, configure
     from toolq.workers.mcp.fleet import start_with_worker
 
-    mcp_queues = start_with_worker(settings, catalog())  # MCP servers start before the pool forks
+    mcp_queues = start_with_worker(settings, catalog(), args.logfile)  # MCP servers start before the pool forks
     configure(settings)
     queues = list(dict.fromkeys([*(settings.queues or catalog().queues()), *mcp_queues]))
     argv = ["worker", "--pool", "prefork", "--concurrency", str(settings.concurrency), "--queues", ",".join(queues),

@@ -26,13 +26,13 @@ from toolq.workers.mcp.wire import Listing
 log = logging.getLogger("toolq.worker")
 
 
-def start_with_worker(settings: Settings, catalog: Catalog) -> list[str]:
+def start_with_worker(settings: Settings, catalog: Catalog, logfile: str | None = None) -> list[str]:
     """`toolq worker`'s hook, before Celery forks: start the configured servers, add their tools to
     the catalog, and return the queues their calls arrive on (none when no server is configured)."""
     servers = load_servers(settings.mcp, settings.mcp_config)
     if not servers:
         return []
-    listing = worker.start_host(servers, catalog)
+    listing = worker.start_host(servers, catalog, logfile)
     lines = worker.banner(listing)
 
     @worker_ready.connect(weak=False)

@@ -170,7 +170,7 @@ class Server:
                                      f"(declaration {record.digest} != {req.digest}); not run")
         # The SDK (1.x) sends no notifications/cancelled when a request's task is cancelled; this
         # host does. The id is the next one `call_tool` takes: nothing runs between here and its send.
-        request_id = session._request_id
+        request_id: int | None = getattr(session, "_request_id", None)
         me = asyncio.current_task()
         assert me is not None
         self.inflight.add(me)
@@ -212,7 +212,9 @@ async def _relay(source: Any, sink: Any, closed: asyncio.Event) -> None:
         closed.set()
 
 
-async def _cancel(session: ClientSession, request_id: int, reason: str) -> None:
+async def _cancel(session: ClientSession, request_id: int | None, reason: str) -> None:
+    if request_id is None:
+        return
     note = types.CancelledNotification(params=types.CancelledNotificationParams(requestId=request_id, reason=reason))
     with contextlib.suppress(Exception):  # the server may be gone; the call is over either way
         with anyio.CancelScope(shield=True), anyio.move_on_after(2):

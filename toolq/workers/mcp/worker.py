@@ -115,8 +115,9 @@ class McpHost:
 _host: McpHost | None = None
 
 
-def start_host(servers: dict[str, McpServerConfig], catalog: Catalog) -> Listing:
-    """Start the host, wait for every server's first start, and install their tools."""
+def start_host(servers: dict[str, McpServerConfig], catalog: Catalog, logfile: str | None = None) -> Listing:
+    """Start the host, wait for every server's first start, and install their tools. The host's
+    log and its servers' stderr go to the worker's logfile when it has one."""
     global _host
     from toolq.workers.mcp.host import HostConfig
 
@@ -127,8 +128,11 @@ def start_host(servers: dict[str, McpServerConfig], catalog: Catalog) -> Listing
     config = HostConfig(servers=servers, environments={n: c.environment() for n, c in servers.items()})
     # The host gets no secrets either: it needs only to find Python and toolq.
     env = {k: v for k, v in os.environ.items() if k in (*BASIC_ENV, "PYTHONPATH", "VIRTUAL_ENV")}
+    log_to = open(logfile, "ab") if logfile else None  # noqa: SIM115 - the host holds it for its life
     proc = subprocess.Popen([sys.executable, "-m", "toolq.workers.mcp.host", path], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env)
+                            stdout=subprocess.PIPE, stderr=log_to, env=env)
+    if log_to is not None:
+        log_to.close()
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(config.model_dump_json().encode())
     proc.stdin.close()
