@@ -9,6 +9,7 @@ fake model receives must pair.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import re
@@ -124,8 +125,7 @@ def test_the_worker_lists_its_servers_and_their_tool_counts_at_start(mcp_worker)
     assert re.search(r"mcp server edges \(stdio: .*edges\.py edges \S+\): 9 tools\n", log)
 
 
-def test_git_and_time_tools_reach_the_model_and_answer_through_the_fleet(mcp_worker, redis_server, repo, tmp_path,
-                                                                        capsys):
+def test_git_and_time_tools_reach_the_model_and_answer_through_the_fleet(mcp_worker, redis_server, repo, tmp_path):
     script = [
         [b.function_call("git_status", {"repo_path": str(repo)}, "call_status", namespace="git"),
          b.function_call("git_log", {"repo_path": str(repo), "max_count": 5}, "call_log", namespace="git"),
@@ -149,9 +149,9 @@ def test_git_and_time_tools_reach_the_model_and_answer_through_the_fleet(mcp_wor
     from toolq.orchestrator.settings import Settings
     from toolq.orchestrator.status import status_cmd
 
-    capsys.readouterr()
-    status_cmd(Settings(redis_url=redis_server.url), outcome.turn_id, as_json=True)
-    rows = {r["call_id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    table = io.StringIO()
+    status_cmd(Settings(redis_url=redis_server.url), outcome.turn_id, as_json=True, out=table)
+    rows = {r["call_id"]: r for r in map(json.loads, table.getvalue().splitlines())}
     assert rows["call_status"]["tool"] == "git.git_status" and rows["call_time"]["tool"] == "time.get_current_time"
 
 
