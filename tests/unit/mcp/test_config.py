@@ -29,6 +29,7 @@ def test_a_flag_with_a_url_is_streamable_http():
     ("git=echo 'unclosed", "No closing quotation"),
     ("my server=x", "letters, digits"),
     ("a.b=x", "letters, digits"),
+    ("functions=x", "also names the top-level tools"),
 ])
 def test_a_bad_flag_is_one_clear_line(value, says):
     with pytest.raises(ConfigurationError) as e:

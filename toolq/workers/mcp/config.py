@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.registry import FUNCTIONS_NAMESPACE
 
 #: A server name is a Responses API namespace, so it takes the characters a function name does.
 SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -151,6 +152,9 @@ def _server(name: str, raw: dict[str, Any], where: str) -> McpServerConfig:
     if not SERVER_NAME.fullmatch(name):
         raise ConfigurationError(f"{where}: a server name is its tools' namespace: letters, digits, _ and - "
                                  "(at most 64)")
+    if name == FUNCTIONS_NAMESPACE:
+        raise ConfigurationError(f"{where}: `{name}` also names the top-level tools (Codex's namespace for them); "
+                                 "choose another server name")
     try:
         return McpServerConfig.model_validate(raw)
     except ValidationError as e:
