@@ -122,7 +122,7 @@ def test_the_worker_lists_its_servers_and_their_tool_counts_at_start(mcp_worker)
     log = mcp_worker.log.read_text()
     assert re.search(r"mcp server git \(stdio: \S*mcp-server-git --repository \S+\): 12 tools\n", log)
     assert re.search(r"mcp server time \(stdio: \S*mcp-server-time\): 2 tools\n", log)
-    assert re.search(r"mcp server edges \(stdio: .*edges\.py edges \S+\): 9 tools\n", log)
+    assert re.search(r"mcp server edges \(stdio: .*edges\.py edges \S+\): 10 tools\n", log)
 
 
 def test_git_and_time_tools_reach_the_model_and_answer_through_the_fleet(mcp_worker, redis_server, repo, tmp_path):
@@ -260,6 +260,24 @@ def test_a_changed_tool_list_reaches_the_fleet_and_a_stale_declaration_is_refuse
     out = outputs(requests[1])
     assert "added says hi" in out["call_added"]
     assert "declared differently" in out["call_stale"]
+
+
+def test_a_tool_listed_anew_mid_turn_is_refused_as_declared_differently(mcp_worker, redis_server, tmp_path):
+    """The orchestrator and the pool child both hold the declaration from before the change; the
+    host, which follows the server, refuses the call."""
+    script = [
+        [b.function_call("reshape", {}, "call_reshape", namespace="other")],
+        [b.function_call("search", {"query": "x"}, "call_old", namespace="other")],
+        [b.message("done")],
+    ]
+    _, requests, _ = drive(redis_server, tmp_path, script)
+    assert outputs(requests[1])["call_reshape"] == json.dumps({"result": "reshaped"})
+    assert "tool other.search is declared differently by its MCP server now" in outputs(requests[2])["call_old"]
+    # the next turn learns the new declaration and the call runs
+    script = [[b.function_call("search", {"query": "y", "limit": 2}, "call_new", namespace="other")],
+              [b.message("done")]]
+    _, requests, _ = drive(redis_server, tmp_path, script)
+    assert "other found y (at most 2)" in outputs(requests[1])["call_new"]
 
 
 def test_bad_mcp_config_is_one_line_at_worker_start(redis_server, tmp_path):

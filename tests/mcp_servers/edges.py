@@ -106,5 +106,19 @@ async def grow(ctx: Context) -> str:
     return "grown"
 
 
+@server.tool()
+async def reshape(ctx: Context) -> str:
+    """Lists `search` anew with another schema (a `limit` argument) and says the list changed."""
+
+    def search(query: str, limit: int) -> str:
+        """Search this server's own corpus, at most `limit` results."""
+        return f"{LABEL} found {query} (at most {limit})"
+
+    server.remove_tool("search")
+    server.add_tool(search)
+    await ctx.session.send_tool_list_changed()
+    return "reshaped"
+
+
 if __name__ == "__main__":
     server.run("streamable-http" if PORT else "stdio")

@@ -166,8 +166,9 @@ class Server:
         if record is None:
             return CallReply(refusal=f"MCP server {self.name} no longer lists the tool {req.tool}; not run")
         if record.digest != req.digest:
-            return CallReply(refusal=f"MCP server {self.name} listed {req.tool} anew while the call was on its way "
-                                     f"(declaration {record.digest} != {req.digest}); not run")
+            return CallReply(stale=True, refusal=(
+                f"tool {self.name}.{req.tool} is declared differently by its MCP server now than in the call "
+                f"(declaration {record.digest} != {req.digest}): the server listed its tools anew; not run"))
         # The SDK (1.x) sends no notifications/cancelled when a request's task is cancelled; this
         # host does. The id is the next one `call_tool` takes: nothing runs between here and its send.
         request_id: int | None = getattr(session, "_request_id", None)

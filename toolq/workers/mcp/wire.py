@@ -66,3 +66,5 @@ class CallReply(BaseModel):
     result: McpOutput | None = None
     refusal: str | None = None
     """Why the call did not run or did not finish (server down or crashed, list changed, timeout)."""
+    stale: bool = False
+    """The server lists the tool differently from the declaration the call carries."""

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from toolq.orchestrator.calls import ToolInvocation
+from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.errors import ConfigurationError, RespondToModel
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn
 from toolq.workers.mcp.config import BASIC_ENV, McpServerConfig
@@ -159,12 +159,22 @@ def install(catalog: Catalog, listing: Listing) -> None:
 
 
 def sync(catalog: Catalog, invocation: dict[str, Any]) -> None:
-    """Before an MCP call runs in a pool child: the catalog as the host lists it now."""
+    """Before an MCP call runs in a pool child: if the catalog here does not hold the declaration
+    the call carries, reload it as the host lists it now, so `execute` judges the call against
+    the server's current listing. When it does hold it, the host re-checks at the call (`Forward`)."""
     if _host is None:
         return
-    namespace = (invocation.get("tool_name") or {}).get("namespace")
-    if namespace not in _host.servers:
+    name = invocation.get("tool_name") or {}
+    if name.get("namespace") not in _host.servers:
         return
+    spec = catalog.get(ToolName(namespace=name.get("namespace"), name=str(name.get("name"))))
+    if spec is not None and spec.digest() == invocation.get("spec_digest"):
+        return
+    reload(catalog)
+
+
+def reload(catalog: Catalog) -> None:
+    assert _host is not None
     try:
         listing = _host.client.listing()
     except HostUnavailable:
@@ -198,6 +208,8 @@ class Forward:
             reply = _host.client.call(request, ctx.cancelled)
         except HostUnavailable as e:
             raise RespondToModel(f"{e}; not run") from None
+        if reply.stale and ctx.catalog is not None:
+            reload(ctx.catalog)  # this process's copy of the server's tools is out of date
         if reply.refusal is not None or reply.result is None:
             raise RespondToModel(reply.refusal or "the MCP host gave no result")
         out = reply.result
