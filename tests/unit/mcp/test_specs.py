@@ -92,3 +92,10 @@ def test_a_deferred_server_is_found_by_tool_search_in_its_namespace():
     assert [t["name"] for t in found] == ["a"] and [t["name"] for t in found[0]["tools"]] == ["fetch_issue"]
     loaded = registry.deferred_names(found)
     assert [s["name"] for s in registry.model_visible_specs(loaded)] == ["a"]
+
+
+def test_a_namespace_is_replaced_whole_and_other_tools_stay():
+    plain = ToolSpec(name="search", parameters=CLOSED, strict=True)
+    catalog = Catalog([plain, *mcp_tool_specs([record("a", "one"), record("a", "two"), record("b", "one")])])
+    catalog.replace_namespace("a", [tool_spec(record("a", "three"))])
+    assert sorted(str(s.tool_name) for s in catalog) == ["a.three", "b.one", "search"]
