@@ -280,6 +280,31 @@ def test_a_tool_listed_anew_mid_turn_is_refused_as_declared_differently(mcp_work
     assert "other found y (at most 2)" in outputs(requests[1])["call_new"]
 
 
+def test_a_server_no_live_worker_hosts_leaves_the_registry(redis_server, evidence, tmp_path):
+    from toolq.orchestrator.registry import Registry
+    from toolq.orchestrator.settings import Settings
+    from toolq.workers.app import make_app
+    from toolq.workers.mcp.fleet import FleetMcpTools
+
+    app = make_app(Settings(redis_url=redis_server.url))
+    registry = Registry(Catalog())
+    fleet = FleetMcpTools(registry, app, timeout=1.0)
+    w = McpWorkerProcess(redis_server.url, name="mcp5@test", queues=["mcp-idle"], concurrency=1,
+                         tools=[TEST_TOOLS], env=WORKER_ENV, logdir=tmp_path,
+                         mcp=[f"solo={sys.executable} {EDGES} solo {evidence}"])
+    w.start()
+    try:
+        fleet.refresh()
+        assert registry.lookup(ToolName.namespaced("solo", "search")) is not None
+        assert "solo" in {s["name"] for s in registry.model_visible_specs() if s["type"] == "namespace"}
+    finally:
+        w.stop(grace=3)
+    fleet.refresh()
+    assert registry.lookup(ToolName.namespaced("solo", "search")) is None
+    assert "solo" not in {s.get("name") for s in registry.model_visible_specs()}
+    app.close()
+
+
 def test_bad_mcp_config_is_one_line_at_worker_start(redis_server, tmp_path):
     env = {**os.environ, **WORKER_ENV, "REDIS_URL": redis_server.url}
     proc = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "worker", "--mcp", "bad name=x"],

@@ -51,6 +51,14 @@ class Registry:
             self.catalog.add(spec)
             self._index(spec)
 
+    def replace_namespace(self, namespace: str, specs: list[ToolSpec]) -> None:
+        """A namespace learned from the fleet becomes exactly `specs` (none: no live worker serves it)."""
+        for name in [n for n in self._validators if n.namespace == namespace]:
+            del self._validators[name]
+        self.catalog.replace_namespace(namespace, specs)
+        for spec in specs:
+            self._index(spec)
+
     def lookup(self, name: ToolName) -> ToolSpec | None:
         spec = self.catalog.get(name)
         if spec is None and name.namespace == FUNCTIONS_NAMESPACE:

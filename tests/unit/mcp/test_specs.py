@@ -99,3 +99,18 @@ def test_a_namespace_is_replaced_whole_and_other_tools_stay():
     catalog = Catalog([plain, *mcp_tool_specs([record("a", "one"), record("a", "two"), record("b", "one")])])
     catalog.replace_namespace("a", [tool_spec(record("a", "three"))])
     assert sorted(str(s.tool_name) for s in catalog) == ["a.three", "b.one", "search"]
+
+
+def test_the_registry_replaces_a_namespace_with_its_validators():
+    registry = Registry(Catalog())
+    registry.add(mcp_tool_specs([record("a")]))
+    changed = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    registry.replace_namespace("a", mcp_tool_specs([record("a", schema=changed)]))
+    step = StepContext(turn_id="t", step=0, deadline=1e12)
+    call = ToolCall(tool_name=ToolName.namespaced("a", "search"), call_id="c",
+                    payload=FunctionPayload(arguments='{"query": "x"}'))
+    with pytest.raises(RespondToModel, match="missing field `q`"):
+        registry.bind(call, step, 0)
+    registry.replace_namespace("a", [])
+    with pytest.raises(RespondToModel, match="unsupported call: asearch"):
+        registry.bind(call, step, 0)

@@ -60,12 +60,30 @@ def fleet_listings(app: Celery, timeout: float = 1.0) -> dict[str, Listing]:
     return out
 
 
+class FleetMcpTools:
+    """The orchestrator's wiring until the fleet catalog carries MCP records: the MCP tools some
+    live worker serves, in the registry. `refresh()` at a turn's start (or on a timer) makes each
+    server's namespace what the fleet lists now, and drops the namespace of a server no live
+    worker hosts, so its tools stay out of the model's list."""
+
+    def __init__(self, registry: Registry, app: Celery, timeout: float = 1.0) -> None:
+        self.registry, self.app, self.timeout = registry, app, timeout
+        self.servers: set[str] = set()
+
+    def refresh(self) -> int:
+        """Returns how many MCP tools the registry now holds."""
+        by_server: dict[str, list] = {}
+        for spec in mcp_tool_specs(fleet_records(self.app, self.timeout)):
+            by_server.setdefault(spec.namespace or "", []).append(spec)
+        for server in self.servers | set(by_server):
+            self.registry.replace_namespace(server, by_server.get(server, []))
+        self.servers = set(by_server)
+        return sum(len(v) for v in by_server.values())
+
+
 def add_fleet_tools(registry: Registry, app: Celery, timeout: float = 1.0) -> int:
-    """The orchestrator's wiring until the fleet catalog carries MCP records: every MCP tool some
-    live worker serves now goes into the registry (one call at runtime start). Returns how many."""
-    specs = mcp_tool_specs(fleet_records(app, timeout))
-    registry.add(specs)
-    return len(specs)
+    """One `FleetMcpTools.refresh()` at runtime start. Returns how many tools it added."""
+    return FleetMcpTools(registry, app, timeout).refresh()
 
 
 def fleet_records(app: Celery, timeout: float = 1.0) -> list[McpToolRecord]:
