@@ -17,8 +17,8 @@ import uuid
 from contextlib import contextmanager
 from typing import IO, Any, Iterator
 
-from toolq.orchestrator.bench.harness import (BENCH_QUEUE, BENCH_TOOLS, START_BENCH_WORKER, FleetNotReady, goal,
-                                              median, ms, pct, require_queues)
+from toolq.orchestrator.bench.harness import (BENCH_QUEUE, BENCH_TOOLS, START_BENCH_WORKER, FleetNotReady, measured,
+                                              median, pct, require_queues, two_paths_report)
 from toolq.orchestrator.bench.pipeline import _toolq_calls
 from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.settings import Settings
@@ -92,20 +92,13 @@ GOAL = 1.5
 
 
 def run(out: IO[str] = sys.stdout, rounds: int = 3, per_round: int = 100) -> dict[str, Any]:
-    with mcp_stack() as settings:
-        res = asyncio.run(_measure(settings, rounds, per_round))
-    print("\n".join(report(res)), file=out)
-    return res
+    return measured(mcp_stack(), _measure, report, out, rounds, per_round)
 
 
 def report(res: dict[str, Any]) -> list[str]:
-    res["goal_met"], note = goal(res["ratio_p50"], GOAL)
-    return [
-        f"per-call round trip over {res['calls']} sequential no-op calls each (same worker, one Step per call):",
-        f"  built-in tool bench_noop    : p50 {ms(res['builtin_p50'])}  p90 {ms(res['builtin_p90'])}",
-        f"  MCP tool bench.noop (stdio) : p50 {ms(res['mcp_p50'])}  p90 {ms(res['mcp_p90'])}",
-        f"  ratio MCP/built-in (p50)    : {res['ratio_p50']:.2f}x   ({note})",
-    ]
+    return two_paths_report(
+        res, GOAL, f"per-call round trip over {res['calls']} sequential no-op calls each (same worker, one Step per call):",
+        ("built-in tool bench_noop", "builtin"), ("MCP tool bench.noop (stdio)", "mcp"), "ratio MCP/built-in (p50)")
 
 
 if __name__ == "__main__":
