@@ -16,8 +16,7 @@ from typing import Callable, Iterator
 
 from pydantic import BaseModel, Field
 
-from toolq.orchestrator.errors import RespondToModel
-from toolq.workers.catalog import ToolContext, tool
+from toolq import RespondToModel, ToolContext, tool
 
 QUEUE = "search"
 #: Larger files are skipped: a search tool should answer in well under its timeout.

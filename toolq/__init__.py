@@ -1,1 +1,59 @@
-"""toolq: run an LLM agent's tool calls on a Celery fleet (Responses API in, paired outputs back)."""
+"""toolq: run an LLM agent's tool calls on a Celery fleet (Responses API in, paired outputs back).
+
+Public names, for whoever uses them (like `temporalio.activity` / `temporalio.client`):
+
+- tool authors: `tool`, `ToolContext`, `ToolReturn`, `RespondToModel`;
+- callers with their own agent loop: `Fleet` (`tool_specs()`, `run_calls(items)`);
+- the whole loop, as `toolq run` runs it: `Session` on a `Runtime`, with typed events
+  (`TurnEvent`, `ToolCallView`, `CallState`); `Settings` for configuration;
+- users' own tests: `toolq.testing` (the fake model, one call in-process).
+
+Imports are lazy: `from toolq import tool` loads neither Celery nor the built-in tools.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+#: public name -> the module that defines it
+_EXPORTS = {
+    "tool": "toolq.workers.catalog",
+    "ToolContext": "toolq.workers.catalog",
+    "ToolReturn": "toolq.workers.catalog",
+    "RespondToModel": "toolq.orchestrator.errors",
+    "Settings": "toolq.orchestrator.settings",
+    "Fleet": "toolq.orchestrator.fleet",
+    "Session": "toolq.orchestrator.turn",
+    "Runtime": "toolq.orchestrator.turn",
+    "TurnOutcome": "toolq.orchestrator.turn",
+    "CallState": "toolq.orchestrator.states",
+    "TurnEvent": "toolq.orchestrator.turn_events",
+    "ToolCallView": "toolq.orchestrator.turn_events",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from toolq.orchestrator.errors import RespondToModel
+    from toolq.orchestrator.fleet import Fleet
+    from toolq.orchestrator.settings import Settings
+    from toolq.orchestrator.states import CallState
+    from toolq.orchestrator.turn import Runtime, Session, TurnOutcome
+    from toolq.orchestrator.turn_events import ToolCallView, TurnEvent
+    from toolq.workers.catalog import ToolContext, ToolReturn, tool
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'toolq' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

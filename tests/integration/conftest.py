@@ -19,7 +19,7 @@ from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime, Session, TurnOutcome
-from toolq.workers.catalog import load_catalog
+from toolq.workers.loader import load_catalog
 from tests.responses_schema import schema_errors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,15 +84,26 @@ def worker(redis_server, tmp_path):
     """Factory: extra workers for one test (fault tests kill them)."""
     started: list[WorkerProcess] = []
 
-    def make(queues: list[str], concurrency: int = 1, redis_url: str | None = None, **kw: Any) -> WorkerProcess:
-        w = WorkerProcess(redis_url or redis_server.url, queues=queues, concurrency=concurrency, tools=[TEST_TOOLS],
-                          env=WORKER_ENV, logdir=tmp_path, **kw)
+    def make(queues: list[str], concurrency: int = 1, redis_url: str | None = None, *, tools: list[str] = (),
+             env: dict[str, str] | None = None, **kw: Any) -> WorkerProcess:
+        w = WorkerProcess(redis_url or redis_server.url, queues=queues, concurrency=concurrency,
+                          tools=[TEST_TOOLS, *tools], env={**WORKER_ENV, **(env or {})}, logdir=tmp_path, **kw)
         started.append(w.start())
         return w
 
     yield make
     for w in started:
         w.stop(grace=3)
+
+
+JOINING_TOOLS = "tests.integration.joining_tools"
+
+
+@pytest.fixture
+def joining_worker(worker):
+    """A third worker, beside the shared fleet, started with a tool module the fleet has not loaded
+    (`toolq worker --tools tests.integration.joining_tools`)."""
+    return worker(["toolq"], concurrency=2, tools=[JOINING_TOOLS], name="joiner@test")
 
 
 @dataclass
@@ -120,14 +131,17 @@ def settings_for(redis_url: str, fake: FakeModel, workspace: Path, **kw: Any) ->
                     **kw)
 
 
-async def run_session(settings: Settings, prompts: list[str], events: list, during=None,
-                      **session_kw: Any) -> tuple[list[TurnOutcome], Session]:
-    runtime = await Runtime.create(settings, catalog=load_catalog([TEST_TOOLS]))
+async def run_session(settings: Settings, prompts: list[str], events: list, during=None, *, catalog=None,
+                      prepare=None, **session_kw: Any) -> tuple[list[TurnOutcome], Session]:
+    """`prepare(runtime)`, when given, runs before the first turn (e.g. feeding the registry)."""
+    runtime = await Runtime.create(settings, catalog=catalog if catalog is not None else load_catalog([TEST_TOOLS]))
     try:
+        if prepare is not None:
+            await prepare(runtime)
         session = Session(runtime, **session_kw)
         outcomes = []
         for prompt in prompts:
-            turn = asyncio.create_task(session.run_turn(prompt, events.append))
+            turn = asyncio.create_task(session.run_turn(prompt, lambda e: events.append(e.to_json())))
             if during is not None:
                 await during(session, runtime)
             outcomes.append(await turn)

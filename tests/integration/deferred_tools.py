@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from toolq.workers.catalog import ToolContext, tool
+from toolq import ToolContext, tool
 
 #: Fixed for the test: 1 EUR = 1.25 USD.
 RATE = 1.25

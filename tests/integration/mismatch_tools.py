@@ -10,7 +10,7 @@ import os
 
 from pydantic import BaseModel
 
-from toolq.workers.catalog import ToolContext, tool
+from toolq import ToolContext, tool
 
 MISMATCH_ENV = "TOOLQ_TEST_MISMATCH"
 QUEUE = "mismatch"

@@ -128,7 +128,7 @@ def test_cancelling_one_call_aborts_it_and_the_turn_goes_on(fleet, drive):
         ledger = runtime.ledger
 
         async def started():
-            return any(c.get("call_id") == "call_long" and c.get("state") == "started"
+            return any(c.get("call_id") == "call_long" and c.get("state") == "running"
                        for c in await ledger.calls(session.turn_id))
 
         end = time.monotonic() + 20
@@ -149,7 +149,11 @@ def test_cancelling_one_call_aborts_it_and_the_turn_goes_on(fleet, drive):
 
 
 def test_a_cancel_with_no_worker_online_prevents_the_call_from_running(worker, drive, tmp_path, redis_server):
-    """The revoke broadcast is lost with nobody listening; the durable record is not."""
+    """The revoke broadcast is lost with nobody listening; the durable record is not. The only
+    `faults` worker was SIGKILLed a moment ago: its fleet catalog record outlives it until its TTL,
+    so the call is queued for it (a worker that exited cleanly would have withdrawn at once)."""
+    worker(["faults"]).kill()
+
     async def during(session, runtime):
         await wait_until(lambda: session.turn_id is not None, what="the turn")
         end = time.monotonic() + 20

@@ -23,7 +23,7 @@ from toolq.orchestrator.flower import FlowerProcess
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.status import status_cmd
-from toolq.workers.app import TASK, TASK_IDEMPOTENT
+from toolq.workers.contracts import TASK, TASK_IDEMPOTENT
 
 pytestmark = pytest.mark.integration
 
@@ -85,8 +85,8 @@ def test_flower_lists_a_turns_tasks_by_tool_name_with_call_id_state_worker_and_r
     assert set(rows) == set(task_ids)
     for call_id, row in rows.items():
         assert row["task_id"] == task_ids[call_id] and row["tool"] == "sleep_echo"
-        assert row["state"] == "succeeded" and row["worker"] in {w.name for w in fleet}
-        assert row["duration"] >= 0.04
+        assert row["state"] == "completed" and row["worker"] in {w.name for w in fleet}
+        assert row["run_time"] >= 0.04
 
     with httpx.Client(base_url=flower.url, auth=AUTH, timeout=5) as client:
         def listed() -> dict[str, Any] | None:
@@ -144,7 +144,7 @@ def test_a_revoke_through_flower_aborts_the_call_and_the_turn_goes_on(fleet, flo
                 assert time.monotonic() < deadline, "the long call never showed up as started in Flower"
                 turn_id = next((t for t, _ in await runtime.ledger.recent_turns(1)), None)
                 task_id = turn_id and next((c["task_id"] for c in await runtime.ledger.calls(turn_id)
-                                            if c.get("call_id") == "call_long" and c.get("state") == "started"), None)
+                                            if c.get("call_id") == "call_long" and c.get("state") == "running"), None)
                 if task_id:
                     info = await client.get(f"/api/task/info/{task_id}")
                     if info.status_code == 200 and info.json().get("state") == "STARTED":
@@ -178,3 +178,47 @@ def test_status_of_an_unknown_turn_says_so_and_exits_1(redis_server):
     err = io.StringIO()
     assert status_cmd(Settings(redis_url=redis_server.url), "turn-never-ran", out=io.StringIO(), err=err) == 1
     assert "no turn 'turn-never-ran'" in err.getvalue() and "toolq turns" in err.getvalue()
+
+
+def test_failed_calls_are_failure_in_flower_failed_in_the_events_and_unchanged_for_the_model(
+        fleet, flower, drive, redis_server):
+    """Issue 10 item 7: a command that exits non-zero and a file tool that fails end in Celery's
+    FAILURE (Flower's "Failed" filter lists them), `status: "failed"` in the events and `failed`
+    in the ledger, while the model reads the same output as before."""
+    run = drive([
+        [b.function_call("exec_command", {"cmd": "echo oops; exit 3"}, "call_exit3"),
+         b.function_call("read_file", {"file_path": "no-such-file.txt"}, "call_nofile"),
+         b.function_call("exec_command", {"cmd": "echo fine"}, "call_fine")],
+        final(),
+    ])
+    assert run.outcome.status == "completed"
+    outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
+    assert "Process exited with code 3" in outputs["call_exit3"] and "oops" in outputs["call_exit3"]
+    assert outputs["call_nofile"] and "Process exited with code 0" in outputs["call_fine"]
+
+    items = {e["item"]["id"]: e["item"] for e in run.events
+             if e["type"] == "item.completed" and e["item"].get("type") == "tool_call"}
+    exit3, nofile, fine = items["call_exit3"], items["call_nofile"], items["call_fine"]
+    assert (exit3["status"], exit3["state"], exit3["exit_code"], exit3["reason"]) == ("failed", "failed", 3,
+                                                                                      "exit code 3")
+    assert (nofile["status"], nofile["state"]) == ("failed", "failed")
+    assert nofile["reason"] == outputs["call_nofile"].splitlines()[0][:200]
+    assert (fine["status"], fine["state"]) == ("completed", "completed")
+
+    task_ids = {c["call_id"]: c["task_id"] for c in ledger_calls(redis_server.url, run.outcome.turn_id)}
+    states = {c["call_id"]: c["state"] for c in ledger_calls(redis_server.url, run.outcome.turn_id)}
+    assert states == {"call_exit3": "failed", "call_nofile": "failed", "call_fine": "completed"}
+    failed_ids = {task_ids["call_exit3"], task_ids["call_nofile"]}
+    with httpx.Client(base_url=flower.url, auth=AUTH, timeout=5) as client:
+        def listed_failed() -> set[str] | None:
+            tasks = client.get("/api/tasks", params={"state": "FAILURE"}).raise_for_status().json()
+            return failed_ids if failed_ids <= set(tasks) else None
+
+        eventually(listed_failed, "Flower's Failed filter to list both failed calls")
+        info = client.get(f"/api/task/info/{task_ids['call_exit3']}").raise_for_status().json()
+        assert info["state"] == "FAILURE" and "exit code 3" in info["exception"]
+        assert "oops" not in info["exception"] + (info.get("traceback") or ""), "the call's output leaked into Flower"
+        nofile = client.get(f"/api/task/info/{task_ids['call_nofile']}").raise_for_status().json()
+        assert nofile["exception"] == "ToolCallFailed(failed)"
+        eventually(lambda: client.get(f"/api/task/info/{task_ids['call_fine']}").json().get("state") == "SUCCESS",
+                   "the successful call to stay SUCCESS")

@@ -30,7 +30,7 @@ from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.workers.app import TASK
-from toolq.workers.catalog import load_catalog
+from toolq.workers.loader import load_catalog
 from toolq.workers.signing import Signer
 
 pytestmark = pytest.mark.integration
@@ -64,8 +64,8 @@ async def started_task(runtime, session, call_id: str, timeout: float = 15) -> s
     while time.monotonic() < deadline:
         if session.turn_id:
             task_id = task_id_for(session.turn_id, 0, 0, call_id)
-            meta = await runtime.router.meta(task_id)
-            if meta and meta.get("status") == "STARTED":
+            raw = await runtime.router.r.get(keys.celery_meta(task_id))
+            if raw and json.loads(raw).get("status") == "STARTED":
                 return task_id
         await asyncio.sleep(0.02)
     raise AssertionError(f"{call_id} never started")

@@ -18,7 +18,7 @@ from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime
-from toolq.workers.catalog import load_catalog
+from toolq.workers.loader import load_catalog
 
 pytestmark = pytest.mark.integration
 
@@ -187,7 +187,7 @@ def test_the_turn_is_visible_in_the_ledger(fleet, drive):
 
     turn, calls = asyncio.run(read())
     assert turn["state"] == "completed"
-    assert [(c["call_id"], c["state"]) for c in calls] == [("call_l", "succeeded")]
+    assert [(c["call_id"], c["state"]) for c in calls] == [("call_l", "completed")]
     assert calls[0]["worker"].startswith("fleet")
 
 
@@ -198,7 +198,7 @@ def test_the_barrier_owns_its_subscriptions_and_many_calls_pile_up_none(fleet, d
     async def during(session, runtime):
         end = time.monotonic() + 30
         while not session.turn_id or not any(
-                c.get("state") == "succeeded" for c in await runtime.ledger.calls(session.turn_id)):
+                c.get("state") == "completed" for c in await runtime.ledger.calls(session.turn_id)):
             assert time.monotonic() < end, "no call finished"
             await asyncio.sleep(0.01)
         client = redis.Redis.from_url(fleet[0].redis_url)
@@ -241,11 +241,8 @@ def test_requests_are_stateless_and_carry_instructions_and_reasoning(fleet, tmp_
 
 
 def _one_call_step(rt, turn_id, tmp_path, call_id):
-    from toolq.orchestrator.barrier import Step
-
-    step = Step(StepContext(turn_id, 0, time.time() + 30, str(tmp_path)), rt.registry, rt.dispatcher, rt.router,
-                rt.ledger)
-    step.add(FunctionCallItem(call_id=call_id, name="count_runs", arguments="{}"), 0)
+    step = rt.step(StepContext(turn_id, 0, time.time() + 30, str(tmp_path)))
+    step.add(rt.bind(FunctionCallItem(call_id=call_id, name="count_runs", arguments="{}"), step.ctx, 0))
     return step
 
 
@@ -295,7 +292,7 @@ def test_a_message_delivered_twice_runs_the_tool_once(fleet, tmp_path):
             while (record := (await rt.ledger.calls(turn_id))[0]).get("deliveries_refused") != "1":
                 assert time.monotonic() < end, "the second delivery was never handled"
                 await asyncio.sleep(0.05)
-            assert record["state"] == "succeeded"  # the refusal does not rewrite what happened
+            assert record["state"] == "completed"  # the refusal does not rewrite what happened
             return out.output
         finally:
             await rt.router.unwatch_turn(turn_id)

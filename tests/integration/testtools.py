@@ -8,7 +8,7 @@ import time
 
 from pydantic import BaseModel
 
-from toolq.workers.catalog import ToolContext, tool
+from toolq import ToolContext, tool
 
 
 class SleepArgs(BaseModel):

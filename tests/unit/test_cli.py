@@ -72,7 +72,7 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 
 
 def test_subcommands_are_listed_in_the_order_a_user_needs_them():
-    assert list(subcommands()) == ["run", "worker", "cancel", "status", "turns", "flower", "config",
+    assert list(subcommands()) == ["run", "worker", "cancel", "status", "turns", "workers", "flower", "config",
                                    "demo", "fake-model", "decode", "bench"]
     listing = cli.build_parser().format_help().split("COMMAND\n")[-1]
     assert re.findall(r"^    (\S+)", listing, re.M) == list(subcommands())
@@ -139,10 +139,17 @@ def test_demo_refuses_a_workspace_that_is_not_a_directory(tmp_path, capsys):
 
 
 def test_the_live_view_shows_the_final_error_once():
+    from pydantic import TypeAdapter
+
+    from toolq.orchestrator.turn_events import TurnEvent
     from toolq.orchestrator.view import LiveView
 
     out = io.StringIO()
-    view = LiveView(out)
+    live, as_event = LiveView(out), TypeAdapter(TurnEvent).validate_python
+
+    def view(event: dict) -> None:
+        live(as_event(event))
+
     final = "401 Unauthorized from http://127.0.0.1:1/v1/responses: bad key; set OPENAI_API_KEY to a valid key"
     for event in [{"type": "turn.started", "turn_id": "turn-1"},
                   {"type": "error", "message": "Reconnecting... 1/5 (cannot reach ...)"},

@@ -24,7 +24,8 @@ import yaml
 
 from toolq.orchestrator.cli import build_parser
 from toolq.orchestrator.settings import ENV
-from toolq.workers.catalog import DEFAULT_QUEUE, load_catalog
+from toolq.workers.catalog import DEFAULT_QUEUE
+from toolq.workers.loader import load_catalog
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

@@ -128,6 +128,7 @@ def test_landlock_abi_is_read_from_the_kernel():
 
 def test_a_worker_with_shell_tools_refuses_to_start_when_no_sandbox_works(tmp_path):
     env = {"PATH": str(tmp_path), "REDIS_URL": "redis://127.0.0.1:1/0", "TOOLQ_SANDBOX": "bwrap",
+           "TOOLQ_SIGNING_KEY": "k" * 64,
            "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "worker"], env=env, capture_output=True,
                           text=True, timeout=60)

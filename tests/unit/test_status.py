@@ -10,10 +10,10 @@ from toolq.orchestrator.status import call_row, render_status, render_turns, sta
 
 NOW = 1_700_000_100.0
 
-DONE = {"call_id": "call_a", "task_id": "turn-1:0:0:abc", "tool": "sleep_echo", "state": "succeeded",
+DONE = {"call_id": "call_a", "task_id": "turn-1:0:0:abc", "tool": "sleep_echo", "state": "completed",
         "worker": "w1@host", "queued_at": "1700000000.0", "started_at": "1700000000.5",
         "finished_at": "1700000002.75"}
-RUNNING = {"call_id": "call_b", "task_id": "turn-1:0:1:def", "tool": "exec_command", "state": "started",
+RUNNING = {"call_id": "call_b", "task_id": "turn-1:0:1:def", "tool": "exec_command", "state": "running",
            "worker": "w2@host", "started_at": str(NOW - 4.0)}
 REJECTED = {"call_id": "call_c", "task_id": "", "tool": "no_such_tool", "state": "rejected",
             "queued_at": "1700000000.0", "finished_at": "1700000000.0"}
@@ -24,7 +24,8 @@ TURN = {"state": "running", "started_at": "1700000000.0", "prompt": "fix the tes
 
 def test_duration_is_finished_minus_started():
     assert call_row(DONE, NOW) == {"tool": "sleep_echo", "call_id": "call_a", "task_id": "turn-1:0:0:abc",
-                                   "state": "succeeded", "worker": "w1@host", "duration": 2.25}
+                                   "state": "completed", "worker": "w1@host", "queue_wait": 0.5,
+                                   "run_time": 2.25}
 
 
 def test_durations_keep_short_calls_visible():
@@ -34,26 +35,26 @@ def test_durations_keep_short_calls_visible():
 
 
 def test_a_running_call_counts_up_to_now():
-    assert call_row(RUNNING, NOW)["duration"] == 4.0
+    assert call_row(RUNNING, NOW)["run_time"] == 4.0
 
 
 def test_a_call_that_never_started_has_no_duration_and_a_rejected_one_no_task_id():
-    assert call_row(CANCELLED_BEFORE_START, NOW)["duration"] is None
+    assert call_row(CANCELLED_BEFORE_START, NOW)["run_time"] is None
     row = call_row(REJECTED, NOW)
-    assert row["task_id"] is None and row["worker"] is None and row["duration"] is None
+    assert row["task_id"] is None and row["worker"] is None and row["run_time"] is None
 
 
 def test_status_table_has_one_aligned_row_per_call_and_dashes_for_missing_fields():
     text = render_status("turn-1", TURN, [DONE, RUNNING, REJECTED], NOW)
     head, header, *rows = text.splitlines()
     assert head == "turn turn-1  running  100.0s  3 call(s)"
-    assert header.split() == ["TOOL", "CALL_ID", "TASK_ID", "STATE", "WORKER", "DURATION"]
-    assert rows[0].split() == ["sleep_echo", "call_a", "turn-1:0:0:abc", "succeeded", "w1@host", "2.25s"]
-    assert rows[1].split() == ["exec_command", "call_b", "turn-1:0:1:def", "started", "w2@host", "4.00s"]
-    assert rows[2].split() == ["no_such_tool", "call_c", "-", "rejected", "-", "-"]
+    assert header.split() == ["TOOL", "CALL_ID", "TASK_ID", "STATE", "WORKER", "QUEUE_WAIT", "RUN_TIME"]
+    assert rows[0].split() == ["sleep_echo", "call_a", "turn-1:0:0:abc", "completed", "w1@host", "500ms", "2.25s"]
+    assert rows[1].split() == ["exec_command", "call_b", "turn-1:0:1:def", "running", "w2@host", "-", "4.00s"]
+    assert rows[2].split() == ["no_such_tool", "call_c", "-", "rejected", "-", "-", "-"]
     # columns line up under their headers, and no line ends in spaces
     col = header.index("STATE")
-    assert [r[col:].split()[0] for r in rows] == ["succeeded", "started", "rejected"]
+    assert [r[col:].split()[0] for r in rows] == ["completed", "running", "rejected"]
     assert all(line == line.rstrip() for line in text.splitlines())
 
 
@@ -66,7 +67,7 @@ def test_status_json_is_one_object_per_call_with_the_turn_id():
     lines = render_status("turn-1", TURN, [DONE, REJECTED], NOW, as_json=True).splitlines()
     rows = [json.loads(line) for line in lines]
     assert rows[0] == {"turn_id": "turn-1", **call_row(DONE, NOW)}
-    assert rows[1]["task_id"] is None and rows[1]["duration"] is None
+    assert rows[1]["task_id"] is None and rows[1]["run_time"] is None
 
 
 def test_turns_table_cuts_long_prompts_to_one_line():

@@ -132,7 +132,7 @@ def test_the_rendered_tools_array_is_valid_for_the_official_schema():
 
 
 def test_every_strict_builtin_schema_follows_the_strict_rules():
-    from toolq.workers.catalog import load_catalog
+    from toolq.workers.loader import load_catalog
 
     strict = [spec for spec in load_catalog() if spec.kind == "function" and spec.strict]
     assert strict, "no strict built-in tools to check"

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from toolq.orchestrator.states import CallState
 from toolq.orchestrator.protocol import untrusted
 from toolq.orchestrator.protocol.items import (
     ContentPart,
@@ -107,15 +108,13 @@ def task_id_for(turn_id: str, step: int, output_index: int, call_id: str) -> str
     return f"{turn_id}:{step}:{output_index}:{digest}"
 
 
-CallStatus = Literal["completed", "failed", "aborted", "timed_out", "lost", "rejected"]
-
-
 class ToolResult(BaseModel):
     """What a call produced: the model-visible output and what the user wants to see."""
 
     call_id: str
     output: ToolOutputBody
-    status: CallStatus = "completed"
+    status: CallState = CallState.COMPLETED
+    """A terminal state (`toolq.orchestrator.states`)."""
     success: bool | None = None
     """Internal, like Codex's: never put on the wire."""
     exit_code: int | None = None

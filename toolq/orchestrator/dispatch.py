@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
@@ -16,10 +17,15 @@ from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
 from toolq.orchestrator.calls import ToolInvocation
+from toolq.orchestrator.catalog_reader import FleetCatalog
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.settings import Settings
-from toolq.workers.app import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, make_app
+from toolq.orchestrator.states import CallState
+from toolq.orchestrator.transport import DispatchError
+from toolq.workers.advert import tool_queue
 from toolq.workers.catalog import ToolSpec
+from toolq.workers.config import make_app
+from toolq.workers.contracts import TIME_LIMIT_MARGIN, task_name
 from toolq.workers.signing import Signer
 
 log = logging.getLogger("toolq.dispatch")
@@ -28,16 +34,17 @@ log = logging.getLogger("toolq.dispatch")
 PUBLISH_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2.0}
 
 
-class DispatchError(Exception):
-    """The broker could not take the call; the call gets a model-visible "unavailable" output."""
+__all__ = ["DispatchError", "Dispatcher"]
 
 
 class Dispatcher:
-    def __init__(self, settings: Settings, ledger: Ledger, signer: Signer | None = None) -> None:
-        self.app = make_app(settings)
+    def __init__(self, settings: Settings, ledger: Ledger, signer: Signer | None = None,
+                 longest_timeout: float = 60.0) -> None:
+        self.app = make_app(settings, longest_timeout)
         self.ledger = ledger
         self.signer = signer
         """Signs each invocation (toolq/workers/signing.py); None: this dispatcher only revokes."""
+        self.fleet = FleetCatalog(ledger.r)  # fleet catalog hook: who serves which declaration
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="toolq-dispatch")
 
     async def _run(self, fn, *args, **kwargs):
@@ -49,6 +56,10 @@ class Dispatcher:
             if not await self.ledger.claim(inv, spec.queue):
                 log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
                 return False
+            unserved = await self.fleet.unserved(spec)  # fleet catalog hook: no live worker serves it
+            if unserved:
+                await self.ledger.set_state(inv.task_id, CallState.REJECTED, finished_at=time.time())
+                raise DispatchError(unserved, state=CallState.REJECTED)
             await self._run(self._send, inv, spec)
         except (OperationalError, RedisError, OSError) as e:
             raise DispatchError(f"the task queue (Redis) is unavailable: {e}") from e
@@ -56,13 +67,13 @@ class Dispatcher:
 
     def _send(self, inv: ToolInvocation, spec: ToolSpec) -> None:
         assert self.signer is not None, "a Dispatcher that sends needs the fleet's signer"
-        task, invocation = TASK_IDEMPOTENT if spec.idempotent else TASK, inv.model_dump(mode="json")
+        task, invocation = task_name(spec.idempotent), inv.model_dump(mode="json")
         self.app.send_task(
             task,
             args=[invocation],
             kwargs={"signature": self.signer.sign_invocation(task, inv.task_id, invocation)},  # signing hook
             task_id=inv.task_id,
-            queue=spec.queue,
+            queue=tool_queue(spec),  # fleet catalog hook: only workers serving this declaration consume it
             # Kept in the message: a call still queued at the turn deadline never starts.
             expires=datetime.fromtimestamp(inv.deadline, tz=timezone.utc),
             soft_time_limit=spec.timeout + TIME_LIMIT_MARGIN / 2,

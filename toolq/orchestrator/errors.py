@@ -9,12 +9,17 @@ from __future__ import annotations
 
 
 class RespondToModel(Exception):
+    """Raise it in a tool to answer the model with `message` (bad input it can fix): the message
+    becomes the call's output, the call is marked failed, and the turn goes on."""
+
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
 
 
 class Fatal(Exception):
+    """A runtime contract broke (a tool got a payload kind it does not take): the turn ends."""
+
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message

@@ -23,6 +23,11 @@ def turn_calls(turn_id: str) -> str:
     return f"{PREFIX}:turn:{turn_id}:calls"
 
 
+def turn_steps(turn_id: str) -> str:
+    """Counter of the turn's steps handed out by the ledger (task ids embed the step)."""
+    return f"{PREFIX}:turn:{turn_id}:steps"
+
+
 def call(task_id: str) -> str:
     """HASH: one call's ledger record (call_id, tool, state, worker, times)."""
     return f"{PREFIX}:call:{task_id}"
@@ -75,3 +80,20 @@ def celery_meta_pattern(turn_id: str) -> str:
 
 #: How long ledger and cancel records live: well beyond any turn.
 RECORD_TTL = 7 * 24 * 3600
+
+
+# --- the fleet catalog: what each live worker serves (toolq/workers/presence.py writes it) ---
+
+#: SET of worker instance ids that have advertised; an id whose record expired is pruned by readers.
+FLEET_WORKERS = f"{PREFIX}:fleet:workers"
+
+
+def fleet_worker(instance: str) -> str:
+    """STRING (JSON `WorkerAdvert`) with a TTL the worker's heartbeat refreshes: one process instance."""
+    return f"{PREFIX}:fleet:worker:{instance}"
+
+
+def fleet_tool(digest: str) -> str:
+    """STRING (JSON `ToolAdvert`): one tool declaration, addressed by its digest, shared by every
+    worker that serves it; refreshed by their heartbeats like their own records."""
+    return f"{PREFIX}:fleet:tool:{digest}"

@@ -1,12 +1,13 @@
 """The ledger: toolq's own record of every turn and call, in Redis, apart from Celery's.
 
-It maps call_id <-> task id both ways, keeps each call's state (queued, started, succeeded,
-failed, cancelled, lost, timed_out), makes dispatch at-most-once (a claim is set only if absent),
-and holds the durable cancel records that workers check before they start a call.
+It maps call_id <-> task id both ways, keeps each call's state (a `CallState` value, written by
+the orchestrator and the workers alike), makes dispatch at-most-once (a claim is set only if
+absent), and holds the durable cancel records that workers check before they start a call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -15,8 +16,7 @@ import redis.asyncio as aioredis
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.calls import ToolInvocation
-
-TERMINAL = {"succeeded", "failed", "cancelled", "lost", "timed_out", "rejected"}
+from toolq.orchestrator.states import TERMINAL, CallState  # noqa: F401 (TERMINAL: read by cancel.py)
 
 
 # KEYS: call record, turn's task list, turn's call_id index. ARGV: ttl, task id, call id, record...
@@ -84,7 +84,7 @@ class Ledger:
 
         One round trip: this sits on every call's path (see `toolq bench pipeline`)."""
         record = {"call_id": inv.call_id, "task_id": inv.task_id, "turn_id": inv.turn_id,
-                  "tool": str(inv.tool_name), "state": "queued", "queue": queue, "step": inv.step,
+                  "tool": str(inv.tool_name), "state": CallState.QUEUED.value, "queue": queue, "step": inv.step,
                   "output_index": inv.output_index, "queued_at": time.time()}
         flat = [str(x) for kv in record.items() for x in kv]
         keys_ = [keys.call(inv.task_id), keys.turn_calls(inv.turn_id), keys.call_ids(inv.turn_id)]
@@ -128,6 +128,33 @@ class Ledger:
     async def cancel_call(self, turn_id: str, task_id: str) -> None:
         await self.r.set(keys.cancel_call(task_id), "1", ex=keys.RECORD_TTL)
         await self.r.publish(keys.cancel_channel(turn_id), json.dumps({"scope": "call", "task_id": task_id}))
+
+    async def wait_for_cancel(self, turn_id: str) -> None:
+        """Return once the turn is cancelled from any process (`toolq cancel`, Ctrl-C elsewhere).
+
+        Subscribes first, then checks the durable record, so a cancel sent earlier counts too."""
+        pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(keys.cancel_channel(turn_id))
+            if await self.is_cancelled(turn_id):
+                return
+            while True:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg and json.loads(msg["data"]).get("scope") == "turn":
+                    return
+                me = asyncio.current_task()
+                if me is not None and me.cancelling():  # redis-py can swallow a cancel during a read
+                    raise asyncio.CancelledError
+        finally:
+            await pubsub.aclose()
+
+    async def next_step(self, turn_id: str) -> int:
+        """A step number no other caller of this turn gets (successive `Fleet.run_calls` never collide)."""
+        async with self.r.pipeline(transaction=True) as p:
+            p.incr(keys.turn_steps(turn_id))
+            p.expire(keys.turn_steps(turn_id), keys.RECORD_TTL)
+            n, _ = await p.execute()
+        return int(n) - 1
 
     async def is_draining(self, hostname: str) -> bool:
         """A worker in warm shutdown: silent to pings, still finishing its calls."""

@@ -1,4 +1,5 @@
-"""Hear results from the workers without blocking and without piling up subscriptions.
+"""Hear results from the workers without blocking and without piling up subscriptions, and hand
+the barrier typed outcomes (`TaskOutcome`): Celery's result format stays in this module.
 
 Celery's Redis backend publishes every state change of a task on `celery-task-meta-<task id>`.
 Task ids start with the turn id, so one PSUBSCRIBE per turn covers all of its calls. After
@@ -13,39 +14,59 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from toolq.orchestrator import keys
+from toolq.orchestrator.calls import ToolResult
+from toolq.orchestrator.states import FAILURE, REVOKED, STARTED, SUCCESS, CallState
+from toolq.orchestrator.transport import TaskOutcome, Watches
+from toolq.workers.contracts import ToolCallFailed
 from toolq.workers.signing import Signer
 
 log = logging.getLogger("toolq.results")
 
-READY = {"SUCCESS", "FAILURE", "REVOKED"}
+READY = {SUCCESS, FAILURE, REVOKED}
 
 
-@dataclass(eq=False)
-class CallWatch:
-    """What the router knows of one task: where it started, and its terminal meta."""
+def outcome_from_meta(meta: dict[str, Any]) -> TaskOutcome:
+    """A terminal Celery result meta as the barrier needs it.
 
-    task_id: str
-    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    hostname: str | None = None
-    started_at: float | None = None
-    on_started: Callable[[CallWatch], None] | None = None
+    SUCCESS and a `ToolCallFailed` FAILURE carry the worker's `ToolResult`; any other FAILURE is
+    Celery's own (the pool child died, the hard time limit), and REVOKED is a cancel."""
+    status = meta.get("status")
+    info = meta.get("result") or {}
+    if status == SUCCESS:
+        result = ToolResult.model_validate(info)
+        return TaskOutcome(state=result.status, result=result)
+    if status == REVOKED:  # e.g. from Flower: this call is cancelled, the turn goes on
+        return TaskOutcome(state=CallState.CANCELLED)
+    exc, msg = info.get("exc_type", "Error"), info.get("exc_message")
+    if exc == ToolCallFailed.__name__ and isinstance(msg, list) and msg and isinstance(msg[0], dict):
+        result = ToolResult.model_validate(msg[0])
+        return TaskOutcome(state=result.status, result=result)
+    msg = " ".join(str(m) for m in msg) if isinstance(msg, list) else str(msg or "")
+    if exc == "WorkerLostError":
+        return TaskOutcome(state=CallState.LOST, reason=f"the worker process running this call died ({msg}); "
+                                                        "the call may have partially executed")
+    if exc == "TimeLimitExceeded":
+        return TaskOutcome(state=CallState.TIMED_OUT, reason=f"call exceeded its time limit and was killed ({msg})")
+    return TaskOutcome(state=CallState.FAILED, reason=f"call failed on the worker: {exc}: {msg}")
 
 
-class ResultRouter:
+class ResultRouter(Watches):
+    """Watches tasks of watched turns. A task sent after `watch` needs nothing more; one that may
+    have reported before (a re-dispatch) needs `catch_up`."""
+
     def __init__(self, url: str, signer: Signer) -> None:
         self.signer = signer
         """Checks every meta before it counts (toolq/workers/signing.py)."""
         self.r = aioredis.Redis.from_url(url, client_name="toolq-results")
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
-        self._watches: dict[str, CallWatch] = {}
+        super().__init__()
         self._turns: dict[str, int] = {}
         self._reader: asyncio.Task | None = None
         self._subscribed = asyncio.Event()
@@ -84,17 +105,6 @@ class ResultRouter:
             except (RedisConnectionError, RedisTimeoutError, OSError):
                 pass  # the connection is gone; so is the subscription
 
-    def watch(self, task_id: str, on_started: Callable[[CallWatch], None] | None = None) -> CallWatch:
-        """Start waiting for a task whose turn is watched. A task sent after this needs nothing
-        more; one that may have reported before (a re-dispatch) needs `catch_up`."""
-        w = self._watches.get(task_id)
-        if w is None:
-            w = self._watches[task_id] = CallWatch(task_id=task_id, on_started=on_started)
-        return w
-
-    def forget(self, task_id: str) -> None:
-        self._watches.pop(task_id, None)
-
     async def catch_up(self, task_ids: list[str] | None = None) -> None:
         ids = [t for t in (task_ids if task_ids is not None else list(self._watches)) if t in self._watches]
         if not ids:
@@ -103,9 +113,9 @@ class ResultRouter:
             if raw is not None:
                 self._deliver(task_id, raw)
 
-    async def meta(self, task_id: str) -> dict[str, Any] | None:
-        raw = await self.r.get(keys.celery_meta(task_id))
-        return json.loads(raw) if raw else None
+    async def has_result(self, task_id: str) -> bool:
+        """Whether the backend holds any state (STARTED included) for the task."""
+        return bool(await self.r.exists(keys.celery_meta(task_id)))
 
     def _deliver(self, task_id: str, raw: bytes | str) -> None:
         w = self._watches.get(task_id)
@@ -119,14 +129,13 @@ class ResultRouter:
         if not self.signer.accept_meta(task_id, meta):  # signing hook: a forged meta is dropped, logged
             return
         status = meta.get("status")
-        if status == "STARTED" and w.hostname is None:
-            info = meta.get("result") or {}
-            w.hostname = info.get("hostname")
-            w.started_at = time.time()
-            if w.on_started:
-                w.on_started(w)
+        if status == STARTED and w.hostname is None:
+            w.set_started((meta.get("result") or {}).get("hostname"))
         elif status in READY:
-            w.done.set_result(meta)
+            try:
+                w.finish(outcome_from_meta(meta))
+            except ValueError as e:  # pydantic: a result no toolq worker wrote
+                log.warning("unreadable result for %s: %s", task_id, e)
 
     async def _read(self) -> None:
         await self._subscribed.wait()

@@ -52,12 +52,16 @@ ENV = {
     "sandbox_processes": ("TOOLQ_SANDBOX_PROCESSES",),
     "sandbox_cpu_seconds": ("TOOLQ_SANDBOX_CPU_SECONDS",),
     "sandbox_file_mb": ("TOOLQ_SANDBOX_FILE_MB",),
+    "mcp": ("TOOLQ_MCP",),
+    "mcp_config": ("TOOLQ_MCP_CONFIG",),
 }
 
 SECRETS = {"openai_api_key", "flower_password", "signing_key"}
 
 
 class Settings(BaseModel):
+    """toolq's configuration: each field has an environment variable (`Settings.load()` reads them)."""
+
     redis_url: str | None = None
     """Broker and ledger. Unset: `toolq run`/`demo` start an embedded Redis-protocol server."""
     result_url: str | None = None
@@ -110,6 +114,11 @@ class Settings(BaseModel):
     sandbox_processes: int = Field(default=256, ge=8)
     sandbox_cpu_seconds: int = Field(default=300, ge=1)
     sandbox_file_mb: int = Field(default=1024, ge=1)
+    mcp: list[str] = Field(default_factory=list)
+    """MCP servers a worker hosts, each `NAME=COMMAND ARGS...` (`toolq worker --mcp`; toolq/workers/mcp/);
+    in `TOOLQ_MCP`, one per line (a command may hold commas)."""
+    mcp_config: Path | None = None
+    """A JSON (`mcpServers`) or TOML (`[mcp_servers.NAME]`) file of MCP servers a worker hosts."""
 
     @field_validator("redis_url", "result_url")
     @classmethod
@@ -137,6 +146,11 @@ class Settings(BaseModel):
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
         return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+    @field_validator("mcp", mode="before")
+    @classmethod
+    def _line_list(cls, v: Any) -> Any:
+        return [s.strip() for s in v.splitlines() if s.strip()] if isinstance(v, str) else v
 
     @classmethod
     def load(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:

@@ -14,11 +14,11 @@ from datetime import datetime
 from typing import Any, TextIO
 
 from toolq.orchestrator.errors import ConfigurationError
-from toolq.orchestrator.ledger import TERMINAL
 from toolq.orchestrator.runtime_dir import ledger_urls, ledgers
 from toolq.orchestrator.settings import Settings, mask_url_password
+from toolq.orchestrator.states import parse_state
 
-CALL_COLUMNS = ("tool", "call_id", "task_id", "state", "worker", "duration")
+CALL_COLUMNS = ("tool", "call_id", "task_id", "state", "worker", "queue_wait", "run_time")
 TURN_COLUMNS = ("turn_id", "state", "started", "duration", "calls", "prompt")
 #: A turn's prompt is cut to this many characters in the table (JSON keeps the ledger's 500).
 PROMPT_WIDTH = 48
@@ -37,18 +37,23 @@ def elapsed(record: dict[str, str], now: float) -> float | None:
     if started is None:
         return None
     if finished is None:
-        if record.get("state") in TERMINAL:
+        state = parse_state(record.get("state"))
+        if state is not None and state.terminal:
             return None  # ended without a recorded end time: no honest duration
         finished = now
     return max(finished - started, 0.0)
 
 
 def call_row(call: dict[str, str], now: float) -> dict[str, Any]:
-    """One ledger call record as a row; empty fields are None (a rejected call has no task id)."""
+    """One ledger call record as a row; empty fields are None (a rejected call has no task id).
+
+    `queue_wait`: from dispatch to a worker starting it; `run_time`: on the worker."""
     d = elapsed(call, now)
+    queued, started = _float(call.get("queued_at")), _float(call.get("started_at"))
+    wait = None if queued is None or started is None else round(max(started - queued, 0.0), 3)
     return {"tool": call.get("tool") or None, "call_id": call.get("call_id") or None,
             "task_id": call.get("task_id") or None, "state": call.get("state") or None,
-            "worker": call.get("worker") or None, "duration": None if d is None else round(d, 3)}
+            "worker": call.get("worker") or None, "queue_wait": wait, "run_time": None if d is None else round(d, 3)}
 
 
 def turn_row(turn_id: str, turn: dict[str, str], calls: int, now: float) -> dict[str, Any]:
@@ -65,7 +70,7 @@ def _cell(column: str, row: dict[str, Any]) -> str:
     value = row.get(column)
     if value is None:
         return "-"
-    if column == "duration":  # tool calls are often milliseconds: keep them visible
+    if column in ("duration", "queue_wait", "run_time"):  # calls are often milliseconds: keep them visible
         return f"{value:.1f}s" if value >= 10 else f"{value:.2f}s" if value >= 1 else f"{value * 1000:.0f}ms"
     if column == "prompt":
         text = " ".join(str(value).split())

@@ -10,18 +10,16 @@ dispatched, records the outputs and retries with that history, as Codex does. A 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from toolq.orchestrator import keys
 from toolq.orchestrator.barrier import Step, flush_background
 from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, backoff, build_request
 from toolq.orchestrator.dispatch import Dispatcher
+from toolq.orchestrator.fleet import Fleet, cancel_requested, new_turn_id, stop
 from toolq.orchestrator.history import History
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.protocol.events import Usage
@@ -34,11 +32,23 @@ from toolq.orchestrator.protocol.items import (
     is_api_item,
 )
 from toolq.orchestrator.protocol.reasoning import reasoning_for
-from toolq.orchestrator.registry import Registry, StepContext
+from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.results import ResultRouter
 from toolq.orchestrator.settings import Settings
-from toolq.workers.catalog import Catalog, load_catalog
-from toolq.workers.signing import required_signer
+from toolq.orchestrator.turn_events import (
+    AgentMessageView,
+    Emit,
+    ErrorEvent,
+    ItemCompleted,
+    ReasoningView,
+    TurnAborted,
+    TurnCompleted,
+    TurnError,
+    TurnFailed,
+    TurnStarted,
+    ignore,
+)
+from toolq.workers.catalog import Catalog
 
 log = logging.getLogger("toolq.turn")
 
@@ -48,13 +58,6 @@ TURN_ABORTED = (
     "still be running in the background. If any tools/commands were aborted, they may have partially executed.\n"
     "</turn_aborted>"
 )
-
-Emit = Callable[[dict[str, Any]], None]
-
-
-def new_turn_id() -> str:
-    return "turn-" + uuid.uuid4().hex[:12]
-
 
 @dataclass
 class TurnOutcome:
@@ -71,45 +74,39 @@ class TurnOutcome:
         return 0 if self.status == "completed" else 1
 
 
-class Runtime:
-    """The orchestrator's long-lived parts, shared by every turn of a process."""
+class Runtime(Fleet):
+    """The orchestrator's long-lived parts, shared by every turn of a process: a fleet and a model."""
 
     def __init__(self, settings: Settings, catalog: Catalog, client: ModelClient, ledger: Ledger,
                  dispatcher: Dispatcher, router: ResultRouter) -> None:
-        self.settings = settings
-        self.catalog = catalog
-        self.registry = Registry(catalog)
+        super().__init__(settings, catalog, ledger, dispatcher, router)
         self.client = client
-        self.ledger = ledger
-        self.dispatcher = dispatcher
-        self.router = router
 
     @classmethod
     async def create(cls, settings: Settings, *, catalog: Catalog | None = None,
                      model: ModelSettings | None = None) -> Runtime:
-        assert settings.redis_url, "Runtime needs a Redis URL (the CLI starts an embedded one when unset)"
-        catalog = catalog if catalog is not None else load_catalog(settings.tools)
         model = model or ModelSettings(base_url=settings.openai_base_url, api_key=settings.openai_api_key,
                                        model=settings.model, request_max_retries=settings.request_max_retries,
                                        stream_max_retries=settings.stream_max_retries,
                                        stream_idle_timeout=settings.stream_idle_timeout,
                                        max_sse_event_bytes=settings.max_sse_event_bytes)
-        signer = required_signer(settings.signing_key, "an orchestrator with REDIS_URL")
-        ledger = Ledger.from_url(settings.redis_url)
-        router = ResultRouter(settings.result_backend_url() or settings.redis_url, signer)
-        await router.start()
-        return cls(settings, catalog, ModelClient(model), ledger, Dispatcher(settings, ledger, signer), router)
+        catalog, ledger, dispatcher, router = await cls._parts(settings, catalog)
+        return cls(settings, catalog, ModelClient(model), ledger, dispatcher, router)
 
     async def aclose(self) -> None:
         await flush_background()
         await self.client.aclose()
-        await self.router.aclose()
-        await self.dispatcher.aclose()
-        await self.ledger.aclose()
+        await super().aclose()
 
 
 class Session:
-    """A conversation: its history carries over from turn to turn, cancelled ones included."""
+    """The whole agent loop (what `toolq run` uses): request, stream, calls on the fleet, next
+    request, until the model answers without calls. The history carries over from turn to turn,
+    cancelled ones included.
+
+        runtime = await Runtime.create(Settings.load())
+        outcome = await Session(runtime).run_turn("fix the tests", emit=print)
+    """
 
     def __init__(self, runtime: Runtime, *, instructions: str | None = None,
                  reasoning: dict[str, Any] | None = None) -> None:
@@ -130,12 +127,13 @@ class Session:
         """Cancel the running turn from this process (Ctrl-C). Other processes use the ledger."""
         self._cancel.set()
 
-    async def run_turn(self, prompt: str, emit: Emit = lambda e: None, *, turn_id: str | None = None) -> TurnOutcome:
+    async def run_turn(self, prompt: str, emit: Emit = ignore, *, turn_id: str | None = None) -> TurnOutcome:
+        """Run one turn to its end; `emit` hears every transition (typed `toolq.orchestrator.turn_events`)."""
         turn_id = self.turn_id = turn_id or new_turn_id()
         settings = self.rt.settings
         outcome = TurnOutcome(turn_id=turn_id, status="running")
         self._cancel.clear()
-        emit({"type": "turn.started", "turn_id": turn_id})
+        emit(TurnStarted(turn_id=turn_id))
         await self.rt.ledger.start_turn(turn_id, prompt, str(settings.workspace))
         self.history.record(MessageItem(role="user", content=[InputText(text=prompt)]))
         await self.rt.router.watch_turn(turn_id)
@@ -153,13 +151,13 @@ class Session:
             outcome.status, outcome.error = "failed", e.message
         finally:
             cancelled.cancel()
-            listener.cancel()
+            await stop(listener)
             await self.rt.router.unwatch_turn(turn_id)
         if outcome.status == "failed":
-            emit({"type": "error", "message": outcome.error})
-            emit({"type": "turn.failed", "turn_id": turn_id, "error": {"message": outcome.error}})
+            emit(ErrorEvent(message=outcome.error or ""))
+            emit(TurnFailed(turn_id=turn_id, error=TurnError(message=outcome.error or "")))
         elif outcome.status == "completed":
-            emit({"type": "turn.completed", "turn_id": turn_id, "usage": outcome.usage.model_dump()})
+            emit(TurnCompleted(turn_id=turn_id, usage=outcome.usage.model_dump()))
         await self._finish(turn_id, outcome)
         return outcome
 
@@ -181,26 +179,12 @@ class Session:
         self.history.record(MessageItem(role="user", content=[InputText(text=TURN_ABORTED)]))
         outcome.status = "cancelled"
         outcome.error = f"turn cancelled after {time.monotonic() - started:.1f}s"
-        emit({"type": "turn.aborted", "turn_id": turn_id, "reason": "interrupted"})
+        emit(TurnAborted(turn_id=turn_id, reason="interrupted"))
 
     async def _listen_for_cancel(self, turn_id: str) -> None:
         """Hear `toolq cancel` from any process; the durable record covers a cancel sent earlier."""
-        pubsub = self.rt.ledger.r.pubsub(ignore_subscribe_messages=True)
-        try:
-            await pubsub.subscribe(keys.cancel_channel(turn_id))
-            if await self.rt.ledger.is_cancelled(turn_id):
-                self._cancel.set()
-                return
-            async for msg in pubsub.listen():
-                if json.loads(msg["data"]).get("scope") == "turn":
-                    self._cancel.set()
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # Redis trouble: Ctrl-C still works; the turn is not held up
-            log.warning("cancel listener stopped: %s", e)
-        finally:
-            await pubsub.aclose()
+        if await cancel_requested(self.rt.ledger, turn_id):
+            self._cancel.set()
 
     async def _loop(self, turn_id: str, outcome: TurnOutcome, emit: Emit) -> None:
         settings = self.rt.settings
@@ -213,10 +197,7 @@ class Session:
                 outcome.status = "failed"
                 outcome.error = f"turn stopped after {settings.max_steps} model responses with tool calls"
                 return
-            step = self._step = Step(
-                StepContext(turn_id, step_index, deadline, str(settings.workspace)),
-                self.rt.registry, self.rt.dispatcher, self.rt.router, self.rt.ledger, emit,
-            )
+            step = self._step = self.rt.step(StepContext(turn_id, step_index, deadline, str(settings.workspace)), emit)
             step_index += 1
             body = build_request(self.rt.client.settings.model, self.history.for_prompt(),
                                  self.rt.registry.model_visible_specs(self.loaded_tools),
@@ -239,7 +220,7 @@ class Session:
                 if not error.retryable or retries >= max_retries:
                     raise error
                 retries += 1
-                emit({"type": "error", "message": f"Reconnecting... {retries}/{max_retries} ({error.message})"})
+                emit(ErrorEvent(message=f"Reconnecting... {retries}/{max_retries} ({error.message})"))
                 await asyncio.sleep(error.delay if error.delay is not None else backoff(retries))
                 continue
             retries = 0
@@ -261,17 +242,19 @@ class Session:
                     continue
                 self.history.record(item)  # the call is in history before it is queued
                 self._show(item, outcome, emit)
-                step.add(item, output_index)
+                bound = self.rt.bind(item, step.ctx, output_index)
+                if bound is not None:
+                    step.add(bound)
             elif event.kind == "completed" and event.usage is not None:
                 outcome.usage = outcome.usage + event.usage
 
     def _show(self, item: ResponseItem, outcome: TurnOutcome, emit: Emit) -> None:
         if isinstance(item, MessageItem) and item.role == "assistant":
             outcome.final_message = item.text()
-            emit({"type": "item.completed", "item": {"id": item.id, "type": "agent_message", "text": item.text()}})
+            emit(ItemCompleted(item=AgentMessageView(id=item.id, text=item.text())))
         elif isinstance(item, ReasoningItem) and item.summary:
             text = "\n".join(s.get("text", "") for s in item.summary)
-            emit({"type": "item.completed", "item": {"id": item.id, "type": "reasoning", "text": text}})
+            emit(ItemCompleted(item=ReasoningView(id=item.id, text=text)))
 
     def _load_found_tools(self, outputs: list[Any]) -> None:
         for out in outputs:

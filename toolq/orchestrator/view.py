@@ -1,17 +1,32 @@
 """What `toolq run` shows: a live line per call transition, or one JSON event per line.
 
 The JSON events follow `codex exec --json` (`turn.started`, `item.started`/`item.updated`/
-`item.completed`, `error`, `turn.completed`/`turn.failed`), with toolq's `tool_call` items.
+`item.completed`, `error`, `turn.completed`/`turn.failed`), with toolq's `tool_call` items; the events are typed in `toolq.orchestrator.turn_events`.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import IO, Any
+from typing import IO
 
-_GLYPH = {"queued": "→", "running": "▸", "completed": "✓", "failed": "✗", "aborted": "⊘", "timed_out": "⏱",
-          "lost": "!", "rejected": "✗"}
+from toolq.orchestrator.states import CallState
+from toolq.orchestrator.turn_events import (
+    AgentMessageView,
+    ErrorEvent,
+    ItemCompleted,
+    ReasoningView,
+    ToolCallView,
+    TurnAborted,
+    TurnCompleted,
+    TurnEvent,
+    TurnFailed,
+    TurnStarted,
+)
+
+_GLYPH = {CallState.PENDING: "·", CallState.QUEUED: "→", CallState.RUNNING: "▸", CallState.COMPLETED: "✓",
+          CallState.FAILED: "✗", CallState.REJECTED: "✗", CallState.TIMED_OUT: "⏱", CallState.LOST: "!",
+          CallState.CANCELLED: "⊘"}
 
 
 class _View:
@@ -31,49 +46,56 @@ class _View:
 
 
 class JsonView(_View):
-    def __call__(self, event: dict[str, Any]) -> None:
-        self.write(json.dumps(event, ensure_ascii=False))
+    def __call__(self, event: TurnEvent) -> None:
+        self.write(json.dumps(event.to_json(), ensure_ascii=False))
 
 
 class LiveView(_View):
-    """One line per transition: glyph, tool, call id, state, duration, worker."""
+    """One line per transition: glyph, tool, call id, state, durations, worker, why it failed."""
 
     _last_error: str | None = None
     """The final error comes as `error` then `turn.failed` (as in Codex's JSON); it is shown once."""
 
-    def __call__(self, event: dict[str, Any]) -> None:
-        kind, item = event["type"], event.get("item") or {}
+    def __call__(self, event: TurnEvent) -> None:
         line: str | None = None
-        if kind == "turn.started":
-            line = f"toolq turn {event['turn_id']}"
-        elif kind.startswith("item.") and item.get("type") == "tool_call":
+        item = getattr(event, "item", None)
+        if isinstance(event, TurnStarted):
+            line = f"toolq turn {event.turn_id}"
+        elif isinstance(item, ToolCallView):
             line = self._call_line(item)
-        elif kind == "item.completed" and item.get("type") == "reasoning":
-            line = f"  · thinking: {item['text'][:200]}"
-        elif kind == "item.completed" and item.get("type") == "agent_message":
-            line = f"\n{item['text']}\n"
-        elif kind == "error":
-            line = f"  ! {event['message']}"
-            self._last_error = event["message"]
-        elif kind == "turn.completed":
-            u = event.get("usage") or {}
+        elif isinstance(event, ItemCompleted) and isinstance(item, ReasoningView):
+            line = f"  · thinking: {item.text[:200]}"
+        elif isinstance(event, ItemCompleted) and isinstance(item, AgentMessageView):
+            line = f"\n{item.text}\n"
+        elif isinstance(event, ErrorEvent):
+            line = f"  ! {event.message}"
+            self._last_error = event.message
+        elif isinstance(event, TurnCompleted):
+            u = event.usage
             line = f"turn completed ({u.get('input_tokens', 0)} input / {u.get('output_tokens', 0)} output tokens)"
-        elif kind == "turn.failed":
-            message = event["error"]["message"]
+        elif isinstance(event, TurnFailed):
+            message = event.error.message
             line = "turn failed" if message == self._last_error else f"turn failed: {message}"
-        elif kind == "turn.aborted":
+        elif isinstance(event, TurnAborted):
             line = "turn cancelled"
         if line is not None:
             self.write(line)
 
     @staticmethod
-    def _call_line(item: dict[str, Any]) -> str:
-        status = item.get("status", "")
-        parts = [f"  {_GLYPH.get(status, '·')} {item['tool']:<16} {item['id']:<24} {status:<9}"]
-        if item.get("duration") is not None:
-            parts.append(f"{item['duration']:.2f}s")
-        if item.get("worker"):
-            parts.append(f"on {item['worker']}")
-        if item.get("status") in ("failed", "rejected", "lost", "timed_out") and item.get("output"):
-            parts.append("— " + item["output"].splitlines()[0][:120])
+    def _call_line(item: ToolCallView) -> str:
+        parts = [f"  {_GLYPH.get(item.state, '·')} {item.tool:<16} {item.id:<24} {item.state.value:<9}"]
+        if item.run_time is not None:
+            parts.append(f"ran {_secs(item.run_time)}")
+        elif item.round_trip is not None:  # decided by the orchestrator: how long it took to say so
+            parts.append(f"after {_secs(item.round_trip)}")
+        if item.queue_wait is not None and item.queue_wait >= 0.1:  # only when the queue held it up
+            parts.append(f"waited {_secs(item.queue_wait)}")
+        if item.worker:
+            parts.append(f"on {item.worker}")
+        if item.reason:
+            parts.append("— " + item.reason)
         return " ".join(parts)
+
+
+def _secs(s: float) -> str:
+    return f"{s:.2f}s" if s >= 1 else f"{s * 1000:.0f}ms"

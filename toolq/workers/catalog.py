@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import importlib
 import inspect
 import json
 import time
@@ -169,6 +168,13 @@ class Catalog:
         self._specs[spec.tool_name] = spec
         return spec
 
+    def replace_namespace(self, namespace: str, specs: list[ToolSpec]) -> None:
+        """A namespace's tools become exactly `specs` (an MCP server listed its tools anew)."""
+        for name in [n for n in self._specs if n.namespace == namespace]:
+            del self._specs[name]
+        for spec in specs:
+            self.add(spec)
+
     def get(self, name: ToolName) -> ToolSpec | None:
         return self._specs.get(name)
 
@@ -182,7 +188,7 @@ class Catalog:
         return sorted({s.queue for s in self})
 
 
-#: The process-wide catalog that `@tool` fills; built-ins register on import of `toolq.workers.tools`.
+#: The process-wide catalog that `@tool` fills; `toolq.workers.loader.load_catalog` adds the built-ins.
 CATALOG = Catalog()
 
 
@@ -392,17 +398,3 @@ async def call_handler(spec: ToolSpec, args: Any, ctx: ToolContext) -> Any:
     if asyncio.iscoroutine(result):
         result = await result
     return result
-
-
-def load_catalog(modules: list[str] | tuple[str, ...] = ()) -> Catalog:
-    """The built-in tools plus the user's modules (each registers its tools on import)."""
-    importlib.import_module("toolq.workers.tools")
-    for m in modules:
-        try:
-            importlib.import_module(m)
-        except ModuleNotFoundError as e:
-            if e.name and m.startswith(e.name):
-                raise ConfigurationError(f"tool module {m!r} not found: run toolq from the directory that holds "
-                                         "it, or put that directory on PYTHONPATH") from None
-            raise
-    return CATALOG

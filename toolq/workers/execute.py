@@ -13,7 +13,7 @@ import re
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import redis
 
@@ -21,6 +21,7 @@ from toolq.orchestrator import keys
 from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult, aborted_text
 from toolq.orchestrator.errors import RespondToModel
 from toolq.orchestrator.protocol.items import ToolOutputBody
+from toolq.orchestrator.states import TERMINAL, CallState, parse_state
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
 from toolq.workers.sandbox import CallCancelled
 
@@ -44,7 +45,7 @@ def is_cancelled(r: redis.Redis, inv: ToolInvocation) -> bool:
     return bool(r.exists(keys.cancel_turn(inv.turn_id), keys.cancel_call(inv.task_id)))
 
 
-def _result(inv: ToolInvocation, output: ToolOutputBody, status: str, hostname: str, **kw: Any) -> dict:
+def _result(inv: ToolInvocation, output: ToolOutputBody, status: CallState, hostname: str, **kw: Any) -> dict:
     now = time.time()
     res = ToolResult(
         call_id=inv.call_id, output=output, status=status, worker=hostname,
@@ -53,14 +54,14 @@ def _result(inv: ToolInvocation, output: ToolOutputBody, status: str, hostname: 
     return res.model_dump(mode="json")
 
 
-# KEYS: turn cancel, call cancel, started marker, call record. ARGV: hostname, ttl, started_at, pid.
+# KEYS: turn cancel, call cancel, started marker, call record. ARGV: hostname, ttl, started_at, pid, state.
 # Returns {cancelled, first delivery, previous state, previous worker}.
 _START = """
 local cancelled = redis.call('EXISTS', KEYS[1], KEYS[2])
 local first = redis.call('SET', KEYS[3], ARGV[1], 'NX', 'EX', ARGV[2]) and 1 or 0
 local prev = redis.call('HMGET', KEYS[4], 'state', 'worker')
 if first == 1 and cancelled == 0 then
-    redis.call('HSET', KEYS[4], 'state', 'started', 'worker', ARGV[1], 'started_at', ARGV[3], 'pid', ARGV[4])
+    redis.call('HSET', KEYS[4], 'state', ARGV[5], 'worker', ARGV[1], 'started_at', ARGV[3], 'pid', ARGV[4])
     redis.call('EXPIRE', KEYS[4], ARGV[2])
 end
 return {cancelled, first, prev[1], prev[2]}
@@ -104,69 +105,91 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
     cancelled, first, prev_state, prev_worker = r.register_script(_START)(
         keys=[keys.cancel_turn(inv.turn_id), keys.cancel_call(inv.task_id), keys.started(inv.task_id),
               keys.call(inv.task_id)],
-        args=[hostname, keys.RECORD_TTL, started_at, os.getpid()],
+        args=[hostname, keys.RECORD_TTL, started_at, os.getpid(), CallState.RUNNING.value],
     )
     prev_state = (prev_state or b"").decode()
     prev_worker = worker_name(prev_worker)
 
     if cancelled:
-        _set_state(r, inv, state="cancelled", worker=hostname, finished_at=time.time())
+        _set_state(r, inv, state=CallState.CANCELLED, worker=hostname, finished_at=time.time())
         log.info("⊘ %s %s cancelled before start", inv.call_id, inv.tool_name)
-        return _result(inv, aborted_text(spec is not None and spec.shell_like, 0.0), "aborted", hostname)
+        return _result(inv, aborted_text(spec is not None and spec.shell_like, 0.0), CallState.CANCELLED, hostname,
+                       success=False)
 
     # At most once: a message redelivered after its worker died must not run a second time,
     # unless the tool is idempotent (and then only up to MAX_DELIVERIES).
     if not first:
         if not _may_redeliver(spec, redelivery):
             r.hincrby(keys.call(inv.task_id), "deliveries_refused", 1)
-            if prev_state in ("succeeded", "failed", "cancelled", "timed_out"):
+            if parse_state(prev_state) in TERMINAL - {CallState.LOST}:
                 log.warning("↺ %s %s delivered again after it finished on %s; not run again",
                             inv.call_id, inv.tool_name, prev_worker)
                 return _result(inv, f"this call already ran on worker {prev_worker}; it was not run again",
-                               "rejected", hostname, success=False)
-            _set_state(r, inv, state="lost", finished_at=time.time())
+                               CallState.REJECTED, hostname, success=False)
+            _set_state(r, inv, state=CallState.LOST, finished_at=time.time())
             return _result(
                 inv,
                 f"this call was already started by worker {prev_worker}, which was lost; it was not run again "
                 "because the tool is not idempotent (it may have partially executed)",
-                "lost", hostname, success=False,
+                CallState.LOST, hostname, success=False,
             )
-        _set_state(r, inv, state="started", worker=hostname, started_at=started_at, pid=os.getpid())
+        _set_state(r, inv, state=CallState.RUNNING, worker=hostname, started_at=started_at, pid=os.getpid())
         deliveries = r.incr(keys.attempts(inv.task_id))
         if deliveries >= MAX_DELIVERIES:
-            return _result(inv, f"gave up after {deliveries} deliveries: the worker died each time", "failed",
+            return _result(inv, f"gave up after {deliveries} deliveries: the worker died each time", CallState.FAILED,
                            hostname, success=False)
 
     log.info("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
 
-    status, output, extra = _run(inv, spec, r, catalog, hostname, time_limit_errors)
-    _set_state(r, inv, state=_LEDGER_STATE[status], finished_at=time.time())
+    status, output, extra = run_invocation(inv, spec, catalog, hostname, lambda: is_cancelled(r, inv),
+                                           time_limit_errors)
+    _set_state(r, inv, state=status, finished_at=time.time())
     log.info("← %s %s %s in %.3fs", inv.call_id, inv.tool_name, status, time.time() - started_at)
     return _result(inv, output, status, hostname, started_at=started_at, **extra)
 
 
-_LEDGER_STATE = {"completed": "succeeded", "failed": "failed", "aborted": "cancelled", "rejected": "failed",
-                 "timed_out": "timed_out", "lost": "lost"}
+Outcome = tuple[CallState, Any, dict[str, Any]]
+"""(state, model-visible output, further `ToolResult` fields)"""
 
 
-def _run(inv: ToolInvocation, spec: ToolSpec | None, r: redis.Redis, catalog: Catalog, hostname: str,
-         time_limit_errors: tuple[type[BaseException], ...]):
+def run_invocation(inv: ToolInvocation, spec: ToolSpec | None, catalog: Catalog, hostname: str,
+                   is_cancelled: Callable[[], bool] = lambda: False,
+                   time_limit_errors: tuple[type[BaseException], ...] = ()) -> Outcome:
+    """Check the call against this worker, then run its handler (a pool child runs one at a time)."""
+    refused = refusal(inv, spec, hostname)
+    if refused is not None:
+        return refused
+    assert spec is not None
+    return _event_loop().run_until_complete(call_tool(inv, spec, catalog, is_cancelled, time_limit_errors))
+
+
+def refusal(inv: ToolInvocation, spec: ToolSpec | None, hostname: str) -> Outcome | None:
+    """Why this worker must not run the call (not loaded, declared differently, no workspace), if so."""
     if spec is None:
-        return "rejected", f"tool {inv.tool_name} is not loaded on worker {hostname}; not run", {"success": False}
+        return CallState.REJECTED, f"tool {inv.tool_name} is not loaded on worker {hostname}; not run", {"success": False}
     if spec.digest() != inv.spec_digest:
-        return "rejected", (
+        return CallState.REJECTED, (
             f"tool {inv.tool_name} is declared differently on worker {hostname} than in the orchestrator "
             f"(declaration {spec.digest()} != {inv.spec_digest}); not run. Load the same tool modules on both sides."
         ), {"success": False}
     workspace = Path(inv.workspace or os.getcwd())
     if not workspace.is_dir():
-        return "rejected", (
+        return CallState.REJECTED, (
             f"workspace {workspace} is not visible on worker {hostname}; not run. "
             "Workers must share the workspace (same host or a shared volume)."
         ), {"success": False}
+    return None
 
+
+async def call_tool(inv: ToolInvocation, spec: ToolSpec, catalog: Catalog,
+                    is_cancelled: Callable[[], bool] = lambda: False,
+                    time_limit_errors: tuple[type[BaseException], ...] = ()) -> Outcome:
+    """Parse the arguments and run the handler; every error becomes an outcome the model can read.
+
+    Shared by the worker and the in-memory fleet (`toolq.testing`), so a test sees what a worker would."""
     started_at = time.time()
-    ctx = ToolContext(invocation=inv, workspace=workspace, is_cancelled=lambda: is_cancelled(r, inv), catalog=catalog)
+    workspace = Path(inv.workspace or os.getcwd())
+    ctx = ToolContext(invocation=inv, workspace=workspace, is_cancelled=is_cancelled, catalog=catalog)
     try:
         if isinstance(inv.payload, FunctionPayload):
             args: Any = parse_arguments(spec, inv.payload.arguments)
@@ -174,16 +197,19 @@ def _run(inv: ToolInvocation, spec: ToolSpec | None, r: redis.Redis, catalog: Ca
             args = inv.payload.input
         else:
             args = inv.payload
-        value = _event_loop().run_until_complete(call_handler(spec, args, ctx))
+        value = await call_handler(spec, args, ctx)
     except RespondToModel as e:
-        return "failed", e.message, {"success": False}
+        return CallState.FAILED, e.message, {"success": False}
     except CallCancelled:
-        return "aborted", aborted_text(spec.shell_like, time.time() - started_at), {"success": False}
+        return CallState.CANCELLED, aborted_text(spec.shell_like, time.time() - started_at), {"success": False}
     except time_limit_errors:
-        return "timed_out", f"call timed out after {spec.timeout:g}s and was stopped", {"success": False}
+        return CallState.TIMED_OUT, f"call timed out after {spec.timeout:g}s and was stopped", {"success": False}
     except Exception as e:  # a tool's own bug still becomes an output the model can read
         log.error("tool %s raised:\n%s", inv.tool_name, traceback.format_exc())
-        return "failed", f"tool {inv.tool_name} failed: {type(e).__name__}: {e}", {"success": False}
+        return CallState.FAILED, f"tool {inv.tool_name} failed: {type(e).__name__}: {e}", {"success": False}
     if isinstance(value, ToolReturn):
-        return "completed", value.output, {"success": value.success, "exit_code": value.exit_code, "tools": value.tools}
-    return "completed", value, {"success": True}
+        # A tool that says it did not succeed (a command exiting non-zero) failed: the user sees
+        # it so, and Flower lists it; the model reads the same output either way.
+        state = CallState.COMPLETED if value.success else CallState.FAILED
+        return state, value.output, {"success": value.success, "exit_code": value.exit_code, "tools": value.tools}
+    return CallState.COMPLETED, value, {"success": True}

@@ -19,7 +19,7 @@ from toolq.orchestrator.cancel import cancel
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.turn import Runtime, Session
-from toolq.workers.catalog import load_catalog
+from toolq.workers.loader import load_catalog
 
 
 def _pids(marker: str) -> list[int]:

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import IO, Any, Callable
 
-from toolq.workers.app import TASK
+from toolq.workers.contracts import TASK
 from toolq.workers.signing import Signer
 
 TASK_ID = "turn-bench:0:0:0123456789ab"

@@ -21,7 +21,7 @@ from typing import IO, Any
 from toolq.orchestrator.bench.harness import goal, median, ms, pct, stack
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.turn import Runtime, Session
-from toolq.workers.catalog import load_catalog
+from toolq.workers.loader import load_catalog
 
 CODEX_MS = {1: 59, 8: 111, 32: 322}
 GOAL = {1: 1.0, 8: 0.5, 32: 0.5}

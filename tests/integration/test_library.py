@@ -1,0 +1,126 @@
+"""toolq as a library (issue 11): `Fleet.run_calls` on the real fleet, and the README's example
+driving the official `openai` SDK against the fake model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from openai.types.responses import ResponseFunctionToolCall
+
+from toolq import Fleet, Settings
+from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.orchestrator.history import pairing_problems
+from toolq.orchestrator.ledger import Ledger
+from toolq.workers.loader import load_catalog
+
+from tests.integration.conftest import ROOT, SIGNING_KEY, TEST_TOOLS
+
+pytestmark = pytest.mark.integration
+
+EXAMPLE = ROOT / "examples" / "openai_sdk_loop.py"
+
+
+def fleet_on(redis_url: str, workspace) -> Fleet:
+    async def open_() -> Fleet:
+        return await Fleet.open(Settings(redis_url=redis_url, workspace=workspace, tools=[TEST_TOOLS],
+                                         signing_key=SIGNING_KEY),
+                                catalog=load_catalog([TEST_TOOLS]))
+    return open_()
+
+
+def test_the_readme_example_drives_the_openai_sdk_and_runs_every_call_on_the_fleet(tmp_path):
+    """As the README runs it: no REDIS_URL, so `Fleet.connect()` starts its own embedded stack."""
+    with FakeModel() as fake:  # the script `toolq fake-model` serves by default
+        env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL", "TOOLQ_TOOLS")}
+        env.update(OPENAI_BASE_URL=fake.base_url, OPENAI_API_KEY="fake", TOOLQ_WORKSPACE=str(tmp_path))
+        proc = subprocess.run([sys.executable, str(EXAMPLE)], env=env, capture_output=True, text=True, timeout=90,
+                              cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("Done."), proc.stdout
+        assert (tmp_path / "hello.txt").read_text() == "Hello from toolq\n"
+        assert len(fake.requests) == 3
+        for body in fake.requests:
+            assert pairing_problems(body["input"]) == [], body["input"]
+        second = fake.requests[1]
+        outputs = [i for i in second["input"] if i.get("type") == "function_call_output"]
+        assert [o["call_id"] for o in outputs] == ["call_demo_uname", "call_demo_ls"]
+        assert {t.get("name") for t in second["tools"]} >= {"exec_command", "apply_patch"}
+
+
+def test_run_calls_takes_sdk_objects_and_dicts_and_answers_every_call_in_call_order(fleet, redis_server, tmp_path):
+    async def go():
+        f = await fleet_on(redis_server.url, tmp_path)
+        try:
+            items = [
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "not a call"}]},
+                ResponseFunctionToolCall(type="function_call", call_id="call_slow", name="sleep_echo",
+                                         arguments='{"ms": 200, "text": "slow"}'),
+                {"type": "function_call", "call_id": "call_fast", "name": "sleep_echo",
+                 "arguments": '{"ms": 0, "text": "fast"}'},
+                {"type": "function_call", "call_id": "call_unknown", "name": "no_such_tool", "arguments": "{}"},
+            ]
+            return await f.run_calls(items)
+        finally:
+            await f.aclose()
+
+    outputs = asyncio.run(go())
+    assert [o["call_id"] for o in outputs] == ["call_slow", "call_fast", "call_unknown"]
+    assert all(o["type"] == "function_call_output" for o in outputs)
+    assert '"text": "slow"' in outputs[0]["output"] and '"text": "fast"' in outputs[1]["output"]
+    assert outputs[2]["output"] == "unsupported call: no_such_tool"
+
+
+def test_successive_run_calls_of_one_turn_never_collide(fleet, redis_server, tmp_path):
+    """The same call_id at the same position, twice in one turn: two steps, two runs, two outputs."""
+    item = {"type": "function_call", "call_id": "call_same", "name": "count_runs", "arguments": "{}"}
+
+    turn_id = "turn-lib-steps" + str(time.time_ns())
+
+    async def go():
+        f = await fleet_on(redis_server.url, tmp_path)
+        try:
+            first = await f.run_calls([item], turn_id=turn_id)
+            second = await f.run_calls([item], turn_id=turn_id)
+            return first, second, await f.ledger.calls(turn_id)
+        finally:
+            await f.aclose()
+
+    first, second, calls = asyncio.run(go())
+    assert first[0]["output"] == second[0]["output"] == "counted"
+    assert len({c["task_id"] for c in calls}) == 2
+    assert (tmp_path / "runs-call_same.txt").read_text().count("\n") == 2
+
+
+def test_toolq_cancel_from_another_process_aborts_the_unfinished_calls(fleet, redis_server, tmp_path):
+    turn_id = "turn-lib-cancel" + str(time.time_ns())
+
+    async def go():
+        f = await fleet_on(redis_server.url, tmp_path)
+        other = Ledger.from_url(redis_server.url)  # stands for `toolq cancel TURN_ID` elsewhere
+        try:
+            calls = asyncio.create_task(f.run_calls([
+                {"type": "function_call", "call_id": "call_quick", "name": "sleep_echo", "arguments": '{"text": "q"}'},
+                {"type": "function_call", "call_id": "call_long", "name": "sleep_echo", "arguments": '{"ms": 20000}'},
+            ], turn_id=turn_id))
+            deadline = time.monotonic() + 20
+            while not any(c.get("call_id") == "call_long" and c.get("state") == "running"
+                          for c in await other.calls(turn_id)):
+                assert time.monotonic() < deadline, "call_long never started"
+                await asyncio.sleep(0.05)
+            started = time.monotonic()
+            await other.cancel_turn(turn_id)
+            outputs = await calls
+            return outputs, time.monotonic() - started
+        finally:
+            await other.aclose()
+            await f.aclose()
+
+    outputs, took = asyncio.run(go())
+    assert '"text": "q"' in outputs[0]["output"]
+    assert outputs[1]["output"].startswith("aborted by user after")
+    assert took < 5

@@ -1,0 +1,214 @@
+"""`Fleet`: the workers, seen from one process: bind a response's calls, run them, get outputs.
+
+The shape of pydantic-ai's `ExternalToolset` + `DeferredToolRequests` → `DeferredToolResults`:
+calls go out as data and outputs come back as data, so any agent loop (the official `openai`
+SDK, toolq's own `Session`) hands a response's output items to `run_calls` and appends what it
+returns to the next request's `input`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import AsyncExitStack, asynccontextmanager
+from types import ModuleType
+from typing import Any, AsyncIterator, Callable, Iterable
+
+from pydantic import BaseModel
+
+from toolq.orchestrator.barrier import Step, flush_background
+from toolq.orchestrator.binding import BoundCall, bind_item
+from toolq.orchestrator.calls import ToolName
+from toolq.orchestrator.celery_transport import CeleryTransport
+from toolq.orchestrator.dispatch import Dispatcher
+from toolq.orchestrator.errors import Fatal
+from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.protocol.items import OutputItem, ResponseItem, ToolSearchOutputItem, decode_item
+from toolq.orchestrator.registry import Registry, StepContext
+from toolq.orchestrator.results import ResultRouter
+from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.turn_events import Emit, ignore
+from toolq.workers.catalog import Catalog
+from toolq.workers.config import longest_timeout
+from toolq.workers.loader import load_catalog
+from toolq.workers.signing import required_signer
+
+log = logging.getLogger("toolq.fleet")
+
+#: What `Fleet.connect(tools=...)` takes: module names, or the modules / `@tool` functions themselves.
+ToolSource = str | ModuleType | Callable[..., Any]
+
+
+def new_turn_id() -> str:
+    return "turn-" + uuid.uuid4().hex[:12]
+
+
+async def cancel_requested(ledger: Ledger, turn_id: str) -> bool:
+    """True once the turn is cancelled from any process; False if Redis trouble stopped the
+    listening (Ctrl-C still works, and the calls are not held up)."""
+    try:
+        await ledger.wait_for_cancel(turn_id)
+        return True
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # redis-py may turn a cancel during a read into a connection error
+        log.warning("cancel listener stopped: %s", e)
+        return False
+
+
+#: How long a cancelled helper task may take to close its connection.
+STOP_GRACE = 2.0
+
+
+async def stop(task: asyncio.Task) -> None:
+    """Cancel a helper task and let it finish (its Redis connection closes before ours does)."""
+    task.cancel()
+    await asyncio.wait({task}, timeout=STOP_GRACE)
+
+
+class Fleet:
+    """A connection to toolq's worker fleet: its tools, its queue, its ledger.
+
+    Open one with `async with Fleet.connect(...) as fleet:`. `tool_specs()` gives the `tools` of a
+    Responses request and `run_calls(items)` runs one response's calls under every contract of
+    toolq (routing, validation, serial gating, deadlines, lost workers, `toolq cancel TURN_ID`)."""
+
+    def __init__(self, settings: Settings, catalog: Catalog, ledger: Ledger, dispatcher: Dispatcher,
+                 router: ResultRouter) -> None:
+        self.settings = settings
+        self.catalog = catalog
+        self.registry = Registry(catalog)
+        self.ledger = ledger
+        self.dispatcher = dispatcher
+        self.router = router
+        self.transport = CeleryTransport(dispatcher, router, ledger)
+        self.loaded_tools: set[ToolName] = set()
+        """Deferred tools a `tool_search` made visible; `tool_specs()` includes them."""
+        self.turn_id = new_turn_id()
+        """The turn `run_calls` uses when given none: `toolq cancel` it, `toolq status` it."""
+        self._started_turns: set[str] = set()
+
+    @classmethod
+    async def _parts(cls, settings: Settings, catalog: Catalog | None) -> tuple[Catalog, Ledger, Dispatcher,
+                                                                                 ResultRouter]:
+        if not settings.redis_url:
+            raise ValueError("a fleet needs a Redis URL (Fleet.connect starts an embedded one when none is given)")
+        catalog = catalog if catalog is not None else load_catalog(settings.tools)
+        signer = required_signer(settings.signing_key, "an orchestrator with REDIS_URL")
+        ledger = Ledger.from_url(settings.redis_url)
+        router = ResultRouter(settings.result_backend_url() or settings.redis_url, signer)
+        await router.start()
+        return catalog, ledger, Dispatcher(settings, ledger, signer, longest_timeout(catalog)), router
+
+    @classmethod
+    async def open(cls, settings: Settings, *, catalog: Catalog | None = None) -> Fleet:
+        """A fleet on `settings.redis_url`; close it with `aclose()`."""
+        return cls(settings, *await cls._parts(settings, catalog))
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(cls, redis_url: str | None = None, tools: Iterable[ToolSource] = (),
+                      **settings: Any) -> AsyncIterator[Fleet]:
+        """Connect to the fleet on `redis_url`; with none (and no `REDIS_URL`), start an embedded
+        Redis-protocol server and two workers for the block, as `toolq run` does.
+
+        `tools`: the tool modules both sides load (names, modules or `@tool` functions).
+        Other keywords override `toolq.Settings` fields (e.g. `workspace=...`)."""
+        base = Settings.load()
+        modules = sorted({_module_name(t) for t in tools})
+        # Validated like the environment's values: a wrong type is one clear error here.
+        base = Settings.model_validate({**base.model_dump(), "tools": modules or base.tools, **settings,
+                                        **({"redis_url": redis_url} if redis_url else {})})
+        async with AsyncExitStack() as stack:
+            if not base.redis_url:
+                from toolq.orchestrator.embedded import EmbeddedStack
+
+                embedded = EmbeddedStack(workers=2, concurrency=4, tools=base.tools)
+                await asyncio.to_thread(embedded.__enter__)
+                stack.push_async_callback(asyncio.to_thread, embedded.__exit__, None, None, None)
+                base = base.model_copy(update={"redis_url": embedded.url, "signing_key": embedded.signing_key})
+            fleet = await cls.open(base)
+            stack.push_async_callback(fleet.aclose)
+            yield fleet
+
+    def tool_specs(self) -> list[dict[str, Any]]:
+        """The `tools` array of a Responses request: every tool but the deferred ones no search found."""
+        return self.registry.model_visible_specs(self.loaded_tools)
+
+    def bind(self, item: ResponseItem, ctx: StepContext, output_index: int) -> BoundCall | None:
+        return bind_item(item, self.registry, ctx, output_index)
+
+    def step(self, ctx: StepContext, emit: Emit = ignore) -> Step:
+        return Step(ctx, self.transport, self.ledger, emit)
+
+    async def run_calls(self, items: Iterable[Any], turn_id: str | None = None, *,
+                        emit: Emit = ignore) -> list[dict[str, Any]]:
+        """Run every call among one response's output items; one output item per call, in call order.
+
+        `items`: the response's `output`, as the openai SDK returns it (objects or `model_dump()`s)
+        or toolq's items; messages and reasoning are skipped. The outputs are wire dicts, ready to
+        append to the next request's `input`. Successive calls for one `turn_id` never collide,
+        and `toolq cancel TURN_ID` from any process gives the unfinished calls aborted outputs.
+        Raises `Fatal` (with `.outputs`) after every call has its output if the runtime broke a
+        contract (a tool invoked with a payload kind it does not take)."""
+        turn_id = turn_id or self.turn_id
+        decoded = [decode_item(_as_wire(i)) for i in items]
+        if turn_id not in self._started_turns:
+            self._started_turns.add(turn_id)
+            await self.ledger.start_turn(turn_id, "(Fleet.run_calls)", str(self.settings.workspace))
+        ctx = StepContext(turn_id, await self.ledger.next_step(turn_id), time.time() + self.settings.turn_timeout,
+                          str(self.settings.workspace))
+        step = self.step(ctx, emit)
+        await self.router.watch_turn(turn_id)
+        cancel = asyncio.create_task(cancel_requested(self.ledger, turn_id))
+        try:
+            for index, item in enumerate(decoded):
+                bound = self.bind(item, ctx, index)
+                if bound is not None:
+                    step.add(bound)
+            waiter = asyncio.create_task(step.wait())
+            await asyncio.wait({waiter, cancel}, return_when=asyncio.FIRST_COMPLETED)
+            if not waiter.done() and not cancel.result():  # no longer listening: just wait
+                await asyncio.wait({waiter})
+            outputs = waiter.result() if waiter.done() else await step.abort()
+            waiter.cancel()
+        finally:
+            await stop(cancel)
+            await self.router.unwatch_turn(turn_id)
+        self.note_outputs(outputs)
+        wire = [o.to_wire() for o in outputs]
+        if step.fatal is not None:
+            step.fatal.outputs = wire  # type: ignore[attr-defined]
+            raise step.fatal
+        return wire
+
+    def note_outputs(self, outputs: list[OutputItem]) -> None:
+        """A tool_search output makes its tools visible from the next request on."""
+        for out in outputs:
+            if isinstance(out, ToolSearchOutputItem) and out.tools:
+                self.loaded_tools |= self.registry.deferred_names(out.tools)
+
+    async def aclose(self) -> None:
+        await flush_background()
+        await self.router.aclose()
+        await self.dispatcher.aclose()
+        await self.ledger.aclose()
+
+
+def _as_wire(item: Any) -> Any:
+    if isinstance(item, BaseModel):  # an openai SDK object, or one of toolq's items
+        return item.model_dump(mode="json", exclude_none=True)
+    return item
+
+
+def _module_name(source: ToolSource) -> str:
+    if isinstance(source, str):
+        return source
+    if isinstance(source, ModuleType):
+        return source.__name__
+    return source.__module__
+
+
+__all__ = ["Fatal", "Fleet", "new_turn_id"]

@@ -1,0 +1,124 @@
+"""What a turn tells its watchers: typed events, shaped like `codex exec --json`.
+
+`turn.started`, `item.started` / `item.updated` / `item.completed`, `error`, `turn.completed` /
+`turn.failed`, and toolq's `turn.aborted`. Items are toolq's `tool_call` (with Codex's `status`:
+in_progress / completed / failed, and toolq's finer `state`), `agent_message` and `reasoning`.
+The live view reads the fields; `--json` writes `to_json()` one per line.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Callable, Literal, Union
+
+from pydantic import BaseModel, Field
+
+from toolq.orchestrator.states import CallState
+
+
+class _Event(BaseModel):
+    def to_json(self) -> dict[str, Any]:
+        d = self.model_dump(mode="json", exclude_none=True)
+        return {"type": d.pop("type"), **d} if "type" in d else d  # `type` first, as Codex writes it
+
+
+class ToolCallView(_Event):
+    """One call as the user sees it."""
+
+    id: str
+    """The call's `call_id`."""
+    type: Literal["tool_call"] = "tool_call"
+    tool: str
+    status: Literal["in_progress", "completed", "failed"]
+    """As `codex exec --json` reports items: a command that exited non-zero is `failed`."""
+    state: CallState
+    """toolq's own state: which kind of failure, or where an unfinished call is."""
+    step: int
+    worker: str | None = None
+    success: bool | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    """For a failed call: why, in one line (`exit code 3`, the tool's error, the timeout...)."""
+    output: str | None = None
+    """The start of the model-visible output (2,000 characters at most)."""
+    queue_wait: float | None = None
+    """Seconds from the call's dispatch to a worker starting it."""
+    run_time: float | None = None
+    """Seconds the worker spent on it."""
+    round_trip: float | None = None
+    """Seconds from the model's item to the call's output."""
+
+
+class AgentMessageView(_Event):
+    id: str | None = None
+    type: Literal["agent_message"] = "agent_message"
+    text: str
+
+
+class ReasoningView(_Event):
+    id: str | None = None
+    type: Literal["reasoning"] = "reasoning"
+    text: str
+
+
+ItemView = Annotated[Union[ToolCallView, AgentMessageView, ReasoningView], Field(discriminator="type")]
+
+
+class TurnStarted(_Event):
+    type: Literal["turn.started"] = "turn.started"
+    turn_id: str
+
+
+class _ItemEvent(_Event):
+    item: ItemView
+
+
+class ItemStarted(_ItemEvent):
+    type: Literal["item.started"] = "item.started"
+
+
+class ItemUpdated(_ItemEvent):
+    type: Literal["item.updated"] = "item.updated"
+
+
+class ItemCompleted(_ItemEvent):
+    type: Literal["item.completed"] = "item.completed"
+
+
+class ErrorEvent(_Event):
+    type: Literal["error"] = "error"
+    message: str
+
+
+class TurnCompleted(_Event):
+    type: Literal["turn.completed"] = "turn.completed"
+    turn_id: str
+    usage: dict[str, Any] = Field(default_factory=dict)
+
+
+class TurnError(BaseModel):
+    message: str
+
+
+class TurnFailed(_Event):
+    type: Literal["turn.failed"] = "turn.failed"
+    turn_id: str
+    error: TurnError
+
+
+class TurnAborted(_Event):
+    type: Literal["turn.aborted"] = "turn.aborted"
+    turn_id: str
+    reason: str = "interrupted"
+
+
+TurnEvent = Annotated[
+    Union[TurnStarted, ItemStarted, ItemUpdated, ItemCompleted, ErrorEvent, TurnCompleted, TurnFailed, TurnAborted],
+    Field(discriminator="type"),
+]
+
+#: Where a turn's events go (the live view, `--json`, a test's list). Must not block.
+Emit = Callable[[TurnEvent], None]
+
+
+def ignore(event: TurnEvent) -> None:
+    """An `Emit` for nobody watching."""

@@ -1,0 +1,66 @@
+"""Celery's configuration for toolq, for both sides: the workers' app and each orchestrator's
+sending app (`toolq.orchestrator.dispatch`). Building an app here loads no tool and starts nothing.
+
+Settings follow celery-lab.md's measurements: JSON only, prefork, `acks_late` + prefetch 1 (fair,
+and queued revokes are honoured), STARTED tracked (to tell lost from queued), events on for
+Flower, a visibility timeout above the longest tool.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from celery import Celery
+
+from toolq.orchestrator.settings import Settings
+from toolq.workers.catalog import ToolSpec
+from toolq.workers import signing
+from toolq.workers.contracts import TIME_LIMIT_MARGIN
+
+
+def longest_timeout(specs: Iterable[ToolSpec]) -> float:
+    return max((s.timeout for s in specs), default=60.0)
+
+
+def celery_config(settings: Settings, longest: float) -> dict[str, Any]:
+    """`longest`: the longest tool timeout, which the visibility timeout must stay above."""
+    broker = settings.redis_url or "redis://127.0.0.1:6379/0"
+    backend = settings.result_backend_url() or broker
+    return dict(
+        broker_url=broker,
+        result_backend=f"toolq.workers.backend:NoSubscribeRedisBackend+{backend}",
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        task_track_started=True,
+        worker_send_task_events=True,
+        # Off: a sent event carries the real task name and, arriving after task-received, makes
+        # Flower show `toolq.run` instead of `tool:<name>`; the ledger records "queued" anyway.
+        task_send_sent_event=False,
+        result_expires=6 * 3600,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            # Never below the longest tool, or healthy calls get delivered twice (celery-lab §6).
+            "visibility_timeout": int(longest + 2 * TIME_LIMIT_MARGIN + 60),
+            "unacked_restore_interval": 10,
+            "unacked_restore_throttle": 1,
+        },
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        # toolq's own: the fleet key (signing.py; Celery masks it in `inspect conf`) and whether
+        # task-succeeded log lines and Flower may show tool output (summary.py).
+        **{signing.CONF_KEY: settings.signing_key, "toolq_log_tool_output": settings.log_tool_output},
+    )
+
+
+def configure_app(app: Celery, settings: Settings, longest: float) -> Celery:
+    app.conf.update(celery_config(settings, longest))
+    return app
+
+
+def make_app(settings: Settings, longest: float = 60.0) -> Celery:
+    """A Celery app on the settings' Redis. Workers use `toolq.workers.app.app`; each orchestrator
+    runtime makes its own, so one process can talk to several brokers (tests do)."""
+    return configure_app(Celery("toolq", set_as_current=False), settings, longest)

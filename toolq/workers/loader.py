@@ -1,0 +1,25 @@
+"""Fill the process-wide catalog: the built-in tools, then the user's tool modules.
+
+Apart from `catalog` so that the catalog never imports the tools that import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from toolq.orchestrator.errors import ConfigurationError
+from toolq.workers.catalog import CATALOG, Catalog
+
+
+def load_catalog(modules: list[str] | tuple[str, ...] = ()) -> Catalog:
+    """The built-in tools plus the user's modules (each registers its tools on import)."""
+    importlib.import_module("toolq.workers.tools")
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except ModuleNotFoundError as e:
+            if e.name and m.startswith(e.name):
+                raise ConfigurationError(f"tool module {m!r} not found: run toolq from the directory that holds "
+                                         "it, or put that directory on PYTHONPATH") from None
+            raise
+    return CATALOG
