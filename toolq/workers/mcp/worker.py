@@ -4,7 +4,8 @@ The worker's main process starts the host (`host.py`) before Celery forks its po
 each server's tools in the catalog as namespaced function tools whose handler is `Forward`; pool
 children inherit both. Before a child runs an MCP call it asks the host for the current listing
 (`sync`), so a tool list that changed since the fork is what `execute` checks the call's
-declaration digest against.
+declaration digest against. The main process follows the listing too, for the fleet catalog
+(`follow.py`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,6 @@ log = logging.getLogger("toolq.worker")
 
 #: How often a child waiting on a call checks whether the turn or the call was cancelled.
 CANCEL_POLL = 0.25
-
-#: The Celery remote-control command through which the orchestrator reads a worker's MCP tools.
-CONTROL_COMMAND = "toolq_mcp_tools"
 
 
 class HostUnavailable(Exception):
@@ -235,6 +233,7 @@ def banner(listing: Listing) -> list[str]:
 
 
 def current_listing() -> Listing | None:
+    """The host's listing now (the worker's main process follows it, `follow.py`); None if it is gone."""
     if _host is None:
         return None
     try:
