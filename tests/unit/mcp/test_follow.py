@@ -5,11 +5,17 @@ which declarations get advertised, as current or retiring, and which queues get 
 
 from __future__ import annotations
 
+import socket
+import time
+
+import pytest
+
 from toolq.workers.advert import ToolAdvert, ToolRef, WorkerAdvert, tool_queue
 from toolq.workers.catalog import Catalog, ToolSpec
 from toolq.workers.mcp.follow import GRACE, Follower
 from toolq.workers.mcp.specs import McpToolRecord, tool_spec
 from toolq.workers.mcp.wire import Listing, ServerState
+from toolq.workers.mcp.worker import HostClient, HostUnavailable
 
 PLAIN = ToolSpec(name="grep", queue="default")
 OPEN = {"type": "object", "properties": {"query": {"type": "string"}}}
@@ -20,8 +26,8 @@ def record(name: str, schema: dict | None = None) -> McpToolRecord:
 
 
 def listing(generation: int, *tools: McpToolRecord, state: str = "ready") -> Listing:
-    return Listing(generation=generation, servers=[ServerState(name="s", transport="stdio", state=state,  # type: ignore[arg-type]
-                                                               tools=list(tools))])
+    server = ServerState(name="s", transport="stdio", state=state, tools=list(tools))  # type: ignore[arg-type]
+    return Listing(generation=generation, servers=[server])
 
 
 class Advertiser:
@@ -81,8 +87,8 @@ def test_a_listed_tool_is_consumed_and_advertised_and_a_replaced_one_retires_for
     new = record("a", {**OPEN, "required": ["query"]})
     w.listing = listing(1, new, record("b"))
     w.beat()
-    assert w.advertiser.offered() == {f"a.{tool_spec(new).digest()[:6]}": False, f"a.{tool_spec(old).digest()[:6]}": True,
-                                      "b": False}
+    assert w.advertiser.offered() == {f"a.{tool_spec(new).digest()[:6]}": False,
+                                      f"a.{tool_spec(old).digest()[:6]}": True, "b": False}
     assert sorted(w.consumed) == sorted([tool_queue(tool_spec(new)), tool_queue(tool_spec(record("b")))])
     assert "grep" in {t.name for t in w.advertiser.record.tools}
     assert {a.digest for a in w.advertiser.tools} == {t.digest for t in w.advertiser.record.tools}
@@ -121,3 +127,17 @@ def test_a_queue_the_worker_did_not_confirm_is_not_advertised_until_it_does():
     w.confirm = True
     w.beat()
     assert w.advertiser.offered() == {"a": False, "b": False}
+
+
+def test_a_host_that_does_not_answer_is_unavailable_after_the_timeout_so_the_heartbeat_goes_on(tmp_path):
+    path = str(tmp_path / "host.sock")
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.bind(path)
+    silent.listen(1)  # accepts the connection, never answers
+    try:
+        started = time.monotonic()
+        with pytest.raises(HostUnavailable, match="did not answer in 0.3s"):
+            HostClient(path).listing(0.3)
+        assert time.monotonic() - started < 2
+    finally:
+        silent.close()

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -83,8 +84,13 @@ class HostClient:
             if not answered:  # cancelled, timed out (SoftTimeLimitExceeded) or broken: the host cancels
                 self.close()
 
-    def listing(self) -> Listing:
-        return Listing.model_validate_json(self._ask(ListRequest()))
+    def listing(self, timeout: float | None = None) -> Listing:
+        end = None if timeout is None else time.monotonic() + timeout
+        try:
+            late = (lambda: time.monotonic() > end) if end is not None else (lambda: False)
+            return Listing.model_validate_json(self._ask(ListRequest(), late))
+        except CallCancelled:
+            raise HostUnavailable(f"the worker's MCP host did not answer in {timeout}s") from None
 
     def call(self, request: CallRequest, is_cancelled: Callable[[], bool]) -> CallReply:
         return CallReply.model_validate_json(self._ask(request, is_cancelled))
@@ -232,12 +238,17 @@ def banner(listing: Listing) -> list[str]:
     return lines
 
 
+#: How long the heartbeat waits for the host's listing; a host that does not answer counts as down.
+LISTING_TIMEOUT = 2.0
+
+
 def current_listing() -> Listing | None:
-    """The host's listing now (the worker's main process follows it, `follow.py`); None if it is gone."""
+    """The host's listing now (the worker's main process follows it, `follow.py`); None if it is
+    gone or does not answer in time (the heartbeat must go on)."""
     if _host is None:
         return None
     try:
-        return _host.client.listing()
+        return _host.client.listing(LISTING_TIMEOUT)
     except HostUnavailable:
         return None
 
