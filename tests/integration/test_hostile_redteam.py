@@ -73,8 +73,8 @@ def test_the_hosts_sysctls_are_read_only(drive, redteam_worker, tmp_path):
 
 def test_memory_outside_the_address_space_is_bounded(drive, redteam_worker, tmp_path):
     """Files in tmpfs are RAM that no process's RLIMIT_AS counts: each at the file size limit
-    (1 MiB), as many as fit."""
-    fill = "for i in $(seq {n}); do head -c 1048576 /dev/zero > {d}/f$i || {{ echo FULL; break; }}; done; du -sm {d}"
+    (1 MiB), as many as fit. `du -x`: a checkout under /tmp is bound read-only inside, not in the tmpfs."""
+    fill = "for i in $(seq {n}); do head -c 1048576 /dev/zero > {d}/f$i || {{ echo FULL; break; }}; done; du -smx {d}"
     out = attack(drive, redteam_worker, tmp_path, {
         "call_tmp": fill.format(d="/tmp", n=MEMORY_MB + 20),
         "call_shm": fill.format(d="/dev/shm", n=MEMORY_MB + 20),
