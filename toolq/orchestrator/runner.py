@@ -1,7 +1,9 @@
 """`toolq run` and `toolq demo`: settings + (embedded stack) + runtime + session + view.
 
-Ctrl-C cancels the turn the way `toolq cancel` does: the durable record first (so no worker
-starts a call of this turn), then the running calls are revoked and given aborted outputs.
+Ctrl-C, SIGTERM and SIGHUP (a closed terminal, `timeout`, systemd, a deleted Kubernetes Job)
+cancel the turn the way `toolq cancel` does: the durable record first (so no worker starts a
+call of this turn), then the running calls are revoked and given aborted outputs, and the session
+is written. SIGKILL leaves no handler: the embedded stack dies by its parent-death signal.
 """
 
 from __future__ import annotations
@@ -107,15 +109,34 @@ async def _run(settings: Settings, prompt: str, json_events: bool,
         session.history = history
     turn_id = new_turn_id()
     loop = asyncio.get_running_loop()
+    pending: set[asyncio.Task] = set()
 
-    def interrupt() -> None:
+    def interrupt(sig: signal.Signals) -> None:
         # Durable first, so a call still in the queue never starts; then stop this turn.
-        loop.create_task(runtime.ledger.cancel_turn(turn_id, reason="interrupted"))
+        task = loop.create_task(_record_cancel(runtime, turn_id, sig))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
         session.cancel()
 
-    loop.add_signal_handler(signal.SIGINT, interrupt)
+    for sig in CANCEL_SIGNALS:
+        loop.add_signal_handler(sig, interrupt, sig)
     try:
         return await session.run_turn(prompt, view, turn_id=turn_id), session.history
     finally:
-        loop.remove_signal_handler(signal.SIGINT)
+        for sig in CANCEL_SIGNALS:
+            loop.remove_signal_handler(sig)
+        if pending:
+            await asyncio.wait(pending, timeout=2.0)
         await runtime.aclose()
+
+
+#: Each cancels the turn as Ctrl-C does (the exit status is then 130, `TurnOutcome.exit_code`).
+CANCEL_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+async def _record_cancel(runtime: Runtime, turn_id: str, sig: signal.Signals) -> None:
+    """The durable cancel record; with Redis down the turn still ends here, unrecorded."""
+    try:
+        await runtime.ledger.cancel_turn(turn_id, reason=sig.name)
+    except Exception as e:
+        print(f"toolq run: could not record the cancel in Redis: {e}", file=sys.stderr)

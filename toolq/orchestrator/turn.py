@@ -59,6 +59,11 @@ TURN_ABORTED = (
     "</turn_aborted>"
 )
 
+EXIT_FAILED = 1
+EXIT_CANCELLED = 130
+EXIT_CODES = {"completed": 0, "failed": EXIT_FAILED, "cancelled": EXIT_CANCELLED}
+
+
 @dataclass
 class TurnOutcome:
     turn_id: str
@@ -71,7 +76,9 @@ class TurnOutcome:
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.status == "completed" else 1
+        """`toolq run`'s exit status: 0 completed, 1 failed, 130 cancelled (Ctrl-C, SIGTERM,
+        SIGHUP or `toolq cancel`: the shell's 128 + SIGINT). 2 is kept for "could not start"."""
+        return EXIT_CODES.get(self.status, EXIT_FAILED)
 
 
 class Runtime(Fleet):
