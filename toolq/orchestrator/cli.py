@@ -166,9 +166,12 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
     from toolq.orchestrator.cancel import UnknownTarget, cancel
 
+    from toolq.orchestrator.redis_faults import reaching
+
     settings = _settings(args)  # no REDIS_URL: cancel() looks in this user's running embedded stacks
     try:
-        report = asyncio.run(cancel(settings, args.turn_id, args.call))
+        with reaching(settings.redis_url):
+            report = asyncio.run(cancel(settings, args.turn_id, args.call))
     except UnknownTarget as e:
         print(f"toolq cancel: {e}", file=sys.stderr)
         return 1

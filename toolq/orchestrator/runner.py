@@ -33,6 +33,8 @@ def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, se
         outcome, history = asyncio.run(_run(settings, prompt, json_events, history))
     if session_file:
         save_session(session_file, history)
+    if outcome.could_not_start and json_events:  # stdout is the events; the one line goes to stderr
+        print(f"toolq run: {outcome.error}", file=sys.stderr)
     return outcome.exit_code
 
 

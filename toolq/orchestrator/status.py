@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any, TextIO
 
 from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.redis_faults import reaching
 from toolq.orchestrator.runtime_dir import ledger_urls, ledgers
 from toolq.orchestrator.settings import Settings, mask_url_password
 from toolq.orchestrator.states import parse_state
@@ -133,7 +134,8 @@ def status_cmd(settings: Settings, turn_id: str, *, as_json: bool = False, out: 
                     return turn, calls
         return {}, []
 
-    turn, calls = asyncio.run(read())
+    with reaching(settings.redis_url):
+        turn, calls = asyncio.run(read())
     if not turn and not calls:
         where = mask_url_password(urls[0]) if settings.redis_url else f"{len(urls)} running embedded stack(s)"
         print(f"toolq status: no turn {turn_id!r} in the ledger at {where} "
@@ -162,7 +164,9 @@ def turns_cmd(settings: Settings, *, limit: int = 20, as_json: bool = False, out
         return found
 
     now = time.time()
-    rows = [turn_row(t, h, n, now) for t, h, n in asyncio.run(read()) if h]
+    with reaching(settings.redis_url):
+        found = asyncio.run(read())
+    rows = [turn_row(t, h, n, now) for t, h, n in found if h]
     rows = sorted(rows, key=lambda r: r["started_at"] or 0, reverse=True)[:limit]  # newest first, across stacks
     out.write(render_turns(rows, as_json))
     return 0

@@ -32,6 +32,7 @@ from toolq.orchestrator.protocol.items import (
     is_api_item,
 )
 from toolq.orchestrator.protocol.reasoning import reasoning_for
+from toolq.orchestrator.redis_faults import REDIS_FAULTS, RedisUnreachable
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.results import ResultRouter
 from toolq.orchestrator.settings import Settings
@@ -60,6 +61,7 @@ TURN_ABORTED = (
 )
 
 EXIT_FAILED = 1
+EXIT_UNSTARTED = 2
 EXIT_CANCELLED = 130
 EXIT_CODES = {"completed": 0, "failed": EXIT_FAILED, "cancelled": EXIT_CANCELLED}
 
@@ -73,11 +75,15 @@ class TurnOutcome:
     error: str | None = None
     usage: Usage = field(default_factory=Usage)
     requests: int = 0
+    could_not_start: bool = False
+    """Nothing ran (Redis unreachable at the start): exit status 2, as for bad settings."""
 
     @property
     def exit_code(self) -> int:
         """`toolq run`'s exit status: 0 completed, 1 failed, 130 cancelled (Ctrl-C, SIGTERM,
         SIGHUP or `toolq cancel`: the shell's 128 + SIGINT). 2 is kept for "could not start"."""
+        if self.could_not_start:
+            return EXIT_UNSTARTED
         return EXIT_CODES.get(self.status, EXIT_FAILED)
 
 
@@ -141,9 +147,14 @@ class Session:
         outcome = TurnOutcome(turn_id=turn_id, status="running")
         self._cancel.clear()
         emit(TurnStarted(turn_id=turn_id))
-        await self.rt.ledger.start_turn(turn_id, prompt, str(settings.workspace))
         self.history.record(MessageItem(role="user", content=[InputText(text=prompt)]))
-        await self.rt.router.watch_turn(turn_id)
+        try:
+            await self.rt.ledger.start_turn(turn_id, prompt, str(settings.workspace))
+            await self.rt.router.watch_turn(turn_id)
+        except REDIS_FAULTS as e:  # nothing ran: one line naming the server, and a turn.failed
+            outcome.status, outcome.error = "failed", str(RedisUnreachable(settings.redis_url, e))
+            outcome.could_not_start = True
+            return await self._end(turn_id, outcome, emit)
         listener = asyncio.create_task(self._listen_for_cancel(turn_id))
         inner = asyncio.create_task(self._loop(turn_id, outcome, emit))
         cancelled = asyncio.create_task(self._cancel.wait())
@@ -156,16 +167,26 @@ class Session:
                 await self._abort(turn_id, inner, outcome, emit, started)
         except ModelError as e:
             outcome.status, outcome.error = "failed", e.message
+        except Exception as e:  # a bug: still one terminal event, a paired history, the calls stopped
+            log.exception("the turn loop of %s failed", turn_id)
+            if self._step is not None:
+                self.history.record(*await self._step.abort())
+            outcome.status, outcome.error = "failed", f"toolq failed: {type(e).__name__}: {e}"
         finally:
             cancelled.cancel()
             await stop(listener)
             await self.rt.router.unwatch_turn(turn_id)
+        return await self._end(turn_id, outcome, emit)
+
+    async def _end(self, turn_id: str, outcome: TurnOutcome, emit: Emit) -> TurnOutcome:
+        """Exactly one terminal event, then the ledger's record of the end."""
         if outcome.status == "failed":
             emit(ErrorEvent(message=outcome.error or ""))
             emit(TurnFailed(turn_id=turn_id, error=TurnError(message=outcome.error or "")))
         elif outcome.status == "completed":
             emit(TurnCompleted(turn_id=turn_id, usage=outcome.usage.model_dump()))
-        await self._finish(turn_id, outcome)
+        if not outcome.could_not_start:  # else the Redis to record it in is the one that is away
+            await self._finish(turn_id, outcome)
         return outcome
 
     async def _finish(self, turn_id: str, outcome: TurnOutcome) -> None:
@@ -190,8 +211,11 @@ class Session:
 
     async def _listen_for_cancel(self, turn_id: str) -> None:
         """Hear `toolq cancel` from any process; the durable record covers a cancel sent earlier."""
-        if await cancel_requested(self.rt.ledger, turn_id):
-            self._cancel.set()
+        delay = 0.5
+        while not await cancel_requested(self.rt.ledger, turn_id):  # Redis trouble: listen again
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        self._cancel.set()
 
     async def _loop(self, turn_id: str, outcome: TurnOutcome, emit: Emit) -> None:
         settings = self.rt.settings
@@ -200,6 +224,10 @@ class Session:
         responses_with_calls = 0
         step_index = 0  # one per model request, retries included, so task ids never collide
         while True:
+            if time.time() >= deadline:  # no request that could only queue calls already expired
+                outcome.status = "failed"
+                outcome.error = f"turn stopped: it ran past its deadline (TOOLQ_TURN_TIMEOUT={settings.turn_timeout:g}s)"
+                return
             if responses_with_calls >= settings.max_steps:
                 outcome.status = "failed"
                 outcome.error = f"turn stopped after {settings.max_steps} model responses with tool calls"
