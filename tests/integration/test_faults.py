@@ -59,6 +59,23 @@ def test_a_killed_worker_is_detected_and_the_call_gets_an_output(worker, drive, 
     assert time.monotonic() - started < 25, "the watchdog took as long as the tool would have"
 
 
+def test_a_worker_killed_and_restarted_under_the_same_name_is_still_detected(worker, drive, tmp_path):
+    """The restarted worker answers pings under the old name; liveness is per process instance (the
+    fleet catalog's), so the call the dead instance held is lost, not left to its time limit."""
+    w = worker(["faults"], name="phoenix@test")
+
+    def kill_and_restart(pid):
+        w.kill()
+        worker(["faults"], name="phoenix@test")
+
+    started = time.monotonic()
+    run = drive([[b.function_call("hang", {"seconds": 50}, "call_phoenix")], final()],
+                during=killer(tmp_path / "hang-call_phoenix.pid", kill_and_restart), timeout=45)
+    (out,) = run.outputs_of(1)
+    assert "phoenix@test" in out["output"] and "may have partially executed" in out["output"], out["output"]
+    assert time.monotonic() - started < 30, "the watchdog took as long as the tool would have"
+
+
 def test_a_call_past_its_time_limit_is_stopped_with_an_output(worker, drive):
     worker(["faults"])
     run = drive([[b.function_call("quick_timeout", {"seconds": 20}, "call_slow")], final()])

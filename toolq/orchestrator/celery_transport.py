@@ -46,12 +46,16 @@ class CeleryTransport:
     async def worker_alive(self, hostname: str, task_id: str | None = None) -> bool:
         """Per process instance, from the fleet catalog's heartbeats first (they come back within a
         beat of a Redis restart, when pings still go unanswered), then a ping or the draining mark."""
-        live = {w.instance for w in (await self.dispatcher.fleet.snapshot(max_age=CATALOG_MAX_AGE)).workers
-                if w.hostname == hostname}
+        same_name = [w for w in (await self.dispatcher.fleet.snapshot(max_age=CATALOG_MAX_AGE)).workers
+                     if w.hostname == hostname]
+        live = {w.instance for w in same_name}
         if task_id is not None:
             seen = self._instances.get(task_id)
             if seen is None and live:  # an empty catalog (Redis restarted empty) says nothing yet
-                self._instances[task_id] = live
+                # The instances that were up when the call started (one host's clock: the worker's).
+                started = await self.ledger.started_at(task_id)
+                self._instances[task_id] = {w.instance for w in same_name
+                                            if started is None or w.started_at <= started} or live
             elif seen is not None and live:
                 # Restarted under the same name (SIGKILL, then a supervisor): it answers pings,
                 # but the instance that ran the call is gone once only newer ones are listed.
