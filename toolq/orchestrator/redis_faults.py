@@ -5,15 +5,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from kombu.exceptions import OperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from toolq.orchestrator.dispatch import BROKER_ERRORS
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import mask_url_password
 
 #: What a Redis that is down, restarting or refusing us raises (redis-py, kombu, the socket).
-REDIS_FAULTS = (RedisConnectionError, RedisTimeoutError, OperationalError, ConnectionError, TimeoutError)
+REDIS_FAULTS = (RedisConnectionError, RedisTimeoutError, *BROKER_ERRORS, ConnectionError, TimeoutError)
 
 
 class RedisUnreachable(ConfigurationError):

@@ -13,6 +13,7 @@ from contextlib import aclosing
 from datetime import datetime
 from typing import Any, TextIO
 
+from toolq.orchestrator.durable import mark_orphans
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.redis_faults import reaching
 from toolq.orchestrator.runtime_dir import ledger_urls, ledgers
@@ -130,6 +131,7 @@ def status_cmd(settings: Settings, turn_id: str, *, as_json: bool = False, out: 
         async with aclosing(ledgers(settings.redis_url)) as each:
             async for _, ledger in each:
                 turn, calls = await ledger.turn(turn_id), await ledger.calls(turn_id)
+                await mark_orphans(ledger.r, [(turn_id, turn)])
                 if turn or calls:
                     return turn, calls
         return {}, []
@@ -159,6 +161,7 @@ def turns_cmd(settings: Settings, *, limit: int = 20, as_json: bool = False, out
         async with aclosing(ledgers(settings.redis_url)) as each:
             async for _, ledger in each:
                 turns = await ledger.recent_turns(limit)
+                await mark_orphans(ledger.r, turns)
                 counts = [len(await ledger.calls(t)) for t, _ in turns]
                 found += [(t, h, n) for (t, h), n in zip(turns, counts)]
         return found
