@@ -14,6 +14,7 @@ import tests.integration.conftest as c
 from toolq.orchestrator.embedded import RedisServer
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.orchestrator.ledger import Ledger
 
 pytestmark = pytest.mark.integration
 
@@ -130,6 +131,41 @@ def test_the_result_reader_survives_redis_staying_down_for_seconds(tmp_path, wor
         second = run.outputs_of(2)[-1]
         assert '"text": "after the outage"' in second["output"], second["output"]
         assert run.outcome.status == "completed"
+
+
+@pytest.mark.parametrize("aof", [True, False], ids=["aof", "no-persistence"])
+def test_what_a_redis_restart_keeps_depends_on_aof(tmp_path, worker, drive, aof):
+    """README "Redis restarted mid-turn": with AOF the ledger and the durable turn come back (and
+    `toolq resume` could use them); without persistence they are gone. Either way the running call
+    gets its real result or an honest "may or may not have run"."""
+    args = ["--appendonly", "yes", "--appendfsync", "always"] if aof else []
+    with RedisServer(args=args) as server:
+        worker(["faults"], redis_url=server.url)
+
+        async def restart_while_running(session, runtime):
+            await asyncio.to_thread(wait_for_pid, tmp_path / "hang-call_p.pid")
+            await asyncio.to_thread(server.restart)
+
+        run = drive([[b.function_call("hang", {"seconds": 3}, "call_p")], final()],
+                    redis_url=server.url, during=restart_while_running, timeout=90)
+        (out,) = run.outputs_of(1)
+        assert out["output"] == "woke up" or "may or may not have run" in out["output"], out["output"]
+        assert run.outcome.status == "completed"
+
+        async def kept():
+            ledger = Ledger.from_url(server.url)
+            try:
+                return await ledger.calls(run.outcome.turn_id), await ledger.turn(run.outcome.turn_id)
+            finally:
+                await ledger.aclose()
+
+        calls, turn = asyncio.run(kept())
+    if aof:
+        assert out["output"] == "woke up"
+        assert [c["call_id"] for c in calls] == ["call_p"]
+        assert "settings" in turn and turn["state"] == "completed"
+    else:
+        assert calls == [] and "settings" not in turn
 
 
 def test_the_pip_installed_server_serves_a_whole_turn(worker, drive):
