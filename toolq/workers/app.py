@@ -26,7 +26,7 @@ from toolq.workers.config import configure_app, longest_timeout, make_app
 from toolq.workers.contracts import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, ToolCallFailed
 from toolq.workers.loader import load_catalog
 from toolq.workers import isolation, kombu_acks, presence, signing
-from toolq.workers.execute import execute
+from toolq.workers.execute import StillRunning, execute
 from toolq.workers.sandbox import install_sigterm_handler
 from toolq.workers.summary import returned
 
@@ -127,8 +127,12 @@ def _execute(task: Any, invocation: dict, signature: str, redelivery: bool) -> A
     # Installed per call: billiard resets the pool child's signal handlers after
     # worker_process_init, so a handler set there is gone by the time a task runs.
     install_sigterm_handler()
-    result = execute(invocation, hostname=_hostname(task), r=redis_client(), catalog=catalog(), redelivery=redelivery,
-                     time_limit_errors=(SoftTimeLimitExceeded,))
+    try:
+        result = execute(invocation, hostname=_hostname(task), r=redis_client(), catalog=catalog(),
+                         redelivery=redelivery, time_limit_errors=(SoftTimeLimitExceeded,))
+    except StillRunning:
+        raise Ignore() from None  # the first delivery's result answers the call
+
     if celery_state(CallState(result["status"])) == FAILURE:
         raise ToolCallFailed(result)  # Celery records FAILURE; the result travels in the exception
     return returned(result, log_output=bool(app.conf.get("toolq_log_tool_output")))
