@@ -81,7 +81,7 @@ def test_cancelling_a_turn_kills_every_process_and_leaves_a_paired_history(fleet
             return outcomes[0], session
 
         outcome, session = asyncio.run(asyncio.wait_for(go(), 60))
-        assert outcome.status == "cancelled" and outcome.exit_code == 1
+        assert outcome.status == "cancelled" and outcome.exit_code == 130
         assert len(fake.requests) == 1, "no model request after a cancel"
 
     deadline = time.monotonic() + 5
@@ -187,8 +187,11 @@ def test_a_cancel_with_no_worker_online_prevents_the_call_from_running(worker, d
     assert not (tmp_path / "hang-call_queued.pid").exists(), "the cancelled call ran"
 
 
-def test_ctrl_c_on_toolq_run_cancels_the_turn_and_the_session_continues(fleet, tmp_path):
-    tag = str(os.getpid() % 1000 + 1)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_signal_to_toolq_run_cancels_the_turn_and_the_session_continues(fleet, tmp_path, sig):
+    """Ctrl-C, `kill`/`timeout`/systemd (SIGTERM) and a closed terminal (SIGHUP) all end the turn
+    cleanly: durable cancel record, command killed, aborted output, session written, exit 130."""
+    tag = str(os.getpid() % 1000 + 1) + str(sig.value)
     session_file = tmp_path / "session.json"
     script = [[b.function_call("exec_command", {"cmd": f"sleep 30.{tag}9"}, "call_int")], [b.message("resumed")]]
     with FakeModel(script) as fake:
@@ -201,14 +204,26 @@ def test_ctrl_c_on_toolq_run_cancels_the_turn_and_the_session_continues(fleet, t
         while not pids_matching(f"sleep 30.{tag}9"):
             assert time.monotonic() < end, "the command never started"
             time.sleep(0.02)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=30)
-        assert proc.returncode == 1
+        assert proc.returncode == 130
         events = [json.loads(line) for line in out.splitlines()]
         assert events[0]["type"] == "turn.started"
         assert events[-1]["type"] == "turn.aborted"
         time.sleep(0.5)
         assert pids_matching(f"sleep 30.{tag}9") == []
+        assert session_file.exists(), "the session was not written"
+        turn_id = events[0]["turn_id"]
+
+        async def ledger_view():
+            ledger = Ledger.from_url(fleet[0].redis_url)
+            try:
+                return await ledger.turn(turn_id), await ledger.is_cancelled(turn_id)
+            finally:
+                await ledger.aclose()
+
+        turn, durable = asyncio.run(ledger_view())
+        assert turn["state"] == "cancelled" and durable
 
         # the next `toolq run --session` continues the conversation from a paired history
         again = subprocess.run(argv + ["go on"], env=env, capture_output=True, text=True, timeout=60)

@@ -123,3 +123,31 @@ def test_demo_works_in_the_workspace_it_is_given(env, fleet, tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert (workspace / "hello.txt").read_text() == "Hello from toolq\n"
     assert f"workspace {workspace}: hello.txt = 'Hello from toolq'" in out.stdout
+
+
+@pytest.mark.parametrize("command", [["turns"], ["status", "turn-0123456789ab"], ["cancel", "turn-0123456789ab"],
+                                     ["turns", "--json"]])
+def test_redis_down_is_one_line_naming_the_url_and_exit_2(tmp_path, command):
+    url = f"redis://:hunter2@127.0.0.1:{closed_port()}/0"
+    out = toolq(*command, env={"REDIS_URL": url, "TOOLQ_WORKSPACE": str(tmp_path), "TOOLQ_SIGNING_KEY": c.SIGNING_KEY})
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == ""
+    (line,) = out.stderr.splitlines()
+    assert "cannot reach Redis at redis://:****@127.0.0.1:" in line and "hunter2" not in line
+
+
+def test_a_turn_that_starts_while_redis_is_down_fails_with_one_terminal_event_and_saves_the_session(tmp_path):
+    """It used to print `turn.started`, then a traceback out of `ledger.start_turn`, and no session."""
+    url = f"redis://:hunter2@127.0.0.1:{closed_port()}/0"
+    session = tmp_path / "session.json"
+    with FakeModel([[message("never asked")]]) as fake:
+        out = toolq("run", "--json", "--session", str(session), "hi",
+                    env={"REDIS_URL": url, "TOOLQ_WORKSPACE": str(tmp_path), "TOOLQ_SIGNING_KEY": c.SIGNING_KEY,
+                         "OPENAI_BASE_URL": fake.base_url, "OPENAI_API_KEY": "test"})
+        assert fake.requests == []
+    assert out.returncode == 2, out.stderr
+    kinds = [e["type"] for e in events(out.stdout)]
+    assert kinds == ["turn.started", "error", "turn.failed"]
+    assert "cannot reach Redis at redis://:****@127.0.0.1:" in events(out.stdout)[-1]["error"]["message"]
+    assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+    assert json.loads(session.read_text())[-1]["content"][0]["text"] == "hi"

@@ -14,6 +14,7 @@ import tests.integration.conftest as c
 from toolq.orchestrator.embedded import RedisServer
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.orchestrator.ledger import Ledger
 
 pytestmark = pytest.mark.integration
 
@@ -59,6 +60,23 @@ def test_a_killed_worker_is_detected_and_the_call_gets_an_output(worker, drive, 
     assert time.monotonic() - started < 25, "the watchdog took as long as the tool would have"
 
 
+def test_a_worker_killed_and_restarted_under_the_same_name_is_still_detected(worker, drive, tmp_path):
+    """The restarted worker answers pings under the old name; liveness is per process instance (the
+    fleet catalog's), so the call the dead instance held is lost, not left to its time limit."""
+    w = worker(["faults"], name="phoenix@test")
+
+    def kill_and_restart(pid):
+        w.kill()
+        worker(["faults"], name="phoenix@test")
+
+    started = time.monotonic()
+    run = drive([[b.function_call("hang", {"seconds": 50}, "call_phoenix")], final()],
+                during=killer(tmp_path / "hang-call_phoenix.pid", kill_and_restart), timeout=45)
+    (out,) = run.outputs_of(1)
+    assert "phoenix@test" in out["output"] and "may have partially executed" in out["output"], out["output"]
+    assert time.monotonic() - started < 30, "the watchdog took as long as the tool would have"
+
+
 def test_a_call_past_its_time_limit_is_stopped_with_an_output(worker, drive):
     worker(["faults"])
     run = drive([[b.function_call("quick_timeout", {"seconds": 20}, "call_slow")], final()])
@@ -89,6 +107,65 @@ def test_redis_restarted_mid_turn_never_hangs_or_loses_a_call(tmp_path, worker, 
         assert out["output"] == "woke up" or "Redis" in out["output"], out["output"]
         assert run.outcome.status == "completed"
         assert time.monotonic() - started < 60
+
+
+def test_the_result_reader_survives_redis_staying_down_for_seconds(tmp_path, worker, drive):
+    """Redis down for 3 s mid-call: the reader's re-subscribe fails while it is down (it used to
+    die of `RuntimeError: pubsub connection not set`, and every later result of the turn was lost).
+    The running call gets its real result or an honest "may or may not have run"; the next step's
+    call gets its real result."""
+    with RedisServer() as server:
+        worker(["faults", "toolq"], concurrency=2, redis_url=server.url)
+
+        async def outage(session, runtime):
+            await asyncio.to_thread(wait_for_pid, tmp_path / "hang-call_o.pid")
+            await asyncio.to_thread(server.kill)
+            await asyncio.sleep(3)
+            await asyncio.to_thread(server.start)
+
+        run = drive([[b.function_call("hang", {"seconds": 6}, "call_o")],
+                     [b.function_call("sleep_echo", {"text": "after the outage"}, "call_next")], final()],
+                    redis_url=server.url, during=outage, timeout=90, turn_timeout=40)
+        (first,) = run.outputs_of(1)
+        assert first["output"] == "woke up" or "may or may not have run" in first["output"], first["output"]
+        second = run.outputs_of(2)[-1]
+        assert '"text": "after the outage"' in second["output"], second["output"]
+        assert run.outcome.status == "completed"
+
+
+@pytest.mark.parametrize("aof", [True, False], ids=["aof", "no-persistence"])
+def test_what_a_redis_restart_keeps_depends_on_aof(tmp_path, worker, drive, aof):
+    """README "Redis restarted mid-turn": with AOF the ledger and the durable turn come back (and
+    `toolq resume` could use them); without persistence they are gone. Either way the running call
+    gets its real result or an honest "may or may not have run"."""
+    args = ["--appendonly", "yes", "--appendfsync", "always"] if aof else []
+    with RedisServer(args=args) as server:
+        worker(["faults"], redis_url=server.url)
+
+        async def restart_while_running(session, runtime):
+            await asyncio.to_thread(wait_for_pid, tmp_path / "hang-call_p.pid")
+            await asyncio.to_thread(server.restart)
+
+        run = drive([[b.function_call("hang", {"seconds": 3}, "call_p")], final()],
+                    redis_url=server.url, during=restart_while_running, timeout=90)
+        (out,) = run.outputs_of(1)
+        assert out["output"] == "woke up" or "may or may not have run" in out["output"], out["output"]
+        assert run.outcome.status == "completed"
+
+        async def kept():
+            ledger = Ledger.from_url(server.url)
+            try:
+                return await ledger.calls(run.outcome.turn_id), await ledger.turn(run.outcome.turn_id)
+            finally:
+                await ledger.aclose()
+
+        calls, turn = asyncio.run(kept())
+    if aof:
+        assert out["output"] == "woke up"
+        assert [c["call_id"] for c in calls] == ["call_p"]
+        assert "settings" in turn and turn["state"] == "completed"
+    else:
+        assert calls == [] and "settings" not in turn
 
 
 def test_the_pip_installed_server_serves_a_whole_turn(worker, drive):

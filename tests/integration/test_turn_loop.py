@@ -300,3 +300,16 @@ def test_a_message_delivered_twice_runs_the_tool_once(fleet, tmp_path):
 
     assert asyncio.run(go()) == "counted"
     assert (tmp_path / "runs-call_twice.txt").read_text().count("\n") == 1
+
+
+def test_the_turn_deadline_ends_the_turn_and_no_more_requests_are_made(fleet, drive):
+    """Past TOOLQ_TURN_TIMEOUT the loop used to keep asking the model, and every new call was
+    dispatched already expired (Celery revoked it, and it read "aborted by user")."""
+    run = drive([[b.function_call("sleep_echo", {"ms": 5000, "text": "late"}, "call_slow")],
+                 [b.function_call("sleep_echo", {"text": "never"}, "call_never")], [b.message("never")]],
+                turn_timeout=2)
+    assert len(run.requests) == 1, "a model request after the turn's deadline"
+    assert run.outcome.status == "failed" and "deadline" in run.outcome.error
+    assert run.events[-1]["type"] == "turn.failed"
+    (timed_out,) = [e["item"] for e in run.events if e["type"] == "item.completed" and e["item"]["id"] == "call_slow"]
+    assert "aborted by user" not in timed_out["output"] and "timed out" in timed_out["output"], timed_out

@@ -193,10 +193,36 @@ async def test_a_call_whose_worker_stops_answering_is_lost(tmp_path, monkeypatch
     h.transport.alive[HOSTNAME] = False
     h.add("call_l", seconds=30)
     (out,) = await asyncio.wait_for(h.step.wait(), 5)
-    assert out.output == (f"worker {HOSTNAME} stopped answering while running this call; "
+    assert out.output == (f"worker {HOSTNAME} stopped answering while running this call (or was restarted); "
                           "the call may have partially executed")
     view = h.completed()["call_l"]
     assert (view.state, view.status, view.worker) == (CallState.LOST, "failed", HOSTNAME)
+
+
+@sync
+async def test_a_redis_blip_during_a_call_is_no_evidence_the_call_failed(tmp_path, monkeypatch):
+    """The watchdog's ping and draining check raise while Redis is away: the call runs on, and its
+    real result is its output (it used to read "toolq failed to run this call")."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    monkeypatch.setattr(barrier, "WATCHDOG_INTERVAL", 0.02)
+    h = Harness(tmp_path)
+    h.transport.probe_error = RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+    h.transport.reconnected_at = time.monotonic() - 10  # the "lost after a restart" check asks too
+    h.add("call_b", seconds=0.3, text="real result")
+    (out,) = await asyncio.wait_for(h.step.wait(), 5)
+    assert out.output == "real result"
+
+
+@sync
+async def test_a_call_past_its_deadline_that_cannot_be_stopped_says_its_outcome_is_unknown(tmp_path, monkeypatch):
+    monkeypatch.setattr(barrier, "TIME_LIMIT_MARGIN", 0.0)
+    h = Harness(tmp_path)
+    h.add("call_u", name="quick_timeout", seconds=30)
+    h.transport.probe_error = ConnectionError("Redis is down")
+    (out,) = await asyncio.wait_for(h.step.wait(), 5)
+    assert out.output.startswith("call timed out after") and "may still be running" in out.output, out.output
+    assert h.completed()["call_u"].state is CallState.TIMED_OUT
 
 
 @sync

@@ -33,5 +33,12 @@ def test_celerys_own_failures_and_a_revoke_have_no_result_but_a_reason():
                                                                 "exc_message": ["65.0"]}})
     assert killed.state is CallState.TIMED_OUT
     assert outcome_from_meta({"status": "REVOKED", "result": None}).state is CallState.CANCELLED
+
+
+def test_a_task_that_expired_in_the_queue_says_it_was_not_run_rather_than_aborted_by_user():
+    meta = {"status": "REVOKED", "result": {"exc_type": "TaskRevokedError", "exc_message": ["expired"]}}
+    outcome = outcome_from_meta(meta)
+    assert outcome.state is CallState.TIMED_OUT
+    assert outcome.reason.startswith("call was not run: its deadline passed")
     other = outcome_from_meta({"status": "FAILURE", "result": {"exc_type": "KeyError", "exc_message": ["x"]}})
     assert (other.state, other.reason) == (CallState.FAILED, "call failed on the worker: KeyError: x")

@@ -34,6 +34,9 @@ log = logging.getLogger("toolq.barrier")
 WATCHDOG_INTERVAL = 1.0
 #: Unanswered pings before a started call's worker is declared lost.
 LOST_AFTER_MISSES = 2
+#: After Redis trouble, how long an unanswered worker is not yet counted lost (above the fleet
+#: catalog's record TTL, so a restarted-empty Redis has every live worker's heartbeat again).
+FAULT_SETTLE = 10.0
 #: After the queue comes back, how long a call with no trace may take to show up before it is lost.
 RECONNECT_GRACE = 2.0
 #: Outputs are re-truncated with the policy * 1.2, so formatted tool output is not cut twice.
@@ -198,6 +201,7 @@ class Step:
         assert inv is not None and spec is not None
         misses = 0
         seen_reconnect = self.transport.reconnected_at
+        fault_at = float("-inf")
         while True:
             deadline = inv.deadline
             if watch.started_at is not None:
@@ -210,22 +214,45 @@ class Step:
                 pass
             now = time.time()
             if now >= deadline:
-                await self.transport.revoke([inv.task_id])
-                return self._synthesize(entry, CallState.TIMED_OUT,
-                                        f"call timed out after {now - entry.added_at:.1f}s and was stopped")
+                return await self._expire(entry, now)
             if watch.hostname is not None:
-                misses = 0 if await self.transport.worker_alive(watch.hostname) else misses + 1
+                # A probe that fails (Redis blinked) is no evidence either way: the call may be running,
+                # and for a while after a fault the workers' pings and heartbeats are still coming back.
+                alive = await _probe(self.transport.worker_alive(watch.hostname, inv.task_id))
+                if alive is None:
+                    fault_at = time.monotonic()
+                settling = time.monotonic() - max(fault_at, self.transport.reconnected_at) < FAULT_SETTLE
+                misses = 0 if alive or alive is None or settling else misses + 1
                 if misses >= LOST_AFTER_MISSES:
                     return self._synthesize(
                         entry, CallState.LOST, f"worker {watch.hostname} stopped answering while running this "
-                        "call; the call may have partially executed")
+                        "call (or was restarted); the call may have partially executed")
             reconnected = self.transport.reconnected_at
             if reconnected != seen_reconnect and time.monotonic() - reconnected > RECONNECT_GRACE:
-                seen_reconnect = reconnected
-                if not watch.done.done() and await self.transport.vanished(inv.task_id):
+                vanished = False if watch.done.done() else await _probe(self.transport.vanished(inv.task_id))
+                if vanished is not None:  # else asked again on the next tick
+                    seen_reconnect = reconnected
+                if vanished:  # stopped, in case it runs on unseen: its outcome is unknown, not failed
+                    await _probe(self.transport.revoke([inv.task_id]))
                     return self._synthesize(
                         entry, CallState.LOST, "the task queue (Redis) restarted and this call's task was lost; "
-                        "it may or may not have run")
+                        "toolq stopped it, and it may or may not have run")
+
+    async def _expire(self, entry: CallEntry, now: float) -> ToolResult:
+        """Past the call's deadline: stop it, and say whether it was stopped."""
+        assert entry.inv is not None
+        waited = now - entry.added_at
+        try:
+            await self.transport.revoke([entry.inv.task_id])
+        except Exception as e:  # Redis away: nobody could be told to stop it
+            return self._synthesize(entry, CallState.TIMED_OUT,
+                                    f"call timed out after {waited:.1f}s; toolq could not stop it ({e}), so it "
+                                    "may still be running and its outcome is unknown")
+        if entry.started_at is None:
+            return self._synthesize(entry, CallState.TIMED_OUT,
+                                    f"call stopped: the turn's deadline passed after {waited:.1f}s before any "
+                                    "worker reported starting it")
+        return self._synthesize(entry, CallState.TIMED_OUT, f"call timed out after {waited:.1f}s and was stopped")
 
     def _synthesize(self, entry: CallEntry, state: CallState, text: str) -> ToolResult:
         """An outcome the orchestrator decided (no worker reported one): recorded in the ledger."""
@@ -310,6 +337,17 @@ class Step:
         task = asyncio.create_task(guarded())
         _background_tasks.add(task)
         task.add_done_callback(_background_tasks.discard)
+
+
+async def _probe(check: Any) -> bool | None:
+    """A watchdog question to the fleet; None when it could not be asked (Redis unreachable)."""
+    try:
+        return bool(await check)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.info("watchdog probe failed: %s", e)
+        return None
 
 
 def failure_reason(result: ToolResult) -> str:

@@ -137,6 +137,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
                       session_file=Path(args.session) if args.session else None)
 
 
+def _cmd_resume(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from toolq.orchestrator.runner import resume_turn
+
+    return resume_turn(_settings(args), args.turn_id, json_events=args.json,
+                       session_file=Path(args.session) if args.session else None)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -168,9 +177,12 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
     from toolq.orchestrator.cancel import UnknownTarget, cancel
 
+    from toolq.orchestrator.redis_faults import reaching
+
     settings = _settings(args)  # no REDIS_URL: cancel() looks in this user's running embedded stacks
     try:
-        report = asyncio.run(cancel(settings, args.turn_id, args.call))
+        with reaching(settings.redis_url):
+            report = asyncio.run(cancel(settings, args.turn_id, args.call))
     except UnknownTarget as e:
         print(f"toolq cancel: {e}", file=sys.stderr)
         return 1
@@ -222,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--session", help="JSON file holding the conversation: read before the turn, written after it "
                                      "(cancelled turns included), so the next `toolq run --session` continues it")
     r.set_defaults(func=_cmd_run)
+
+    rs = sub.add_parser("resume", help="finish an orphaned turn (its `toolq run` died) from Redis: finished calls "
+                                       "are not run again")
+    rs.add_argument("turn_id", metavar="TURN_ID", help="the turn, as `toolq turns` lists it (state orphaned)")
+    rs.add_argument("--json", action="store_true", help="one JSON event per line, like `toolq run --json`")
+    rs.add_argument("--session", help="write the whole conversation to this JSON file at the end")
+    rs.set_defaults(func=_cmd_resume)
 
     w = sub.add_parser("worker", help="a Celery worker that executes toolq's tools")
     w.add_argument("--queues", help="comma-separated queues (default: every queue of the loaded tools)")

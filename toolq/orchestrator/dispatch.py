@@ -28,6 +28,9 @@ from toolq.workers.config import make_app
 from toolq.workers.contracts import TIME_LIMIT_MARGIN, task_name
 from toolq.workers.signing import Signer
 
+#: What the broker raises when Redis is away (the rest of the orchestrator imports no kombu).
+BROKER_ERRORS = (OperationalError,)
+
 log = logging.getLogger("toolq.dispatch")
 
 #: Broker down: kombu retries the publish this often before we give up on the call.

@@ -23,6 +23,16 @@ def turn_calls(turn_id: str) -> str:
     return f"{PREFIX}:turn:{turn_id}:calls"
 
 
+def turn_items(turn_id: str) -> str:
+    """LIST of the turn's committed items and outputs as they happened (JSON), for `toolq resume`."""
+    return f"{PREFIX}:turn:{turn_id}:items"
+
+
+def turn_lease(turn_id: str) -> str:
+    """STRING with a TTL: the token of the orchestrator driving the turn; lapses when it dies."""
+    return f"{PREFIX}:turn:{turn_id}:lease"
+
+
 def turn_steps(turn_id: str) -> str:
     """Counter of the turn's steps handed out by the ledger (task ids embed the step)."""
     return f"{PREFIX}:turn:{turn_id}:steps"

@@ -114,6 +114,14 @@ class Ledger:
             rows = await p.execute()
         return [_decode(h) for h in rows]
 
+    async def started_at(self, task_id: str) -> float | None:
+        """When the worker started the call, by the worker's own clock (None: not recorded)."""
+        raw = await self.r.hget(keys.call(task_id), "started_at")
+        try:
+            return float(raw) if raw else None
+        except ValueError:
+            return None
+
     async def task_ids_for(self, turn_id: str, call_id: str) -> list[str]:
         return [c["task_id"] for c in await self.calls(turn_id) if c.get("call_id") == call_id and c.get("task_id")]
 

@@ -51,6 +51,8 @@ class MemoryTransport(Watches):
         self.alive: dict[str, bool] = {}
         """Worker hostname -> whether it answers (default: yes)."""
         self.vanished_tasks: set[str] = set()
+        self.probe_error: Exception | None = None
+        """When set, the watchdog's questions (and revokes) raise it, as when Redis blinks."""
         self.refuse_sends: str | None = None
         """When set, every send fails with this reason (the queue is down)."""
         self._running: dict[str, asyncio.Task] = {}
@@ -81,6 +83,7 @@ class MemoryTransport(Watches):
         return w.finish(outcome) if w is not None else False
 
     async def revoke(self, task_ids: list[str]) -> None:
+        self._maybe_fail()
         for task_id in task_ids:
             self.revoked.append(task_id)
             task = self._running.pop(task_id, None)
@@ -88,10 +91,16 @@ class MemoryTransport(Watches):
                 task.cancel()
             self.deliver(task_id, TaskOutcome(state=CallState.CANCELLED))
 
-    async def worker_alive(self, hostname: str) -> bool:
+    async def worker_alive(self, hostname: str, task_id: str | None = None) -> bool:
+        self._maybe_fail()
         return self.alive.get(hostname, True)
 
+    def _maybe_fail(self) -> None:
+        if self.probe_error is not None:
+            raise self.probe_error
+
     async def vanished(self, task_id: str) -> bool:
+        self._maybe_fail()
         return task_id in self.vanished_tasks
 
     async def aclose(self) -> None:

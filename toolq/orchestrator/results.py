@@ -42,9 +42,12 @@ def outcome_from_meta(meta: dict[str, Any]) -> TaskOutcome:
     if status == SUCCESS:
         result = ToolResult.model_validate(info)
         return TaskOutcome(state=result.status, result=result)
-    if status == REVOKED:  # e.g. from Flower: this call is cancelled, the turn goes on
-        return TaskOutcome(state=CallState.CANCELLED)
     exc, msg = info.get("exc_type", "Error"), info.get("exc_message")
+    if status == REVOKED:
+        if msg == ["expired"] or msg == "expired":  # Celery's reason when the deadline passed in the queue
+            return TaskOutcome(state=CallState.TIMED_OUT, reason="call was not run: its deadline passed while it "
+                                                                 "waited in the queue for a worker")
+        return TaskOutcome(state=CallState.CANCELLED)  # e.g. from Flower: this call is cancelled, the turn goes on
     if exc == ToolCallFailed.__name__ and isinstance(msg, list) and msg and isinstance(msg[0], dict):
         result = ToolResult.model_validate(msg[0])
         return TaskOutcome(state=result.status, result=result)
@@ -89,15 +92,26 @@ class ResultRouter(Watches):
         await self.r.aclose()
 
     async def watch_turn(self, turn_id: str) -> None:
-        if self._turns.get(turn_id, 0) == 0:
-            await self.pubsub.psubscribe(keys.celery_meta_pattern(turn_id))
-            self._subscribed.set()
+        # Counted before the await: a reader re-subscribing meanwhile includes this turn.
         self._turns[turn_id] = self._turns.get(turn_id, 0) + 1
+        if self._turns[turn_id] == 1:
+            try:
+                await self.pubsub.psubscribe(keys.celery_meta_pattern(turn_id))
+            except BaseException:
+                self._release(turn_id)
+                raise
+            self._subscribed.set()
+
+    def _release(self, turn_id: str) -> bool:
+        """One watcher less; True when it was the turn's last."""
+        self._turns[turn_id] -= 1
+        if self._turns[turn_id] > 0:
+            return False
+        del self._turns[turn_id]
+        return True
 
     async def unwatch_turn(self, turn_id: str) -> None:
-        self._turns[turn_id] -= 1
-        if self._turns[turn_id] == 0:
-            del self._turns[turn_id]
+        if self._release(turn_id):
             for task_id in [t for t in self._watches if t.startswith(f"{turn_id}:")]:
                 del self._watches[task_id]
             try:
@@ -138,30 +152,44 @@ class ResultRouter(Watches):
                 log.warning("unreadable result for %s: %s", task_id, e)
 
     async def _read(self) -> None:
+        """Runs as long as the router: a reader that stopped would lose every later result."""
         await self._subscribed.wait()
         delay = 0.1
+        lost = False
         while True:
             try:
-                msg = await self.pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if not self.connected:
+                if lost:
+                    await self._resubscribe()  # raises while Redis is still down
+                    lost = False
                     await self._reconnected()
+                msg = await self.pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                 delay = 0.1
                 if msg and msg.get("type") == "pmessage":
                     channel = msg["channel"].decode()
                     self._deliver(channel[len(keys.CELERY_META):], msg["data"])
-            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # redis-py's connection errors, and whatever a half-open pubsub raises
                 if self.connected:
                     log.warning("lost the result channel (%s); reconnecting", e)
-                self.connected = False
+                self.connected, lost = False, True
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
-                try:
-                    await self.pubsub.aclose()
-                    patterns = [keys.celery_meta_pattern(t) for t in self._turns]
-                    if patterns:
-                        await self.pubsub.psubscribe(*patterns)
-                except (RedisConnectionError, RedisTimeoutError, OSError):
-                    continue
+
+    async def _resubscribe(self) -> None:
+        """A fresh pubsub on every watched turn's pattern (a failed one may be left with no
+        connection, and its next read would raise "pubsub connection not set")."""
+        old, self.pubsub = self.pubsub, self.r.pubsub(ignore_subscribe_messages=True)
+        try:
+            await old.aclose()
+        except Exception:
+            pass
+        patterns = [keys.celery_meta_pattern(t) for t in self._turns]
+        if patterns:
+            await self.pubsub.psubscribe(*patterns)
+        else:  # nothing to listen for until the next turn: its watch_turn subscribes
+            self._subscribed.clear()
+            await self._subscribed.wait()
 
     async def _reconnected(self) -> None:
         self.connected = True

@@ -1,7 +1,9 @@
 """`toolq run` and `toolq demo`: settings + (embedded stack) + runtime + session + view.
 
-Ctrl-C cancels the turn the way `toolq cancel` does: the durable record first (so no worker
-starts a call of this turn), then the running calls are revoked and given aborted outputs.
+Ctrl-C, SIGTERM and SIGHUP (a closed terminal, `timeout`, systemd, a deleted Kubernetes Job)
+cancel the turn the way `toolq cancel` does: the durable record first (so no worker starts a
+call of this turn), then the running calls are revoked and given aborted outputs, and the session
+is written. SIGKILL leaves no handler: the embedded stack dies by its parent-death signal.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from toolq.orchestrator.durable import TurnSettings, TurnStore
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.history import History, pairing_problems
+from toolq.orchestrator.redis_faults import reaching
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime, Session, TurnOutcome, new_turn_id
 from toolq.orchestrator.view import JsonView, LiveView
@@ -31,6 +35,8 @@ def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, se
         outcome, history = asyncio.run(_run(settings, prompt, json_events, history))
     if session_file:
         save_session(session_file, history)
+    if outcome.could_not_start and json_events:  # stdout is the events; the one line goes to stderr
+        print(f"toolq run: {outcome.error}", file=sys.stderr)
     return outcome.exit_code
 
 
@@ -98,24 +104,71 @@ def default_instructions(settings: Settings) -> str:
     )
 
 
-async def _run(settings: Settings, prompt: str, json_events: bool,
-               history: History | None = None) -> tuple[TurnOutcome, History]:
+def resume_turn(settings: Settings, turn_id: str, *, json_events: bool = False,
+                session_file: Path | None = None) -> int:
+    """`toolq resume TURN_ID`: finish an orphaned turn (its orchestrator died) from Redis alone."""
+    if not settings.redis_url:
+        raise ConfigurationError("toolq resume needs REDIS_URL: an embedded stack's Redis ends with its `toolq run`")
+    with reaching(settings.redis_url):
+        saved = asyncio.run(_saved_settings(settings, turn_id))
+    if saved is not None:  # the tools, workspace and model the turn was started with
+        settings = settings.model_copy(update={"tools": saved.tools, "workspace": Path(saved.workspace),
+                                               "model": saved.model})
+    outcome, history = asyncio.run(_run(settings, "", json_events, turn_id=turn_id, resume=True))
+    if session_file:
+        save_session(session_file, history)
+    return outcome.exit_code
+
+
+async def _saved_settings(settings: Settings, turn_id: str) -> TurnSettings | None:
+    from toolq.orchestrator.ledger import Ledger
+
+    ledger = Ledger.from_url(settings.redis_url or "")
+    try:
+        return (await TurnStore(ledger.r, settings.turn_lease).load(turn_id))[1]
+    finally:
+        await ledger.aclose()
+
+
+async def _run(settings: Settings, prompt: str, json_events: bool, history: History | None = None, *,
+               turn_id: str | None = None, resume: bool = False) -> tuple[TurnOutcome, History]:
     view: Any = JsonView() if json_events else LiveView()
     runtime = await Runtime.create(settings)
     session = Session(runtime, instructions=settings.instructions or default_instructions(settings))
     if history is not None:
         session.history = history
-    turn_id = new_turn_id()
+    turn_id = turn_id or new_turn_id()
     loop = asyncio.get_running_loop()
+    pending: set[asyncio.Task] = set()
 
-    def interrupt() -> None:
+    def interrupt(sig: signal.Signals) -> None:
         # Durable first, so a call still in the queue never starts; then stop this turn.
-        loop.create_task(runtime.ledger.cancel_turn(turn_id, reason="interrupted"))
+        task = loop.create_task(_record_cancel(runtime, turn_id, sig))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
         session.cancel()
 
-    loop.add_signal_handler(signal.SIGINT, interrupt)
+    for sig in CANCEL_SIGNALS:
+        loop.add_signal_handler(sig, interrupt, sig)
     try:
+        if resume:
+            return await session.resume(turn_id, view), session.history
         return await session.run_turn(prompt, view, turn_id=turn_id), session.history
     finally:
-        loop.remove_signal_handler(signal.SIGINT)
+        for sig in CANCEL_SIGNALS:
+            loop.remove_signal_handler(sig)
+        if pending:
+            await asyncio.wait(pending, timeout=2.0)
         await runtime.aclose()
+
+
+#: Each cancels the turn as Ctrl-C does (the exit status is then 130, `TurnOutcome.exit_code`).
+CANCEL_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+async def _record_cancel(runtime: Runtime, turn_id: str, sig: signal.Signals) -> None:
+    """The durable cancel record; with Redis down the turn still ends here, unrecorded."""
+    try:
+        await runtime.ledger.cancel_turn(turn_id, reason=sig.name)
+    except Exception as e:
+        print(f"toolq run: could not record the cancel in Redis: {e}", file=sys.stderr)

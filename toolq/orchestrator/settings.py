@@ -32,6 +32,7 @@ ENV = {
     "queues": ("TOOLQ_QUEUES",),
     "concurrency": ("TOOLQ_CONCURRENCY",),
     "turn_timeout": ("TOOLQ_TURN_TIMEOUT",),
+    "turn_lease": ("TOOLQ_TURN_LEASE",),
     "max_steps": ("TOOLQ_MAX_STEPS",),
     "request_max_retries": ("TOOLQ_REQUEST_MAX_RETRIES",),
     "stream_max_retries": ("TOOLQ_STREAM_MAX_RETRIES",),
@@ -82,6 +83,9 @@ class Settings(BaseModel):
     """Queues a worker consumes; empty: every queue of its catalog."""
     concurrency: int = Field(default=4, ge=1, le=256)
     turn_timeout: float = Field(default=3600.0, gt=0)
+    turn_lease: float = Field(default=15.0, ge=1.0)
+    """Seconds a running turn's lease outlives its orchestrator's last heartbeat; then the turn
+    shows as `orphaned` and `toolq resume` may take it over."""
     max_steps: int = Field(default=100, ge=1)
     request_max_retries: int = Field(default=4, ge=0, le=100)
     """Model HTTP retries (5xx, transport errors) before any SSE byte arrives."""

@@ -13,7 +13,9 @@ from contextlib import aclosing
 from datetime import datetime
 from typing import Any, TextIO
 
+from toolq.orchestrator.durable import mark_orphans
 from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.redis_faults import reaching
 from toolq.orchestrator.runtime_dir import ledger_urls, ledgers
 from toolq.orchestrator.settings import Settings, mask_url_password
 from toolq.orchestrator.states import parse_state
@@ -129,11 +131,13 @@ def status_cmd(settings: Settings, turn_id: str, *, as_json: bool = False, out: 
         async with aclosing(ledgers(settings.redis_url)) as each:
             async for _, ledger in each:
                 turn, calls = await ledger.turn(turn_id), await ledger.calls(turn_id)
+                await mark_orphans(ledger.r, [(turn_id, turn)])
                 if turn or calls:
                     return turn, calls
         return {}, []
 
-    turn, calls = asyncio.run(read())
+    with reaching(settings.redis_url):
+        turn, calls = asyncio.run(read())
     if not turn and not calls:
         where = mask_url_password(urls[0]) if settings.redis_url else f"{len(urls)} running embedded stack(s)"
         print(f"toolq status: no turn {turn_id!r} in the ledger at {where} "
@@ -157,12 +161,15 @@ def turns_cmd(settings: Settings, *, limit: int = 20, as_json: bool = False, out
         async with aclosing(ledgers(settings.redis_url)) as each:
             async for _, ledger in each:
                 turns = await ledger.recent_turns(limit)
+                await mark_orphans(ledger.r, turns)
                 counts = [len(await ledger.calls(t)) for t, _ in turns]
                 found += [(t, h, n) for (t, h), n in zip(turns, counts)]
         return found
 
     now = time.time()
-    rows = [turn_row(t, h, n, now) for t, h, n in asyncio.run(read()) if h]
+    with reaching(settings.redis_url):
+        found = asyncio.run(read())
+    rows = [turn_row(t, h, n, now) for t, h, n in found if h]
     rows = sorted(rows, key=lambda r: r["started_at"] or 0, reverse=True)[:limit]  # newest first, across stacks
     out.write(render_turns(rows, as_json))
     return 0

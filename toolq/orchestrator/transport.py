@@ -100,8 +100,9 @@ class Transport(Protocol):
     async def revoke(self, task_ids: list[str]) -> None:
         """Stop the tasks: never start them, and kill the ones running."""
 
-    async def worker_alive(self, hostname: str) -> bool:
-        """Whether the worker answers, or says it is draining (warm shutdown)."""
+    async def worker_alive(self, hostname: str, task_id: str | None = None) -> bool:
+        """Whether the worker answers, or says it is draining (warm shutdown); with `task_id`, also
+        whether it is still the process instance that took that task (not one restarted under its name)."""
 
     async def vanished(self, task_id: str) -> bool:
         """After the queue restarted: no stored state and no worker holding the task."""

@@ -19,6 +19,8 @@ from toolq.orchestrator.barrier import Step, flush_background
 from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, backoff, build_request
 from toolq.orchestrator.dispatch import Dispatcher
+from toolq.orchestrator.durable import Committed, TurnSettings, TurnStore, unanswered
+from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.fleet import Fleet, cancel_requested, new_turn_id, stop
 from toolq.orchestrator.history import History
 from toolq.orchestrator.ledger import Ledger
@@ -29,9 +31,11 @@ from toolq.orchestrator.protocol.items import (
     ReasoningItem,
     ResponseItem,
     ToolSearchOutputItem,
+    decode_item,
     is_api_item,
 )
 from toolq.orchestrator.protocol.reasoning import reasoning_for
+from toolq.orchestrator.redis_faults import REDIS_FAULTS, RedisUnreachable
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.results import ResultRouter
 from toolq.orchestrator.settings import Settings
@@ -59,6 +63,16 @@ TURN_ABORTED = (
     "</turn_aborted>"
 )
 
+EXIT_FAILED = 1
+EXIT_UNSTARTED = 2
+EXIT_CANCELLED = 130
+EXIT_CODES = {"completed": 0, "failed": EXIT_FAILED, "cancelled": EXIT_CANCELLED}
+
+
+class CannotResume(ConfigurationError):
+    """`toolq resume` was asked for a turn it may not take over (one line, exit 2)."""
+
+
 @dataclass
 class TurnOutcome:
     turn_id: str
@@ -68,10 +82,16 @@ class TurnOutcome:
     error: str | None = None
     usage: Usage = field(default_factory=Usage)
     requests: int = 0
+    could_not_start: bool = False
+    """Nothing ran (Redis unreachable at the start): exit status 2, as for bad settings."""
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.status == "completed" else 1
+        """`toolq run`'s exit status: 0 completed, 1 failed, 130 cancelled (Ctrl-C, SIGTERM,
+        SIGHUP or `toolq cancel`: the shell's 128 + SIGINT). 2 is kept for "could not start"."""
+        if self.could_not_start:
+            return EXIT_UNSTARTED
+        return EXIT_CODES.get(self.status, EXIT_FAILED)
 
 
 class Runtime(Fleet):
@@ -81,6 +101,7 @@ class Runtime(Fleet):
                  dispatcher: Dispatcher, router: ResultRouter) -> None:
         super().__init__(settings, catalog, ledger, dispatcher, router)
         self.client = client
+        self.turns = TurnStore(ledger.r, settings.turn_lease)
 
     @classmethod
     async def create(cls, settings: Settings, *, catalog: Catalog | None = None,
@@ -122,6 +143,8 @@ class Session:
         """The running (or last) turn's id."""
         self._cancel = asyncio.Event()
         self._step: Step | None = None
+        self._lease: str | None = None
+        """The token of this session's lease on the running turn (durable.py)."""
 
     def cancel(self) -> None:
         """Cancel the running turn from this process (Ctrl-C). Other processes use the ledger."""
@@ -134,12 +157,61 @@ class Session:
         outcome = TurnOutcome(turn_id=turn_id, status="running")
         self._cancel.clear()
         emit(TurnStarted(turn_id=turn_id))
-        await self.rt.follow_fleet_tools()  # MCP hook: this turn offers the MCP tools live workers host now
-        await self.rt.ledger.start_turn(turn_id, prompt, str(settings.workspace))
         self.history.record(MessageItem(role="user", content=[InputText(text=prompt)]))
+        deadline = time.time() + settings.turn_timeout
+        try:
+            await self.rt.follow_fleet_tools()  # MCP hook: this turn offers the MCP tools live workers host now
+            await self.rt.ledger.start_turn(turn_id, prompt, str(settings.workspace))
+            self._lease = await self.rt.turns.take_lease(turn_id)
+            await self.rt.turns.save_settings(turn_id, self._turn_settings(deadline))
+            await self._durable([Committed(item=i.to_wire()) for i in self.history.items])
+            await self.rt.router.watch_turn(turn_id)
+        except REDIS_FAULTS as e:  # nothing ran: one line naming the server, and a turn.failed
+            outcome.status, outcome.error = "failed", str(RedisUnreachable(settings.redis_url, e))
+            outcome.could_not_start = True
+            return await self._end(turn_id, outcome, emit)
+        return await self._drive(turn_id, outcome, emit, self._loop(turn_id, outcome, emit, deadline))
+
+    async def resume(self, turn_id: str, emit: Emit = ignore) -> TurnOutcome:
+        """Go on with a turn whose orchestrator died (`toolq resume`): its history is rebuilt from
+        Redis; a finished call's stored result is used (never a second run), a running one is
+        awaited, a queued one runs once; then the loop goes on to the end. Raises `CannotResume`."""
+        record, saved, committed = await self.rt.turns.load(turn_id)
+        if not record:
+            raise CannotResume(f"no turn {turn_id} in the ledger")
+        if saved is None:
+            raise CannotResume(f"turn {turn_id} was not recorded durably (started by an older toolq, or via Fleet)")
+        if record.get("state") != "running":
+            raise CannotResume(f"turn {turn_id} is {record.get('state')}, not orphaned: nothing to resume")
+        self._lease = await self.rt.turns.take_lease(turn_id)
+        if self._lease is None:
+            raise CannotResume(f"turn {turn_id} is driven by another orchestrator (its lease is live); "
+                               f"`toolq cancel {turn_id}` stops it")
+        self.turn_id = turn_id
+        self.instructions, self.reasoning = saved.instructions, saved.reasoning
+        self.loaded_tools = set(saved.loaded_tools)
+        self.history = History(c.item for c in committed)
+        outcome = TurnOutcome(turn_id=turn_id, status="running")
+        self._cancel.clear()
+        emit(TurnStarted(turn_id=turn_id))
+        await self.rt.follow_fleet_tools()  # MCP hook: the resumed turn offers what live workers host now
         await self.rt.router.watch_turn(turn_id)
+        pending = unanswered(committed)
+        first_step = 1 + max((c.step for c in committed if c.step is not None), default=-1)
+        return await self._drive(turn_id, outcome, emit,
+                                 self._loop(turn_id, outcome, emit, saved.deadline, first_step, pending))
+
+    def _turn_settings(self, deadline: float) -> TurnSettings:
+        s = self.rt.settings
+        return TurnSettings(model=self.rt.client.settings.model, workspace=str(s.workspace), tools=list(s.tools),
+                            instructions=self.instructions, reasoning=self.reasoning, deadline=deadline,
+                            loaded_tools=sorted(self.loaded_tools, key=str))
+
+    async def _drive(self, turn_id: str, outcome: TurnOutcome, emit: Emit, loop: Any) -> TurnOutcome:
+        """Run the loop under the lease, hear cancels, and end with exactly one terminal event."""
+        heartbeat = asyncio.create_task(self.rt.turns.heartbeat(turn_id, self._lease)) if self._lease else None
         listener = asyncio.create_task(self._listen_for_cancel(turn_id))
-        inner = asyncio.create_task(self._loop(turn_id, outcome, emit))
+        inner = asyncio.create_task(loop)
         cancelled = asyncio.create_task(self._cancel.wait())
         started = time.monotonic()
         try:
@@ -150,16 +222,54 @@ class Session:
                 await self._abort(turn_id, inner, outcome, emit, started)
         except ModelError as e:
             outcome.status, outcome.error = "failed", e.message
+        except Exception as e:  # a bug: still one terminal event, a paired history, the calls stopped
+            log.exception("the turn loop of %s failed", turn_id)
+            if self._step is not None:
+                await self._commit(*await self._step.abort())
+            outcome.status, outcome.error = "failed", f"toolq failed: {type(e).__name__}: {e}"
         finally:
             cancelled.cancel()
             await stop(listener)
             await self.rt.router.unwatch_turn(turn_id)
+        outcome = await self._end(turn_id, outcome, emit)
+        if heartbeat is not None:
+            await stop(heartbeat)
+        await self._release(turn_id)
+        return outcome
+
+    async def _release(self, turn_id: str) -> None:
+        if self._lease is None:
+            return
+        try:
+            await self.rt.turns.release(turn_id, self._lease)
+        except Exception as e:  # it lapses by itself
+            log.warning("could not release the lease on %s: %s", turn_id, e)
+        self._lease = None
+
+    async def _commit(self, *items: Any, step: int | None = None, output_index: int | None = None) -> None:
+        """Into the history, and into Redis as it happens (so `toolq resume` can rebuild the turn)."""
+        before = len(self.history.items)
+        self.history.record(*items)
+        added = self.history.items[before:]
+        await self._durable([Committed(item=i.to_wire(), step=step, output_index=output_index) for i in added])
+
+    async def _durable(self, entries: list[Committed]) -> None:
+        if self.turn_id is None or not entries:
+            return
+        try:
+            await self.rt.turns.append(self.turn_id, entries)
+        except Exception as e:  # Redis away: the turn goes on; a resume would miss these items
+            log.warning("could not record %d item(s) of %s durably: %s", len(entries), self.turn_id, e)
+
+    async def _end(self, turn_id: str, outcome: TurnOutcome, emit: Emit) -> TurnOutcome:
+        """Exactly one terminal event, then the ledger's record of the end."""
         if outcome.status == "failed":
             emit(ErrorEvent(message=outcome.error or ""))
             emit(TurnFailed(turn_id=turn_id, error=TurnError(message=outcome.error or "")))
         elif outcome.status == "completed":
             emit(TurnCompleted(turn_id=turn_id, usage=outcome.usage.model_dump()))
-        await self._finish(turn_id, outcome)
+        if not outcome.could_not_start:  # else the Redis to record it in is the one that is away
+            await self._finish(turn_id, outcome)
         return outcome
 
     async def _finish(self, turn_id: str, outcome: TurnOutcome) -> None:
@@ -176,24 +286,40 @@ class Session:
         except (asyncio.CancelledError, ModelError):
             pass
         if self._step is not None:
-            self.history.record(*await self._step.abort())
-        self.history.record(MessageItem(role="user", content=[InputText(text=TURN_ABORTED)]))
+            await self._commit(*await self._step.abort())
+        await self._commit(MessageItem(role="user", content=[InputText(text=TURN_ABORTED)]))
         outcome.status = "cancelled"
         outcome.error = f"turn cancelled after {time.monotonic() - started:.1f}s"
         emit(TurnAborted(turn_id=turn_id, reason="interrupted"))
 
     async def _listen_for_cancel(self, turn_id: str) -> None:
         """Hear `toolq cancel` from any process; the durable record covers a cancel sent earlier."""
-        if await cancel_requested(self.rt.ledger, turn_id):
-            self._cancel.set()
+        delay = 0.5
+        while not await cancel_requested(self.rt.ledger, turn_id):  # Redis trouble: listen again
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        self._cancel.set()
 
-    async def _loop(self, turn_id: str, outcome: TurnOutcome, emit: Emit) -> None:
+    async def _loop(self, turn_id: str, outcome: TurnOutcome, emit: Emit, deadline: float, step_index: int = 0,
+                    pending: list[tuple[int, list[Committed]]] = ()) -> None:
         settings = self.rt.settings
-        deadline = time.time() + settings.turn_timeout
         retries = 0
         responses_with_calls = 0
-        step_index = 0  # one per model request, retries included, so task ids never collide
+        # step_index: one per model request, retries included, so task ids never collide
+        for step_no, calls in pending:  # a resumed turn: the calls that had no output yet, first
+            step = self._step = self.rt.step(StepContext(turn_id, step_no, deadline, str(settings.workspace)), emit)
+            for c in calls:
+                bound = self.rt.bind(decode_item(c.item), step.ctx, c.output_index or 0)
+                if bound is not None:
+                    step.add(bound)
+            outputs = await step.wait()
+            await self._commit(*outputs)
+            self._load_found_tools(outputs)
         while True:
+            if time.time() >= deadline:  # no request that could only queue calls already expired
+                outcome.status = "failed"
+                outcome.error = f"turn stopped: it ran past its deadline (TOOLQ_TURN_TIMEOUT={settings.turn_timeout:g}s)"
+                return
             if responses_with_calls >= settings.max_steps:
                 outcome.status = "failed"
                 outcome.error = f"turn stopped after {settings.max_steps} model responses with tool calls"
@@ -211,7 +337,7 @@ class Session:
                 error = e
             # The barrier, whatever happened to the stream: calls already queued get their outputs.
             outputs = await step.wait()
-            self.history.record(*outputs)
+            await self._commit(*outputs)
             self._load_found_tools(outputs)
             if step.fatal is not None:
                 outcome.status, outcome.error = "failed", str(step.fatal)
@@ -241,7 +367,8 @@ class Session:
                     self.unknown_items += 1
                     log.info("kept aside an item of unknown type %r", getattr(item, "type", None))
                     continue
-                self.history.record(item)  # the call is in history before it is queued
+                # the call is in history (and in Redis) before it is queued
+                await self._commit(item, step=step.ctx.step, output_index=output_index)
                 self._show(item, outcome, emit)
                 bound = self.rt.bind(item, step.ctx, output_index)
                 if bound is not None:

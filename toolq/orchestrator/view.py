@@ -41,7 +41,7 @@ class _View:
         try:
             self.out.write(line + "\n")
             self.out.flush()
-        except (BrokenPipeError, ValueError):
+        except (OSError, ValueError):  # a closed pipe, or a hung-up terminal (EIO after SIGHUP)
             self.out = None  # the turn goes on, unwatched; its outcome is still in the ledger
 
 

@@ -25,8 +25,8 @@ from toolq.workers.catalog import Catalog
 from toolq.workers.config import configure_app, longest_timeout, make_app
 from toolq.workers.contracts import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, ToolCallFailed
 from toolq.workers.loader import load_catalog
-from toolq.workers import isolation, presence, signing
-from toolq.workers.execute import execute
+from toolq.workers import isolation, kombu_acks, presence, signing
+from toolq.workers.execute import StillRunning, execute
 from toolq.workers.mcp.worker import sync as sync_mcp_tools
 from toolq.workers.sandbox import install_sigterm_handler
 from toolq.workers.summary import returned
@@ -45,6 +45,7 @@ def catalog() -> Catalog:
 
 
 app = make_app(Settings.load(), longest_timeout(catalog()))
+kombu_acks.install()  # a call finishing after a Redis restart must not take the worker down
 
 
 def configure(settings: Settings) -> Celery:
@@ -128,8 +129,12 @@ def _execute(task: Any, invocation: dict, signature: str, redelivery: bool) -> A
     # worker_process_init, so a handler set there is gone by the time a task runs.
     install_sigterm_handler()
     sync_mcp_tools(catalog(), invocation)  # an MCP server may have listed its tools anew since the fork
-    result = execute(invocation, hostname=_hostname(task), r=redis_client(), catalog=catalog(), redelivery=redelivery,
-                     time_limit_errors=(SoftTimeLimitExceeded,))
+    try:
+        result = execute(invocation, hostname=_hostname(task), r=redis_client(), catalog=catalog(),
+                         redelivery=redelivery, time_limit_errors=(SoftTimeLimitExceeded,))
+    except StillRunning:
+        raise Ignore() from None  # the first delivery's result answers the call
+
     if celery_state(CallState(result["status"])) == FAILURE:
         raise ToolCallFailed(result)  # Celery records FAILURE; the result travels in the exception
     return returned(result, log_output=bool(app.conf.get("toolq_log_tool_output")))

@@ -7,6 +7,7 @@ visible? -> run. Every path returns a `ToolResult`; nothing raises to Celery exc
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -55,16 +56,16 @@ def _result(inv: ToolInvocation, output: ToolOutputBody, status: CallState, host
 
 
 # KEYS: turn cancel, call cancel, started marker, call record. ARGV: hostname, ttl, started_at, pid, state.
-# Returns {cancelled, first delivery, previous state, previous worker}.
+# Returns {cancelled, first delivery, previous state, previous worker, previous pid}.
 _START = """
 local cancelled = redis.call('EXISTS', KEYS[1], KEYS[2])
 local first = redis.call('SET', KEYS[3], ARGV[1], 'NX', 'EX', ARGV[2]) and 1 or 0
-local prev = redis.call('HMGET', KEYS[4], 'state', 'worker')
+local prev = redis.call('HMGET', KEYS[4], 'state', 'worker', 'pid')
 if first == 1 and cancelled == 0 then
     redis.call('HSET', KEYS[4], 'state', ARGV[5], 'worker', ARGV[1], 'started_at', ARGV[3], 'pid', ARGV[4])
     redis.call('EXPIRE', KEYS[4], ARGV[2])
 end
-return {cancelled, first, prev[1], prev[2]}
+return {cancelled, first, prev[1], prev[2], prev[3]}
 """
 
 
@@ -76,6 +77,29 @@ def worker_name(raw: bytes | None) -> str:
 
 
 _WORKER_NAME = re.compile(r"[\w.@:%+-]{1,200}")
+
+
+class StillRunning(Exception):
+    """A second delivery of a call whose first one still runs: acked with no result (Celery's Ignore)."""
+
+
+def _still_running(r: redis.Redis, worker: str, pid: bytes | None, hostname: str) -> bool:
+    """Whether the worker that started the call may still be running it: on this node, its pool
+    child is alive; elsewhere, the fleet catalog lists a live instance under its name."""
+    if worker == hostname:
+        try:
+            os.kill(int(pid or b"0"), 0)
+            return int(pid or b"0") > 0
+        except (OSError, ValueError):
+            return False
+    ids = [i.decode() for i in r.smembers(keys.FLEET_WORKERS)]
+    for raw in r.mget([keys.fleet_worker(i) for i in ids]) if ids else []:
+        try:
+            if raw is not None and json.loads(raw).get("hostname") == worker:
+                return True
+        except (ValueError, AttributeError):
+            continue
+    return False
 
 
 def _may_redeliver(spec: ToolSpec | None, redelivery: bool) -> bool:
@@ -102,7 +126,7 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
 
     # One round trip on every call's path: cancelled? first delivery? then mark it started.
     started_at = time.time()
-    cancelled, first, prev_state, prev_worker = r.register_script(_START)(
+    cancelled, first, prev_state, prev_worker, prev_pid = r.register_script(_START)(
         keys=[keys.cancel_turn(inv.turn_id), keys.cancel_call(inv.task_id), keys.started(inv.task_id),
               keys.call(inv.task_id)],
         args=[hostname, keys.RECORD_TTL, started_at, os.getpid(), CallState.RUNNING.value],
@@ -126,6 +150,12 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
                             inv.call_id, inv.tool_name, prev_worker)
                 return _result(inv, f"this call already ran on worker {prev_worker}; it was not run again",
                                CallState.REJECTED, hostname, success=False)
+            if parse_state(prev_state) is CallState.RUNNING and _still_running(r, prev_worker, prev_pid, hostname):
+                # Redelivered while the first delivery runs on (a Redis restart with AOF restores the
+                # unacked message): its own result is the call's output; this copy says nothing.
+                log.warning("↺ %s %s delivered again while it runs on %s; not run again, no result",
+                            inv.call_id, inv.tool_name, prev_worker)
+                raise StillRunning(prev_worker)
             _set_state(r, inv, state=CallState.LOST, finished_at=time.time())
             return _result(
                 inv,
