@@ -134,7 +134,6 @@ def _execute(task: Any, invocation: dict, signature: str, redelivery: bool) -> A
                          redelivery=redelivery, time_limit_errors=(SoftTimeLimitExceeded,))
     except StillRunning:
         raise Ignore() from None  # the first delivery's result answers the call
-
     if celery_state(CallState(result["status"])) == FAILURE:
         raise ToolCallFailed(result)  # Celery records FAILURE; the result travels in the exception
     return returned(result, log_output=bool(app.conf.get("toolq_log_tool_output")))
