@@ -17,6 +17,7 @@ from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
 from toolq.orchestrator.calls import ToolInvocation
+from toolq.orchestrator import session_route
 from toolq.orchestrator.catalog_reader import FleetCatalog
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.settings import Settings
@@ -60,12 +61,19 @@ class Dispatcher:
             if unserved:
                 await self.ledger.set_state(inv.task_id, CallState.REJECTED, finished_at=time.time())
                 raise DispatchError(unserved, state=CallState.REJECTED)
-            await self._run(self._send, inv, spec)
+            queue = tool_queue(spec)
+            if str(spec.tool_name) == session_route.TOOL:  # sessions hook: to the worker holding it
+                try:
+                    queue = await session_route.queue_for(self.ledger.r, inv)
+                except DispatchError:
+                    await self.ledger.set_state(inv.task_id, CallState.FAILED, finished_at=time.time())
+                    raise
+            await self._run(self._send, inv, spec, queue)
         except (OperationalError, RedisError, OSError) as e:
             raise DispatchError(f"the task queue (Redis) is unavailable: {e}") from e
         return True
 
-    def _send(self, inv: ToolInvocation, spec: ToolSpec) -> None:
+    def _send(self, inv: ToolInvocation, spec: ToolSpec, queue: str | None = None) -> None:
         assert self.signer is not None, "a Dispatcher that sends needs the fleet's signer"
         task, invocation = task_name(spec.idempotent), inv.model_dump(mode="json")
         self.app.send_task(
@@ -73,7 +81,7 @@ class Dispatcher:
             args=[invocation],
             kwargs={"signature": self.signer.sign_invocation(task, inv.task_id, invocation)},  # signing hook
             task_id=inv.task_id,
-            queue=tool_queue(spec),  # fleet catalog hook: only workers serving this declaration consume it
+            queue=queue or tool_queue(spec),  # fleet catalog hook: only workers serving this declaration (or holding the session)
             # Kept in the message: a call still queued at the turn deadline never starts.
             expires=datetime.fromtimestamp(inv.deadline, tz=timezone.utc),
             soft_time_limit=spec.timeout + TIME_LIMIT_MARGIN / 2,

@@ -118,4 +118,5 @@ async def _run(settings: Settings, prompt: str, json_events: bool,
         return await session.run_turn(prompt, view, turn_id=turn_id), session.history
     finally:
         loop.remove_signal_handler(signal.SIGINT)
+        await session.close()  # the conversation ends with `toolq run`: so do its sessions
         await runtime.aclose()

@@ -15,9 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolq.orchestrator import keys
 from toolq.orchestrator.barrier import Step, flush_background
 from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, backoff, build_request
+from toolq.orchestrator.conversation import ConversationLease, new_conversation_id
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.fleet import Fleet, cancel_requested, new_turn_id, stop
 from toolq.orchestrator.history import History
@@ -122,6 +124,12 @@ class Session:
         """The running (or last) turn's id."""
         self._cancel = asyncio.Event()
         self._step: Step | None = None
+        self.conversation = ConversationLease(runtime.ledger.r, new_conversation_id())
+        """Its exec_command sessions live while it is held: from the first turn to `close()`."""
+
+    async def close(self) -> None:
+        """End the conversation: every exec_command session it started is killed."""
+        await self.conversation.release()
 
     def cancel(self) -> None:
         """Cancel the running turn from this process (Ctrl-C). Other processes use the ledger."""
@@ -135,6 +143,7 @@ class Session:
         self._cancel.clear()
         emit(TurnStarted(turn_id=turn_id))
         await self.rt.ledger.start_turn(turn_id, prompt, str(settings.workspace))
+        await self._hold_conversation(turn_id)
         self.history.record(MessageItem(role="user", content=[InputText(text=prompt)]))
         await self.rt.router.watch_turn(turn_id)
         listener = asyncio.create_task(self._listen_for_cancel(turn_id))
@@ -160,6 +169,13 @@ class Session:
             emit(TurnCompleted(turn_id=turn_id, usage=outcome.usage.model_dump()))
         await self._finish(turn_id, outcome)
         return outcome
+
+    async def _hold_conversation(self, turn_id: str) -> None:
+        try:
+            await self.conversation.hold()
+            await self.rt.ledger.r.hset(keys.turn(turn_id), "conversation", self.conversation.id)
+        except Exception as e:  # Redis away: the turn's own calls will say so
+            log.warning("could not hold conversation %s: %s", self.conversation.id, e)
 
     async def _finish(self, turn_id: str, outcome: TurnOutcome) -> None:
         try:
@@ -197,7 +213,8 @@ class Session:
                 outcome.status = "failed"
                 outcome.error = f"turn stopped after {settings.max_steps} model responses with tool calls"
                 return
-            step = self._step = self.rt.step(StepContext(turn_id, step_index, deadline, str(settings.workspace)), emit)
+            step = self._step = self.rt.step(StepContext(turn_id, step_index, deadline, str(settings.workspace),
+                                                        conversation=self.conversation.id), emit)
             step_index += 1
             body = build_request(self.rt.client.settings.model, self.history.for_prompt(),
                                  self.rt.registry.model_visible_specs(self.loaded_tools),

@@ -30,6 +30,15 @@ HEARTBEAT = 2.0
 TTL = 8
 
 _current: Advertiser | None = None
+_instance: str | None = None
+
+
+def instance_id() -> str:
+    """This worker instance's id, fixed at first use (before the pool forks, so children share it)."""
+    global _instance
+    if _instance is None:
+        _instance = uuid.uuid4().hex
+    return _instance
 
 
 class Advertiser:
@@ -124,7 +133,7 @@ def _sandbox_in_use(settings: Settings) -> str:
 def worker_record(*, hostname: str, concurrency: int, queues: list[str], catalog: Catalog,
                   settings: Settings) -> tuple[WorkerAdvert, list[ToolAdvert]]:
     served = [s for s in catalog if s.queue in set(queues)]
-    record = WorkerAdvert(instance=uuid.uuid4().hex, hostname=hostname, host=socket.gethostname(), pid=os.getpid(),
+    record = WorkerAdvert(instance=instance_id(), hostname=hostname, host=socket.gethostname(), pid=os.getpid(),
                           started_at=time.time(), concurrency=concurrency, queues=queues,
                           sandbox=_sandbox_in_use(settings),
                           tools=[ToolRef.of(s) for s in served])

@@ -1,0 +1,80 @@
+"""exec_command and write_stdin as a pool child runs them: through this worker's session host."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import redis
+
+from toolq.orchestrator.errors import RespondToModel
+from toolq.orchestrator.settings import Settings
+from toolq.workers.catalog import ToolContext, ToolReturn
+from toolq.workers.sandbox import CallCancelled
+from toolq.workers.sessions import client
+from toolq.workers.sessions.protocol import ExecRequest, Reply, WriteRequest
+from toolq.workers.sessions.registry import sessions_key
+
+REDIS_ENV = "TOOLQ_SESSION_REDIS"
+#: Slack for the host's reply over the yield time (it drains output after an exit).
+REPLY_SLACK = 5.0
+
+_redis: redis.Redis | None = None
+_redis_pid = 0
+
+
+def available(ctx: ToolContext) -> bool:
+    """Sessions need a conversation to belong to, and a worker that runs a session host."""
+    return bool(ctx.invocation.conversation) and client.socket_path() is not None
+
+
+def _client() -> redis.Redis:
+    global _redis, _redis_pid
+    if _redis is None or _redis_pid != os.getpid():  # never share a socket across fork
+        _redis, _redis_pid = redis.Redis.from_url(os.environ[REDIS_ENV]), os.getpid()
+    return _redis
+
+
+def check_limit(conversation: str, settings: Settings) -> None:
+    try:
+        live = int(_client().hlen(sessions_key(conversation)))
+    except redis.RedisError:
+        return  # the ledger is away: the host's registration will fail loudly instead
+    if live >= settings.session_limit:
+        raise RespondToModel(
+            f"exec_command failed: this conversation already has {live} live sessions (the limit is "
+            f"{settings.session_limit}); finish one with write_stdin, or wait for it to exit, first")
+
+
+def exec_in_host(cmd: str, *, shell: str, cwd: Path, tty: bool, yield_ms: float, ctx: ToolContext) -> Reply:
+    conversation = ctx.invocation.conversation or ""
+    check_limit(conversation, Settings.load())
+    request = ExecRequest(conversation=conversation, cmd=cmd, shell=shell, cwd=str(cwd),
+                          workspace=str(ctx.workspace), env=dict(os.environ), tty=tty, yield_ms=yield_ms)
+    return _call(request, ctx, yield_ms, "exec_command")
+
+
+def write_in_host(session_id: int, chars: str, yield_ms: float, ctx: ToolContext) -> Reply:
+    request = WriteRequest(conversation=ctx.invocation.conversation or "", session_id=session_id, chars=chars,
+                           yield_ms=yield_ms)
+    return _call(request, ctx, yield_ms, "write_stdin")
+
+
+def _call(request: ExecRequest | WriteRequest, ctx: ToolContext, yield_ms: float, tool: str) -> Reply:
+    try:
+        reply = client.call(request, ctx.cancelled, timeout=yield_ms / 1000 + REPLY_SLACK)
+    except client.Cancelled:
+        raise CallCancelled(f"{tool} cancelled") from None
+    except client.HostUnavailable as e:
+        raise RespondToModel(f"{tool} failed: {e}") from None
+    if reply.error is not None:
+        raise RespondToModel(reply.error)
+    return reply
+
+
+def to_return(reply: Reply, max_tokens: int) -> ToolReturn:
+    from toolq.workers.tools.exec_command import format_exec_output
+
+    text = format_exec_output(client.output_text(reply), reply.exit_code, reply.wall_time, max_tokens,
+                              session_id=reply.session_id)
+    return ToolReturn(output=text, success=reply.exit_code in (0, None), exit_code=reply.exit_code)
