@@ -134,6 +134,7 @@ def settings_for(redis_url: str, fake: FakeModel, workspace: Path, **kw: Any) ->
 async def run_session(settings: Settings, prompts: list[str], events: list, during=None,
                       **session_kw: Any) -> tuple[list[TurnOutcome], Session]:
     runtime = await Runtime.create(settings, catalog=load_catalog([TEST_TOOLS]))
+    session = None
     try:
         session = Session(runtime, **session_kw)
         outcomes = []
@@ -144,6 +145,8 @@ async def run_session(settings: Settings, prompts: list[str], events: list, duri
             outcomes.append(await turn)
         return outcomes, session
     finally:
+        if session is not None:
+            await session.close()  # the conversation ends: its exec_command sessions are killed
         await runtime.aclose()
 
 

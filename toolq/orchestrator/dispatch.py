@@ -57,17 +57,18 @@ class Dispatcher:
             if not await self.ledger.claim(inv, spec.queue):
                 log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
                 return False
-            unserved = await self.fleet.unserved(spec)  # fleet catalog hook: no live worker serves it
-            if unserved:
-                await self.ledger.set_state(inv.task_id, CallState.REJECTED, finished_at=time.time())
-                raise DispatchError(unserved, state=CallState.REJECTED)
-            queue = tool_queue(spec)
             if str(spec.tool_name) == session_route.TOOL:  # sessions hook: to the worker holding it
                 try:
                     queue = await session_route.queue_for(self.ledger.r, inv)
                 except DispatchError:
                     await self.ledger.set_state(inv.task_id, CallState.FAILED, finished_at=time.time())
                     raise
+            else:
+                unserved = await self.fleet.unserved(spec)  # fleet catalog hook: no live worker serves it
+                if unserved:
+                    await self.ledger.set_state(inv.task_id, CallState.REJECTED, finished_at=time.time())
+                    raise DispatchError(unserved, state=CallState.REJECTED)
+                queue = tool_queue(spec)
             await self._run(self._send, inv, spec, queue)
         except (OperationalError, RedisError, OSError) as e:
             raise DispatchError(f"the task queue (Redis) is unavailable: {e}") from e

@@ -5,22 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import redis
-
 from toolq.orchestrator.errors import RespondToModel
-from toolq.orchestrator.settings import Settings
 from toolq.workers.catalog import ToolContext, ToolReturn
 from toolq.workers.sandbox import CallCancelled
 from toolq.workers.sessions import client
 from toolq.workers.sessions.protocol import ExecRequest, Reply, WriteRequest
-from toolq.workers.sessions.registry import sessions_key
 
-REDIS_ENV = "TOOLQ_SESSION_REDIS"
 #: Slack for the host's reply over the yield time (it drains output after an exit).
 REPLY_SLACK = 5.0
-
-_redis: redis.Redis | None = None
-_redis_pid = 0
 
 
 def available(ctx: ToolContext) -> bool:
@@ -28,27 +20,8 @@ def available(ctx: ToolContext) -> bool:
     return bool(ctx.invocation.conversation) and client.socket_path() is not None
 
 
-def _client() -> redis.Redis:
-    global _redis, _redis_pid
-    if _redis is None or _redis_pid != os.getpid():  # never share a socket across fork
-        _redis, _redis_pid = redis.Redis.from_url(os.environ[REDIS_ENV]), os.getpid()
-    return _redis
-
-
-def check_limit(conversation: str, settings: Settings) -> None:
-    try:
-        live = int(_client().hlen(sessions_key(conversation)))
-    except redis.RedisError:
-        return  # the ledger is away: the host's registration will fail loudly instead
-    if live >= settings.session_limit:
-        raise RespondToModel(
-            f"exec_command failed: this conversation already has {live} live sessions (the limit is "
-            f"{settings.session_limit}); finish one with write_stdin, or wait for it to exit, first")
-
-
 def exec_in_host(cmd: str, *, shell: str, cwd: Path, tty: bool, yield_ms: float, ctx: ToolContext) -> Reply:
     conversation = ctx.invocation.conversation or ""
-    check_limit(conversation, Settings.load())
     request = ExecRequest(conversation=conversation, cmd=cmd, shell=shell, cwd=str(cwd),
                           workspace=str(ctx.workspace), env=dict(os.environ), tty=tty, yield_ms=yield_ms)
     return _call(request, ctx, yield_ms, "exec_command")

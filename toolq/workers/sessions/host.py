@@ -182,8 +182,22 @@ class Host:
             self._forget(p)
             return Reply(output=_b64(output), exit_code=p.exit_code, wall_time=wall)
         if p.session_id is None:
+            live = self._live_in(p.conversation)
+            if live >= self.settings.session_limit:
+                p.kill()
+                return Reply(error=(
+                    f"exec_command failed: this conversation already has {live} live sessions (the limit is "
+                    f"{self.settings.session_limit}), so the command, still running after yield_time_ms, was "
+                    "killed; end a session (let it exit, or send it exit/Ctrl-D with write_stdin) first"))
             p.session_id = self._register(p)
         return Reply(output=_b64(output), session_id=p.session_id, wall_time=wall)
+
+    def _live_in(self, conversation: str) -> int:
+        """Sessions of the conversation across the fleet (this host's alone without Redis)."""
+        if self.r is None:
+            with self.lock:
+                return sum(1 for p in self.live.values() if p.conversation == conversation)
+        return int(self.r.hlen(sessions_key(conversation)))
 
     def _register(self, p: Process) -> int:
         session_id = int(self.r.incr(next_id_key(p.conversation))) if self.r is not None else next(self._ids)

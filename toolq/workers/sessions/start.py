@@ -35,7 +35,6 @@ def start(*, instance: str, hostname: str, redis_url: str) -> str:
     if not line or json.loads(line).get("ready") != path:
         raise RuntimeError("the session host did not start")
     os.environ[SOCKET_ENV] = path
-    os.environ["TOOLQ_SESSION_REDIS"] = redis_url  # pool children check the conversation's limit
     return path
 
 
