@@ -217,7 +217,7 @@ def test_idle_and_lifetime_limits_kill_sessions(worker, own_redis, tmp_path):
            env={"TOOLQ_SESSION_IDLE": "2", "TOOLQ_SESSION_LIFETIME": "6"})
     idle, busy = marker(), marker()
     conv = Conversation(own_redis.url, tmp_path, [
-        [exec_call("idle", idle, yield_time_ms=250), exec_call("busy", f"{busy}", tty=True, yield_time_ms=250)],
+        [exec_call("idle", idle, yield_time_ms=250), exec_call("busy", busy, tty=True, yield_time_ms=1200)],
         # Session 2 is written to every second (never idle) until its lifetime is up; 1 is left alone.
         *[[write(f"keep{i}", 2, "\n", yield_time_ms=1000)] for i in range(8)],
         final(),

@@ -135,6 +135,11 @@ class CallLimits:
         if self.cgroup is None and os.geteuid() != 0:
             self.nproc = _processes_of_uid(os.getuid()) + limits.processes
 
+    def use_cgroup(self, cgroup: Path) -> None:
+        """Count and kill in `cgroup` instead (a session host's spawn slot, toolq/workers/sessions)."""
+        self.cgroup = cgroup
+        self._failures_before = _limit_failures(cgroup)
+
     def prlimit_prefix(self) -> list[str] | None:
         """The same limits as a `prlimit ... --` prefix (util-linux), so that the worker can spawn
         with vfork: a pre-exec function makes Python fork the whole pool child (~6 ms at 100 MB)."""

@@ -48,6 +48,9 @@ def _call(request: ExecRequest | WriteRequest, ctx: ToolContext, yield_ms: float
 def to_return(reply: Reply, max_tokens: int) -> ToolReturn:
     from toolq.workers.tools.exec_command import format_exec_output
 
-    text = format_exec_output(client.output_text(reply), reply.exit_code, reply.wall_time, max_tokens,
+    content = client.output_text(reply)
+    if reply.limit_note:
+        content += f"\n[{reply.limit_note}]\n"
+    text = format_exec_output(content, reply.exit_code, reply.wall_time, max_tokens,
                               session_id=reply.session_id)
     return ToolReturn(output=text, success=reply.exit_code in (0, None), exit_code=reply.exit_code)

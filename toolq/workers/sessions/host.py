@@ -24,14 +24,15 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import redis
 
 from toolq.orchestrator.settings import Settings
 from toolq.workers import isolation
+from toolq.workers.isolation import reaper
 from toolq.workers.sandbox import DEFAULT_OUTPUT_CAP, DRAIN_TIMEOUT, HeadTailBuffer, _killpg
+from toolq.workers.sessions.slots import Slot, Slots
 from toolq.workers.sessions.protocol import ExecRequest, Reply, WriteRequest, parse_request
 from toolq.workers.sessions.registry import (CONVERSATION_TTL, SessionRecord, conversation_key, next_id_key,
                                              sessions_key)
@@ -43,6 +44,7 @@ STDIN_CLOSED = ("write_stdin failed: stdin is closed for this session; rerun exe
 #: How often a waiting call checks its connection, and the reaper its limits.
 STEP = 0.05
 REAP_INTERVAL = 1.0
+TAIL_BYTES = 4096
 
 
 @dataclass(eq=False)  # hashed by identity: held in sets
@@ -61,6 +63,10 @@ class Process:
     done: bool = False
     """Exited and its output fully read."""
     session_id: int | None = None
+    slot: Slot | None = None
+    tail: bytearray = field(default_factory=bytearray)
+    """The last output bytes, for the line naming a sandbox limit the command hit."""
+    limit_note: str | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     def take_output(self) -> bytes:
@@ -84,9 +90,14 @@ class Host:
         """Sessions (processes that outlived their exec_command) by session id."""
         self.running: set[Process] = set()
         self._ids = itertools.count(1)  # without Redis (tests of the host alone)
-        # Every spawn on one thread that lives as long as the host: bwrap's --die-with-parent (and
-        # PR_SET_PDEATHSIG) fire when the spawning *thread* exits, not the process.
-        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="toolq-session-spawn")
+        sandbox = isolation.current(settings)
+        confined = not sandbox.unavailable and sandbox.backend != "none"
+        self.slots = Slots(sandbox.policy.limits if confined else None)
+        if confined and sandbox.backend == "landlock":
+            # No pid namespace: what leaves a command's group comes back to the host, which reaps
+            # it (the slot's cgroup kills it), instead of to an init that may never reap it, and
+            # a zombie still counts against the slot's process limit.
+            reaper.become_subreaper()
 
     # --- starting a command ----------------------------------------------------------------
 
@@ -101,11 +112,20 @@ class Host:
             stdio = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         popen = dict(cwd=req.cwd, start_new_session=True, close_fds=True, **stdio)
         sandbox = isolation.current(self.settings)
-        launch = sandbox.launch(argv, workspace=req.workspace, cwd=req.cwd, env=req.env)
+        slot = self.slots.take()
         try:
-            proc = self._spawner.submit(launch.spawn, **popen).result()
+            launch = sandbox.launch(argv, workspace=req.workspace, cwd=req.cwd, env=req.env)
+        except BaseException:
+            self.slots.give_back(slot)
+            raise
+        if launch.call_limits is not None and slot.cgroup is not None:
+            launch.call_limits.use_cgroup(slot.cgroup)
+        launch.reap = False  # a sweep would kill the other sessions' processes: see _reap_orphans
+        try:
+            proc = slot.run(launch.spawn, **popen)
         except BaseException:
             launch.close()
+            self.slots.give_back(slot)
             for fd in (master, slave):
                 if fd is not None:
                     os.close(fd)
@@ -116,7 +136,8 @@ class Host:
         else:
             assert proc.stdout is not None
             fd = proc.stdout.fileno()
-        p = Process(proc=proc, fd=fd, tty=req.tty, command=req.cmd, conversation=req.conversation, launch=launch)
+        p = Process(proc=proc, fd=fd, tty=req.tty, command=req.cmd, conversation=req.conversation, launch=launch,
+                    slot=slot)
         with self.lock:
             self.running.add(p)
         threading.Thread(target=self._pump, args=(p,), name="toolq-session-pump", daemon=True).start()
@@ -141,6 +162,7 @@ class Host:
                 if chunk:
                     with p.cond:
                         p.pending.write(chunk)
+                        p.tail = (p.tail + chunk)[-TAIL_BYTES:]
                         p.cond.notify_all()
             if exited_at is not None and (eof or time.monotonic() >= exited_at + DRAIN_TIMEOUT):
                 break
@@ -149,14 +171,20 @@ class Host:
         if p.launch is not None:
             p.launch.kill(frozenset())
         returncode = p.proc.wait()
+        exit_code = returncode if returncode >= 0 else 128 - returncode
         if p.launch is not None:
             p.launch.close()
+            p.limit_note = isolation.current(self.settings).explain(p.launch, exit_code,
+                                                                     p.tail.decode("utf-8", errors="replace"))
+        self._reap_orphans()
+        if p.slot is not None:
+            self.slots.give_back(p.slot)
         if p.proc.stdout is not None:
             p.proc.stdout.close()
         else:
             os.close(p.fd)
         with p.cond:
-            p.exit_code = returncode if returncode >= 0 else 128 - returncode
+            p.exit_code = exit_code
             p.done = True
             p.cond.notify_all()
         with self.lock:
@@ -180,7 +208,7 @@ class Host:
         wall = time.monotonic() - started
         if p.done:
             self._forget(p)
-            return Reply(output=_b64(output), exit_code=p.exit_code, wall_time=wall)
+            return Reply(output=_b64(output), exit_code=p.exit_code, wall_time=wall, limit_note=p.limit_note)
         if p.session_id is None:
             live = self._live_in(p.conversation)
             if live >= self.settings.session_limit:
@@ -294,6 +322,17 @@ class Host:
                 p.kill()
                 self._forget(p)
 
+    def _reap_orphans(self) -> None:
+        """Reap the dead orphans that came back to the host (never a command's own leader)."""
+        with self.lock:
+            leaders = {p.proc.pid for p in self.running} | {p.proc.pid for p in self.live.values()}
+        for pid in reaper.children(os.getpid()):
+            if pid not in leaders:
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
     def kill_all(self) -> None:
         with self.lock:
             procs = list(self.running) + list(self.live.values())
@@ -347,6 +386,7 @@ def main() -> None:
 
     def stop(signum: int, frame: object) -> None:
         host.kill_all()
+        host.slots.remove_all()
         try:
             os.unlink(path)
         except OSError:
@@ -365,6 +405,7 @@ def main() -> None:
             time.sleep(REAP_INTERVAL)
             try:
                 host.reap_once()
+                host._reap_orphans()
             except Exception:  # the reaper must outlive any one bad session
                 log.exception("session reaper failed")
 

@@ -46,5 +46,7 @@ class Reply(BaseModel):
     wall_time: float = 0.0
     error: str | None = None
     """A model-visible failure text."""
+    limit_note: str | None = None
+    """The sandbox limit the command ran into, in words."""
     spawn_errno: int | None = None
     spawn_strerror: str | None = None

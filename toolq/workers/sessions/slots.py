@@ -1,0 +1,83 @@
+"""Spawn slots: where the session host starts commands, one running command per slot.
+
+A slot is a thread that lives as long as the host, sitting alone in a pids cgroup of its own
+(cgroup v1 moves single threads, through `tasks`). What it spawns starts in that cgroup, so each
+command gets the per-call process limit a pool child gives its call (`isolation/limits.py`), and
+the thread moves once, at the slot's creation: a move costs ~15 ms here, too much for every call.
+A long-lived spawning thread is also what bwrap's --die-with-parent (PR_SET_PDEATHSIG) needs: it
+fires when the thread that forked exits. The cgroups are named like the pool children's
+(`toolq-pool-<slot>-<host pid>`), so the worker removes those of a dead host at its shutdown.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from toolq.workers.isolation import limits
+from toolq.workers.isolation.policy import Limits
+
+#: The slot's own thread, besides the command's processes.
+SLOT_TASKS_SLACK = 1
+
+
+class Slot:
+    def __init__(self, index: int, lim: Limits | None) -> None:
+        self.index = index
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"toolq-session-slot{index}")
+        self.cgroup: Path | None = self._thread.submit(self._enter_cgroup, lim).result() if lim else None
+        self.busy = False
+
+    def _enter_cgroup(self, lim: Limits) -> Path | None:
+        base = limits.pids_cgroup_base()
+        if base is None:
+            return None
+        cg = base / f"toolq-pool-s{self.index}-{os.getpid()}"
+        try:
+            cg.mkdir(exist_ok=True)
+            (cg / "pids.max").write_text(str(lim.processes + SLOT_TASKS_SLACK))
+            (cg / "tasks").write_text(str(threading.get_native_id()))
+        except OSError:
+            return None
+        return cg
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._thread.submit(fn, *args, **kwargs).result()
+
+    def remove(self) -> None:
+        if self.cgroup is not None:
+            limits._kill_members(self.cgroup)
+            try:
+                self.cgroup.rmdir()
+            except OSError:
+                pass
+
+
+class Slots:
+    def __init__(self, lim: Limits | None) -> None:
+        self.lim = lim
+        self._lock = threading.Lock()
+        self._all: list[Slot] = []
+
+    def take(self) -> Slot:
+        with self._lock:
+            for slot in self._all:
+                if not slot.busy:
+                    slot.busy = True
+                    return slot
+            slot = Slot(len(self._all), self.lim)
+            slot.busy = True
+            self._all.append(slot)
+            return slot
+
+    def give_back(self, slot: Slot) -> None:
+        with self._lock:
+            slot.busy = False
+
+    def remove_all(self) -> None:
+        with self._lock:
+            for slot in self._all:
+                slot.remove()
