@@ -8,6 +8,8 @@ Real prefork workers (each with its session host), real Redis, the fake model. T
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import random
 import re
 import subprocess
@@ -19,6 +21,8 @@ from toolq.orchestrator.embedded import RedisServer
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
+from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.status import status_cmd
 from toolq.orchestrator.turn import Runtime, Session
 from toolq.workers.loader import load_catalog
 from tests.integration.conftest import TEST_TOOLS, settings_for
@@ -91,7 +95,7 @@ class Conversation:
         try:
             for i in range(turns):
                 if between is not None and i:
-                    await asyncio.to_thread(between, i)
+                    await asyncio.to_thread(between, self, i)
                 outcome = await session.run_turn(f"turn {i}", lambda e: self.events.append(e.to_json()))
                 self.turn_ids.append(outcome.turn_id)
         finally:
@@ -183,6 +187,25 @@ def test_a_session_started_in_one_turn_is_polled_in_the_next(fleet, redis_server
     assert parts(conv.outputs()["later"])[2] == "still here\r\nstill here\r\n"
 
 
+def test_status_lists_the_live_sessions_of_the_turns_conversation(fleet, redis_server, tmp_path):
+    seen = {}
+
+    def status(conv, _):
+        for as_json in (False, True):
+            out = io.StringIO()
+            assert status_cmd(Settings(redis_url=redis_server.url), conv.turn_ids[0], as_json=as_json, out=out) == 0
+            seen[as_json] = out.getvalue()
+
+    Conversation(redis_server.url, tmp_path, [
+        [exec_call("start", "sleep 30  # the dev server", yield_time_ms=250)],
+        final(),
+        final(),
+    ], turns=2, between=status)
+    assert "1 live exec_command session(s)" in seen[False] and "sleep 30 # the dev server" in seen[False]
+    (line,) = [json.loads(l) for l in seen[True].splitlines() if '"session"' in l]
+    assert line["session_id"] == 1 and line["worker"].startswith("fleet") and line["command"].startswith("sleep 30")
+
+
 def test_the_end_of_the_conversation_kills_every_session(fleet, redis_server, tmp_path):
     a, b_ = marker(), marker()
     Conversation(redis_server.url, tmp_path, [
@@ -196,7 +219,7 @@ def test_a_killed_worker_loses_its_sessions_with_a_clear_output(worker, own_redi
     w = worker(["toolq"], concurrency=2, redis_url=own_redis.url)
     sleep = marker()
 
-    def kill_the_worker(_):
+    def kill_the_worker(conv, _):
         w.kill()
         assert gone_within(sleep, 5), "a session's process outlived its worker"
         time.sleep(9)  # the fleet catalog's TTL (presence.TTL = 8 s): the record is gone
