@@ -177,7 +177,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox")
+BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox", "sessions")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -45,6 +45,8 @@ STDIN_CLOSED = ("write_stdin failed: stdin is closed for this session; rerun exe
 STEP = 0.05
 REAP_INTERVAL = 1.0
 TAIL_BYTES = 4096
+#: Conversations a worker may hold sessions of at their limit, at once.
+SLOTS_PER_SESSION_LIMIT = 4
 
 
 @dataclass(eq=False)  # hashed by identity: held in sets
@@ -92,7 +94,8 @@ class Host:
         self._ids = itertools.count(1)  # without Redis (tests of the host alone)
         sandbox = isolation.current(settings)
         confined = not sandbox.unavailable and sandbox.backend != "none"
-        self.slots = Slots(sandbox.policy.limits if confined else None)
+        self.slots = Slots(sandbox.policy.limits if confined else None,
+                           most=settings.concurrency + SLOTS_PER_SESSION_LIMIT * settings.session_limit)
         if confined and sandbox.backend == "landlock":
             # No pid namespace: what leaves a command's group comes back to the host, which reaps
             # it (the slot's cgroup kills it), instead of to an init that may never reap it, and

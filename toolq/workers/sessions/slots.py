@@ -11,6 +11,7 @@ fires when the thread that forked exits. The cgroups are named like the pool chi
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -57,8 +58,12 @@ class Slot:
 
 
 class Slots:
-    def __init__(self, lim: Limits | None) -> None:
+    def __init__(self, lim: Limits | None, most: int) -> None:
         self.lim = lim
+        self.most = most
+        """Slots at most: commands running at once on this worker, sessions included. A command
+        that reached the host's socket (Landlock leaves pathname unix sockets open) cannot use it
+        to run more than this."""
         self._lock = threading.Lock()
         self._all: list[Slot] = []
 
@@ -68,6 +73,8 @@ class Slots:
                 if not slot.busy:
                     slot.busy = True
                     return slot
+            if len(self._all) >= self.most:
+                raise OSError(errno.EAGAIN, f"this worker already runs {self.most} commands and sessions")
             slot = Slot(len(self._all), self.lim)
             slot.busy = True
             self._all.append(slot)
