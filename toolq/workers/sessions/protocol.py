@@ -2,34 +2,35 @@
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, Field, TypeAdapter
 
 
-class ExecRequest(BaseModel):
-    op: Literal["exec"] = "exec"
+class _Request(BaseModel):
     conversation: str
+    """Sessions answer only their own conversation."""
+    yield_ms: float
+
+
+class ExecRequest(_Request):
+    op: Literal["exec"] = "exec"
     cmd: str
     shell: str = "bash"
     cwd: str
     workspace: str
     env: dict[str, str]
     tty: bool = False
-    yield_ms: float
 
 
-class WriteRequest(BaseModel):
+class WriteRequest(_Request):
     op: Literal["write"] = "write"
-    conversation: str
     session_id: int
     chars: str = ""
-    yield_ms: float
 
 
 Request = Union[ExecRequest, WriteRequest]
-_REQUEST: TypeAdapter[Request] = TypeAdapter(
-    __import__("typing").Annotated[Request, Field(discriminator="op")])
+_REQUEST: TypeAdapter[Request] = TypeAdapter(Annotated[Request, Field(discriminator="op")])
 
 
 def parse_request(line: bytes) -> Request:
