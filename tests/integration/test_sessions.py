@@ -264,3 +264,15 @@ def test_the_per_conversation_limit_holds(worker, own_redis, tmp_path):
     assert parts(out["one"])[0] == 1 and parts(out["two"])[0] == 2
     assert out["three"].startswith("exec_command failed: this conversation already has 2 live sessions")
     assert parts(out["short"]) == (None, 0, "fine\n")  # a command that ends within its yield still runs
+
+
+def test_a_worker_without_sessions_runs_each_command_to_completion(worker, own_redis, tmp_path):
+    worker(["toolq"], concurrency=1, redis_url=own_redis.url, env={"TOOLQ_SESSIONS": "0"})
+    conv = Conversation(own_redis.url, tmp_path, [
+        [exec_call("slow", "sleep 1; echo done", yield_time_ms=250)],
+        [write("w", 1)],
+        final(),
+    ])
+    out = conv.outputs()
+    assert parts(out["slow"]) == (None, 0, "done\n")
+    assert out["w"] == "write_stdin failed: Unknown process id 1"

@@ -53,6 +53,7 @@ ENV = {
     "sandbox_cpu_seconds": ("TOOLQ_SANDBOX_CPU_SECONDS",),
     "sandbox_file_mb": ("TOOLQ_SANDBOX_FILE_MB",),
     # exec_command sessions (toolq/workers/sessions)
+    "sessions": ("TOOLQ_SESSIONS",),
     "session_limit": ("TOOLQ_SESSION_LIMIT",),
     "session_idle": ("TOOLQ_SESSION_IDLE",),
     "session_lifetime": ("TOOLQ_SESSION_LIFETIME",),
@@ -109,6 +110,9 @@ class Settings(BaseModel):
     """auto: bubblewrap if it runs here, else Landlock; none runs commands unconfined (warned)."""
     sandbox_network: Literal["none", "host"] = "none"
     # --- exec_command sessions (toolq/workers/sessions) ---
+    sessions: bool = True
+    """Workers run exec_command through a session host, so a command may outlive its call as a
+    session; off: every command runs to completion in its pool child, and write_stdin finds none."""
     session_limit: int = Field(default=64, ge=1, le=1024)
     """Live sessions one conversation may hold across the fleet (Codex's limit is 64)."""
     session_idle: float = Field(default=1800.0, gt=0)
