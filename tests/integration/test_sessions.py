@@ -237,18 +237,19 @@ def test_a_killed_worker_loses_its_sessions_with_a_clear_output(worker, own_redi
 
 def test_idle_and_lifetime_limits_kill_sessions(worker, own_redis, tmp_path):
     worker(["toolq"], concurrency=2, redis_url=own_redis.url,
-           env={"TOOLQ_SESSION_IDLE": "2", "TOOLQ_SESSION_LIFETIME": "6"})
+           env={"TOOLQ_SESSION_IDLE": "2", "TOOLQ_SESSION_LIFETIME": "8"})
     idle, busy = marker(), marker()
     conv = Conversation(own_redis.url, tmp_path, [
         [exec_call("idle", idle, yield_time_ms=250), exec_call("busy", busy, tty=True, yield_time_ms=1200)],
         # Session 2 is written to every second (never idle) until its lifetime is up; 1 is left alone.
-        *[[write(f"keep{i}", 2, "\n", yield_time_ms=1000)] for i in range(8)],
+        *[[write(f"keep{i}", 2, "\n", yield_time_ms=1000)] + ([write("late", 1)] if i == 3 else [])
+          for i in range(11)],
         final(),
     ], timeout=60)
     out = conv.outputs()
-    assert out["keep3"].startswith("Chunk ID:")  # alive past the idle limit, because it is used
-    assert out["keep7"] == "write_stdin failed: Unknown process id 2"  # past its 6 s lifetime
-    assert not running(idle) and not running(busy)
+    assert out["keep2"].startswith("Chunk ID:")  # alive past the idle limit, because it is used
+    assert out["keep10"] == "write_stdin failed: Unknown process id 2"  # past its 8 s lifetime
+    assert out["late"] == "write_stdin failed: Unknown process id 1"  # idle for over 2 s: killed
 
 
 def test_the_per_conversation_limit_holds(worker, own_redis, tmp_path):
