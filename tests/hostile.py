@@ -38,8 +38,8 @@ class Flipper:
     """Swaps `ws/d` between a real directory and a symlink to `outside`, as fast as it can, from
     another process (a thread would share the GIL and barely overlap the tool's system calls)."""
 
-    def __init__(self, ws: Path, outside: Path) -> None:
-        self.argv = [sys.executable, "-c", _FLIP, str(ws / "d"), str(ws / "d.real"), str(outside)]
+    def __init__(self, ws: Path, outside: Path | str, name: str = "d") -> None:
+        self.argv = [sys.executable, "-c", _FLIP, str(ws / name), str(ws / f"{name}.real"), str(outside)]
 
     def __enter__(self) -> Flipper:
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, text=True)

@@ -131,11 +131,14 @@ def settings_for(redis_url: str, fake: FakeModel, workspace: Path, **kw: Any) ->
                     **kw)
 
 
-async def run_session(settings: Settings, prompts: list[str], events: list, during=None,
-                      **session_kw: Any) -> tuple[list[TurnOutcome], Session]:
-    runtime = await Runtime.create(settings, catalog=load_catalog([TEST_TOOLS]))
+async def run_session(settings: Settings, prompts: list[str], events: list, during=None, *, catalog=None,
+                      prepare=None, **session_kw: Any) -> tuple[list[TurnOutcome], Session]:
+    """`prepare(runtime)`, when given, runs before the first turn (e.g. feeding the registry)."""
+    runtime = await Runtime.create(settings, catalog=catalog if catalog is not None else load_catalog([TEST_TOOLS]))
     session = None
     try:
+        if prepare is not None:
+            await prepare(runtime)
         session = Session(runtime, **session_kw)
         outcomes = []
         for prompt in prompts:

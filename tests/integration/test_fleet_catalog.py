@@ -36,7 +36,9 @@ from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime, Session
 from toolq.workers.advert import WorkerAdvert, tool_queue
 from toolq.workers.app import TASK
-from toolq.workers.catalog import Catalog, load_catalog
+from toolq.workers.catalog import Catalog
+from toolq.orchestrator.results import outcome_from_meta
+from toolq.workers.loader import load_catalog
 from toolq.workers.presence import TTL
 from toolq.workers.signing import Signer
 
@@ -46,6 +48,7 @@ UPGRADE_TOOLS = "tests.integration.upgrade_tools"
 
 
 def completed_items(events) -> dict[str, dict]:
+    events = [e if isinstance(e, dict) else e.to_json() for e in events]  # typed events from Session
     return {e["item"]["id"]: e["item"] for e in events if e["type"] == "item.completed"}
 
 
@@ -198,15 +201,15 @@ def test_a_call_on_the_plain_queue_for_a_tool_the_worker_lacks_is_still_refused_
     r = redis.Redis.from_url(Settings(redis_url=fleet[0].redis_url).result_backend_url())
     def answered() -> bytes | None:
         raw = r.get(keys.celery_meta(inv.task_id))
-        return raw if raw and b"SUCCESS" in raw else None
+        return raw if raw and json.loads(raw).get("status") in ("SUCCESS", "FAILURE") else None
 
     try:
         meta = eventually(answered, "the worker's answer")
     finally:
         r.close()
-    result = json.loads(meta)["result"]
-    assert result["status"] == "rejected"
-    assert re.fullmatch(r"tool joined_echo is not loaded on worker fleet[01]@test; not run", result["output"])
+    result = outcome_from_meta(json.loads(meta)).result  # a refusal ends in FAILURE, carrying the result
+    assert result is not None and result.status == "rejected"
+    assert re.fullmatch(r"tool joined_echo is not loaded on worker fleet[01]@test; not run", result.output)
 
 
 def test_a_worker_in_warm_shutdown_is_listed_draining_and_offered_no_new_call(worker, drive, tmp_path):

@@ -6,7 +6,8 @@ import pytest
 from pydantic import BaseModel
 
 from toolq.workers.advert import ToolAdvert, ToolRef, WorkerAdvert, consumer_queues, tool_queue
-from toolq.workers.catalog import Catalog, ToolContext, load_catalog, tool
+from toolq.workers.catalog import Catalog, ToolContext, tool
+from toolq.workers.loader import load_catalog
 
 
 class Args(BaseModel):

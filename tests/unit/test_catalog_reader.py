@@ -8,7 +8,8 @@ import json
 from toolq.orchestrator.catalog_reader import FleetSnapshot, unserved_message
 from toolq.orchestrator.workers_cmd import render_workers
 from toolq.workers.advert import ToolRef, WorkerAdvert
-from toolq.workers.catalog import ToolSpec, load_catalog
+from toolq.workers.catalog import ToolSpec
+from toolq.workers.loader import load_catalog
 from tests.unit.test_advert import declared, only
 
 

@@ -3,6 +3,7 @@ a backend, the subreaper, and a worker that refuses to start without a sandbox."
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -58,7 +59,7 @@ def test_sandbox_settings_come_from_the_environment_with_clear_errors():
 def test_bwrap_command_line_isolates_everything_and_protects_git(tmp_path):
     (tmp_path / ".git").mkdir()
     args = bwrap.argv("bwrap", policy(), str(tmp_path), str(tmp_path), ["bash", "-c", "true"])
-    assert args[:4] == ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+    assert args[:6] == ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     assert "--share-net" not in args
     ws, git = args.index("--bind"), args.index(str(tmp_path / ".git")) - 1
     assert args[ws:ws + 3] == ["--bind", str(tmp_path), str(tmp_path)]
@@ -66,7 +67,8 @@ def test_bwrap_command_line_isolates_everything_and_protects_git(tmp_path):
     if os.path.exists("/etc/shadow"):
         shadow = args.index("/etc/shadow")
         assert args[shadow - 2:shadow + 1] == ["--ro-bind", "/dev/null", "/etc/shadow"]
-    assert args[-4:] == ["--", "bash", "-c", "true"]
+    command = args[args.index("--") + 1:]  # .git is checked in the sandbox before the command runs
+    assert command[:3] == ["/bin/sh", "-c", bwrap.GIT_CHECK] and command[-3:] == ["bash", "-c", "true"]
     assert "/root" not in args and os.path.expanduser("~") not in args
     assert "--share-net" in bwrap.argv("bwrap", policy(sandbox_network="host"), "/w", "/w", ["true"])
 
@@ -75,8 +77,22 @@ def test_a_symlinked_git_dir_is_hidden_not_followed(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / ".git").symlink_to(tmp_path / "elsewhere")
     args = bwrap.argv("bwrap", policy(), str(tmp_path), str(tmp_path), ["true"])
-    git = args.index(str(tmp_path / ".git"))
-    assert args[git - 2:git + 1] == ["--ro-bind", "/dev/null", str(tmp_path / ".git")]
+    assert str(tmp_path / ".git") not in args  # inside, it resolves within the sandbox only
+    assert args[-2:] == ["--", "true"]
+
+
+@pytest.mark.skipif(bwrap.executable() is None, reason="bubblewrap is not installed")
+def test_a_command_does_not_run_when_git_is_not_the_workspaces_own(tmp_path):
+    """What a parallel call's swap of .git for a symlink makes bwrap bind: another directory."""
+    (tmp_path / ".git").mkdir()
+    args = bwrap.argv(bwrap.executable(), policy(), str(tmp_path), str(tmp_path), ["sh", "-c", "echo RAN"])
+    run = functools.partial(subprocess.run, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert run(args).stdout == "RAN\n"  # the control
+    expected = args.index(bwrap.GIT_CHECK) + 3
+    args[expected] = args[expected].rpartition("/")[0]  # the workspace's parent bound as .git
+    refused = run(args)
+    assert refused.returncode == 125 and "RAN" not in refused.stdout
+    assert ".git changed while the sandbox was set up" in refused.stderr
 
 
 LIM = Limits(memory_mb=512, processes=32, cpu_seconds=7, file_mb=3)

@@ -67,7 +67,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from toolq.orchestrator.settings import Settings
 
     settings = Settings.load(tools=args.tools or None, concurrency=args.concurrency,
-                             queues=args.queues.split(",") if args.queues else None)
+                             queues=args.queues.split(",") if args.queues else None, mcp=args.mcp or None)
     if not settings.redis_url:
         print("toolq worker: set REDIS_URL (or CELERY_BROKER_URL) to the broker the orchestrator uses", file=sys.stderr)
         return 2
@@ -82,12 +82,14 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if settings.tools:
         os.environ["TOOLQ_TOOLS"] = ",".join(settings.tools)
     from toolq.workers.app import app, catalog, configure
+    from toolq.workers.mcp.fleet import start_with_worker
 
+    mcp_queues = start_with_worker(settings, catalog(), args.logfile)  # MCP servers start before the pool forks
     configure(settings)
     from toolq.orchestrator.errors import ConfigurationError
     from toolq.workers.isolation import worker_started
 
-    queues = settings.queues or catalog().queues()
+    queues = list(dict.fromkeys([*(settings.queues or catalog().queues()), *mcp_queues]))
     try:  # probed once here; the pool children inherit the choice
         banner = worker_started([s.name for s in catalog() if s.shell_like and s.queue in queues])
     except ConfigurationError as e:
@@ -177,7 +179,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox", "sessions")
+BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox", "sessions", "mcp")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -225,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--queues", help="comma-separated queues (default: every queue of the loaded tools)")
     w.add_argument("--concurrency", type=int, help="pool processes (default 4, or TOOLQ_CONCURRENCY)")
     w.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
+    w.add_argument("--mcp", action="append", metavar="NAME=COMMAND",
+                   help="host an MCP server, its tools in namespace NAME: 'NAME=COMMAND ARGS...' (split as a shell "
+                        "would) or NAME=URL (streamable HTTP); repeatable; more in TOOLQ_MCP_CONFIG=FILE")
     w.add_argument("--name", help="worker node name, e.g. gpu1@%%h")
     w.add_argument("--logfile", help="write the worker's log to this file (default: stderr)")
     w.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")

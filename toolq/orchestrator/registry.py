@@ -38,9 +38,27 @@ class Registry:
         self.catalog = catalog
         self._validators: dict[ToolName, Draft202012Validator] = {}
         for spec in catalog:
-            if spec.kind == "function" and spec.parameters is not None:
-                Draft202012Validator.check_schema(spec.parameters)
-                self._validators[spec.tool_name] = Draft202012Validator(_nullable_is_optional(spec.parameters))
+            self._index(spec)
+
+    def _index(self, spec: ToolSpec) -> None:
+        if spec.kind == "function" and spec.parameters is not None:
+            Draft202012Validator.check_schema(spec.parameters)
+            self._validators[spec.tool_name] = Draft202012Validator(_nullable_is_optional(spec.parameters))
+
+    def add(self, specs: list[ToolSpec]) -> None:
+        """Tools learned from the fleet rather than loaded here: the MCP tools its workers host
+        (`toolq.workers.mcp.specs.mcp_tool_specs`)."""
+        for spec in specs:
+            self.catalog.add(spec)
+            self._index(spec)
+
+    def replace_namespace(self, namespace: str, specs: list[ToolSpec]) -> None:
+        """A namespace learned from the fleet becomes exactly `specs` (none: no live worker serves it)."""
+        for name in [n for n in self._validators if n.namespace == namespace]:
+            del self._validators[name]
+        self.catalog.replace_namespace(namespace, specs)
+        for spec in specs:
+            self._index(spec)
 
     def lookup(self, name: ToolName) -> ToolSpec | None:
         spec = self.catalog.get(name)

@@ -57,6 +57,9 @@ ENV = {
     "session_limit": ("TOOLQ_SESSION_LIMIT",),
     "session_idle": ("TOOLQ_SESSION_IDLE",),
     "session_lifetime": ("TOOLQ_SESSION_LIFETIME",),
+    # MCP servers a worker hosts (toolq/workers/mcp)
+    "mcp": ("TOOLQ_MCP",),
+    "mcp_config": ("TOOLQ_MCP_CONFIG",),
 }
 
 SECRETS = {"openai_api_key", "flower_password", "signing_key"}
@@ -127,6 +130,11 @@ class Settings(BaseModel):
     sandbox_processes: int = Field(default=256, ge=8)
     sandbox_cpu_seconds: int = Field(default=300, ge=1)
     sandbox_file_mb: int = Field(default=1024, ge=1)
+    mcp: list[str] = Field(default_factory=list)
+    """MCP servers a worker hosts, each `NAME=COMMAND ARGS...` (`toolq worker --mcp`; toolq/workers/mcp/);
+    in `TOOLQ_MCP`, one per line (a command may hold commas)."""
+    mcp_config: Path | None = None
+    """A JSON (`mcpServers`) or TOML (`[mcp_servers.NAME]`) file of MCP servers a worker hosts."""
 
     @field_validator("redis_url", "result_url")
     @classmethod
@@ -154,6 +162,11 @@ class Settings(BaseModel):
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
         return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+    @field_validator("mcp", mode="before")
+    @classmethod
+    def _line_list(cls, v: Any) -> Any:
+        return [s.strip() for s in v.splitlines() if s.strip()] if isinstance(v, str) else v
 
     @classmethod
     def load(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:

@@ -27,6 +27,7 @@ from toolq.workers.contracts import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, To
 from toolq.workers.loader import load_catalog
 from toolq.workers import isolation, presence, signing
 from toolq.workers.execute import execute
+from toolq.workers.mcp.worker import sync as sync_mcp_tools
 from toolq.workers.sandbox import install_sigterm_handler
 from toolq.workers.summary import returned
 from toolq.workers.sessions import registry as session_registry, start as session_host
@@ -142,6 +143,7 @@ def _execute(task: Any, invocation: dict, signature: str, redelivery: bool) -> A
     # Installed per call: billiard resets the pool child's signal handlers after
     # worker_process_init, so a handler set there is gone by the time a task runs.
     install_sigterm_handler()
+    sync_mcp_tools(catalog(), invocation)  # an MCP server may have listed its tools anew since the fork
     result = execute(invocation, hostname=_hostname(task), r=redis_client(), catalog=catalog(), redelivery=redelivery,
                      time_limit_errors=(SoftTimeLimitExceeded,))
     if celery_state(CallState(result["status"])) == FAILURE:

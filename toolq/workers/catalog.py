@@ -168,6 +168,13 @@ class Catalog:
         self._specs[spec.tool_name] = spec
         return spec
 
+    def replace_namespace(self, namespace: str, specs: list[ToolSpec]) -> None:
+        """A namespace's tools become exactly `specs` (an MCP server listed its tools anew)."""
+        for name in [n for n in self._specs if n.namespace == namespace]:
+            del self._specs[name]
+        for spec in specs:
+            self.add(spec)
+
     def get(self, name: ToolName) -> ToolSpec | None:
         return self._specs.get(name)
 

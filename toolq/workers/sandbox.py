@@ -31,6 +31,11 @@ DRAIN_TIMEOUT = 2.0
 #: How often a running command checks its deadline and `is_cancelled`.
 POLL_INTERVAL = 0.05
 _READ_CHUNK = 8192
+#: Output dropped past the cap after which reading slows to one pipe's worth per poll step. A
+#: flood (`yes` until the timeout) kept most of a worker's core busy reading ~5 GB in 4 s; slowed,
+#: the command blocks on the full pipe, and the tail kept is still the output's true tail.
+FLOOD_BYTES = 64 * 1024 * 1024
+_PIPE_CHUNK = 65536
 
 
 class CallCancelled(Exception):
@@ -186,7 +191,10 @@ def run_command(
     exit_wait = 0.001
     try:
         while True:
-            if not eof:
+            if not eof and buf.dropped > FLOOD_BYTES:
+                time.sleep(POLL_INTERVAL)
+                eof = _read_once(fd, buf)
+            elif not eof:
                 if selector.select(POLL_INTERVAL):
                     eof = _read_available(fd, buf)
             else:
@@ -241,6 +249,16 @@ def _read_available(fd: int, buf: HeadTailBuffer) -> bool:
         if not chunk:
             return True
         buf.write(chunk)
+
+
+def _read_once(fd: int, buf: HeadTailBuffer) -> bool:
+    """Read at most one pipe's worth; True at end of file."""
+    try:
+        chunk = os.read(fd, _PIPE_CHUNK)
+    except BlockingIOError:
+        return False
+    buf.write(chunk)
+    return not chunk
 
 
 def _drain(fd: int, buf: HeadTailBuffer, selector: selectors.BaseSelector, limit: float) -> None:

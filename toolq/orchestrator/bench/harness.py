@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 from contextlib import contextmanager
-from typing import Iterator
+from typing import IO, Any, Awaitable, Callable, Iterator
 
 from toolq.orchestrator.settings import Settings
 
@@ -71,3 +72,27 @@ def ms(x: float) -> str:
 
 
 median = statistics.median
+
+
+def two_paths_report(res: dict[str, Any], limit: float, title: str, baseline: tuple[str, str],
+                     candidate: tuple[str, str], ratio_label: str) -> list[str]:
+    """The printout of a benchmark that times two paths in one run: `baseline` and `candidate`
+    are (label, key prefix of `<prefix>_p50`/`<prefix>_p90` in `res`). Records in `res` whether
+    the p50 ratio met its goal."""
+    res["goal_met"], note = goal(res["ratio_p50"], limit)
+    width = max(len(baseline[0]), len(candidate[0]), len(ratio_label))
+    return [
+        title,
+        *(f"  {label:<{width}} : p50 {ms(res[key + '_p50'])}  p90 {ms(res[key + '_p90'])}"
+          for label, key in (baseline, candidate)),
+        f"  {ratio_label:<{width}} : {res['ratio_p50']:.2f}x   ({note})",
+    ]
+
+
+def measured(stack_cm: Any, measure: Callable[..., Awaitable[dict[str, Any]]], report: Callable[..., list[str]],
+             out: IO[str], *args: Any) -> dict[str, Any]:
+    """Measure on the stack the context manager gives, print the report, return the figures."""
+    with stack_cm as settings:
+        res = asyncio.run(measure(settings, *args))
+    print("\n".join(report(res)), file=out)
+    return res

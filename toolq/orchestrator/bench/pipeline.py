@@ -17,7 +17,7 @@ from typing import IO, Any
 
 from celery import Celery
 
-from toolq.orchestrator.bench.harness import BENCH_QUEUE, BENCH_TOOLS, goal, median, ms, pct, stack
+from toolq.orchestrator.bench.harness import BENCH_QUEUE, BENCH_TOOLS, measured, median, pct, stack, two_paths_report
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from toolq.orchestrator.protocol.items import FunctionCallItem
 from toolq.orchestrator.registry import StepContext
@@ -27,10 +27,11 @@ from toolq.workers.contracts import TASK
 from toolq.workers.loader import load_catalog
 
 
-async def _toolq_calls(rt: Runtime, turn_id: str, n: int, step0: int) -> list[float]:
+async def _toolq_calls(rt: Runtime, turn_id: str, n: int, step0: int, *, name: str = "bench_noop",
+                       namespace: str | None = None) -> list[float]:
     times = []
     for i in range(n):
-        item = FunctionCallItem(call_id=f"call_{i}", name="bench_noop", arguments="{}")
+        item = FunctionCallItem(call_id=f"call_{i}", name=name, namespace=namespace, arguments="{}")
         t0 = time.perf_counter()
         step = rt.step(StepContext(turn_id, step0 + i, time.time() + 60, "/tmp"))
         step.add(rt.bind(item, step.ctx, 0))
@@ -85,21 +86,14 @@ GOAL = 1.2
 
 
 def run(out: IO[str] = sys.stdout, rounds: int = 3, per_round: int = 100) -> dict[str, Any]:
-    with stack(workers=1, concurrency=2, queues=(BENCH_QUEUE,)) as settings:
-        res = asyncio.run(_measure(settings, rounds, per_round))
-    print("\n".join(report(res)), file=out)
-    return res
+    return measured(stack(workers=1, concurrency=2, queues=(BENCH_QUEUE,)), _measure, report, out, rounds, per_round)
 
 
 def report(res: dict[str, Any]) -> list[str]:
     """The printout; records in `res` whether the ratio met its goal."""
-    res["goal_met"], note = goal(res["ratio_p50"], GOAL)
-    return [
-        f"per-call round trip over {res['calls']} sequential no-op calls (same task, same workers):",
-        f"  bare Celery send_task + get : p50 {ms(res['baseline_p50'])}  p90 {ms(res['baseline_p90'])}",
-        f"  toolq pipeline (one Step)   : p50 {ms(res['toolq_p50'])}  p90 {ms(res['toolq_p90'])}",
-        f"  ratio toolq/bare (p50)      : {res['ratio_p50']:.2f}x   ({note})",
-    ]
+    return two_paths_report(
+        res, GOAL, f"per-call round trip over {res['calls']} sequential no-op calls (same task, same workers):",
+        ("bare Celery send_task + get", "baseline"), ("toolq pipeline (one Step)", "toolq"), "ratio toolq/bare (p50)")
 
 
 if __name__ == "__main__":

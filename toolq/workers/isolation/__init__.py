@@ -45,7 +45,7 @@ class Launch:
         self.argv, self.env, self.preexec_fn = argv, env, preexec_fn
         self.call_limits, self.tmpdir, self.reap, self.ruleset = call_limits, tmpdir, reap, ruleset
         self.confine_thread = confine_thread
-        self.process_limit_hit = False
+        self.process_limit_hit = self.memory_limit_hit = False
 
     def spawn(self, **popen: Any) -> subprocess.Popen:
         """Popen the command. With `confine_thread`, from a new thread that confines itself first:
@@ -81,6 +81,7 @@ class Launch:
             self.ruleset.close()
         if self.call_limits is not None:
             self.process_limit_hit = self.call_limits.close()
+            self.memory_limit_hit = self.call_limits.memory_limit_hit
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
@@ -101,7 +102,8 @@ class Sandbox:
         if self.backend == "none":
             return "sandbox: none (TOOLQ_SANDBOX=none): commands run UNCONFINED with this worker's rights"
         lim = self.policy.limits
-        return (f"sandbox: {self.detail} (network {self.policy.network}; per call: memory {lim.memory_mb} MiB, "
+        return (f"sandbox: {self.detail} (network {self.policy.network}; per call: memory {lim.memory_mb} MiB "
+                f"[{limits.memory_limit_mode()}], "
                 f"{lim.processes} processes [{limits.process_limit_mode()}], CPU {lim.cpu_seconds} s, "
                 f"files {lim.file_mb} MiB)")
 
@@ -127,7 +129,8 @@ class Sandbox:
         try:
             _require_program(argv[0], command_env)
             ruleset = landlock.Ruleset(self.landlock_abi, read=[*self.policy.read_dirs, "/proc", "/sys"],
-                                       write=[workspace, tmpdir], deny_tcp=self.policy.network == "none")
+                                       write=[workspace, tmpdir], deny_tcp=self.policy.network == "none",
+                                       hidden=bwrap.MASKED if os.geteuid() == 0 else ())
         except BaseException:
             shutil.rmtree(tmpdir, ignore_errors=True)
             call_limits.close()
@@ -148,7 +151,8 @@ class Sandbox:
     def explain(self, launch: Launch, exit_code: int, output: str) -> str | None:
         if self.backend == "none":
             return None
-        return limits.explain(self.policy.limits, exit_code, output, launch.process_limit_hit)
+        return limits.explain(self.policy.limits, exit_code, output, launch.process_limit_hit,
+                              launch.memory_limit_hit)
 
 
 def _require_program(program: str, env: dict[str, str]) -> None:

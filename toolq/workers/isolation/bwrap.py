@@ -6,6 +6,14 @@ processes), a private `/tmp`, and the call's workspace read-write with `.git/` r
 (as in Codex's workspace-write sandbox). The worker's home, its logs and other workspaces are
 not mounted at all. `--die-with-parent` and pid 1 of the namespace take every process down when
 the call ends, `setsid -f` and double forks included.
+
+The command has no capabilities, even in its own user namespace: run by a root worker, bwrap
+would otherwise keep them all, and the command could `umount` a mask or remount `/usr`
+read-write (uid 0 in the sandbox is the host's root). Memory the command could fill outside its
+processes' address space is bounded: `/tmp` and `/dev/shm` are tmpfs of the call's memory limit,
+and the rest of `/dev` is read-only. `/proc/sys` is read-only too: uid 0 in the sandbox passes the
+sysctls' permission check, capabilities or not (it rewrote `vm.swappiness` of the host). A command that finds `.git` bound from anywhere but the
+workspace does not run (`GIT_CHECK`).
 """
 
 from __future__ import annotations
@@ -31,10 +39,13 @@ def executable() -> str | None:
 
 
 def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str]) -> list[str]:
-    args = [bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
+    args = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     if policy.network == "host":
         args.append("--share-net")
-    args += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", SANDBOX_TMP]
+    size = str(policy.limits.memory_mb * 1024 * 1024)
+    args += ["--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+             "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger",
+             "/proc/sysrq-trigger", "--size", size, "--tmpfs", SANDBOX_TMP]
     for d in policy.read_dirs:
         if os.path.islink(d):
             args += ["--symlink", os.readlink(d), d]
@@ -49,13 +60,56 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
     args += ["--bind", real, real]
     if real != workspace:  # reached through a symlink: the same path inside as outside
         args += ["--symlink", real, workspace]
-    workspace = real
-    git = os.path.join(workspace, ".git")
-    if os.path.lexists(git):
-        # a symlinked .git is hidden rather than followed: its target could be anywhere
-        args += ["--ro-bind", "/dev/null" if os.path.islink(git) else git, git]
+    git = os.path.join(real, ".git")
+    expected = _git_mount(git) if os.path.lexists(git) and not os.path.islink(git) else None
+    if expected is not None:
+        # A symlinked .git is not bound: it resolves inside the sandbox only.
+        args += ["--ro-bind", git, git]
+        command = ["/bin/sh", "-c", GIT_CHECK, "toolq-sandbox", _escape(git), expected, *command]
     args += ["--remount-ro", "/", "--chdir", cwd, "--", *command]
     return args
+
+
+#: Runs first in the sandbox when `.git` is bound: bwrap resolves the bind's source and target by
+#: path (even with --ro-bind-fd), so a parallel call that swaps `.git` for a symlink (`..`) while
+#: bwrap starts gets the symlink's target (the host's directory) bound instead. The mount table
+#: is final here: the command runs only if `.git`'s mount is the workspace's own `.git`.
+GIT_CHECK = """ok=
+while read -r _ _ dev root mount _; do
+  [ "$mount" = "$1" ] && [ "$dev $root" = "$2" ] && ok=1
+done < /proc/self/mountinfo
+[ -n "$ok" ] || { echo "sandbox refused the command: .git changed while the sandbox was set up" >&2; exit 125; }
+shift 2
+exec "$@"
+"""
+
+
+def _escape(path: str) -> str:
+    """A path as /proc/<pid>/mountinfo writes it."""
+    for char, code in (("\\", "\\134"), (" ", "\\040"), ("\t", "\\011"), ("\n", "\\012")):
+        path = path.replace(char, code)
+    return path
+
+
+def _git_mount(git: str) -> str | None:
+    """`major:minor root` of a bind mount of `git`, as mountinfo shows it (the root is the path
+    within its filesystem); None when no mount of this process's table contains it."""
+    best: tuple[str, str, str] | None = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                _, _, dev, root, mount = line.split(" ", 5)[:5]
+                mount = mount.encode().decode("unicode_escape") if "\\" in mount else mount
+                inside = git == mount or git.startswith(mount.rstrip("/") + "/")
+                if inside and (best is None or len(mount) >= len(best[2])):
+                    best = (dev, root, mount)
+    except OSError:
+        return None
+    if best is None:
+        return None
+    dev, root, mount = best
+    rest = os.path.relpath(git, mount)
+    return f"{dev} {os.path.normpath(root.rstrip('/') + '/' + _escape(rest))}"
 
 
 def probe(policy: Policy) -> str | None:

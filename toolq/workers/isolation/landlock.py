@@ -6,18 +6,26 @@ workspace, write the workspace and the call's private temporary directory), TCP 
 also cannot ptrace, so `/proc/<worker>/mem` and `environ` stay closed. The ruleset is built in
 the worker for each call; the child only calls `landlock_restrict_self` before exec.
 
-Landlock confines TCP only; with the network off, a seccomp filter also refuses every socket
-that is not AF_UNIX (UDP, raw, netlink), as Codex's Landlock sandbox does.
+Landlock confines TCP only; with the network off, a seccomp filter also refuses socket(2) for
+every family and io_uring (which creates and connects sockets without socket(2)). Unix sockets
+too: Landlock does not confine connecting to a pathname socket, so a root command could reach
+a Redis unix socket, `docker.sock` or systemd's private socket anywhere on the host. Pipes and
+`socketpair(2)` still work.
+
+For a root worker (whose command is uid 0, without capabilities), the host secrets bubblewrap
+masks (`bwrap.MASKED`: shadow, ssh host keys, sudoers) are left out: a rule grants a whole
+hierarchy, so /etc is granted entry by entry around them (descriptors kept per process).
 
 Limits of this backend, compared with bubblewrap: `.git/` inside the workspace stays writable
-(Landlock rules only add rights, beneath a directory), pathname unix sockets are not confined,
-and `/tmp` itself is not writable (TMPDIR points at the call's own directory).
+(Landlock rules only add rights, beneath a directory), a command cannot listen on a unix socket
+of its own (Python's multiprocessing forkserver and managers need one), and `/tmp` itself is not writable (TMPDIR points at the call's own directory).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import platform
 import struct
@@ -58,8 +66,9 @@ DEVICES = {"/dev/null": READ_FILE | WRITE_FILE | TRUNCATE, "/dev/zero": READ_FIL
 # seccomp: the architecture and socket(2)'s number, per machine
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(platform.machine())
 _NR_SOCKET = {"x86_64": 41, "aarch64": 198}.get(platform.machine())
+#: io_uring_setup, io_uring_enter, io_uring_register: the same numbers on every architecture.
+_NR_IO_URING_FIRST, _NR_IO_URING_LAST = 425, 427
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
-_AF_UNIX = 1
 _X32_SYSCALL_BIT = 0x40000000
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -98,21 +107,21 @@ class _SockFprog(ctypes.Structure):
 
 
 def _socket_filter() -> bytes:
-    """BPF: socket(family != AF_UNIX) fails with EACCES; so does every syscall of a foreign ABI
+    """BPF: socket(2) and io_uring fail with EACCES; so does every syscall of a foreign ABI
     (i386, x32), which could reach socket(2) by another number."""
-    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    ld, jeq, jge, jgt, ret = 0x20, 0x15, 0x35, 0x25, 0x06
     allow, deny = 0x7FFF0000, 0x00050000 | errno.EACCES
     prog = [
-        (ld, 0, 0, 4),                   # 0: arch
-        (jeq, 1, 0, _AUDIT_ARCH),        # 1: native -> 3
-        (ret, 0, 0, deny),               # 2
-        (ld, 0, 0, 0),                   # 3: syscall number
-        (jge, 3, 0, _X32_SYSCALL_BIT),   # 4: x32 -> 8
-        (jeq, 0, 3, _NR_SOCKET),         # 5: socket -> 6, else -> 9
-        (ld, 0, 0, 16),                  # 6: args[0], the family (low 32 bits)
-        (jeq, 1, 0, _AF_UNIX),           # 7: AF_UNIX -> 9
-        (ret, 0, 0, deny),               # 8
-        (ret, 0, 0, allow),              # 9
+        (ld, 0, 0, 4),                        # 0: arch
+        (jeq, 1, 0, _AUDIT_ARCH),             # 1: native -> 3
+        (ret, 0, 0, deny),                    # 2
+        (ld, 0, 0, 0),                        # 3: syscall number
+        (jge, 4, 0, _X32_SYSCALL_BIT),        # 4: x32 -> 9
+        (jeq, 3, 0, _NR_SOCKET),              # 5: socket -> 9
+        (jge, 0, 1, _NR_IO_URING_FIRST),      # 6: >= io_uring_setup -> 7, else -> 8
+        (jgt, 0, 1, _NR_IO_URING_LAST),       # 7: > io_uring_register -> 8, else -> 9
+        (ret, 0, 0, allow),                   # 8
+        (ret, 0, 0, deny),                    # 9
     ]
     return b"".join(struct.pack("HBBI", *insn) for insn in prog)
 
@@ -128,10 +137,39 @@ def deny_network_sockets() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
 
 
+@functools.lru_cache(maxsize=64)
+def _granted(top: str, hidden: tuple[str, ...]) -> tuple[tuple[str, bool], ...]:
+    """The rules that grant reading `top` but nothing in `hidden`: (path, listing only). A rule
+    grants a whole hierarchy, so each parent of a hidden path is listed only and its other
+    entries granted one by one. Symlinks are left out: a target is checked by its own hierarchy.
+    Cached per process (the system directories do not change under a worker)."""
+    if not any(h.startswith(top.rstrip("/") + "/") for h in hidden):
+        return ((top, False),)
+    try:
+        entries = [e.path for e in os.scandir(top) if not e.is_symlink() and e.path not in hidden]
+    except OSError:
+        return ()
+    return ((top, True), *(g for path in sorted(entries) for g in _granted(path, hidden)))
+
+
+@functools.lru_cache(maxsize=None)
+def _pinned(path: str) -> tuple[int, bool]:
+    """An O_PATH descriptor of a granted system path, kept for the process's life (opening the
+    ~150 entries of /etc for every call cost ~1.3 ms), and whether it is a directory; -1 if gone."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return -1, False
+    return fd, os.path.isdir(path)
+
+
 class Ruleset:
     """One call's ruleset, as an fd the child hands to `landlock_restrict_self`."""
 
-    def __init__(self, abi: int, *, read: list[str], write: list[str], deny_tcp: bool) -> None:
+    def __init__(self, abi: int, *, read: list[str], write: list[str], deny_tcp: bool,
+                 hidden: tuple[str, ...] = ()) -> None:
+        """`hidden`: paths beneath `read` that stay unreadable (a rule grants a whole hierarchy,
+        so their parents are granted entry by entry instead)."""
         fs = handled_fs(abi)
         net = NET_BIND_TCP | NET_CONNECT_TCP if deny_tcp and abi >= 4 else 0
         scoped = SCOPE_ABSTRACT_UNIX | SCOPE_SIGNAL if abi >= 6 else 0
@@ -140,7 +178,10 @@ class Ruleset:
         self.fd = _syscall(CREATE, attr, len(attr), 0)
         try:
             for path in read:
-                self._allow(path, READ & fs)
+                if not hidden:
+                    self._allow(path, READ & fs)
+                for granted, listing_only in _granted(path, hidden) if hidden else ():
+                    self._add_rule(*_pinned(granted), READ_DIR & fs if listing_only else READ & fs)
             for path, rights in DEVICES.items():
                 self._allow(path, rights & fs)
             for path in write:
@@ -155,12 +196,15 @@ class Ruleset:
         except FileNotFoundError:
             return
         try:
-            if not os.path.isdir(path):
-                rights &= FILE_ONLY
-            rule = struct.pack("=Qi", rights, target)
-            _syscall(ADD_RULE, self.fd, _RULE_PATH_BENEATH, rule, 0)
+            self._add_rule(target, os.path.isdir(path), rights)
         finally:
             os.close(target)
+
+    def _add_rule(self, target: int, is_dir: bool, rights: int) -> None:
+        if target < 0:
+            return
+        rule = struct.pack("=Qi", rights if is_dir else rights & FILE_ONLY, target)
+        _syscall(ADD_RULE, self.fd, _RULE_PATH_BENEATH, rule, 0)
 
     def restrict_self(self) -> None:
         """In the child, before exec: from here on this process and its descendants are confined.

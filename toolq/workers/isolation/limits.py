@@ -7,6 +7,14 @@ RLIMIT_NPROC raised by what the uid already runs; as root without a pids cgroup 
 and the banner says so. The cgroup is one per pool child, entered once at its start: moving a
 process into a v1 cgroup costs ~15 ms here (an RCU grace period), too much for every call, and a
 pool child runs one call at a time, so its cgroup holds that call's processes and nothing else.
+
+Memory likewise: RLIMIT_AS bounds each process, not the call (8 processes may hold 8 times it),
+and tmpfs or memfd pages count in no address space. Where the worker may, each pool child is
+also in a memory cgroup of the limit (plus its own slack), so the whole call is bounded and the
+kernel's OOM killer acts inside it, never on other turns: on the call's biggest process, or on
+the pool child itself when that is bigger (the call then fails as a worker lost; Celery starts
+another pool child). Exempting the pool child would need CAP_SYS_RESOURCE, which not every
+root has.
 """
 
 from __future__ import annotations
@@ -29,31 +37,43 @@ _FORK_FAILURE = re.compile(r"fork: (retry: )?Resource temporarily unavailable|Ca
                            r"BlockingIOError: \[Errno 11\]")
 
 
-def _pids_cgroup_base() -> Path | None:
-    """This process's cgroup in the v1 pids hierarchy, if it may create children there."""
+def _cgroup_base(controller: str) -> Path | None:
+    """This process's cgroup in the v1 `controller` hierarchy, if it may create children there."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if "pids" in controllers.split(","):
-            base = Path("/sys/fs/cgroup/pids") / path.lstrip("/")
+        if controller in controllers.split(","):
+            base = Path("/sys/fs/cgroup") / controller / path.lstrip("/")
             return base if (base / "cgroup.procs").exists() and os.access(base, os.W_OK) else None
     return None
 
 
-_BASE: Path | None | bool = False
+_BASES: dict[str, Path | None] = {}
 #: Slack over the process limit in the pool child's cgroup, for the pool child's own threads.
 OWN_TASKS_SLACK = 16
+#: Slack over the memory limit in the pool child's memory cgroup, for what the pool child itself
+#: allocates during a call (its pages from before it entered stay charged where they were).
+OWN_MEMORY_SLACK_MB = 32
 _pool_cgroup: Path | None = None
+_pool_memory_cgroup: Path | None = None
+
+
+def cgroup_base(controller: str) -> Path | None:
+    if controller not in _BASES:
+        _BASES[controller] = _cgroup_base(controller)
+    return _BASES[controller]
 
 
 def pids_cgroup_base() -> Path | None:
-    global _BASE
-    if _BASE is False:
-        _BASE = _pids_cgroup_base()
-    return _BASE  # type: ignore[return-value]
+    return cgroup_base("pids")
+
+
+def memory_limit_mode() -> str:
+    """How the memory limit is enforced on this worker (for the banner)."""
+    return "memory cgroup, per call" if cgroup_base("memory") is not None else "RLIMIT_AS, per process"
 
 
 def process_limit_mode() -> str:
@@ -65,34 +85,46 @@ def process_limit_mode() -> str:
 
 def remove_stale_pool_cgroups() -> None:
     """The cgroups of pool children that are gone; what a killed one left running dies first."""
-    base = pids_cgroup_base()
-    for stale in base.glob("toolq-pool-*") if base is not None else ():
-        owner = stale.name.rpartition("-")[2]
-        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
-            _kill_members(stale)
-            try:
-                stale.rmdir()
-            except OSError:
-                pass
+    for controller in ("pids", "memory"):
+        base = cgroup_base(controller)
+        for stale in base.glob("toolq-pool-*") if base is not None else ():
+            owner = stale.name.rpartition("-")[2]
+            if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+                _kill_members(stale)
+                try:
+                    stale.rmdir()
+                except OSError:
+                    pass
 
 
-def enter_pool_cgroup(limits: Limits) -> Path | None:
-    """Put this pool child in a pids cgroup of its own (once); stale ones of dead children go."""
-    global _pool_cgroup
-    base = pids_cgroup_base()
-    if base is None or _pool_cgroup is not None:
-        return _pool_cgroup
-    remove_stale_pool_cgroups()
+def _enter(controller: str, settings: dict[str, str]) -> Path | None:
+    """Put this process in a new cgroup of `controller` with `settings` (file -> value)."""
+    base = cgroup_base(controller)
+    if base is None:
+        return None
     cg = base / f"toolq-pool-{os.getpid()}"
     try:
         cg.mkdir(exist_ok=True)
-        own = len(os.listdir("/proc/self/task"))
-        (cg / "pids.max").write_text(str(limits.processes + own + OWN_TASKS_SLACK))
+        for name, value in settings.items():
+            (cg / name).write_text(value)
         (cg / "cgroup.procs").write_text(str(os.getpid()))
     except OSError:
         return None
-    _pool_cgroup = cg
     return cg
+
+
+def enter_pool_cgroup(limits: Limits) -> Path | None:
+    """Put this pool child in a pids and a memory cgroup of its own (once); stale ones of dead
+    children go. Returns the pids cgroup."""
+    global _pool_cgroup, _pool_memory_cgroup
+    if _pool_cgroup is not None or _pool_memory_cgroup is not None:
+        return _pool_cgroup
+    remove_stale_pool_cgroups()
+    own = len(os.listdir("/proc/self/task"))
+    _pool_cgroup = _enter("pids", {"pids.max": str(limits.processes + own + OWN_TASKS_SLACK)})
+    _pool_memory_cgroup = _enter("memory", {
+        "memory.limit_in_bytes": str((limits.memory_mb + OWN_MEMORY_SLACK_MB) * MIB)})
+    return _pool_cgroup
 
 
 def _kill_members(cg: Path) -> None:
@@ -113,15 +145,26 @@ def _kill_members(cg: Path) -> None:
         time.sleep(0.001)
 
 
-def _limit_failures(cg: Path) -> int:
+def _counter(cg: Path | None, file: str, name: str) -> int:
+    """A `name value` line of a cgroup file (pids.events' `max`, memory.oom_control's `oom_kill`)."""
+    if cg is None:
+        return 0
     try:
-        for line in (cg / "pids.events").read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == "max":
+        for line in (cg / file).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == name:
                 return int(value)
     except (OSError, ValueError):
         pass
     return 0
+
+
+def _limit_failures(cg: Path | None) -> int:
+    return _counter(cg, "pids.events", "max")
+
+
+def _oom_kills(cg: Path | None) -> int:
+    return _counter(cg, "memory.oom_control", "oom_kill")
 
 
 class CallLimits:
@@ -130,7 +173,10 @@ class CallLimits:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.cgroup = _pool_cgroup if _pool_cgroup is not None and _pool_cgroup.exists() else None
-        self._failures_before = _limit_failures(self.cgroup) if self.cgroup else 0
+        self._failures_before = _limit_failures(self.cgroup)
+        self.memory_cgroup = _pool_memory_cgroup
+        self._oom_kills_before = _oom_kills(self.memory_cgroup)
+        self.memory_limit_hit = False
         self.nproc: int | None = None
         if self.cgroup is None and os.geteuid() != 0:
             self.nproc = _processes_of_uid(os.getuid()) + limits.processes
@@ -169,7 +215,9 @@ class CallLimits:
             _kill_members(self.cgroup)
 
     def close(self) -> bool:
-        """True if a fork failed on the process limit during the call."""
+        """True if a fork failed on the process limit during the call (`memory_limit_hit`: the
+        OOM killer killed one of its processes)."""
+        self.memory_limit_hit = _oom_kills(self.memory_cgroup) > self._oom_kills_before
         if self.cgroup is None:
             return False
         self.kill_all()
@@ -197,7 +245,8 @@ def _processes_of_uid(uid: int) -> int:
     return count
 
 
-def explain(limits: Limits, exit_code: int, output: str, process_limit_hit: bool) -> str | None:
+def explain(limits: Limits, exit_code: int, output: str, process_limit_hit: bool,
+            memory_limit_hit: bool = False) -> str | None:
     """The line that names the limit a command ran into, or None."""
     if exit_code == 128 + signal.SIGXCPU or "CPU time limit exceeded" in output:
         return f"the command exceeded the sandbox's CPU time limit of {limits.cpu_seconds} s"
@@ -205,6 +254,8 @@ def explain(limits: Limits, exit_code: int, output: str, process_limit_hit: bool
         return f"the command exceeded the sandbox's file size limit of {limits.file_mb} MiB"
     if process_limit_hit or (exit_code != 0 and _FORK_FAILURE.search(output)):
         return f"the command reached the sandbox's limit of {limits.processes} processes"
+    if memory_limit_hit:
+        return f"the command ran out of memory: the sandbox limits each call to {limits.memory_mb} MiB"
     if exit_code != 0 and _MEMORY_FAILURE.search(output):
         return f"the command ran out of memory: the sandbox limits each process to {limits.memory_mb} MiB"
     return None

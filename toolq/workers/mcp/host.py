@@ -1,0 +1,314 @@
+"""The MCP host: one process per worker that holds one session per configured server.
+
+Why one process per worker rather than one session per pool child: Celery's prefork children
+are separate processes, so per-child sessions would start every server `concurrency` times,
+give each child its own view of a server's tool list (and its own state, for stateful servers),
+and multiply restarts. One host keeps one session, one tool list and one restart policy per
+server; the children reach it over a Unix socket (`wire.py`), one connection per child, which
+costs one local hop per call. Run as `python -m toolq.workers.mcp.host SOCKET`, the config
+(`HostConfig`) as JSON on stdin; it prints its first `Listing` on stdout once every server has
+started or failed its first start, then serves until its parent (the worker) is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+from mcp import ClientSession, McpError, StdioServerParameters, types
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamablehttp_client
+from pydantic import BaseModel, ValidationError
+
+from toolq.workers.mcp.config import McpServerConfig
+from toolq.workers.mcp.results import map_result
+from toolq.workers.mcp.specs import DEFER_ABOVE, McpToolRecord, tool_spec, unusable
+from toolq.workers.mcp.wire import REQUEST, CallReply, CallRequest, Listing, ListRequest, ServerState
+
+log = logging.getLogger("toolq.mcp")
+
+#: Restart delays after a crash: doubled each time, reset once a server has stayed up a while.
+BACKOFF_FIRST, BACKOFF_MAX, STAYED_UP = 0.5, 30.0, 60.0
+
+
+class HostConfig(BaseModel):
+    servers: dict[str, McpServerConfig]
+    environments: dict[str, dict[str, str]]
+    """Each server's whole environment, computed by the worker (`McpServerConfig.environment`)."""
+
+
+class Server:
+    """One configured server: its session while it is up, its listed tools, its restarts."""
+
+    def __init__(self, name: str, config: McpServerConfig, env: dict[str, str], changed: asyncio.Event) -> None:
+        self.name, self.config, self.env = name, config, env
+        self.session: ClientSession | None = None
+        self.state: str = "starting"
+        self.error: str | None = None
+        self.restarts = 0
+        self.tools: dict[str, McpToolRecord] = {}
+        self.skipped: list[str] = []
+        self.up = asyncio.Event()
+        self.inflight: set[asyncio.Task] = set()
+        self.crashed: set[asyncio.Task] = set()
+        self.first_start = asyncio.Event()
+        self._changed = changed
+
+    def snapshot(self) -> ServerState:
+        return ServerState(name=self.name, transport=self.config.transport, state=self.state,  # type: ignore[arg-type]
+                           error=self.error, restarts=self.restarts, tools=list(self.tools.values()),
+                           skipped=self.skipped)
+
+    async def supervise(self) -> None:
+        backoff = BACKOFF_FIRST
+        while True:
+            started = asyncio.get_running_loop().time()
+            try:
+                await self._run_once()
+                self.error = "the server closed its connection"
+            except Exception as e:  # a server that fails to start or breaks is restarted, never fatal
+                self.error = describe(e)
+            self.session, self.state = None, "down"
+            self.up.clear()
+            # Calls still waiting on the dead session are told, whatever the SDK does with them.
+            for task in self.inflight:
+                self.crashed.add(task)
+                task.cancel()
+            self.first_start.set()
+            self._changed.set()
+            if asyncio.get_running_loop().time() - started > STAYED_UP:
+                backoff = BACKOFF_FIRST
+            log.warning("mcp server %s down (%s); restarting in %.1fs", self.name, self.error, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)
+            self.restarts += 1
+
+    async def _run_once(self) -> None:
+        async with AsyncExitStack() as stack:
+            if self.config.command is not None:
+                params = StdioServerParameters(command=self.config.command, args=self.config.args, env=self.env,
+                                               cwd=self.config.cwd)
+                read, write = await stack.enter_async_context(stdio_client(params, errlog=sys.stderr))
+            else:
+                read, write, _ = await stack.enter_async_context(
+                    streamablehttp_client(self.config.url or "", headers=self.config.http_headers or None))
+            # The SDK does not say when a stdio server exits; a relay of its messages does.
+            closed = asyncio.Event()
+            relay_send, relay_read = anyio.create_memory_object_stream[Any](16)
+            tasks = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(tasks.cancel_scope.cancel)
+            tasks.start_soon(_relay, read, relay_send, closed)
+            session = await stack.enter_async_context(
+                ClientSession(relay_read, write, message_handler=self._on_message))
+            with anyio.fail_after(self.config.startup_timeout_sec):
+                await session.initialize()
+                await self._list_tools(session)
+            self.session, self.state, self.error = session, "ready", None
+            self.up.set()
+            self.first_start.set()
+            self._changed.set()
+            log.info("mcp server %s ready: %d tools", self.name, len(self.tools))
+            await closed.wait()
+
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, types.ServerNotification) and isinstance(message.root, types.ToolListChangedNotification):
+            # Not awaited here: the answer to tools/list arrives through this same receive loop.
+            session = self.session
+            if session is not None:
+                asyncio.get_running_loop().create_task(self._relist(session))
+
+    async def _relist(self, session: ClientSession) -> None:
+        try:
+            await self._list_tools(session)
+            self._changed.set()
+            log.info("mcp server %s changed its tools: now %d", self.name, len(self.tools))
+        except Exception as e:
+            log.warning("mcp server %s: tools/list after list_changed failed: %s", self.name, describe(e))
+
+    async def _list_tools(self, session: ClientSession) -> None:
+        listed: list[types.Tool] = []
+        cursor = None
+        while True:
+            page = await session.list_tools(cursor=cursor) if cursor else await session.list_tools()
+            listed += page.tools
+            cursor = page.nextCursor
+            if not cursor:
+                break
+        offered = [t for t in listed if self.config.offers(t.name)]
+        deferred = self.config.deferred if self.config.deferred is not None else len(offered) > DEFER_ABOVE
+        tools, skipped = {}, []
+        for t in offered:
+            why = unusable(t.name, t.inputSchema)
+            if why:
+                skipped.append(f"{t.name}: {why}")
+                continue
+            record = McpToolRecord(server=self.name, name=t.name, description=t.description or "",
+                                   input_schema=t.inputSchema, timeout=self.config.tool_timeout_sec,
+                                   deferred=deferred)
+            tools[t.name] = record.model_copy(update={"digest": tool_spec(record).digest()})
+        self.tools, self.skipped = tools, skipped
+
+    async def call(self, req: CallRequest) -> CallReply:
+        if not self.up.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(self.config.startup_timeout_sec, req.timeout)):
+                    await self.up.wait()
+        session = self.session
+        if session is None:
+            return CallReply(refusal=f"MCP server {self.name} is not running ({self.error or 'starting'}); not run")
+        record = self.tools.get(req.tool)
+        if record is None:
+            return CallReply(refusal=f"MCP server {self.name} no longer lists the tool {req.tool}; not run")
+        if record.digest != req.digest:
+            return CallReply(stale=True, refusal=(
+                f"tool {self.name}.{req.tool} is declared differently by its MCP server now than in the call "
+                f"(declaration {record.digest} != {req.digest}): the server listed its tools anew; not run"))
+        # The SDK (1.x) sends no notifications/cancelled when a request's task is cancelled; this
+        # host does. The id is the next one `call_tool` takes: nothing runs between here and its send.
+        request_id: int | None = getattr(session, "_request_id", None)
+        me = asyncio.current_task()
+        assert me is not None
+        self.inflight.add(me)
+        try:
+            async with asyncio.timeout(req.timeout):
+                result = await session.call_tool(req.tool, req.arguments)
+        except TimeoutError:
+            await _cancel(session, request_id, f"timed out after {req.timeout:g}s")
+            return CallReply(refusal=f"MCP tool {self.name}.{req.tool} timed out after {req.timeout:g}s; "
+                                     "the server was asked to cancel it")
+        except asyncio.CancelledError:
+            if me in self.crashed:
+                me.uncancel()
+                return self._crash_reply()
+            await _cancel(session, request_id, "the call was cancelled")
+            raise
+        except McpError as e:
+            if e.error.code == types.CONNECTION_CLOSED:
+                return self._crash_reply()
+            return CallReply(refusal=f"MCP server {self.name} refused the call: {e.error.message}")
+        except Exception as e:
+            return CallReply(refusal=f"MCP server {self.name} failed the call: {describe(e)}")
+        finally:
+            self.inflight.discard(me)
+            self.crashed.discard(me)
+        return CallReply(result=map_result(result))
+
+    def _crash_reply(self) -> CallReply:
+        return CallReply(refusal=f"MCP server {self.name} exited during the call and is being restarted; "
+                                 "the call may have partly run")
+
+
+async def _relay(source: Any, sink: Any, closed: asyncio.Event) -> None:
+    try:
+        async with sink:
+            async for message in source:
+                await sink.send(message)
+    finally:
+        closed.set()
+
+
+async def _cancel(session: ClientSession, request_id: int | None, reason: str) -> None:
+    if request_id is None:
+        return
+    note = types.CancelledNotification(params=types.CancelledNotificationParams(requestId=request_id, reason=reason))
+    with contextlib.suppress(Exception):  # the server may be gone; the call is over either way
+        with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+            await session.send_notification(types.ClientNotification(note))
+
+
+def describe(e: BaseException) -> str:
+    if isinstance(e, BaseExceptionGroup) and e.exceptions:
+        return describe(e.exceptions[0])
+    if isinstance(e, TimeoutError):
+        return "it did not finish starting in time"
+    if isinstance(e, FileNotFoundError):
+        return f"command not found: {e.filename}"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+class Host:
+    def __init__(self, config: HostConfig) -> None:
+        self.changed = asyncio.Event()
+        self.generation = 0
+        self.servers = {name: Server(name, c, config.environments.get(name, {}), self.changed)
+                        for name, c in config.servers.items()}
+
+    def listing(self) -> Listing:
+        if self.changed.is_set():
+            self.changed.clear()
+            self.generation += 1
+        return Listing(generation=self.generation, servers=[s.snapshot() for s in self.servers.values()])
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                try:
+                    req = REQUEST.validate_json(line)
+                except ValidationError as e:
+                    writer.write(CallReply(refusal=f"bad request to the MCP host: {e.errors()[0]['msg']}")
+                                 .model_dump_json().encode() + b"\n")
+                    continue
+                if isinstance(req, ListRequest):
+                    reply: BaseModel = self.listing()
+                else:
+                    reply = await self._call_while_connected(req, reader)
+                    if reply is None:
+                        return  # the child went away: its call was cancelled
+                writer.write(reply.model_dump_json().encode() + b"\n")
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def _call_while_connected(self, req: CallRequest, reader: asyncio.StreamReader) -> CallReply | None:
+        server = self.servers.get(req.server)
+        if server is None:
+            return CallReply(refusal=f"no MCP server named {req.server} on this worker; not run")
+        call = asyncio.create_task(server.call(req))
+        gone = asyncio.create_task(reader.read(1))  # a child sends nothing mid-call: EOF means it left
+        done, _ = await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if call in done:
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)  # the next readline needs the reader free
+            return call.result()
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        return None
+
+
+async def serve(socket_path: str, config: HostConfig) -> None:
+    host = Host(config)
+    parent = os.getppid()
+    supervisors = [asyncio.create_task(s.supervise()) for s in host.servers.values()]
+    await asyncio.gather(*(s.first_start.wait() for s in host.servers.values()))
+    server = await asyncio.start_unix_server(host.handle, path=socket_path)
+    os.chmod(socket_path, 0o600)
+    sys.stdout.write(host.listing().model_dump_json() + "\n")
+    sys.stdout.flush()
+    try:
+        while os.getppid() == parent:  # the worker is gone (even by SIGKILL): so are we
+            await asyncio.sleep(0.5)
+    finally:
+        server.close()
+        for task in supervisors:
+            task.cancel()
+        await asyncio.gather(*supervisors, return_exceptions=True)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s/mcp-host] %(message)s",
+                        stream=sys.stderr)
+    config = HostConfig.model_validate_json(sys.stdin.read())
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(sys.argv[1], config))
+
+
+if __name__ == "__main__":
+    main()
