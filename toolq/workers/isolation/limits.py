@@ -181,10 +181,14 @@ class CallLimits:
         if self.cgroup is None and os.geteuid() != 0:
             self.nproc = _processes_of_uid(os.getuid()) + limits.processes
 
-    def use_cgroup(self, cgroup: Path) -> None:
-        """Count and kill in `cgroup` instead (a session host's spawn slot, toolq/workers/sessions)."""
-        self.cgroup = cgroup
-        self._failures_before = _limit_failures(cgroup)
+    def use_cgroups(self, cgroup: Path | None, memory_cgroup: Path | None) -> None:
+        """Count and kill in these cgroups instead (a session host's spawn slot, toolq/workers/sessions)."""
+        if cgroup is not None:
+            self.cgroup = cgroup
+            self._failures_before = _limit_failures(cgroup)
+        if memory_cgroup is not None:
+            self.memory_cgroup = memory_cgroup
+            self._oom_kills_before = _oom_kills(memory_cgroup)
 
     def prlimit_prefix(self) -> list[str] | None:
         """The same limits as a `prlimit ... --` prefix (util-linux), so that the worker can spawn

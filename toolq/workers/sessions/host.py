@@ -31,7 +31,7 @@ import redis
 from toolq.orchestrator.settings import Settings
 from toolq.workers import isolation
 from toolq.workers.isolation import reaper
-from toolq.workers.sandbox import DEFAULT_OUTPUT_CAP, DRAIN_TIMEOUT, HeadTailBuffer, _killpg
+from toolq.workers.sandbox import DEFAULT_OUTPUT_CAP, DRAIN_TIMEOUT, POLL_INTERVAL, HeadTailBuffer, _killpg, flooded
 from toolq.workers.sessions.slots import Slot, Slots
 from toolq.workers.sessions.protocol import ExecRequest, Reply, WriteRequest, parse_request
 from toolq.workers.sessions.registry import (CONVERSATION_TTL, SessionRecord, conversation_key, next_id_key,
@@ -121,8 +121,8 @@ class Host:
         except BaseException:
             self.slots.give_back(slot)
             raise
-        if launch.call_limits is not None and slot.cgroup is not None:
-            launch.call_limits.use_cgroup(slot.cgroup)
+        if launch.call_limits is not None:
+            launch.call_limits.use_cgroups(slot.cgroup, slot.memory_cgroup)
         launch.reap = False  # a sweep would kill the other sessions' processes: see _reap_orphans
         try:
             proc = slot.run(launch.spawn, **popen)
@@ -154,6 +154,8 @@ class Host:
                 exited_at = time.monotonic()
                 _killpg(p.proc.pid)  # leftovers of the group (background children) go with it
             timeout = STEP if exited_at is None else max(0.0, min(STEP, exited_at + DRAIN_TIMEOUT - time.monotonic()))
+            if exited_at is None and flooded(p.pending):
+                time.sleep(POLL_INTERVAL)  # nobody polls the flood: let it block on the full pipe
             ready, _, _ = select.select([p.fd], [], [], timeout)
             eof = False
             if ready:

@@ -1,8 +1,9 @@
 """Spawn slots: where the session host starts commands, one running command per slot.
 
-A slot is a thread that lives as long as the host, sitting alone in a pids cgroup of its own
-(cgroup v1 moves single threads, through `tasks`). What it spawns starts in that cgroup, so each
-command gets the per-call process limit a pool child gives its call (`isolation/limits.py`), and
+A slot is a thread that lives as long as the host, sitting alone in a pids and a memory cgroup of
+its own (cgroup v1 moves single threads, through `tasks`). What it spawns starts in those cgroups,
+so each command gets the per-call process and memory limits a pool child gives its call
+(`isolation/limits.py`; the thread shares the host's memory, which stays charged to the host), and
 the thread moves once, at the slot's creation: a move costs ~15 ms here, too much for every call.
 A long-lived spawning thread is also what bwrap's --die-with-parent (PR_SET_PDEATHSIG) needs: it
 fires when the thread that forked exits. The cgroups are named like the pool children's
@@ -29,17 +30,25 @@ class Slot:
     def __init__(self, index: int, lim: Limits | None) -> None:
         self.index = index
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"toolq-session-slot{index}")
-        self.cgroup: Path | None = self._thread.submit(self._enter_cgroup, lim).result() if lim else None
+        self.cgroup: Path | None = None
+        self.memory_cgroup: Path | None = None
+        if lim is not None:
+            self.cgroup = self._thread.submit(self._enter_cgroup, "pids", {
+                "pids.max": str(lim.processes + SLOT_TASKS_SLACK)}).result()
+            self.memory_cgroup = self._thread.submit(self._enter_cgroup, "memory", {
+                "memory.limit_in_bytes": str((lim.memory_mb + limits.OWN_MEMORY_SLACK_MB) * limits.MIB)}).result()
         self.busy = False
 
-    def _enter_cgroup(self, lim: Limits) -> Path | None:
-        base = limits.pids_cgroup_base()
+    def _enter_cgroup(self, controller: str, settings: dict[str, str]) -> Path | None:
+        """Runs on the slot's thread: move it alone into a new cgroup of `controller`."""
+        base = limits.cgroup_base(controller)
         if base is None:
             return None
         cg = base / f"toolq-pool-s{self.index}-{os.getpid()}"
         try:
             cg.mkdir(exist_ok=True)
-            (cg / "pids.max").write_text(str(lim.processes + SLOT_TASKS_SLACK))
+            for name, value in settings.items():
+                (cg / name).write_text(value)
             (cg / "tasks").write_text(str(threading.get_native_id()))
         except OSError:
             return None
@@ -49,12 +58,13 @@ class Slot:
         return self._thread.submit(fn, *args, **kwargs).result()
 
     def remove(self) -> None:
-        if self.cgroup is not None:
-            limits._kill_members(self.cgroup)
-            try:
-                self.cgroup.rmdir()
-            except OSError:
-                pass
+        for cg in (self.cgroup, self.memory_cgroup):
+            if cg is not None:
+                limits._kill_members(cg)
+                try:
+                    cg.rmdir()
+                except OSError:
+                    pass
 
 
 class Slots:
