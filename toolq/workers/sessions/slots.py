@@ -41,18 +41,7 @@ class Slot:
 
     def _enter_cgroup(self, controller: str, settings: dict[str, str]) -> Path | None:
         """Runs on the slot's thread: move it alone into a new cgroup of `controller`."""
-        base = limits.cgroup_base(controller)
-        if base is None:
-            return None
-        cg = base / f"toolq-pool-s{self.index}-{os.getpid()}"
-        try:
-            cg.mkdir(exist_ok=True)
-            for name, value in settings.items():
-                (cg / name).write_text(value)
-            (cg / "tasks").write_text(str(threading.get_native_id()))
-        except OSError:
-            return None
-        return cg
+        return limits.enter_cgroup(controller, settings, name=f"toolq-pool-s{self.index}-{os.getpid()}", thread=True)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return self._thread.submit(fn, *args, **kwargs).result()
