@@ -1,14 +1,14 @@
 """MCP servers' tools on real workers (issue 16): `toolq worker --mcp ...` with the official
 `mcp-server-git` and `mcp-server-time`, and `tests/mcp_servers/edges.py` (FastMCP) for the edges.
 
-The orchestrator learns the tools from the workers (`fleet_records`, a remote-control command)
-and takes them through the registry seam (`mcp_tool_specs` → `Registry.add`); every request the
-fake model receives must pair.
+The orchestrator learns the tools from the fleet catalog the workers advertise in (each turn's
+start, `Fleet.follow_fleet_tools`); every request the fake model receives must pair.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import os
@@ -30,8 +30,7 @@ from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
 from toolq.workers.catalog import Catalog
 from toolq.workers.loader import load_catalog
-from toolq.workers.mcp.fleet import add_fleet_tools, fleet_records
-from toolq.workers.mcp.specs import McpToolRecord, mcp_tool_specs
+from toolq.workers.mcp.fleet import FleetMcpTools, mcp_namespaces
 
 pytestmark = pytest.mark.integration
 
@@ -73,20 +72,46 @@ def mcp_worker(redis_server, repo, evidence, tmp_path_factory):
     w.stop(grace=3)
 
 
-def records_for(app) -> list[McpToolRecord]:
-    return fleet_records(app, timeout=2.0)
+def fleet_mcp_tools(redis_url: str) -> dict[str, dict[str, Any]]:
+    """What the fleet catalog offers now: each MCP server's tools, by name, as specs."""
+    import redis.asyncio as aioredis
+
+    from toolq.orchestrator.catalog_reader import FleetCatalog
+
+    async def read():
+        r = aioredis.Redis.from_url(redis_url)
+        try:
+            return await FleetCatalog(r).declarations(max_age=0)
+        finally:
+            await r.aclose()
+
+    specs = [s for a in asyncio.run(read()) if (s := a.to_spec()) is not None]
+    return {server: {t.name: t for t in tools} for server, tools in mcp_namespaces(specs).items()}
+
+
+def wait_until_the_fleet_offers(redis_url: str, check, what: str) -> None:
+    """A change on a worker reaches the fleet catalog at its next heartbeat (2 s)."""
+    end = time.monotonic() + 10
+    while not check(fleet_mcp_tools(redis_url)):
+        assert time.monotonic() < end, f"the fleet never offered {what}"
+        time.sleep(0.1)
 
 
 async def _run(settings, prompts, during=None, feed=None):
-    async def learn_the_fleets_tools(runtime):
-        if feed is None:
-            await asyncio.to_thread(add_fleet_tools, runtime.registry, runtime.dispatcher.app, 2.0)
-        else:
-            records = await asyncio.to_thread(records_for, runtime.dispatcher.app)
-            runtime.registry.add(mcp_tool_specs(feed(records)))
+    async def hold_a_declaration_of_its_own(runtime):
+        """`feed(registry)` after each turn's start: an orchestrator whose copy differs from the fleet's."""
+        follow = runtime.follow_fleet_tools
+
+        async def followed_then_fed():
+            n = await follow()
+            feed(runtime.registry)
+            return n
+
+        runtime.follow_fleet_tools = followed_then_fed
 
     events: list[dict] = []
-    outcomes, _ = await run_session(settings, prompts, events, during, prepare=learn_the_fleets_tools,
+    outcomes, _ = await run_session(settings, prompts, events, during,
+                                    prepare=hold_a_declaration_of_its_own if feed else None,
                                     catalog=Catalog(list(load_catalog([TEST_TOOLS, MCP_TOOLS]))))
     return outcomes, events
 
@@ -234,39 +259,30 @@ def test_a_crashed_server_is_restarted_and_its_in_flight_call_is_told(mcp_worker
     assert (evidence / "other.pid").read_text() != pid
 
 
-@pytest.mark.xfail(strict=True, reason="a changed MCP tool list does not yet reach the fleet catalog's advertisement, "
-                   "so dispatch answers the new declaration as unserved")
 def test_a_changed_tool_list_reaches_the_fleet_and_a_stale_declaration_is_refused(mcp_worker, redis_server, tmp_path):
     script = [[b.function_call("grow", {}, "call_grow", namespace="edges")], [b.message("grown")]]
     drive(redis_server, tmp_path, script)
 
-    def listed() -> set[str]:
-        from toolq.workers.app import make_app
-        from toolq.orchestrator.settings import Settings
-        app = make_app(Settings(redis_url=redis_server.url))
-        return {r.name for r in records_for(app) if r.server == "edges"}
-
-    end = time.monotonic() + 10
-    while "added" not in listed():
-        assert time.monotonic() < end, "the fleet never learned the new tool"
-        time.sleep(0.1)
+    wait_until_the_fleet_offers(redis_server.url, lambda t: "added" in t.get("edges", {}), "edges.added")
 
     # A new turn sees it and calls it; a declaration the orchestrator holds that differs from
     # the server's listing is refused by the worker.
-    def stale(records):
-        return [r.model_copy(update={"description": "an older description"}) if r.name == "search" else r
-                for r in records]
+    def stale(registry):
+        spec = registry.lookup(ToolName.namespaced("edges", "search"))
+        registry.replace_namespace("edges", [dataclasses.replace(s, description="an older description")
+                                             if s == spec else s for s in registry.catalog if s.namespace == "edges"])
 
     script = [[b.function_call("added", {}, "call_added", namespace="edges"),
                b.function_call("search", {"query": "x"}, "call_stale", namespace="edges")], [b.message("done")]]
     _, requests, _ = drive(redis_server, tmp_path, script, feed=stale)
     out = outputs(requests[1])
     assert "added says hi" in out["call_added"]
-    assert "declared differently" in out["call_stale"]
+    assert "added" in {t["name"] for t in namespace(requests[0], "edges")["tools"]}  # offered to the model
+    # dispatch refuses it: no live worker serves that declaration, one serves another
+    assert "no live worker serves tool `edges.search`" in out["call_stale"]
+    assert "serve another declaration of it" in out["call_stale"]
 
 
-@pytest.mark.xfail(strict=True, reason="a changed MCP tool list does not yet reach the fleet catalog's advertisement, "
-                   "so dispatch answers the new declaration as unserved")
 def test_a_tool_listed_anew_mid_turn_is_refused_as_declared_differently(mcp_worker, redis_server, tmp_path):
     """The orchestrator and the pool child both hold the declaration from before the change; the
     host, which follows the server, refuses the call."""
@@ -279,6 +295,8 @@ def test_a_tool_listed_anew_mid_turn_is_refused_as_declared_differently(mcp_work
     assert outputs(requests[1])["call_reshape"] == json.dumps({"result": "reshaped"})
     assert "tool other.search is declared differently by its MCP server now" in outputs(requests[2])["call_old"]
     # the next turn learns the new declaration and the call runs
+    wait_until_the_fleet_offers(redis_server.url, lambda t: "limit" in (
+        t.get("other", {}).get("search").parameters or {}).get("properties", {}), "other.search's new schema")
     script = [[b.function_call("search", {"query": "y", "limit": 2}, "call_new", namespace="other")],
               [b.message("done")]]
     _, requests, _ = drive(redis_server, tmp_path, script)
@@ -286,28 +304,37 @@ def test_a_tool_listed_anew_mid_turn_is_refused_as_declared_differently(mcp_work
 
 
 def test_a_server_no_live_worker_hosts_leaves_the_registry(redis_server, evidence, tmp_path):
-    from toolq.orchestrator.registry import Registry
-    from toolq.orchestrator.settings import Settings
-    from toolq.workers.app import make_app
-    from toolq.workers.mcp.fleet import FleetMcpTools
+    import redis.asyncio as aioredis
 
-    app = make_app(Settings(redis_url=redis_server.url))
+    from toolq.orchestrator.catalog_reader import FleetCatalog
+    from toolq.orchestrator.registry import Registry
+
     registry = Registry(Catalog())
-    fleet = FleetMcpTools(registry, app, timeout=1.0)
+    tools = FleetMcpTools(registry, None)  # type: ignore[arg-type]  # one per turn's event loop, below
+
+    def follow() -> int:
+        async def run():
+            r = aioredis.Redis.from_url(redis_server.url)
+            try:
+                tools.fleet = FleetCatalog(r)
+                return await tools.follow()
+            finally:
+                await r.aclose()
+        return asyncio.run(run())
+
     w = McpWorkerProcess(redis_server.url, name="mcp5@test", queues=["mcp-idle"], concurrency=1,
                          tools=[TEST_TOOLS], env=WORKER_ENV, logdir=tmp_path,
                          mcp=[f"solo={sys.executable} {EDGES} solo {evidence}"])
     w.start()
     try:
-        fleet.refresh()
+        follow()
         assert registry.lookup(ToolName.namespaced("solo", "search")) is not None
         assert "solo" in {s["name"] for s in registry.model_visible_specs() if s["type"] == "namespace"}
     finally:
         w.stop(grace=3)
-    fleet.refresh()
+    follow()
     assert registry.lookup(ToolName.namespaced("solo", "search")) is None
     assert "solo" not in {s.get("name") for s in registry.model_visible_specs()}
-    app.close()
 
 
 def test_bad_mcp_config_is_one_line_at_worker_start(redis_server, tmp_path):
@@ -411,3 +438,27 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_toolq_run_offers_the_fleets_mcp_tools_and_runs_a_call(mcp_worker, redis_server, tmp_path):
+    """The CLI, as a user runs it against a fleet with an MCP worker: the servers' namespaces are in
+    its first request's `tools`, and a call to one answers through the fleet."""
+    from tests.integration.conftest import SIGNING_KEY
+
+    script = [[b.function_call("get_current_time", {"timezone": "Asia/Tokyo"}, "call_time", namespace="time")],
+              [b.message("it is late in Tokyo")]]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TOOLQ_", "REDIS_", "CELERY_"))}
+    with FakeModel(script) as fake:
+        proc = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--json", "what time is it?"],
+                              env={**base, "REDIS_URL": redis_server.url, "TOOLQ_SIGNING_KEY": SIGNING_KEY,
+                                   "TOOLQ_WORKSPACE": str(tmp_path), "OPENAI_BASE_URL": fake.base_url},
+                              capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    requests = fake.requests
+    for body in requests:
+        assert pairing_problems(body["input"]) == [], body["input"]
+    assert [t["name"] for t in namespace(requests[0], "time")["tools"]] == ["get_current_time", "convert_time"]
+    assert {"git", "edges", "other"} <= {t["name"] for t in requests[0]["tools"] if t["type"] == "namespace"}
+    assert json.loads(outputs(requests[1])["call_time"])["timezone"] == "Asia/Tokyo"
+    said = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert completed(said)["call_time"]["worker"] == NAME and said[-1]["type"] == "turn.completed"

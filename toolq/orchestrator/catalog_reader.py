@@ -106,10 +106,12 @@ class FleetCatalog:
     async def workers(self) -> list[WorkerAdvert]:
         return list((await self.snapshot(max_age=0)).workers)
 
-    async def declarations(self) -> list[ToolAdvert]:
-        """The full declaration of every tool some live worker serves, one per digest: what an
-        orchestrator needs to build a model-visible spec it has no module for (`ToolAdvert.to_spec`)."""
-        digests = sorted({t.digest for w in (await self.snapshot()).workers for t in w.tools})
+    async def declarations(self, max_age: float | None = None) -> list[ToolAdvert]:
+        """The full declaration of every tool some live worker offers, one per digest: what an
+        orchestrator needs to build a model-visible spec it has no module for (`ToolAdvert.to_spec`).
+        A declaration only retiring everywhere (still routed, no longer listed) is left out."""
+        workers = (await self.snapshot(max_age)).workers
+        digests = sorted({t.digest for w in workers for t in w.tools if not t.retiring})
         raws = await self.r.mget([keys.fleet_tool(d) for d in digests]) if digests else []
         out = []
         for raw in raws:

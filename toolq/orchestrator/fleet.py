@@ -89,6 +89,16 @@ class Fleet:
         self.turn_id = new_turn_id()
         """The turn `run_calls` uses when given none: `toolq cancel` it, `toolq status` it."""
         self._started_turns: set[str] = set()
+        # --- MCP hook (toolq/workers/mcp/fleet.py): the MCP servers' namespaces follow the fleet catalog
+        from toolq.workers.mcp.fleet import FleetMcpTools
+
+        self.mcp_tools = FleetMcpTools(self.registry, dispatcher.fleet)
+
+    async def follow_fleet_tools(self) -> int:
+        """Make the registry's MCP namespaces what live workers offer now (at a turn's start; `open`
+        does it once). Returns how many MCP tools it holds."""
+        return await self.mcp_tools.follow()
+        # --- end of the MCP hook
 
     @classmethod
     async def _parts(cls, settings: Settings, catalog: Catalog | None) -> tuple[Catalog, Ledger, Dispatcher,
@@ -105,7 +115,9 @@ class Fleet:
     @classmethod
     async def open(cls, settings: Settings, *, catalog: Catalog | None = None) -> Fleet:
         """A fleet on `settings.redis_url`; close it with `aclose()`."""
-        return cls(settings, *await cls._parts(settings, catalog))
+        fleet = cls(settings, *await cls._parts(settings, catalog))
+        await fleet.follow_fleet_tools()  # MCP hook: the MCP tools live workers offer, in `tool_specs()`
+        return fleet
 
     @classmethod
     @asynccontextmanager

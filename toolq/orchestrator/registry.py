@@ -46,8 +46,7 @@ class Registry:
             self._validators[spec.tool_name] = Draft202012Validator(_nullable_is_optional(spec.parameters))
 
     def add(self, specs: list[ToolSpec]) -> None:
-        """Tools learned from the fleet rather than loaded here: the MCP tools its workers host
-        (`toolq.workers.mcp.specs.mcp_tool_specs`)."""
+        """Tools learned rather than loaded here (the fleet's MCP namespaces use `replace_namespace`)."""
         for spec in specs:
             self.catalog.add(spec)
             self._index(spec)

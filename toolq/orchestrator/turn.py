@@ -142,6 +142,7 @@ class Session:
         outcome = TurnOutcome(turn_id=turn_id, status="running")
         self._cancel.clear()
         emit(TurnStarted(turn_id=turn_id))
+        await self.rt.follow_fleet_tools()  # MCP hook: this turn offers the MCP tools live workers host now
         await self.rt.ledger.start_turn(turn_id, prompt, str(settings.workspace))
         await self._hold_conversation(turn_id)
         self.history.record(MessageItem(role="user", content=[InputText(text=prompt)]))

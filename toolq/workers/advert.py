@@ -43,6 +43,10 @@ class ToolRef(BaseModel):
     route: str
     """The per-declaration queue calls are sent to (`tool_queue`)."""
     kind: PayloadKind
+    retiring: bool = False
+    """No longer listed by its source (an MCP server listed its tools anew): still routed to this
+    worker for a short grace, so a call carrying it is answered by the worker, but not offered to
+    the model by new turns (`FleetCatalog.declarations`)."""
 
     @property
     def tool_name(self) -> ToolName:

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import redis
 
@@ -39,6 +39,14 @@ def instance_id() -> str:
     if _instance is None:
         _instance = uuid.uuid4().hex
     return _instance
+
+#: Run by the heartbeat thread before each beat, with the advertiser: what changes what a worker
+#: serves after its start (its MCP servers, `toolq.workers.mcp.follow`) re-advertises from here.
+_on_beat: list[Callable[[Advertiser], None]] = []
+
+
+def on_beat(fn: Callable[[Advertiser], None]) -> None:
+    _on_beat.append(fn)
 
 
 class Advertiser:
@@ -78,6 +86,12 @@ class Advertiser:
         if not all(refreshed):
             self.publish()
 
+    def serve(self, tools: list[ToolRef], adverts: list[ToolAdvert]) -> None:
+        """What this worker serves changed after its start: publish the new record at once."""
+        self.record = self.record.model_copy(update={"tools": tools})
+        self.tools = adverts
+        self.publish()
+
     def start(self) -> None:
         try:
             self.publish()
@@ -88,6 +102,11 @@ class Advertiser:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            for fn in list(_on_beat):
+                try:
+                    fn(self)
+                except Exception:  # a follower's bug must not stop the heartbeat
+                    log.exception("fleet catalog: a beat hook failed")
             try:
                 self.beat()
             except (redis.RedisError, OSError) as e:  # Redis away: the next beat tries again

@@ -10,7 +10,7 @@ from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from toolq.orchestrator.errors import RespondToModel
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.workers.catalog import Catalog, ToolSpec
-from toolq.workers.mcp.specs import McpToolRecord, mcp_tool_specs, namespace_specs, strict_allowed, tool_spec, unusable
+from toolq.workers.mcp.specs import McpToolRecord, strict_allowed, tool_spec, unusable
 
 OPEN = {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
         "required": ["query"]}
@@ -20,6 +20,10 @@ CLOSED = {"type": "object", "properties": {"query": {"type": "string"}}, "requir
 
 def record(server="a", name="search", schema=None, **kw) -> McpToolRecord:
     return McpToolRecord(server=server, name=name, description="d", input_schema=schema or OPEN, timeout=60, **kw)
+
+
+def mcp_tool_specs(records: list[McpToolRecord]) -> list[ToolSpec]:
+    return [tool_spec(r) for r in records]
 
 
 def test_strict_only_when_the_schema_is_already_in_the_strict_subset():
@@ -64,11 +68,6 @@ def test_the_registry_checks_mcp_arguments_against_the_listed_schema():
                     payload=FunctionPayload(arguments=json.dumps({"limit": 3})))
     with pytest.raises(RespondToModel, match="missing field `query`"):
         registry.bind(call, StepContext(turn_id="t", step=0, deadline=1e12), 0)
-
-
-def test_namespace_specs_leave_deferred_tools_out():
-    specs = namespace_specs([record("a"), record("b", deferred=True)])
-    assert [s["name"] for s in specs] == ["a"] and specs[0]["tools"][0]["name"] == "search"
 
 
 @pytest.mark.parametrize("name, schema, says", [

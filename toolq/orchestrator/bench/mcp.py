@@ -25,7 +25,6 @@ from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime
 from toolq.workers.catalog import Catalog
 from toolq.workers.loader import load_catalog
-from toolq.workers.mcp.fleet import add_fleet_tools
 from toolq.workers.mcp.specs import mcp_queue
 
 SERVER = "bench"
@@ -67,7 +66,7 @@ def mcp_stack() -> Iterator[Settings]:
 
 async def _measure(settings: Settings, rounds: int, per_round: int) -> dict[str, Any]:
     rt = await Runtime.create(settings, catalog=Catalog(list(load_catalog([BENCH_TOOLS]))))
-    await asyncio.to_thread(add_fleet_tools, rt.registry, rt.dispatcher.app, 2.0)
+    await rt.follow_fleet_tools()  # the bench server's tools, from the fleet catalog
     turn_id = f"turn-bench{uuid.uuid4().hex[:8]}"
     await rt.router.watch_turn(turn_id)
     try:

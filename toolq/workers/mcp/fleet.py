@@ -1,9 +1,10 @@
-"""The Celery side of MCP (the only MCP module that imports Celery): start with the worker, say
-what it serves, and let the orchestrator read every worker's MCP tools.
+"""The fleet side of MCP: start with the worker and keep its advertisement following its servers
+(the only MCP module that imports Celery), and, for the orchestrator, each server's namespace
+in the registry as the fleet catalog lists it.
 
-Until the fleet catalog advertises tools, the orchestrator learns a worker's MCP tools through a
-remote-control command, `toolq_mcp_tools`, answered by the worker's main process from its host's
-current listing: live, so a server that is down or changed its list is reported as it is now.
+Both go through the fleet catalog (`toolq.workers.presence`, `toolq.orchestrator.catalog_reader`):
+a worker advertises its MCP tools like any other, as full declarations on the queue `mcp.<server>`;
+the orchestrator rebuilds them from there without starting the servers itself.
 """
 
 from __future__ import annotations
@@ -11,81 +12,84 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import Celery
 from celery.signals import worker_ready, worker_shutdown
-from celery.worker.control import inspect_command
 
+from toolq.orchestrator.catalog_reader import FleetCatalog
 from toolq.orchestrator.registry import Registry
 from toolq.orchestrator.settings import Settings
-from toolq.workers.catalog import Catalog
+from toolq.workers import presence
+from toolq.workers.catalog import Catalog, ToolSpec
 from toolq.workers.mcp import worker
 from toolq.workers.mcp.config import load_servers
-from toolq.workers.mcp.specs import McpToolRecord, mcp_tool_specs
-from toolq.workers.mcp.wire import Listing
+from toolq.workers.mcp.follow import Follower
+from toolq.workers.mcp.specs import MCP_QUEUE_PREFIX
 
 log = logging.getLogger("toolq.worker")
+
+#: How long the heartbeat waits for the worker to confirm it consumes a new declaration's queue.
+CONTROL_TIMEOUT = 1.0
 
 
 def start_with_worker(settings: Settings, catalog: Catalog, logfile: str | None = None) -> list[str]:
     """`toolq worker`'s hook, before Celery forks: start the configured servers, add their tools to
-    the catalog, and return the queues their calls arrive on (none when no server is configured)."""
+    the catalog, follow their changes from the heartbeat, and return the queues their calls
+    arrive on (none when no server is configured)."""
     servers = load_servers(settings.mcp, settings.mcp_config)
     if not servers:
         return []
     listing = worker.start_host(servers, catalog, logfile)
     lines = worker.banner(listing)
+    consumer: list[Any] = []
+
+    def consume(queue: str) -> bool:
+        if not consumer:
+            return False
+        replies = consumer[0].app.control.add_consumer(queue, destination=[consumer[0].hostname], reply=True,
+                                                       timeout=CONTROL_TIMEOUT)
+        return any(consumer[0].hostname in r for r in replies or [])
+
+    def stop_consuming(queue: str) -> None:
+        if consumer:
+            consumer[0].app.control.cancel_consumer(queue, destination=[consumer[0].hostname])
 
     @worker_ready.connect(weak=False)
-    def _say_servers(**_: Any) -> None:
+    def _ready(sender: Any = None, **_: Any) -> None:
+        consumer.append(sender)  # the heartbeat thread reaches the worker's consumer through remote control
         for line in lines:
             log.info("%s", line)
 
+    presence.on_beat(Follower(catalog, set(servers), read=worker.current_listing, install=worker.install,
+                              consume=consume, stop_consuming=stop_consuming))
     worker_shutdown.connect(lambda **_: worker.stop(), weak=False)
     return worker.queues()
 
 
-@inspect_command(name=worker.CONTROL_COMMAND)
-def _mcp_tools(state: Any, **_: Any) -> dict[str, Any]:
-    listing = worker.current_listing()
-    return listing.model_dump(mode="json") if listing else {}
-
-
-def fleet_listings(app: Celery, timeout: float = 1.0) -> dict[str, Listing]:
-    """Each live worker's MCP listing, by worker name (workers without MCP servers left out)."""
-    out = {}
-    for reply in app.control.broadcast(worker.CONTROL_COMMAND, reply=True, timeout=timeout) or []:
-        for hostname, body in reply.items():
-            if body and "servers" in body:
-                out[hostname] = Listing.model_validate(body)
-    return out
+def mcp_namespaces(declarations: list[ToolSpec]) -> dict[str, list[ToolSpec]]:
+    """The MCP servers' tools among the fleet's declarations, by server: one spec per tool (the
+    first declaration by digest, should two workers list a server's tool differently)."""
+    out: dict[str, dict[str, ToolSpec]] = {}
+    for spec in sorted(declarations, key=ToolSpec.digest):
+        if spec.namespace is not None and spec.queue.startswith(MCP_QUEUE_PREFIX):
+            out.setdefault(spec.namespace, {}).setdefault(spec.name, spec)
+    return {server: list(tools.values()) for server, tools in out.items()}
 
 
 class FleetMcpTools:
-    """The orchestrator's wiring until the fleet catalog carries MCP records: the MCP tools some
-    live worker serves, in the registry. `refresh()` at a turn's start (or on a timer) makes each
-    server's namespace what the fleet lists now, and drops the namespace of a server no live
-    worker hosts, so its tools stay out of the model's list."""
+    """The orchestrator's MCP tools: `follow()` at a turn's start makes each server's namespace in
+    the registry what live workers offer now, and drops the namespace of a server no live worker
+    hosts, so its tools stay out of the model's list. A namespace the orchestrator loaded itself
+    is never replaced."""
 
-    def __init__(self, registry: Registry, app: Celery, timeout: float = 1.0) -> None:
-        self.registry, self.app, self.timeout = registry, app, timeout
+    def __init__(self, registry: Registry, fleet: FleetCatalog) -> None:
+        self.registry, self.fleet = registry, fleet
         self.servers: set[str] = set()
+        self.local = {s.namespace for s in registry.catalog if s.namespace is not None}
 
-    def refresh(self) -> int:
+    async def follow(self) -> int:
         """Returns how many MCP tools the registry now holds."""
-        by_server: dict[str, list] = {}
-        for spec in mcp_tool_specs(fleet_records(self.app, self.timeout)):
-            by_server.setdefault(spec.namespace or "", []).append(spec)
-        for server in self.servers | set(by_server):
+        specs = [s for a in await self.fleet.declarations(max_age=0) if (s := a.to_spec()) is not None]
+        by_server = {n: tools for n, tools in mcp_namespaces(specs).items() if n not in self.local}
+        for server in sorted(self.servers | set(by_server)):
             self.registry.replace_namespace(server, by_server.get(server, []))
         self.servers = set(by_server)
         return sum(len(v) for v in by_server.values())
-
-
-def add_fleet_tools(registry: Registry, app: Celery, timeout: float = 1.0) -> int:
-    """One `FleetMcpTools.refresh()` at runtime start. Returns how many tools it added."""
-    return FleetMcpTools(registry, app, timeout).refresh()
-
-
-def fleet_records(app: Celery, timeout: float = 1.0) -> list[McpToolRecord]:
-    """The MCP tools some live worker serves now, for `mcp_tool_specs` (the orchestrator's seam)."""
-    return [r for _, listing in sorted(fleet_listings(app, timeout).items()) for r in listing.records()]

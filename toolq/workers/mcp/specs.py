@@ -10,7 +10,7 @@ lists the same schema, and differs as soon as it lists another.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from typing import Any
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
@@ -25,9 +25,15 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 DEFER_ABOVE = 40
 
 
+#: Every MCP server's tools are declared on a queue of this prefix, which is how the orchestrator
+#: tells them among the fleet's declarations.
+MCP_QUEUE_PREFIX = "mcp."
+
+
 def mcp_queue(server: str) -> str:
-    """The queue a server's calls travel on: only workers that host the server consume it."""
-    return f"mcp.{server}"
+    """The queue a server's tools are declared on (`--queues` selects by it): workers that host
+    the server consume it; calls travel on each declaration's own queue (`advert.tool_queue`)."""
+    return f"{MCP_QUEUE_PREFIX}{server}"
 
 
 class McpToolRecord(BaseModel):
@@ -59,27 +65,6 @@ def tool_spec(record: McpToolRecord, handler: Handler | None = None) -> ToolSpec
         deferred=record.deferred,
         handler=handler,
     )
-
-
-def mcp_tool_specs(records: Iterable[McpToolRecord]) -> list[ToolSpec]:
-    """The seam for the orchestrator: records (from the fleet) → specs its registry takes
-    (`Registry.add`); one spec per (server, tool), the first record of each winning."""
-    seen: dict[tuple[str, str], ToolSpec] = {}
-    for record in records:
-        seen.setdefault((record.server, record.name), tool_spec(record))
-    return list(seen.values())
-
-
-def namespace_specs(records: Iterable[McpToolRecord]) -> list[dict[str, Any]]:
-    """What the model sees: one `namespace` spec per server, its tools' function specs inside."""
-    groups: dict[str, dict[str, Any]] = {}
-    for spec in mcp_tool_specs(records):
-        if spec.deferred:
-            continue
-        group = groups.setdefault(spec.namespace or "", {"type": "namespace", "name": spec.namespace,
-                                                         "description": "", "tools": []})
-        group["tools"].append(spec.model_spec())
-    return list(groups.values())
 
 
 def unusable(name: str, schema: Any) -> str | None:

@@ -4,7 +4,8 @@ The worker's main process starts the host (`host.py`) before Celery forks its po
 each server's tools in the catalog as namespaced function tools whose handler is `Forward`; pool
 children inherit both. Before a child runs an MCP call it asks the host for the current listing
 (`sync`), so a tool list that changed since the fork is what `execute` checks the call's
-declaration digest against.
+declaration digest against. The main process follows the listing too, for the fleet catalog
+(`follow.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,9 +35,6 @@ log = logging.getLogger("toolq.worker")
 
 #: How often a child waiting on a call checks whether the turn or the call was cancelled.
 CANCEL_POLL = 0.25
-
-#: The Celery remote-control command through which the orchestrator reads a worker's MCP tools.
-CONTROL_COMMAND = "toolq_mcp_tools"
 
 
 class HostUnavailable(Exception):
@@ -85,8 +84,13 @@ class HostClient:
             if not answered:  # cancelled, timed out (SoftTimeLimitExceeded) or broken: the host cancels
                 self.close()
 
-    def listing(self) -> Listing:
-        return Listing.model_validate_json(self._ask(ListRequest()))
+    def listing(self, timeout: float | None = None) -> Listing:
+        end = None if timeout is None else time.monotonic() + timeout
+        try:
+            late = (lambda: time.monotonic() > end) if end is not None else (lambda: False)
+            return Listing.model_validate_json(self._ask(ListRequest(), late))
+        except CallCancelled:
+            raise HostUnavailable(f"the worker's MCP host did not answer in {timeout}s") from None
 
     def call(self, request: CallRequest, is_cancelled: Callable[[], bool]) -> CallReply:
         return CallReply.model_validate_json(self._ask(request, is_cancelled))
@@ -234,11 +238,17 @@ def banner(listing: Listing) -> list[str]:
     return lines
 
 
+#: How long the heartbeat waits for the host's listing; a host that does not answer counts as down.
+LISTING_TIMEOUT = 2.0
+
+
 def current_listing() -> Listing | None:
+    """The host's listing now (the worker's main process follows it, `follow.py`); None if it is
+    gone or does not answer in time (the heartbeat must go on)."""
     if _host is None:
         return None
     try:
-        return _host.client.listing()
+        return _host.client.listing(LISTING_TIMEOUT)
     except HostUnavailable:
         return None
 
