@@ -22,6 +22,7 @@ from toolq.orchestrator import keys
 from toolq.orchestrator.settings import Settings
 from toolq.workers.advert import TOOL_QUEUE_PREFIX, ToolAdvert, ToolRef, WorkerAdvert, consumer_queues
 from toolq.workers.catalog import Catalog
+from toolq.workers.sessions.registry import instance_queue
 
 log = logging.getLogger("toolq.worker.presence")
 
@@ -129,8 +130,10 @@ class Advertiser:
 
 
 def configured_queues(consume_from: Any) -> list[str]:
-    """The queues a worker was told to consume, without the per-tool ones added to them."""
-    return sorted(q for q in consume_from if not q.startswith(TOOL_QUEUE_PREFIX))
+    """The queues a worker was told to consume, without the per-tool ones added to them, nor its
+    instance queue (`write_stdin` to its own sessions: no tool is routed there by its spec)."""
+    own = instance_queue(instance_id())
+    return sorted(q for q in consume_from if not q.startswith(TOOL_QUEUE_PREFIX) and q != own)
 
 
 def add_tool_queues(amqp_queues: Any, catalog: Catalog) -> list[str]:
