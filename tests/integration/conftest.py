@@ -135,6 +135,7 @@ async def run_session(settings: Settings, prompts: list[str], events: list, duri
                       prepare=None, **session_kw: Any) -> tuple[list[TurnOutcome], Session]:
     """`prepare(runtime)`, when given, runs before the first turn (e.g. feeding the registry)."""
     runtime = await Runtime.create(settings, catalog=catalog if catalog is not None else load_catalog([TEST_TOOLS]))
+    session = None
     try:
         if prepare is not None:
             await prepare(runtime)
@@ -147,6 +148,8 @@ async def run_session(settings: Settings, prompts: list[str], events: list, duri
             outcomes.append(await turn)
         return outcomes, session
     finally:
+        if session is not None:
+            await session.close()  # the conversation ends: its exec_command sessions are killed
         await runtime.aclose()
 
 

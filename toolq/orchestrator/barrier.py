@@ -190,7 +190,7 @@ class Step:
             try:
                 await self.transport.send(inv, spec)
             except DispatchError as e:
-                return ToolResult(call_id=inv.call_id, output=f"{spec.tool_name} was not run: {e}",
+                return ToolResult(call_id=inv.call_id, output=e.output or f"{spec.tool_name} was not run: {e}",
                                   status=e.state, success=False)
             return await self._track(entry, watch)
         finally:

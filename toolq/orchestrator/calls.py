@@ -93,6 +93,8 @@ class ToolInvocation(BaseModel):
     workspace: str | None = None
     spec_digest: str = ""
     """Digest of the tool declaration the orchestrator validated against; workers refuse a mismatch."""
+    conversation: str | None = None
+    """Set by a `Session`: the exec_command sessions this call starts or uses belong to it."""
 
     @property
     def task_id(self) -> str:

@@ -8,6 +8,7 @@ orchestrator finds the same task, and the ledger's claim makes a second dispatch
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,8 @@ from datetime import datetime, timezone
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
-from toolq.orchestrator.calls import ToolInvocation
+from toolq.orchestrator.calls import FunctionPayload, ToolInvocation
+from toolq.orchestrator import session_route
 from toolq.orchestrator.catalog_reader import FleetCatalog
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.settings import Settings
@@ -39,6 +41,29 @@ PUBLISH_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, 
 
 __all__ = ["DispatchError", "Dispatcher"]
 
+#: Flower's args column shows this much of an exec_command's command line.
+FLOWER_COMMAND_CHARS = 300
+
+
+def flower_args(inv: ToolInvocation) -> str:
+    """The task's args as Flower shows them: the call, and for the unified exec tools what runs
+    (the command line, cut short; a session id). Never the environment, which no call carries."""
+    base = f"call_id={inv.call_id!r}, turn={inv.turn_id!r}"
+    name = str(inv.tool_name)
+    if name not in ("exec_command", "write_stdin") or not isinstance(inv.payload, FunctionPayload):
+        return f"({base})"
+    try:
+        args = json.loads(inv.payload.arguments)
+    except ValueError:
+        return f"({base})"
+    if not isinstance(args, dict):
+        return f"({base})"
+    if name == "write_stdin":
+        return f"({base}, session_id={args.get('session_id')!r}, chars={len(str(args.get('chars', '')))})"
+    cmd = str(args.get("cmd", ""))
+    short = cmd if len(cmd) <= FLOWER_COMMAND_CHARS else cmd[:FLOWER_COMMAND_CHARS - 1] + "…"
+    return f"({base}, cmd={short!r})"
+
 
 class Dispatcher:
     def __init__(self, settings: Settings, ledger: Ledger, signer: Signer | None = None,
@@ -59,16 +84,24 @@ class Dispatcher:
             if not await self.ledger.claim(inv, spec.queue):
                 log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
                 return False
-            unserved = await self.fleet.unserved(spec)  # fleet catalog hook: no live worker serves it
-            if unserved:
-                await self.ledger.set_state(inv.task_id, CallState.REJECTED, finished_at=time.time())
-                raise DispatchError(unserved, state=CallState.REJECTED)
-            await self._run(self._send, inv, spec)
+            if str(spec.tool_name) == session_route.TOOL:  # sessions hook: to the worker holding it
+                try:
+                    queue = await session_route.queue_for(self.ledger.r, inv)
+                except DispatchError:
+                    await self.ledger.set_state(inv.task_id, CallState.FAILED, finished_at=time.time())
+                    raise
+            else:
+                unserved = await self.fleet.unserved(spec)  # fleet catalog hook: no live worker serves it
+                if unserved:
+                    await self.ledger.set_state(inv.task_id, CallState.REJECTED, finished_at=time.time())
+                    raise DispatchError(unserved, state=CallState.REJECTED)
+                queue = tool_queue(spec)
+            await self._run(self._send, inv, spec, queue)
         except (OperationalError, RedisError, OSError) as e:
             raise DispatchError(f"the task queue (Redis) is unavailable: {e}") from e
         return True
 
-    def _send(self, inv: ToolInvocation, spec: ToolSpec) -> None:
+    def _send(self, inv: ToolInvocation, spec: ToolSpec, queue: str | None = None) -> None:
         assert self.signer is not None, "a Dispatcher that sends needs the fleet's signer"
         task, invocation = task_name(spec.idempotent), inv.model_dump(mode="json")
         self.app.send_task(
@@ -76,14 +109,14 @@ class Dispatcher:
             args=[invocation],
             kwargs={"signature": self.signer.sign_invocation(task, inv.task_id, invocation)},  # signing hook
             task_id=inv.task_id,
-            queue=tool_queue(spec),  # fleet catalog hook: only workers serving this declaration consume it
+            queue=queue or tool_queue(spec),  # fleet catalog hook: only workers serving this declaration (or holding the session)
             # Kept in the message: a call still queued at the turn deadline never starts.
             expires=datetime.fromtimestamp(inv.deadline, tz=timezone.utc),
             soft_time_limit=spec.timeout + TIME_LIMIT_MARGIN / 2,
             time_limit=spec.timeout + TIME_LIMIT_MARGIN,
-            # Flower shows these: a low-cardinality name, and the call id without the arguments.
+            # Flower shows these: a low-cardinality name, the call id, and what a shell call runs.
             shadow=f"tool:{spec.tool_name}",
-            argsrepr=f"(call_id={inv.call_id!r}, turn={inv.turn_id!r})",
+            argsrepr=flower_args(inv),
             kwargsrepr="{}",
             retry=True,
             retry_policy=PUBLISH_RETRY,

@@ -29,6 +29,8 @@ class StepContext:
     step: int
     deadline: float
     workspace: str | None = None
+    conversation: str | None = None
+    """The conversation (a `Session`) the call belongs to: its exec_command sessions live as long as it."""
 
 
 class Registry:
@@ -82,6 +84,7 @@ class Registry:
             deadline=step.deadline,
             workspace=step.workspace,
             spec_digest=spec.digest(),
+            conversation=step.conversation,
         )
 
     def _validate_arguments(self, spec: ToolSpec, raw: str) -> None:

@@ -159,6 +159,7 @@ async def _run(settings: Settings, prompt: str, json_events: bool, history: Hist
             loop.remove_signal_handler(sig)
         if pending:
             await asyncio.wait(pending, timeout=2.0)
+        await session.close()  # the conversation ends with `toolq run`: so do its sessions
         await runtime.aclose()
 
 

@@ -53,6 +53,12 @@ ENV = {
     "sandbox_processes": ("TOOLQ_SANDBOX_PROCESSES",),
     "sandbox_cpu_seconds": ("TOOLQ_SANDBOX_CPU_SECONDS",),
     "sandbox_file_mb": ("TOOLQ_SANDBOX_FILE_MB",),
+    # exec_command sessions (toolq/workers/sessions)
+    "sessions": ("TOOLQ_SESSIONS",),
+    "session_limit": ("TOOLQ_SESSION_LIMIT",),
+    "session_idle": ("TOOLQ_SESSION_IDLE",),
+    "session_lifetime": ("TOOLQ_SESSION_LIFETIME",),
+    # MCP servers a worker hosts (toolq/workers/mcp)
     "mcp": ("TOOLQ_MCP",),
     "mcp_config": ("TOOLQ_MCP_CONFIG",),
 }
@@ -110,6 +116,16 @@ class Settings(BaseModel):
     sandbox: Literal["auto", "bwrap", "landlock", "none"] = "auto"
     """auto: bubblewrap if it runs here, else Landlock; none runs commands unconfined (warned)."""
     sandbox_network: Literal["none", "host"] = "none"
+    # --- exec_command sessions (toolq/workers/sessions) ---
+    sessions: bool = True
+    """Workers run exec_command through a session host, so a command may outlive its call as a
+    session; off: every command runs to completion in its pool child, and write_stdin finds none."""
+    session_limit: int = Field(default=64, ge=1, le=1024)
+    """Live sessions one conversation may hold across the fleet (Codex's limit is 64)."""
+    session_idle: float = Field(default=1800.0, gt=0)
+    """Seconds without a write_stdin after which a session is killed."""
+    session_lifetime: float = Field(default=4 * 3600.0, gt=0)
+    """Seconds after which a session is killed whatever it does."""
     sandbox_env: list[str] = Field(default_factory=list)
     """Extra environment variables a command may see (besides PATH, LANG, TERM, the pagers...)."""
     sandbox_read: list[str] = Field(default_factory=list)

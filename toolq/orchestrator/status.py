@@ -18,9 +18,12 @@ from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.redis_faults import reaching
 from toolq.orchestrator.runtime_dir import ledger_urls, ledgers
 from toolq.orchestrator.settings import Settings, mask_url_password
+from toolq.orchestrator.session_route import live_sessions
 from toolq.orchestrator.states import parse_state
+from toolq.workers.sessions.registry import SessionRecord
 
 CALL_COLUMNS = ("tool", "call_id", "task_id", "state", "worker", "queue_wait", "run_time")
+SESSION_COLUMNS = ("session_id", "worker", "tty", "age", "command")
 TURN_COLUMNS = ("turn_id", "state", "started", "duration", "calls", "prompt")
 #: A turn's prompt is cut to this many characters in the table (JSON keeps the ledger's 500).
 PROMPT_WIDTH = 48
@@ -72,7 +75,7 @@ def _cell(column: str, row: dict[str, Any]) -> str:
     value = row.get(column)
     if value is None:
         return "-"
-    if column in ("duration", "queue_wait", "run_time"):  # calls are often milliseconds: keep them visible
+    if column in ("duration", "queue_wait", "run_time", "age"):  # calls are often milliseconds: keep them visible
         return f"{value:.1f}s" if value >= 10 else f"{value:.2f}s" if value >= 1 else f"{value * 1000:.0f}ms"
     if column == "prompt":
         text = " ".join(str(value).split())
@@ -91,16 +94,26 @@ def render_json_lines(rows: list[dict[str, Any]], **extra: Any) -> str:
     return "".join(json.dumps({**extra, **r}, ensure_ascii=False) + "\n" for r in rows)
 
 
+def session_row(s: SessionRecord, now: float) -> dict[str, Any]:
+    return {"session_id": s.session_id, "worker": s.hostname, "tty": s.tty,
+            "age": round(max(now - s.started_at, 0.0), 3), "command": " ".join(s.command.split())[:PROMPT_WIDTH]}
+
+
 def render_status(turn_id: str, turn: dict[str, str], calls: list[dict[str, str]], now: float,
-                  as_json: bool = False) -> str:
+                  as_json: bool = False, sessions: list[SessionRecord] = ()) -> str:
     rows = [call_row(c, now) for c in calls]
-    if as_json:
-        return render_json_lines(rows, turn_id=turn_id)
+    live = [session_row(s, now) for s in sessions]
+    if as_json:  # sessions as lines of their own, marked, after the calls
+        return render_json_lines(rows, turn_id=turn_id) + render_json_lines(live, turn_id=turn_id, type="session")
     head = turn_row(turn_id, turn, len(calls), now)
     line = f"turn {turn_id}  {head['state'] or '?'}  {_cell('duration', head)}  {len(calls)} call(s)\n"
     if head["error"]:
         line += f"error: {head['error']}\n"
-    return line + (render_table(rows, CALL_COLUMNS) if rows else "no calls\n")
+    text = line + (render_table(rows, CALL_COLUMNS) if rows else "no calls\n")
+    if live:
+        text += f"{len(live)} live exec_command session(s) in its conversation {turn.get('conversation')}:\n"
+        text += render_table(live, SESSION_COLUMNS)
+    return text
 
 
 def render_turns(rows: list[dict[str, Any]], as_json: bool = False) -> str:
@@ -127,23 +140,25 @@ def status_cmd(settings: Settings, turn_id: str, *, as_json: bool = False, out: 
     if urls is None:
         return 2
 
-    async def read() -> tuple[dict[str, str], list[dict[str, str]]]:
+    async def read() -> tuple[dict[str, str], list[dict[str, str]], list[SessionRecord]]:
         async with aclosing(ledgers(settings.redis_url)) as each:
             async for _, ledger in each:
                 turn, calls = await ledger.turn(turn_id), await ledger.calls(turn_id)
                 await mark_orphans(ledger.r, [(turn_id, turn)])
                 if turn or calls:
-                    return turn, calls
-        return {}, []
+                    conversation = turn.get("conversation")
+                    sessions = await live_sessions(ledger.r, conversation) if conversation else []
+                    return turn, calls, sessions
+        return {}, [], []
 
     with reaching(settings.redis_url):
-        turn, calls = asyncio.run(read())
+        turn, calls, sessions = asyncio.run(read())
     if not turn and not calls:
         where = mask_url_password(urls[0]) if settings.redis_url else f"{len(urls)} running embedded stack(s)"
         print(f"toolq status: no turn {turn_id!r} in the ledger at {where} "
               "(records are kept 7 days; `toolq turns` lists recent ones)", file=err)
         return 1
-    out.write(render_status(turn_id, turn, calls, time.time(), as_json))
+    out.write(render_status(turn_id, turn, calls, time.time(), as_json, sessions))
     return 0
 
 

@@ -24,9 +24,11 @@ class DispatchError(Exception):
     """The queue could not take the call; the call gets a model-visible "not run" output.
     `state`: FAILED when the queue was unavailable, REJECTED when no live worker serves the tool."""
 
-    def __init__(self, message: str, state: CallState = CallState.FAILED) -> None:
+    def __init__(self, message: str, state: CallState = CallState.FAILED, output: str | None = None) -> None:
         super().__init__(message)
         self.state = state
+        self.output = output
+        """The exact model-visible output, when the default "<tool> was not run: ..." is not it."""
 
 
 class TaskOutcome(BaseModel):

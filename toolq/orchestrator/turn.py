@@ -15,9 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolq.orchestrator import keys
 from toolq.orchestrator.barrier import Step, flush_background
 from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, backoff, build_request
+from toolq.orchestrator.conversation import ConversationLease, new_conversation_id
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.durable import Committed, TurnSettings, TurnStore, unanswered
 from toolq.orchestrator.errors import ConfigurationError
@@ -145,6 +147,12 @@ class Session:
         self._step: Step | None = None
         self._lease: str | None = None
         """The token of this session's lease on the running turn (durable.py)."""
+        self.conversation = ConversationLease(runtime.ledger.r, new_conversation_id())
+        """Its exec_command sessions live while it is held: from the first turn to `close()`."""
+
+    async def close(self) -> None:
+        """End the conversation: every exec_command session it started is killed."""
+        await self.conversation.release()
 
     def cancel(self) -> None:
         """Cancel the running turn from this process (Ctrl-C). Other processes use the ledger."""
@@ -162,6 +170,7 @@ class Session:
         try:
             await self.rt.follow_fleet_tools()  # MCP hook: this turn offers the MCP tools live workers host now
             await self.rt.ledger.start_turn(turn_id, prompt, str(settings.workspace))
+            await self._hold_conversation(turn_id)
             self._lease = await self.rt.turns.take_lease(turn_id)
             await self.rt.turns.save_settings(turn_id, self._turn_settings(deadline))
             await self._durable([Committed(item=i.to_wire()) for i in self.history.items])
@@ -195,6 +204,7 @@ class Session:
         self._cancel.clear()
         emit(TurnStarted(turn_id=turn_id))
         await self.rt.follow_fleet_tools()  # MCP hook: the resumed turn offers what live workers host now
+        await self._hold_conversation(turn_id)  # a new conversation: the dead one's sessions died with its lease
         await self.rt.router.watch_turn(turn_id)
         pending = unanswered(committed)
         first_step = 1 + max((c.step for c in committed if c.step is not None), default=-1)
@@ -272,6 +282,13 @@ class Session:
             await self._finish(turn_id, outcome)
         return outcome
 
+    async def _hold_conversation(self, turn_id: str) -> None:
+        try:
+            await self.conversation.hold()
+            await self.rt.ledger.r.hset(keys.turn(turn_id), "conversation", self.conversation.id)
+        except Exception as e:  # Redis away: the turn's own calls will say so
+            log.warning("could not hold conversation %s: %s", self.conversation.id, e)
+
     async def _finish(self, turn_id: str, outcome: TurnOutcome) -> None:
         try:
             await self.rt.ledger.finish_turn(turn_id, outcome.status, outcome.error)
@@ -324,7 +341,8 @@ class Session:
                 outcome.status = "failed"
                 outcome.error = f"turn stopped after {settings.max_steps} model responses with tool calls"
                 return
-            step = self._step = self.rt.step(StepContext(turn_id, step_index, deadline, str(settings.workspace)), emit)
+            step = self._step = self.rt.step(StepContext(turn_id, step_index, deadline, str(settings.workspace),
+                                                        conversation=self.conversation.id), emit)
             step_index += 1
             body = build_request(self.rt.client.settings.model, self.history.for_prompt(),
                                  self.rt.registry.model_visible_specs(self.loaded_tools),

@@ -30,6 +30,7 @@ from toolq.workers.execute import StillRunning, execute
 from toolq.workers.mcp.worker import sync as sync_mcp_tools
 from toolq.workers.sandbox import install_sigterm_handler
 from toolq.workers.summary import returned
+from toolq.workers.sessions import registry as session_registry, start as session_host
 
 log = logging.getLogger("toolq.worker")
 
@@ -110,6 +111,21 @@ def _advertise(sender: Any = None, **_: Any) -> None:
 worker_shutting_down.connect(lambda **_: presence.draining(), weak=False)
 worker_shutdown.connect(lambda **_: presence.withdraw(), weak=False)
 # --- end of the fleet catalog hooks
+
+
+# --- exec_command sessions (toolq/workers/sessions): a session host per worker, and a queue that
+# only this instance consumes, where each write_stdin for its sessions arrives.
+@celeryd_after_setup.connect
+def _session_host(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    if not Settings.load().sessions or "exec_command" not in {str(s.tool_name) for s in catalog()}:
+        return
+    me = presence.instance_id()
+    instance.app.amqp.queues.select_add(session_registry.instance_queue(me))
+    session_host.start(instance=me, hostname=str(sender), redis_url=app.conf.broker_url)
+
+
+worker_shutdown.connect(lambda **_: session_host.stop(), weak=False)
+# --- end of the session hooks
 
 
 def _hostname(task: Any) -> str:

@@ -22,6 +22,7 @@ from toolq.orchestrator import keys
 from toolq.orchestrator.settings import Settings
 from toolq.workers.advert import TOOL_QUEUE_PREFIX, ToolAdvert, ToolRef, WorkerAdvert, consumer_queues
 from toolq.workers.catalog import Catalog
+from toolq.workers.sessions.registry import instance_queue
 
 log = logging.getLogger("toolq.worker.presence")
 
@@ -30,6 +31,15 @@ HEARTBEAT = 2.0
 TTL = 8
 
 _current: Advertiser | None = None
+_instance: str | None = None
+
+
+def instance_id() -> str:
+    """This worker instance's id, fixed at first use (before the pool forks, so children share it)."""
+    global _instance
+    if _instance is None:
+        _instance = uuid.uuid4().hex
+    return _instance
 
 #: Run by the heartbeat thread before each beat, with the advertiser: what changes what a worker
 #: serves after its start (its MCP servers, `toolq.workers.mcp.follow`) re-advertises from here.
@@ -120,8 +130,10 @@ class Advertiser:
 
 
 def configured_queues(consume_from: Any) -> list[str]:
-    """The queues a worker was told to consume, without the per-tool ones added to them."""
-    return sorted(q for q in consume_from if not q.startswith(TOOL_QUEUE_PREFIX))
+    """The queues a worker was told to consume, without the per-tool ones added to them, nor its
+    instance queue (`write_stdin` to its own sessions: no tool is routed there by its spec)."""
+    own = instance_queue(instance_id())
+    return sorted(q for q in consume_from if not q.startswith(TOOL_QUEUE_PREFIX) and q != own)
 
 
 def add_tool_queues(amqp_queues: Any, catalog: Catalog) -> list[str]:
@@ -143,7 +155,7 @@ def _sandbox_in_use(settings: Settings) -> str:
 def worker_record(*, hostname: str, concurrency: int, queues: list[str], catalog: Catalog,
                   settings: Settings) -> tuple[WorkerAdvert, list[ToolAdvert]]:
     served = [s for s in catalog if s.queue in set(queues)]
-    record = WorkerAdvert(instance=uuid.uuid4().hex, hostname=hostname, host=socket.gethostname(), pid=os.getpid(),
+    record = WorkerAdvert(instance=instance_id(), hostname=hostname, host=socket.gethostname(), pid=os.getpid(),
                           started_at=time.time(), concurrency=concurrency, queues=queues,
                           sandbox=_sandbox_in_use(settings),
                           tools=[ToolRef.of(s) for s in served])

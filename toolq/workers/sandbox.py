@@ -191,7 +191,7 @@ def run_command(
     exit_wait = 0.001
     try:
         while True:
-            if not eof and buf.dropped > FLOOD_BYTES:
+            if not eof and flooded(buf):
                 time.sleep(POLL_INTERVAL)
                 eof = _read_once(fd, buf)
             elif not eof:
@@ -237,6 +237,11 @@ def run_command(
         pid=pgid,
         dropped_bytes=buf.dropped,
     )
+
+
+def flooded(buf: HeadTailBuffer) -> bool:
+    """Past `FLOOD_BYTES` dropped: read at most one pipe's worth per poll step from now on."""
+    return buf.dropped > FLOOD_BYTES
 
 
 def _read_available(fd: int, buf: HeadTailBuffer) -> bool:

@@ -185,4 +185,4 @@ def test_spec_declares_codex_schema_and_flags():
         "cmd": "string", "workdir": "string", "yield_time_ms": "number", "max_output_tokens": "number",
         "tty": "boolean", "shell": "string", "login": "boolean", "justification": "string",
     }
-    assert "no background sessions" in spec.description
+    assert "keeps running as a session" in spec.description and "write_stdin" in spec.description

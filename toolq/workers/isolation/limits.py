@@ -24,6 +24,7 @@ import re
 import resource
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -97,20 +98,28 @@ def remove_stale_pool_cgroups() -> None:
                     pass
 
 
-def _enter(controller: str, settings: dict[str, str]) -> Path | None:
-    """Put this process in a new cgroup of `controller` with `settings` (file -> value)."""
+def enter_cgroup(controller: str, settings: dict[str, str], *, name: str, thread: bool = False) -> Path | None:
+    """Put this process (`thread`: only the calling thread) in a new cgroup `name` of `controller`
+    with `settings` (file -> value); None where it may not."""
     base = cgroup_base(controller)
     if base is None:
         return None
-    cg = base / f"toolq-pool-{os.getpid()}"
+    cg = base / name
     try:
         cg.mkdir(exist_ok=True)
-        for name, value in settings.items():
-            (cg / name).write_text(value)
-        (cg / "cgroup.procs").write_text(str(os.getpid()))
+        for file, value in settings.items():
+            (cg / file).write_text(value)
+        if thread:
+            (cg / "tasks").write_text(str(threading.get_native_id()))
+        else:
+            (cg / "cgroup.procs").write_text(str(os.getpid()))
     except OSError:
         return None
     return cg
+
+
+def _enter(controller: str, settings: dict[str, str]) -> Path | None:
+    return enter_cgroup(controller, settings, name=f"toolq-pool-{os.getpid()}")
 
 
 def enter_pool_cgroup(limits: Limits) -> Path | None:
@@ -180,6 +189,15 @@ class CallLimits:
         self.nproc: int | None = None
         if self.cgroup is None and os.geteuid() != 0:
             self.nproc = _processes_of_uid(os.getuid()) + limits.processes
+
+    def use_cgroups(self, cgroup: Path | None, memory_cgroup: Path | None) -> None:
+        """Count and kill in these cgroups instead (a session host's spawn slot, toolq/workers/sessions)."""
+        if cgroup is not None:
+            self.cgroup = cgroup
+            self._failures_before = _limit_failures(cgroup)
+        if memory_cgroup is not None:
+            self.memory_cgroup = memory_cgroup
+            self._oom_kills_before = _oom_kills(memory_cgroup)
 
     def prlimit_prefix(self) -> list[str] | None:
         """The same limits as a `prlimit ... --` prefix (util-linux), so that the worker can spawn

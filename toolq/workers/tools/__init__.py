@@ -9,4 +9,5 @@ from toolq.workers.tools import (  # noqa: F401
     tool_search,
     update_plan,
     view_image,
+    write_stdin,
 )

@@ -1,8 +1,8 @@
-"""`exec_command`: run a shell command in the workspace (Codex's unified exec, without sessions).
+"""`exec_command`: run a shell command in the workspace (Codex's unified exec).
 
-Output text and truncation follow codex-reference.md §5 rules 7, 8 and 14. toolq keeps no
-process across calls (there is no `write_stdin`), so a command always runs to completion or to its
-time limit; `yield_time_ms` is accepted and clamped like Codex's, but never yields early.
+Output text and truncation follow codex-reference.md §5 rules 7, 8 and 14. On a worker with a
+session host and a call from a conversation, the command runs there and may outlive the call as
+a session (toolq/workers/sessions); otherwise it runs to completion or to its time limit.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from toolq.orchestrator.truncate import TruncationPolicy, approx_token_count, fo
 from toolq.workers import isolation
 from toolq.workers.catalog import ToolContext, ToolReturn, tool
 from toolq.workers.sandbox import CallCancelled, run_command
+from toolq.workers.sessions import calls as sessions
 from toolq.workers.workspace import resolve_in_workspace
 
 DEFAULT_MAX_OUTPUT_TOKENS = 10_000
@@ -26,6 +27,8 @@ DEFAULT_MAX_OUTPUT_TOKENS = 10_000
 MAX_OUTPUT_TOKENS_CAP = 10_000
 TIMEOUT_EXIT_CODE = 124
 EXEC_TIMEOUT = 300.0
+#: Codex's default `yield_time_ms` for exec_command.
+DEFAULT_YIELD_MS = 10_000.0
 
 PARAMETERS: dict[str, Any] = {
     "type": "object",
@@ -37,15 +40,15 @@ PARAMETERS: dict[str, Any] = {
         },
         "yield_time_ms": {
             "type": "number",
-            "description": "Accepted for compatibility and clamped to 250-30000; the call always waits "
-            "for the command to finish or time out.",
+            "description": "How long to wait (in milliseconds, 250-30000, default 10000) for output before "
+            "yielding; a command still running then keeps running as a session for write_stdin.",
         },
         "max_output_tokens": {
             "type": "number",
             "description": "Maximum number of tokens of output to return (default 10000); the middle of "
             "longer output is cut.",
         },
-        "tty": {"type": "boolean", "description": "Ignored: output is always captured through pipes."},
+        "tty": {"type": "boolean", "description": "Whether to allocate a TTY for the command (stdin stays open for write_stdin)."},
         "shell": {"type": "string", "description": "Shell binary to run the command with; defaults to bash."},
         "login": {"type": "boolean", "description": "Ignored: the shell never runs as a login shell."},
         "justification": {"type": "string", "description": "Ignored: no approval step exists."},
@@ -80,11 +83,18 @@ def exec_command(args: ExecCommandArgs, ctx: ToolContext) -> ToolReturn:
 
     The command runs in a sandbox: it may write only inside the workspace (not `.git/`) and its own
     temporary directory, has no network, and has limits on memory, processes, CPU time and file size.
-    It runs to completion or until the call's time limit, when every process it started is killed;
-    there are no background sessions, so processes left running in the background are killed when
-    the command exits, and yield_time_ms does not return early.
+    A command still running after yield_time_ms keeps running as a session: the output says
+    "Process running with session ID N", and write_stdin polls it or types into it (with tty).
+    Processes left running in the background are killed when the command exits.
     """
     cwd = resolve_in_workspace(ctx.workspace, args.workdir) if args.workdir else Path(ctx.workspace)
+    budget = DEFAULT_MAX_OUTPUT_TOKENS if args.max_output_tokens is None else int(args.max_output_tokens)
+    if sessions.available(ctx):  # unified exec sessions hook (toolq/workers/sessions)
+        reply = sessions.exec_in_host(args.cmd, shell=args.shell or "bash", cwd=cwd, tty=bool(args.tty),
+                                      yield_ms=args.yield_time_ms or DEFAULT_YIELD_MS, ctx=ctx)
+        if reply.spawn_errno is not None:
+            raise RespondToModel(spawn_failure_text(OSError(reply.spawn_errno, reply.spawn_strerror)))
+        return sessions.to_return(reply, min(budget, MAX_OUTPUT_TOKENS_CAP))
     limit = min(exec_command.tool_spec.timeout, ctx.remaining())  # type: ignore[attr-defined]
     try:
         result = run_command(
@@ -110,13 +120,16 @@ def exec_command(args: ExecCommandArgs, ctx: ToolContext) -> ToolReturn:
         exit_code = TIMEOUT_EXIT_CODE
     elif result.limit_note:
         content += f"\n[{result.limit_note}]\n"
-    budget = DEFAULT_MAX_OUTPUT_TOKENS if args.max_output_tokens is None else int(args.max_output_tokens)
     text = format_exec_output(content, exit_code, result.wall_time, min(budget, MAX_OUTPUT_TOKENS_CAP))
     return ToolReturn(output=text, success=exit_code == 0, exit_code=exit_code)
 
 
-def format_exec_output(content: str, exit_code: int, wall_time: float, max_tokens: int) -> str:
-    """Codex's unified-exec response text (codex-reference.md §5 rules 7 and 8)."""
+def format_exec_output(content: str, exit_code: int | None, wall_time: float, max_tokens: int, *,
+                       session_id: int | None = None) -> str:
+    """Codex's unified-exec response text (codex-reference.md §5 rules 7 and 8); with a
+    `session_id`, the process is still running."""
+    status = (f"Process running with session ID {session_id}" if session_id is not None
+              else f"Process exited with code {exit_code}")
     tokens = approx_token_count(content)
     if tokens > max_tokens:
         content = f"Warning: truncated output (original token count: {tokens})\n" + formatted_truncate_text(
@@ -125,7 +138,7 @@ def format_exec_output(content: str, exit_code: int, wall_time: float, max_token
     return (
         f"Chunk ID: {secrets.token_hex(3)}\n"
         f"Wall time: {wall_time:.4f} seconds\n"
-        f"Process exited with code {exit_code}\n"
+        f"{status}\n"
         f"Original token count: {tokens}\n"
         f"Output:\n{content}"
     )

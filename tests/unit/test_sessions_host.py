@@ -1,0 +1,127 @@
+"""The session host on its own (no worker, no Redis): sessions, tty, the conversation check, and
+a caller that hangs up killing its command. The fleet side is in tests/integration/test_sessions.py."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.orchestrator.dispatch import FLOWER_COMMAND_CHARS, flower_args
+from toolq.workers.sessions import client, start
+from toolq.workers.sessions.host import STDIN_CLOSED
+from toolq.workers.sessions.protocol import ExecRequest, WriteRequest
+from toolq.workers.tools.exec_command import format_exec_output
+from toolq.workers.tools.write_stdin import WriteStdinArgs
+
+
+@pytest.fixture
+def host(tmp_path, monkeypatch):
+    monkeypatch.delenv("TOOLQ_SESSION_SOCKET", raising=False)
+    start.start(instance="test", hostname="test@host", redis_url="")
+    yield tmp_path
+    start.stop()
+
+
+def run(ws, cmd: str, *, conversation="c1", tty=False, yield_ms=300.0, cancelled=lambda: False):
+    req = ExecRequest(conversation=conversation, cmd=cmd, cwd=str(ws), workspace=str(ws), env=dict(os.environ),
+                      tty=tty, yield_ms=yield_ms)
+    return client.call(req, cancelled, timeout=20)
+
+
+def write(session_id: int, chars: str = "", *, conversation="c1", yield_ms=300.0):
+    return client.call(WriteRequest(conversation=conversation, session_id=session_id, chars=chars,
+                                    yield_ms=yield_ms), lambda: False, timeout=20)
+
+
+def pgrep(pattern: str) -> bool:
+    return subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 0
+
+
+def test_a_finished_command_exits_and_a_running_one_becomes_a_session(host):
+    done = run(host, "echo hi")
+    assert (done.exit_code, done.session_id, client.output_text(done)) == (0, None, "hi\n")
+    live = run(host, "echo a; sleep 1; echo b")
+    assert live.session_id is not None and live.exit_code is None and client.output_text(live) == "a\n"
+    rest = write(live.session_id, yield_ms=5000)
+    assert (rest.exit_code, client.output_text(rest)) == (0, "b\n")
+    assert write(live.session_id).error == f"write_stdin failed: Unknown process id {live.session_id}"
+
+
+def test_tty_keeps_stdin_open_and_a_pipe_session_refuses_writes(host):
+    cat = run(host, "cat", tty=True)
+    assert client.output_text(write(cat.session_id, "ping\n")) == "ping\r\nping\r\n"
+    pipe = run(host, "sleep 5")
+    assert write(pipe.session_id, "x").error == STDIN_CLOSED
+
+
+def test_another_conversation_cannot_reach_a_session(host):
+    # An attacker who guesses the id (they are small integers) but not the conversation.
+    victim = run(host, "cat", tty=True, conversation="victim")
+    stolen = write(victim.session_id, "rm -rf ~\n", conversation="attacker")
+    assert stolen.error == f"write_stdin failed: Unknown process id {victim.session_id}"
+    assert client.output_text(write(victim.session_id, "", conversation="victim", yield_ms=250)) == ""
+
+
+def test_a_caller_that_hangs_up_before_the_yield_kills_its_command(host):
+    mark = "sleep 4242.25"
+    t0 = time.monotonic()
+    with pytest.raises(client.Cancelled):
+        run(host, mark, yield_ms=10_000, cancelled=lambda: time.monotonic() - t0 > 0.5)
+    deadline = time.monotonic() + 5
+    while pgrep(mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pgrep(mark), "a cancelled exec_command left its process running"
+
+
+def test_the_socket_is_private_to_the_worker_user(host):
+    path = client.socket_path()
+    assert path and os.stat(os.path.dirname(path)).st_mode & 0o077 == 0
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    sock.sendall(b'{"op": "exec", "garbage": true}\n')  # a bad request gets no reply, and no process
+    sock.settimeout(2)
+    assert sock.recv(100) == b""
+    sock.close()
+
+
+def test_stopping_the_host_kills_every_session(tmp_path, monkeypatch):
+    monkeypatch.delenv("TOOLQ_SESSION_SOCKET", raising=False)
+    start.start(instance="test", hostname="test@host", redis_url="")
+    mark = "sleep 4343.25"
+    assert run(tmp_path, mark).session_id is not None
+    start.stop()
+    deadline = time.monotonic() + 5
+    while pgrep(mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pgrep(mark)
+
+
+@pytest.mark.parametrize("chars,given,expected", [("x", None, 250), ("x", 10, 250), ("x", 99_999, 30_000),
+                                                  ("", None, 5_000), ("", 400_000, 300_000), ("", 7000, 7000)])
+def test_write_stdin_clamps_yield_time_as_codex(chars, given, expected):
+    assert WriteStdinArgs(session_id=1, chars=chars, yield_time_ms=given).yield_ms() == expected
+
+
+def test_a_running_session_reads_as_codex_text():
+    text = format_exec_output("out\n", None, 0.25, 100, session_id=7)
+    assert text.split("\n")[1:] == ["Wall time: 0.2500 seconds", "Process running with session ID 7",
+                                    "Original token count: 1", "Output:", "out", ""]
+
+
+def _inv(name: str, arguments: str) -> ToolInvocation:
+    return ToolInvocation(turn_id="t", step=0, output_index=0, call_id="c", tool_name=ToolName(name=name),
+                          payload=FunctionPayload(arguments=arguments), deadline=0)
+
+
+def test_flower_shows_the_command_line_cut_short_and_nothing_else():
+    long = "echo " + "x" * 1000
+    shown = flower_args(_inv("exec_command", '{"cmd": "%s", "workdir": "secret-dir"}' % long))
+    assert "echo xxx" in shown and len(shown) < FLOWER_COMMAND_CHARS + 80 and "secret-dir" not in shown
+    assert "chars=5" in flower_args(_inv("write_stdin", '{"session_id": 3, "chars": "hello"}'))
+    assert "secret" not in flower_args(_inv("read_file", '{"path": "secret"}'))
+    assert flower_args(_inv("exec_command", "not json")) == "(call_id='c', turn='t')"

@@ -1,0 +1,59 @@
+"""Where a `write_stdin` goes: to the one worker instance that holds its session.
+
+The session's record (written by that worker's session host, toolq/workers/sessions/registry.py)
+names the instance; its own queue `toolq.w.<instance>` is consumed by it alone. An unknown id,
+or an instance gone from the fleet catalog (its record expires within `presence.TTL` seconds of a
+crash), is answered here with the model-visible text, without queueing anything.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import ValidationError
+
+from toolq.orchestrator import keys
+from toolq.orchestrator.calls import FunctionPayload, ToolInvocation
+from toolq.orchestrator.states import CallState
+from toolq.orchestrator.transport import DispatchError
+from toolq.workers.sessions.registry import SessionRecord, instance_queue, sessions_key
+
+TOOL = "write_stdin"
+
+
+def unknown(session_id: object) -> DispatchError:
+    return DispatchError("unknown session", state=CallState.FAILED,
+                         output=f"write_stdin failed: Unknown process id {session_id}")
+
+
+async def queue_for(r, inv: ToolInvocation) -> str:
+    """The queue of the instance holding the call's session; DispatchError (with the output) if none."""
+    try:
+        assert isinstance(inv.payload, FunctionPayload)
+        session_id = int(json.loads(inv.payload.arguments)["session_id"])
+    except (AssertionError, ValueError, KeyError, TypeError):
+        raise unknown("?") from None
+    raw = await r.hget(sessions_key(inv.conversation or ""), str(session_id)) if inv.conversation else None
+    if raw is None:
+        raise unknown(session_id)
+    try:
+        record = SessionRecord.model_validate_json(raw)
+    except ValidationError:
+        raise unknown(session_id) from None
+    if not await r.exists(keys.fleet_worker(record.instance)):
+        await r.hdel(sessions_key(inv.conversation or ""), str(session_id))
+        raise DispatchError("session lost", state=CallState.FAILED, output=(
+            f"write_stdin failed: session {session_id} was lost with its worker {record.hostname} "
+            f"(the worker is gone; `{record.command[:80]}` is no longer running); start it again with exec_command"))
+    return instance_queue(record.instance)
+
+
+async def live_sessions(r, conversation: str) -> list[SessionRecord]:
+    """The conversation's live sessions, for `toolq status`."""
+    records = []
+    for raw in (await r.hgetall(sessions_key(conversation))).values():
+        try:
+            records.append(SessionRecord.model_validate_json(raw))
+        except ValidationError:
+            continue
+    return sorted(records, key=lambda s: s.session_id)

@@ -1,0 +1,60 @@
+"""A pool child's side of the session host: send one request, wait for the reply, hang up on cancel."""
+
+from __future__ import annotations
+
+import base64
+import os
+import select
+import socket
+import time
+from typing import Callable
+
+from toolq.workers.sessions.protocol import ExecRequest, Reply, WriteRequest
+
+SOCKET_ENV = "TOOLQ_SESSION_SOCKET"
+STEP = 0.05
+
+
+class HostUnavailable(Exception):
+    """This worker has no session host (or it is gone)."""
+
+
+class Cancelled(Exception):
+    """The call was cancelled while it waited; the host was told by the hang-up."""
+
+
+def socket_path() -> str | None:
+    return os.environ.get(SOCKET_ENV) or None
+
+
+def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], timeout: float) -> Reply:
+    path = socket_path()
+    if path is None:
+        raise HostUnavailable("this worker runs no session host")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.connect(path)
+        except OSError as e:
+            raise HostUnavailable(f"the session host does not answer: {e}") from None
+        sock.sendall(request.model_dump_json().encode() + b"\n")
+        deadline = time.monotonic() + timeout
+        data = bytearray()
+        while not data.endswith(b"\n"):
+            if is_cancelled():
+                raise Cancelled()
+            if time.monotonic() > deadline:
+                raise Cancelled()
+            ready, _, _ = select.select([sock], [], [], STEP)
+            if ready:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise HostUnavailable("the session host hung up before it answered")
+                data += chunk
+        return Reply.model_validate_json(bytes(data))
+    finally:
+        sock.close()  # before a reply, this is what kills a command that has not yielded
+
+
+def output_text(reply: Reply) -> str:
+    return base64.b64decode(reply.output).decode("utf-8", errors="replace")

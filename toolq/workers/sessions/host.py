@@ -1,0 +1,425 @@
+"""The session host: one per worker, it runs that worker's `exec_command` processes and keeps
+those still running at `yield_time_ms` as sessions (see the package docstring for why).
+
+Run as `python -m toolq.workers.sessions.host` by the worker's main process (`start.py`), with
+PR_SET_PDEATHSIG=SIGTERM, so it dies with the worker; on SIGTERM it kills every session's
+process group first. Requests are one JSON line per connection (`protocol.py`); a connection
+that closes before its reply (the pool child was revoked or killed) kills a command that has
+not yielded yet. Commands launch through the worker's sandbox (`toolq.workers.isolation`), as
+`run_command` launches them.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import logging
+import os
+import pty
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from toolq.orchestrator.settings import Settings
+from toolq.workers import isolation
+from toolq.workers.isolation import reaper
+from toolq.workers.sandbox import DEFAULT_OUTPUT_CAP, DRAIN_TIMEOUT, POLL_INTERVAL, HeadTailBuffer, _killpg, flooded
+from toolq.workers.sessions.slots import Slot, Slots
+from toolq.workers.sessions.protocol import ExecRequest, Reply, WriteRequest, parse_request
+from toolq.workers.sessions.registry import (CONVERSATION_TTL, SessionRecord, conversation_key, next_id_key,
+                                             sessions_key)
+
+log = logging.getLogger("toolq.sessions.host")
+
+STDIN_CLOSED = ("write_stdin failed: stdin is closed for this session; rerun exec_command with tty=true "
+                "to keep stdin open")
+#: How often a waiting call checks its connection, and the reaper its limits.
+STEP = 0.05
+REAP_INTERVAL = 1.0
+TAIL_BYTES = 4096
+#: Conversations a worker may hold sessions of at their limit, at once.
+SLOTS_PER_SESSION_LIMIT = 4
+
+
+@dataclass(eq=False)  # hashed by identity: held in sets
+class Process:
+    proc: subprocess.Popen
+    fd: int
+    """Read end: the pipe, or the pty's master (which is also where stdin is written)."""
+    tty: bool
+    command: str
+    conversation: str
+    launch: isolation.Launch | None
+    started: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    pending: HeadTailBuffer = field(default_factory=lambda: HeadTailBuffer(DEFAULT_OUTPUT_CAP))
+    exit_code: int | None = None
+    done: bool = False
+    """Exited and its output fully read."""
+    session_id: int | None = None
+    slot: Slot | None = None
+    tail: bytearray = field(default_factory=bytearray)
+    """The last output bytes, for the line naming a sandbox limit the command hit."""
+    limit_note: str | None = None
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def take_output(self) -> bytes:
+        with self.cond:
+            data = self.pending.getvalue()
+            self.pending = HeadTailBuffer(DEFAULT_OUTPUT_CAP)
+            return data
+
+    def kill(self) -> None:
+        _killpg(self.proc.pid)
+        if self.launch is not None:
+            self.launch.kill(frozenset())
+
+
+class Host:
+    def __init__(self, settings: Settings, instance: str, hostname: str, r: redis.Redis | None) -> None:
+        self.settings = settings
+        self.instance, self.hostname, self.r = instance, hostname, r
+        self.lock = threading.Lock()
+        self.live: dict[int, Process] = {}
+        """Sessions (processes that outlived their exec_command) by session id."""
+        self.running: set[Process] = set()
+        self._ids = itertools.count(1)  # without Redis (tests of the host alone)
+        sandbox = isolation.current(settings)
+        confined = not sandbox.unavailable and sandbox.backend != "none"
+        self.slots = Slots(sandbox.policy.limits if confined else None,
+                           most=settings.concurrency + SLOTS_PER_SESSION_LIMIT * settings.session_limit)
+        if confined and sandbox.backend == "landlock":
+            # No pid namespace: what leaves a command's group comes back to the host, which reaps
+            # it (the slot's cgroup kills it), instead of to an init that may never reap it, and
+            # a zombie still counts against the slot's process limit.
+            reaper.become_subreaper()
+
+    # --- starting a command ----------------------------------------------------------------
+
+    def spawn(self, req: ExecRequest) -> Process:
+        """Raises OSError (spawn failure) or SandboxUnavailable."""
+        argv = [req.shell, "-c", req.cmd]
+        master = slave = None
+        if req.tty:
+            master, slave = pty.openpty()
+            stdio = dict(stdin=slave, stdout=slave, stderr=slave)
+        else:
+            stdio = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        popen = dict(cwd=req.cwd, start_new_session=True, close_fds=True, **stdio)
+        sandbox = isolation.current(self.settings)
+        slot = self.slots.take()
+        try:
+            launch = sandbox.launch(argv, workspace=req.workspace, cwd=req.cwd, env=req.env)
+        except BaseException:
+            self.slots.give_back(slot)
+            raise
+        if launch.call_limits is not None:
+            launch.call_limits.use_cgroups(slot.cgroup, slot.memory_cgroup)
+        launch.reap = False  # a sweep would kill the other sessions' processes: see _reap_orphans
+        try:
+            proc = slot.run(launch.spawn, **popen)
+        except BaseException:
+            launch.close()
+            self.slots.give_back(slot)
+            for fd in (master, slave):
+                if fd is not None:
+                    os.close(fd)
+            raise
+        if slave is not None:
+            os.close(slave)
+            fd = master
+        else:
+            assert proc.stdout is not None
+            fd = proc.stdout.fileno()
+        p = Process(proc=proc, fd=fd, tty=req.tty, command=req.cmd, conversation=req.conversation, launch=launch,
+                    slot=slot)
+        with self.lock:
+            self.running.add(p)
+        threading.Thread(target=self._pump, args=(p,), name="toolq-session-pump", daemon=True).start()
+        return p
+
+    def _pump(self, p: Process) -> None:
+        """Read the process's output until it exits (and its output is drained), then finish it."""
+        exited_at: float | None = None
+        while True:
+            if exited_at is None and _has_exited(p.proc.pid):
+                exited_at = time.monotonic()
+                _killpg(p.proc.pid)  # leftovers of the group (background children) go with it
+            timeout = STEP if exited_at is None else max(0.0, min(STEP, exited_at + DRAIN_TIMEOUT - time.monotonic()))
+            if exited_at is None and flooded(p.pending):
+                time.sleep(POLL_INTERVAL)  # nobody polls the flood: let it block on the full pipe
+            ready, _, _ = select.select([p.fd], [], [], timeout)
+            eof = False
+            if ready:
+                try:
+                    chunk = os.read(p.fd, 65536)
+                except OSError:  # EIO: the pty's last slave closed
+                    chunk = b""
+                eof = not chunk
+                if chunk:
+                    with p.cond:
+                        p.pending.write(chunk)
+                        p.tail = (p.tail + chunk)[-TAIL_BYTES:]
+                        p.cond.notify_all()
+            if exited_at is not None and (eof or time.monotonic() >= exited_at + DRAIN_TIMEOUT):
+                break
+            if eof:  # the output closed before the leader exited: just wait for the exit
+                p.proc.wait()
+        if p.launch is not None:
+            p.launch.kill(frozenset())
+        returncode = p.proc.wait()
+        exit_code = returncode if returncode >= 0 else 128 - returncode
+        if p.launch is not None:
+            p.launch.close()
+            p.limit_note = isolation.current(self.settings).explain(p.launch, exit_code,
+                                                                     p.tail.decode("utf-8", errors="replace"))
+        self._reap_orphans()
+        if p.slot is not None:
+            self.slots.give_back(p.slot)
+        if p.proc.stdout is not None:
+            p.proc.stdout.close()
+        else:
+            os.close(p.fd)
+        with p.cond:
+            p.exit_code = exit_code
+            p.done = True
+            p.cond.notify_all()
+        with self.lock:
+            self.running.discard(p)
+
+    # --- waiting for output ----------------------------------------------------------------
+
+    def collect(self, p: Process, yield_s: float, conn: socket.socket) -> bool:
+        """Wait until the process is done or `yield_s` passes; False if the caller hung up."""
+        deadline = time.monotonic() + yield_s
+        with p.cond:
+            while not p.done and (left := deadline - time.monotonic()) > 0:
+                p.cond.wait(min(left, STEP))
+                if _hung_up(conn):
+                    return False
+        return True
+
+    def reply_for(self, p: Process, started: float) -> Reply:
+        output = p.take_output()
+        p.last_used = time.monotonic()
+        wall = time.monotonic() - started
+        if p.done:
+            self._forget(p)
+            return Reply(output=_b64(output), exit_code=p.exit_code, wall_time=wall, limit_note=p.limit_note)
+        if p.session_id is None:
+            live = self._live_in(p.conversation)
+            if live >= self.settings.session_limit:
+                p.kill()
+                return Reply(error=(
+                    f"exec_command failed: this conversation already has {live} live sessions (the limit is "
+                    f"{self.settings.session_limit}), so the command, still running after yield_time_ms, was "
+                    "killed; end a session (let it exit, or send it exit/Ctrl-D with write_stdin) first"))
+            p.session_id = self._register(p)
+        return Reply(output=_b64(output), session_id=p.session_id, wall_time=wall)
+
+    def _live_in(self, conversation: str) -> int:
+        """Sessions of the conversation across the fleet (this host's alone without Redis)."""
+        if self.r is None:
+            with self.lock:
+                return sum(1 for p in self.live.values() if p.conversation == conversation)
+        return int(self.r.hlen(sessions_key(conversation)))
+
+    def _register(self, p: Process) -> int:
+        session_id = int(self.r.incr(next_id_key(p.conversation))) if self.r is not None else next(self._ids)
+        record = SessionRecord.new(session_id, self.instance, self.hostname, p.command, p.tty)
+        if self.r is not None:
+            with self.r.pipeline(transaction=True) as pipe:
+                pipe.hset(sessions_key(p.conversation), str(session_id), record.model_dump_json())
+                pipe.expire(sessions_key(p.conversation), int(self.settings.session_lifetime) + CONVERSATION_TTL)
+                pipe.expire(next_id_key(p.conversation), int(self.settings.session_lifetime) + 86400)
+                pipe.execute()
+        with self.lock:
+            self.live[session_id] = p
+        return session_id
+
+    def _forget(self, p: Process) -> None:
+        if p.session_id is None:
+            return
+        with self.lock:
+            self.live.pop(p.session_id, None)
+        if self.r is not None:
+            try:
+                self.r.hdel(sessions_key(p.conversation), str(p.session_id))
+            except redis.RedisError as e:
+                log.warning("could not unregister session %s: %s", p.session_id, e)
+
+    # --- requests --------------------------------------------------------------------------
+
+    def handle_exec(self, req: ExecRequest, conn: socket.socket) -> Reply | None:
+        started = time.monotonic()
+        try:
+            p = self.spawn(req)
+        except isolation.SandboxUnavailable as e:
+            return Reply(error=f"exec_command refused: {e}")
+        except OSError as e:
+            return Reply(spawn_errno=e.errno or 0, spawn_strerror=e.strerror or str(e), wall_time=0.0)
+        if not self.collect(p, req.yield_ms / 1000, conn):
+            p.kill()
+            return None
+        return self.reply_for(p, started)
+
+    def handle_write(self, req: WriteRequest, conn: socket.socket) -> Reply | None:
+        started = time.monotonic()
+        with self.lock:
+            p = self.live.get(req.session_id)
+        if p is None or p.conversation != req.conversation:
+            return Reply(error=f"write_stdin failed: Unknown process id {req.session_id}")
+        if req.chars:
+            if not p.tty:
+                return Reply(error=STDIN_CLOSED)
+            try:
+                os.write(p.fd, req.chars.encode())
+            except OSError as e:
+                return Reply(error=f"write_stdin failed: {e.strerror or e}")
+        if not self.collect(p, req.yield_ms / 1000, conn):
+            return None  # the session stays: only its poll was cut short
+        return self.reply_for(p, started)
+
+    def serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                line = _read_line(conn)
+                req = parse_request(line)
+                reply = self.handle_exec(req, conn) if isinstance(req, ExecRequest) else self.handle_write(req, conn)
+                if reply is not None:
+                    conn.sendall(reply.model_dump_json().encode() + b"\n")
+            except (OSError, ValueError) as e:
+                log.warning("session host request failed: %s", e)
+
+    # --- limits ----------------------------------------------------------------------------
+
+    def reap_once(self) -> None:
+        """Kill sessions past the idle or lifetime limit, or whose conversation has ended."""
+        now = time.monotonic()
+        with self.lock:
+            sessions = list(self.live.values())
+        ended: set[str] = set()
+        if self.r is not None and sessions:
+            conversations = sorted({p.conversation for p in sessions})
+            try:
+                alive = [self.r.exists(conversation_key(c)) for c in conversations]
+                ended = {c for c, a in zip(conversations, alive) if not a}
+            except redis.RedisError:
+                ended = set()
+        for p in sessions:
+            why = None
+            if p.conversation in ended:
+                why = "its conversation ended"
+            elif now - p.last_used > self.settings.session_idle:
+                why = "idle limit"
+            elif now - p.started > self.settings.session_lifetime:
+                why = "lifetime limit"
+            if why:
+                log.info("killing session %s (%s): %s", p.session_id, why, p.command[:80])
+                p.kill()
+                self._forget(p)
+
+    def _reap_orphans(self) -> None:
+        """Reap the dead orphans that came back to the host (never a command's own leader)."""
+        with self.lock:
+            leaders = {p.proc.pid for p in self.running} | {p.proc.pid for p in self.live.values()}
+        for pid in reaper.children(os.getpid()):
+            if pid not in leaders:
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+    def kill_all(self) -> None:
+        with self.lock:
+            procs = list(self.running) + list(self.live.values())
+        for p in procs:
+            p.kill()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _has_exited(pid: int) -> bool:
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _hung_up(conn: socket.socket) -> bool:
+    """The client closed its end (it only ever sends one line, so readable means closed)."""
+    ready, _, _ = select.select([conn], [], [], 0)
+    if not ready:
+        return False
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _read_line(conn: socket.socket, limit: int = 16 * 1024 * 1024) -> bytes:
+    data = bytearray()
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > limit:
+            raise ValueError("request too large")
+    return bytes(data)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="[session host] %(message)s")
+    path = os.environ["TOOLQ_SESSION_SOCKET"]
+    settings = Settings.load()
+    r = redis.Redis.from_url(os.environ["TOOLQ_SESSION_REDIS"]) if os.environ.get("TOOLQ_SESSION_REDIS") else None
+    host = Host(settings, os.environ.get("TOOLQ_SESSION_INSTANCE", ""), os.environ.get("TOOLQ_SESSION_HOSTNAME", ""),
+                r)
+
+    def stop(signum: int, frame: object) -> None:
+        host.kill_all()
+        host.slots.remove_all()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker's Ctrl-C is its own; SIGTERM follows
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    os.chmod(path, 0o600)
+    server.listen(64)
+
+    def reaper() -> None:
+        while True:
+            time.sleep(REAP_INTERVAL)
+            try:
+                host.reap_once()
+                host._reap_orphans()
+            except Exception:  # the reaper must outlive any one bad session
+                log.exception("session reaper failed")
+
+    threading.Thread(target=reaper, name="toolq-session-reaper", daemon=True).start()
+    print(json.dumps({"ready": path}), flush=True)
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=host.serve, args=(conn,), name="toolq-session-call", daemon=True).start()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

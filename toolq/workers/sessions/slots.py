@@ -1,0 +1,89 @@
+"""Spawn slots: where the session host starts commands, one running command per slot.
+
+A slot is a thread that lives as long as the host, sitting alone in a pids and a memory cgroup of
+its own (cgroup v1 moves single threads, through `tasks`). What it spawns starts in those cgroups,
+so each command gets the per-call process and memory limits a pool child gives its call
+(`isolation/limits.py`; the thread shares the host's memory, which stays charged to the host), and
+the thread moves once, at the slot's creation: a move costs ~15 ms here, too much for every call.
+A long-lived spawning thread is also what bwrap's --die-with-parent (PR_SET_PDEATHSIG) needs: it
+fires when the thread that forked exits. The cgroups are named like the pool children's
+(`toolq-pool-<slot>-<host pid>`), so the worker removes those of a dead host at its shutdown.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from toolq.workers.isolation import limits
+from toolq.workers.isolation.policy import Limits
+
+#: The slot's own thread, besides the command's processes.
+SLOT_TASKS_SLACK = 1
+
+
+class Slot:
+    def __init__(self, index: int, lim: Limits | None) -> None:
+        self.index = index
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"toolq-session-slot{index}")
+        self.cgroup: Path | None = None
+        self.memory_cgroup: Path | None = None
+        if lim is not None:
+            self.cgroup = self._thread.submit(self._enter_cgroup, "pids", {
+                "pids.max": str(lim.processes + SLOT_TASKS_SLACK)}).result()
+            self.memory_cgroup = self._thread.submit(self._enter_cgroup, "memory", {
+                "memory.limit_in_bytes": str((lim.memory_mb + limits.OWN_MEMORY_SLACK_MB) * limits.MIB)}).result()
+        self.busy = False
+
+    def _enter_cgroup(self, controller: str, settings: dict[str, str]) -> Path | None:
+        """Runs on the slot's thread: move it alone into a new cgroup of `controller`."""
+        return limits.enter_cgroup(controller, settings, name=f"toolq-pool-s{self.index}-{os.getpid()}", thread=True)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._thread.submit(fn, *args, **kwargs).result()
+
+    def remove(self) -> None:
+        for cg in (self.cgroup, self.memory_cgroup):
+            if cg is not None:
+                limits._kill_members(cg)
+                try:
+                    cg.rmdir()
+                except OSError:
+                    pass
+
+
+class Slots:
+    def __init__(self, lim: Limits | None, most: int) -> None:
+        self.lim = lim
+        self.most = most
+        """Slots at most: commands running at once on this worker, sessions included. A command
+        that reached the host's socket (Landlock leaves pathname unix sockets open) cannot use it
+        to run more than this."""
+        self._lock = threading.Lock()
+        self._all: list[Slot] = []
+
+    def take(self) -> Slot:
+        with self._lock:
+            for slot in self._all:
+                if not slot.busy:
+                    slot.busy = True
+                    return slot
+            if len(self._all) >= self.most:
+                raise OSError(errno.EAGAIN, f"this worker already runs {self.most} commands and sessions")
+            slot = Slot(len(self._all), self.lim)
+            slot.busy = True
+            self._all.append(slot)
+            return slot
+
+    def give_back(self, slot: Slot) -> None:
+        with self._lock:
+            slot.busy = False
+
+    def remove_all(self) -> None:
+        with self._lock:
+            for slot in self._all:
+                slot.remove()

@@ -1,0 +1,97 @@
+"""Starting, watching and stopping a worker's session host, from the worker's main process.
+
+A host that dies (killed, out of memory) takes its sessions with it; a watcher thread kills what
+its commands left in their cgroups (`limits.remove_stale_pool_cgroups`: the slots are named after
+the dead host's pid) and starts a new one, so the worker goes on serving exec_command.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+from toolq.workers.isolation import limits
+from toolq.workers.sessions.client import SOCKET_ENV
+
+log = logging.getLogger("toolq.sessions")
+
+_PR_SET_PDEATHSIG = 1
+_host: subprocess.Popen | None = None
+_dir: str | None = None
+_stopping = threading.Event()
+
+
+def _die_with_parent() -> None:
+    # SIGTERM, not SIGKILL: the host kills its sessions' process groups before it goes.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def _spawn(path: str, env: dict[str, str]) -> subprocess.Popen:
+    if os.path.exists(path):
+        os.unlink(path)
+    host = subprocess.Popen([sys.executable, "-m", "toolq.workers.sessions.host"], env=env,
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    assert host.stdout is not None
+    line = host.stdout.readline()
+    if not line or json.loads(line).get("ready") != path:
+        host.kill()
+        raise RuntimeError("the session host did not start")
+    return host
+
+
+def start(*, instance: str, hostname: str, redis_url: str) -> str:
+    """Start the host before the pool forks; its pool children find it through the environment."""
+    global _host, _dir
+    _dir = tempfile.mkdtemp(prefix="toolq-sessions-")  # 0700: only this uid reaches the socket
+    path = os.path.join(_dir, "host.sock")
+    env = dict(os.environ, TOOLQ_SESSION_SOCKET=path, TOOLQ_SESSION_REDIS=redis_url,
+               TOOLQ_SESSION_INSTANCE=instance, TOOLQ_SESSION_HOSTNAME=hostname)
+    _stopping.clear()
+    _host = _spawn(path, env)
+    os.environ[SOCKET_ENV] = path
+    threading.Thread(target=_watch, args=(path, env), name="toolq-session-watch", daemon=True).start()
+    return path
+
+
+def _watch(path: str, env: dict[str, str]) -> None:
+    """Restart a host that died; the restarted one is tied (PDEATHSIG) to this thread, which
+    lives until `stop()`."""
+    global _host
+    while _host is not None:
+        code = _host.wait()
+        if _stopping.is_set():
+            return
+        log.warning("the session host exited (%s): its sessions are lost; starting a new one", code)
+        limits.remove_stale_pool_cgroups()
+        try:
+            _host = _spawn(path, env)
+        except (OSError, RuntimeError) as e:
+            log.error("could not restart the session host: %s", e)
+            return
+
+
+def stop() -> None:
+    """At the worker's shutdown: the host kills every session, then exits."""
+    global _host
+    _stopping.set()
+    host, _host = _host, None
+    if host is None:
+        return
+    host.send_signal(signal.SIGTERM)
+    try:
+        host.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        host.kill()
+    if _dir is not None:
+        try:
+            os.rmdir(_dir)
+        except OSError:
+            pass
+    os.environ.pop(SOCKET_ENV, None)
