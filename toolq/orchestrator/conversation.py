@@ -48,11 +48,12 @@ class ConversationLease:
 
     async def release(self) -> None:
         """The conversation ended: every session of it is killed by the host holding it."""
-        if self._beat is not None:
-            self._beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beat
-            self._beat = None
+        if self._beat is None:
+            return  # never held (e.g. Redis was unreachable at the first turn): nothing to end
+        self._beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._beat
+        self._beat = None
         try:
             await self.r.delete(conversation_key(self.id))
         except (RedisError, OSError) as e:
