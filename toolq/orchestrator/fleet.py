@@ -153,7 +153,7 @@ class Fleet:
         return bind_item(item, self.registry, ctx, output_index)
 
     def step(self, ctx: StepContext, emit: Emit = ignore) -> Step:
-        return Step(ctx, self.transport, self.ledger, emit)
+        return Step(ctx, self.transport, self.ledger, emit, stream_output=self.settings.stream_output)
 
     async def run_calls(self, items: Iterable[Any], turn_id: str | None = None, *,
                         emit: Emit = ignore) -> list[dict[str, Any]]:
