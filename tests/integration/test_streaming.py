@@ -135,3 +135,30 @@ def test_fleet_run_calls_hears_the_same_events(fleet, redis_server, tmp_path):
     run = Run()
     run.events = events
     assert_streamed_before_completion(events_of(run, "call_tick"))
+
+
+def test_a_forged_or_replayed_batch_never_reaches_the_watchers(fleet, drive, redis_server):
+    """Whoever reaches Redis can publish on a call's channel; without the fleet key nothing shows."""
+    import redis.asyncio as aioredis
+
+    async def forge(session, runtime):
+        r = aioredis.Redis.from_url(redis_server.url)
+        pubsub = r.pubsub()
+        await pubsub.psubscribe(f"{keys.CALL_OUTPUT}*")
+        while (msg := await pubsub.get_message(ignore_subscribe_messages=True, timeout=10)) is None:
+            pass
+        genuine = json.loads(msg["data"])
+        channel = msg["channel"].decode()
+        await r.publish(channel, json.dumps({**genuine, "seq": genuine["seq"] + 100, "text": "FORGED\n"}))
+        await r.publish(channel, json.dumps({"seq": 999, "text": "UNSIGNED\n"}))
+        await r.publish(channel, msg["data"])  # replayed: its seq is not new
+        await pubsub.aclose()
+        await r.aclose()
+
+    run = drive([[b.function_call("exec_command", {"cmd": TICKING}, "call_tick")], final()], during=forge)
+    events = events_of(run, "call_tick")
+    shown = [e["item"].get("aggregated_output", "") for e in events]
+    assert not any("FORGED" in s or "UNSIGNED" in s for s in shown)
+    outputs = [s for s in shown[1:-1] if s]
+    assert all(b.startswith(a) for a, b in zip(outputs, outputs[1:]))  # the replay added nothing
+    assert_streamed_before_completion(events)

@@ -1,0 +1,51 @@
+"""Benchmark: what streaming a running command's output costs a model step (issue 15 item 3).
+
+`toolq bench steps`' workload (N = 1, 8, 32 parallel `exec_command true`), with the turn watched as
+`toolq run --json` watches it (every event encoded as JSON, written to a null sink), once with
+`TOOLQ_STREAM_OUTPUT` on and once off, in interleaved rounds on the same embedded stack (the
+orchestrator decides per call whether its output streams, so one fleet serves both).
+Goal: the step time with streaming within 5% of the one without.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from typing import IO, Any
+
+from toolq.orchestrator.bench.harness import goal, median, ms, stack
+from toolq.orchestrator.bench.steps import step_times
+from toolq.orchestrator.view import JsonView
+
+GOAL_RATIO = 1.05
+
+
+class _Null(io.TextIOBase):
+    def write(self, s: str) -> int:
+        return len(s)
+
+
+def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: int = 6,
+        rounds: int = 4) -> dict[str, Any]:
+    modes = (True, False)
+    samples: dict[tuple[bool, int], list[float]] = {(m, n): [] for m in modes for n in sizes}
+    with stack(workers=2, concurrency=8) as settings:
+        # Interleaved rounds: load from elsewhere on the machine falls on both modes alike.
+        for _ in range(rounds):
+            for n in sizes:
+                for mode in modes:
+                    watched = settings.model_copy(update={"stream_output": mode})
+                    samples[mode, n] += step_times(watched, n, steps, emit=JsonView(_Null()))["samples"]
+    results: dict[str, Any] = {}
+    print(f"time per model step, watched (--json), streaming on vs off, p50 of {rounds}x{steps} interleaved steps:",
+          file=out)
+    for n in sizes:
+        on, off = median(samples[True, n]), median(samples[False, n])
+        met, note = goal(on / off, GOAL_RATIO)
+        results[str(n)] = {"on": on, "off": off, "ratio": on / off, "goal_met": met}
+        print(f"  {n:>2} parallel exec_command: on {ms(on)}  off {ms(off)}  = {on / off:.3f}x ({note})", file=out)
+    return results
+
+
+if __name__ == "__main__":
+    run()
