@@ -60,17 +60,14 @@ def outcome_from_meta(meta: dict[str, Any]) -> TaskOutcome:
     return TaskOutcome(state=CallState.FAILED, reason=f"call failed on the worker: {exc}: {msg}")
 
 
-def _patterns(turn_id: str) -> tuple[str, str]:
-    """A turn's result metas and its calls' streamed output, heard on one connection."""
-    return keys.celery_meta_pattern(turn_id), keys.call_output_pattern(turn_id)
-
-
 class ResultRouter(Watches):
     """Watches tasks of watched turns. A task sent after `watch` needs nothing more; one that may
     have reported before (a re-dispatch) needs `catch_up`."""
 
-    def __init__(self, url: str, signer: Signer) -> None:
+    def __init__(self, url: str, signer: Signer, *, stream_output: bool = True) -> None:
         self.signer = signer
+        self.stream_output = stream_output
+        """Also hear the calls' streamed output (toolq/workers/streaming.py), on the same connection."""
         """Checks every meta before it counts (toolq/workers/signing.py)."""
         self.r = aioredis.Redis.from_url(url, client_name="toolq-results")
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
@@ -101,11 +98,16 @@ class ResultRouter(Watches):
         self._turns[turn_id] = self._turns.get(turn_id, 0) + 1
         if self._turns[turn_id] == 1:
             try:
-                await self.pubsub.psubscribe(*_patterns(turn_id))
+                await self.pubsub.psubscribe(*self._patterns(turn_id))
             except BaseException:
                 self._release(turn_id)
                 raise
             self._subscribed.set()
+
+    def _patterns(self, turn_id: str) -> tuple[str, ...]:
+        """A turn's result metas, and its calls' streamed output when that is on."""
+        meta = keys.celery_meta_pattern(turn_id)
+        return (meta, keys.call_output_pattern(turn_id)) if self.stream_output else (meta,)
 
     def _release(self, turn_id: str) -> bool:
         """One watcher less; True when it was the turn's last."""
@@ -120,7 +122,7 @@ class ResultRouter(Watches):
             for task_id in [t for t in self._watches if t.startswith(f"{turn_id}:")]:
                 del self._watches[task_id]
             try:
-                await self.pubsub.punsubscribe(*_patterns(turn_id))
+                await self.pubsub.punsubscribe(*self._patterns(turn_id))
             except (RedisConnectionError, RedisTimeoutError, OSError):
                 pass  # the connection is gone; so is the subscription
 
@@ -208,7 +210,7 @@ class ResultRouter(Watches):
             await old.aclose()
         except Exception:
             pass
-        patterns = [p for t in self._turns for p in _patterns(t)]
+        patterns = [p for t in self._turns for p in self._patterns(t)]
         if patterns:
             await self.pubsub.psubscribe(*patterns)
         else:  # nothing to listen for until the next turn: its watch_turn subscribes

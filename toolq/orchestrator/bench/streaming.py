@@ -26,14 +26,15 @@ class _Null(io.TextIOBase):
 
 
 def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: int = 6,
-        rounds: int = 4) -> dict[str, Any]:
+        rounds: int = 6) -> dict[str, Any]:
     modes = (True, False)
     samples: dict[tuple[bool, int], list[float]] = {(m, n): [] for m in modes for n in sizes}
     with stack(workers=2, concurrency=8) as settings:
-        # Interleaved rounds: load from elsewhere on the machine falls on both modes alike.
-        for _ in range(rounds):
+        # Interleaved rounds, each mode first in every other one: load from elsewhere on the machine,
+        # and whatever the run before leaves behind, fall on both modes alike.
+        for k in range(rounds):
             for n in sizes:
-                for mode in modes:
+                for mode in (modes if k % 2 == 0 else modes[::-1]):
                     watched = settings.model_copy(update={"stream_output": mode})
                     samples[mode, n] += step_times(watched, n, steps, emit=JsonView(_Null()))["samples"]
     results: dict[str, Any] = {}
