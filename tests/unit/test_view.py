@@ -98,3 +98,11 @@ def test_command_execution_items_have_codexs_fields():
     assert {k: item[k] for k in ("type", "command", "aggregated_output", "exit_code", "status")} == {
         "type": "command_execution", "command": "bash -c 'make test'", "aggregated_output": "boom\n",
         "exit_code": 2, "status": "failed"}
+
+
+def test_a_commands_escape_sequences_never_reach_the_terminal():
+    out = io.StringIO()
+    view = LiveView(out)
+    view(command(CallState.RUNNING, output="\x1b]0;pwned\x07ok\x1b[2J\r\x9bdone\n"))
+    # A carriage return ends a line (a progress bar shows its latest state); the rest is replaced.
+    assert out.getvalue().splitlines()[-2:] == ["    │ \ufffd]0;pwned\ufffdok\ufffd[2J", "    │ \ufffddone"]

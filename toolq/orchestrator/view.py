@@ -7,6 +7,7 @@ The JSON events follow `codex exec --json` (`turn.started`, `item.started`/`item
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass
 from typing import IO
@@ -136,7 +137,13 @@ class _Shown:
 
 
 def _cut(text: str) -> str:
+    """One line fit for the user's terminal: a command's output is untrusted, and an escape
+    sequence in it must not move the cursor, retitle the window or rewrite what was shown."""
+    text = _CONTROL.sub("\ufffd", text)
     return text if len(text) <= LINE_CHARS else text[:LINE_CHARS - 1] + "…"
+
+
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 
 def _secs(s: float) -> str:
