@@ -106,3 +106,14 @@ def test_a_commands_escape_sequences_never_reach_the_terminal():
     view(command(CallState.RUNNING, output="\x1b]0;pwned\x07ok\x1b[2J\r\x9bdone\n"))
     # A carriage return ends a line (a progress bar shows its latest state); the rest is replaced.
     assert out.getvalue().splitlines()[-2:] == ["    │ \ufffd]0;pwned\ufffdok\ufffd[2J", "    │ \ufffddone"]
+
+
+def test_parallel_commands_lines_say_whose_they_are():
+    out = io.StringIO()
+    view = LiveView(out)
+    other = CommandExecutionView(id="call_d", tool="exec_command", status="in_progress", state=CallState.RUNNING,
+                                 step=0, command="bash -c 'make lint'")
+    view(command(CallState.RUNNING))
+    view(ItemUpdated(item=other))
+    view(command(CallState.RUNNING, output="tests ok\n"))
+    assert out.getvalue().splitlines()[-1] == "    call_c │ tests ok"

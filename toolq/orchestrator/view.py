@@ -109,8 +109,9 @@ class LiveView(_View):
             return
         new = item.aggregated_output[seen.shown:]
         seen.shown = len(item.aggregated_output)
+        who = f"{item.id} " if len(self._commands) > 1 else ""  # parallel commands: whose line it is
         for text in new.splitlines()[-LAST_LINES:]:
-            self.write(f"    │ {_cut(text)}")
+            self.write(f"    {who}│ {_cut(text)}")
 
     @staticmethod
     def _call_line(item: ToolCallView) -> str:
