@@ -93,6 +93,10 @@ def test_live_view_shows_a_running_commands_line_and_its_last_output_lines():
 
 def test_command_execution_items_have_codexs_fields():
     out = io.StringIO()
+    JsonView(out)(command(CallState.RUNNING))
+    running = json.loads(out.getvalue())["item"]
+    assert (running["exit_code"], running["aggregated_output"], running["status"]) == (None, "", "in_progress")
+    out = io.StringIO()
     JsonView(out)(command(CallState.FAILED, ItemCompleted, output="boom\n", exit_code=2))
     item = json.loads(out.getvalue())["item"]
     assert {k: item[k] for k in ("type", "command", "aggregated_output", "exit_code", "status")} == {

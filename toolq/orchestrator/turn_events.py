@@ -115,6 +115,12 @@ class TurnStarted(_Event):
 class _ItemEvent(_Event):
     item: ItemView
 
+    def to_json(self) -> dict[str, Any]:
+        d = super().to_json()
+        if isinstance(self.item, CommandExecutionView):
+            d["item"].setdefault("exit_code", None)  # Codex writes `"exit_code": null` while it runs
+        return d
+
 
 class ItemStarted(_ItemEvent):
     type: Literal["item.started"] = "item.started"
