@@ -66,9 +66,9 @@ class ResultRouter(Watches):
 
     def __init__(self, url: str, signer: Signer, *, stream_output: bool = True) -> None:
         self.signer = signer
+        """Checks every meta before it counts (toolq/workers/signing.py)."""
         self.stream_output = stream_output
         """Also hear the calls' streamed output (toolq/workers/streaming.py), on the same connection."""
-        """Checks every meta before it counts (toolq/workers/signing.py)."""
         self.r = aioredis.Redis.from_url(url, client_name="toolq-results")
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         super().__init__()
