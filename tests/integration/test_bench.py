@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from toolq.orchestrator.bench import cancel, pipeline, steps
+from toolq.orchestrator.bench import cancel, pipeline, steps, streaming
 
 pytestmark = pytest.mark.integration
 
@@ -25,6 +25,12 @@ def test_pipeline_bench_measures_both_paths():
 def test_steps_bench_reports_each_size():
     res = steps.run(io.StringIO(), sizes=(2,), steps=2)
     assert res[2]["p50"] > 0
+
+
+def test_streaming_bench_measures_both_modes_in_one_run():
+    out = io.StringIO()
+    res = streaming.run(out, sizes=(2,), steps=2, rounds=1)
+    assert res["2"]["on"] > 0 and res["2"]["off"] > 0 and "streaming on vs off" in out.getvalue()
 
 
 def test_cancel_bench_cancels_every_run():

@@ -197,7 +197,7 @@ def test_failed_calls_are_failure_in_flower_failed_in_the_events_and_unchanged_f
     assert outputs["call_nofile"] and "Process exited with code 0" in outputs["call_fine"]
 
     items = {e["item"]["id"]: e["item"] for e in run.events
-             if e["type"] == "item.completed" and e["item"].get("type") == "tool_call"}
+             if e["type"] == "item.completed" and e["item"].get("type") in ("tool_call", "command_execution")}
     exit3, nofile, fine = items["call_exit3"], items["call_nofile"], items["call_fine"]
     assert (exit3["status"], exit3["state"], exit3["exit_code"], exit3["reason"]) == ("failed", "failed", 3,
                                                                                       "exit code 3")

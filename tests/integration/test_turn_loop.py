@@ -212,7 +212,8 @@ def test_the_barrier_owns_its_subscriptions_and_many_calls_pile_up_none(fleet, d
     assert run.outcome.status == "completed"
     assert len(run.outputs_of(1)) == 60
     results = [(sub, psub) for name, sub, psub in seen if name == "toolq-results"]
-    assert results == [(0, 1)], seen  # one pattern for the whole turn, no per-task channels
+    # Two patterns for the whole turn (its results, its calls' streamed output), no per-task channels.
+    assert results == [(0, 2)], seen
     ledger = [sub for name, sub, _ in seen if name == "toolq-ledger"]
     assert sum(ledger) == 1, seen  # the turn's cancel channel
     # everyone else (Celery clients: the orchestrator's sender, the workers) holds no task channel;

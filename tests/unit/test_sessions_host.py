@@ -125,3 +125,30 @@ def test_flower_shows_the_command_line_cut_short_and_nothing_else():
     assert "chars=5" in flower_args(_inv("write_stdin", '{"session_id": 3, "chars": "hello"}'))
     assert "secret" not in flower_args(_inv("read_file", '{"path": "secret"}'))
     assert flower_args(_inv("exec_command", "not json")) == "(call_id='c', turn='t')"
+
+
+class Heard:
+    """An `OutputStream` stand-in: what the host streamed, and when."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[float, bytes]] = []
+
+    def write(self, data: bytes) -> None:
+        self.chunks.append((time.monotonic(), data))
+
+    def tick(self) -> None:
+        pass
+
+
+def test_a_streaming_request_hears_the_output_as_it_comes_and_the_reply_is_unchanged(host):
+    heard = Heard()
+    req = ExecRequest(conversation="c1", cmd="echo one; sleep 0.6; echo two", cwd=str(host), workspace=str(host),
+                      env=dict(os.environ), yield_ms=5000, stream=True)
+    reply = client.call(req, lambda: False, timeout=20, output=heard)
+    replied = time.monotonic()
+    assert b"".join(c for _, c in heard.chunks) == b"one\ntwo\n"
+    assert replied - heard.chunks[0][0] > 0.4  # "one" came while the command still ran
+    assert (reply.exit_code, client.output_text(reply)) == (0, "one\ntwo\n")  # the reply has it all
+    quiet = Heard()
+    client.call(req.model_copy(update={"stream": False}), lambda: False, timeout=20, output=quiet)
+    assert quiet.chunks == []

@@ -3,9 +3,11 @@ or a live view; a failed call looks failed in both."""
 
 import io
 import json
+import time
 
 from toolq.orchestrator.states import CallState, codex_status
-from toolq.orchestrator.turn_events import ItemCompleted, ItemUpdated, ToolCallView, TurnStarted
+from toolq.orchestrator.turn_events import (CommandExecutionView, ItemCompleted, ItemStarted, ItemUpdated,
+                                            ToolCallView, TurnStarted)
 from toolq.orchestrator.view import JsonView, LiveView
 
 
@@ -25,6 +27,8 @@ def test_json_view_writes_one_event_per_line():
     view(TurnStarted(turn_id="turn-1"))
     view(call(CallState.QUEUED))
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    stamps = [line.pop("timestamp") for line in lines]  # every event has one (Codex's have none)
+    assert all(time.time() - 5 < t <= time.time() for t in stamps) and stamps == sorted(stamps)
     assert lines[0] == {"type": "turn.started", "turn_id": "turn-1"}
     assert lines[1]["item"] == {"id": "call_1", "type": "tool_call", "tool": "exec_command", "status": "in_progress",
                                 "state": "queued", "step": 0}
@@ -64,3 +68,56 @@ def test_live_view_shows_state_durations_worker_and_why_a_call_failed():
     assert "lost" in lost and "after 4.20s" in lost and "— worker w1@host stopped answering" in lost
     assert "✗" in failed and "failed" in failed and "ran 12ms" in failed and "waited 500ms" in failed
     assert failed.endswith("— exit code 2")
+
+
+def command(state: CallState, event=ItemUpdated, output: str = "", **kw):
+    return event(item=CommandExecutionView(id="call_c", tool="exec_command", status=codex_status(state), state=state,
+                                           step=0, command="bash -c 'make test'", aggregated_output=output, **kw))
+
+
+def test_live_view_shows_a_running_commands_line_and_its_last_output_lines():
+    out = io.StringIO()
+    view = LiveView(out)
+    view(command(CallState.QUEUED, ItemStarted))
+    view(command(CallState.RUNNING, worker="w1@host"))
+    view(command(CallState.RUNNING, output="one\n"))
+    view(command(CallState.RUNNING, output="one\ntwo\nthree\nfour\nfive\n" + "x" * 500))
+    view(command(CallState.COMPLETED, ItemCompleted, output="all of it", exit_code=0, run_time=1.5))
+    lines = out.getvalue().splitlines()
+    assert "queued" in lines[0] and lines[1] == "    $ bash -c 'make test'"
+    assert "running" in lines[2] and "on w1@host" in lines[2]
+    # Only the new output, its last three lines, each cut to a line; no call line for an output update.
+    assert lines[3:7] == ["    │ one", "    │ four", "    │ five", "    │ " + "x" * 199 + "…"]
+    assert "completed" in lines[7] and "ran 1.50s" in lines[7] and len(lines) == 8
+
+
+def test_command_execution_items_have_codexs_fields():
+    out = io.StringIO()
+    JsonView(out)(command(CallState.RUNNING))
+    running = json.loads(out.getvalue())["item"]
+    assert (running["exit_code"], running["aggregated_output"], running["status"]) == (None, "", "in_progress")
+    out = io.StringIO()
+    JsonView(out)(command(CallState.FAILED, ItemCompleted, output="boom\n", exit_code=2))
+    item = json.loads(out.getvalue())["item"]
+    assert {k: item[k] for k in ("type", "command", "aggregated_output", "exit_code", "status")} == {
+        "type": "command_execution", "command": "bash -c 'make test'", "aggregated_output": "boom\n",
+        "exit_code": 2, "status": "failed"}
+
+
+def test_a_commands_escape_sequences_never_reach_the_terminal():
+    out = io.StringIO()
+    view = LiveView(out)
+    view(command(CallState.RUNNING, output="\x1b]0;pwned\x07ok\x1b[2J\r\x9bdone\n"))
+    # A carriage return ends a line (a progress bar shows its latest state); the rest is replaced.
+    assert out.getvalue().splitlines()[-2:] == ["    │ \ufffd]0;pwned\ufffdok\ufffd[2J", "    │ \ufffddone"]
+
+
+def test_parallel_commands_lines_say_whose_they_are():
+    out = io.StringIO()
+    view = LiveView(out)
+    other = CommandExecutionView(id="call_d", tool="exec_command", status="in_progress", state=CallState.RUNNING,
+                                 step=0, command="bash -c 'make lint'")
+    view(command(CallState.RUNNING))
+    view(ItemUpdated(item=other))
+    view(command(CallState.RUNNING, output="tests ok\n"))
+    assert out.getvalue().splitlines()[-1] == "    call_c │ tests ok"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from toolq.orchestrator.binding import BoundCall
+from toolq.orchestrator.call_items import call_view
 from toolq.orchestrator.calls import ToolInvocation, ToolResult, aborted_text, output_item, task_id_for
 from toolq.orchestrator.errors import Fatal
 from toolq.orchestrator.protocol.items import OutputItem
@@ -27,6 +28,7 @@ from toolq.orchestrator.truncate import DEFAULT_POLICY, truncate_text
 from toolq.orchestrator.turn_events import Emit, ItemCompleted, ItemStarted, ItemUpdated, ToolCallView, TurnEvent, ignore
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.contracts import TIME_LIMIT_MARGIN
+from toolq.workers.streaming import STREAM_BYTES, STREAMED_TOOLS
 
 log = logging.getLogger("toolq.barrier")
 
@@ -77,6 +79,8 @@ class CallEntry:
     worker: str | None = None
     task: asyncio.Task | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    live_output: str = ""
+    """What the worker streamed while the call runs (bounded; shown only, never the output)."""
 
     @property
     def call_id(self) -> str:
@@ -107,11 +111,14 @@ class CallEntry:
 
 
 class Step:
-    def __init__(self, ctx: StepContext, transport: Transport, records: CallRecords, emit: Emit = ignore) -> None:
+    def __init__(self, ctx: StepContext, transport: Transport, records: CallRecords, emit: Emit = ignore, *,
+                 stream_output: bool = False) -> None:
         self.ctx = ctx
         self.transport = transport
         self.records = records
         self._emit = emit
+        self.stream_output = stream_output and emit is not ignore
+        """Ask the workers for running commands' output (`TOOLQ_STREAM_OUTPUT`, and someone watches)."""
         self.entries: list[CallEntry] = []
         self.fatal: Fatal | None = None
         self.aborted = False
@@ -186,6 +193,9 @@ class Step:
             self.emit(ItemUpdated(item=self._view(entry)))
 
         watch = self.transport.watch(inv.task_id, on_started=started)
+        if self.stream_output and str(inv.tool_name) in STREAMED_TOOLS:
+            inv = inv.model_copy(update={"stream_output": True})
+            watch.on_output = lambda text: self._output(entry, text)
         try:
             try:
                 await self.transport.send(inv, spec)
@@ -195,6 +205,12 @@ class Step:
             return await self._track(entry, watch)
         finally:
             self.transport.forget(inv.task_id)
+
+    def _output(self, entry: CallEntry, text: str) -> None:
+        if entry.done.is_set() or len(entry.live_output) >= STREAM_BYTES:
+            return
+        entry.live_output += text[:STREAM_BYTES - len(entry.live_output)]
+        self.emit(ItemUpdated(item=self._view(entry)))
 
     async def _track(self, entry: CallEntry, watch: CallWatch) -> ToolResult:
         inv, spec = entry.inv, entry.call.spec
@@ -310,8 +326,8 @@ class Step:
 
     def _view(self, entry: CallEntry) -> ToolCallView:
         r = entry.result
-        view = ToolCallView(id=entry.call_id, tool=entry.tool, status=codex_status(entry.state), state=entry.state,
-                            step=self.ctx.step, worker=entry.worker)
+        view = call_view(entry.tool, entry.inv, entry.live_output, r, id=entry.call_id,
+                         status=codex_status(entry.state), state=entry.state, step=self.ctx.step, worker=entry.worker)
         if entry.queued_at is not None and entry.started_at is not None:
             view.queue_wait = round(max(entry.started_at - entry.queued_at, 0.0), 4)
         if r is None:

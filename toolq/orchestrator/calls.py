@@ -95,6 +95,8 @@ class ToolInvocation(BaseModel):
     """Digest of the tool declaration the orchestrator validated against; workers refuse a mismatch."""
     conversation: str | None = None
     """Set by a `Session`: the exec_command sessions this call starts or uses belong to it."""
+    stream_output: bool = False
+    """Someone watches the turn: publish a running command's output (toolq/workers/streaming.py)."""
 
     @property
     def task_id(self) -> str:

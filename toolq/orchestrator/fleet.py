@@ -108,7 +108,8 @@ class Fleet:
         catalog = catalog if catalog is not None else load_catalog(settings.tools)
         signer = required_signer(settings.signing_key, "an orchestrator with REDIS_URL")
         ledger = Ledger.from_url(settings.redis_url)
-        router = ResultRouter(settings.result_backend_url() or settings.redis_url, signer)
+        router = ResultRouter(settings.result_backend_url() or settings.redis_url, signer,
+                              stream_output=settings.stream_output)
         await router.start()
         return catalog, ledger, Dispatcher(settings, ledger, signer, longest_timeout(catalog)), router
 
@@ -153,7 +154,7 @@ class Fleet:
         return bind_item(item, self.registry, ctx, output_index)
 
     def step(self, ctx: StepContext, emit: Emit = ignore) -> Step:
-        return Step(ctx, self.transport, self.ledger, emit)
+        return Step(ctx, self.transport, self.ledger, emit, stream_output=self.settings.stream_output)
 
     async def run_calls(self, items: Iterable[Any], turn_id: str | None = None, *,
                         emit: Emit = ignore) -> list[dict[str, Any]]:

@@ -79,6 +79,19 @@ def draining(hostname: str) -> str:
     return f"{PREFIX}:draining:{hostname}"
 
 
+#: Pub/sub channels of running calls' output (toolq/workers/streaming.py), one per task id.
+CALL_OUTPUT = f"{PREFIX}:output:"
+
+
+def call_output(task_id: str) -> str:
+    return f"{CALL_OUTPUT}{task_id}"
+
+
+def call_output_pattern(turn_id: str) -> str:
+    """Like the result metas: one pattern per turn covers its calls' output channels."""
+    return f"{CALL_OUTPUT}{turn_id}:*"
+
+
 def celery_meta(task_id: str) -> str:
     return f"{CELERY_META}{task_id}"
 

@@ -64,9 +64,11 @@ class ResultRouter(Watches):
     """Watches tasks of watched turns. A task sent after `watch` needs nothing more; one that may
     have reported before (a re-dispatch) needs `catch_up`."""
 
-    def __init__(self, url: str, signer: Signer) -> None:
+    def __init__(self, url: str, signer: Signer, *, stream_output: bool = True) -> None:
         self.signer = signer
         """Checks every meta before it counts (toolq/workers/signing.py)."""
+        self.stream_output = stream_output
+        """Also hear the calls' streamed output (toolq/workers/streaming.py), on the same connection."""
         self.r = aioredis.Redis.from_url(url, client_name="toolq-results")
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         super().__init__()
@@ -96,11 +98,16 @@ class ResultRouter(Watches):
         self._turns[turn_id] = self._turns.get(turn_id, 0) + 1
         if self._turns[turn_id] == 1:
             try:
-                await self.pubsub.psubscribe(keys.celery_meta_pattern(turn_id))
+                await self.pubsub.psubscribe(*self._patterns(turn_id))
             except BaseException:
                 self._release(turn_id)
                 raise
             self._subscribed.set()
+
+    def _patterns(self, turn_id: str) -> tuple[str, ...]:
+        """A turn's result metas, and its calls' streamed output when that is on."""
+        meta = keys.celery_meta_pattern(turn_id)
+        return (meta, keys.call_output_pattern(turn_id)) if self.stream_output else (meta,)
 
     def _release(self, turn_id: str) -> bool:
         """One watcher less; True when it was the turn's last."""
@@ -115,7 +122,7 @@ class ResultRouter(Watches):
             for task_id in [t for t in self._watches if t.startswith(f"{turn_id}:")]:
                 del self._watches[task_id]
             try:
-                await self.pubsub.punsubscribe(keys.celery_meta_pattern(turn_id))
+                await self.pubsub.punsubscribe(*self._patterns(turn_id))
             except (RedisConnectionError, RedisTimeoutError, OSError):
                 pass  # the connection is gone; so is the subscription
 
@@ -151,6 +158,22 @@ class ResultRouter(Watches):
             except ValueError as e:  # pydantic: a result no toolq worker wrote
                 log.warning("unreadable result for %s: %s", task_id, e)
 
+    def _deliver_output(self, task_id: str, raw: bytes | str) -> None:
+        """A batch of a running call's output, for the view: signed by a worker, in order, bounded."""
+        w = self._watches.get(task_id)
+        if w is None or w.on_output is None or w.done.done():
+            return
+        try:
+            message = json.loads(raw)
+        except (TypeError, ValueError):
+            return
+        if not self.signer.output_genuine(task_id, message):  # signing hook: whoever reached Redis
+            log.warning("refused an output batch for task %s: its signature does not match", task_id)
+            return
+        seq = message.get("seq")
+        if isinstance(seq, int):
+            w.output(seq, message["text"])
+
     async def _read(self) -> None:
         """Runs as long as the router: a reader that stopped would lose every later result."""
         await self._subscribed.wait()
@@ -166,7 +189,10 @@ class ResultRouter(Watches):
                 delay = 0.1
                 if msg and msg.get("type") == "pmessage":
                     channel = msg["channel"].decode()
-                    self._deliver(channel[len(keys.CELERY_META):], msg["data"])
+                    if channel.startswith(keys.CALL_OUTPUT):
+                        self._deliver_output(channel[len(keys.CALL_OUTPUT):], msg["data"])
+                    else:
+                        self._deliver(channel[len(keys.CELERY_META):], msg["data"])
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # redis-py's connection errors, and whatever a half-open pubsub raises
@@ -184,7 +210,7 @@ class ResultRouter(Watches):
             await old.aclose()
         except Exception:
             pass
-        patterns = [keys.celery_meta_pattern(t) for t in self._turns]
+        patterns = [p for t in self._turns for p in self._patterns(t)]
         if patterns:
             await self.pubsub.psubscribe(*patterns)
         else:  # nothing to listen for until the next turn: its watch_turn subscribes

@@ -58,6 +58,8 @@ ENV = {
     "session_limit": ("TOOLQ_SESSION_LIMIT",),
     "session_idle": ("TOOLQ_SESSION_IDLE",),
     "session_lifetime": ("TOOLQ_SESSION_LIFETIME",),
+    # a running command's output, streamed to the live view and --json (toolq/workers/streaming.py)
+    "stream_output": ("TOOLQ_STREAM_OUTPUT",),
     # MCP servers a worker hosts (toolq/workers/mcp)
     "mcp": ("TOOLQ_MCP",),
     "mcp_config": ("TOOLQ_MCP_CONFIG",),
@@ -126,6 +128,9 @@ class Settings(BaseModel):
     """Seconds without a write_stdin after which a session is killed."""
     session_lifetime: float = Field(default=4 * 3600.0, gt=0)
     """Seconds after which a session is killed whatever it does."""
+    stream_output: bool = True
+    """A watched turn asks workers to publish a running exec_command's output as it comes (for the
+    live view and `--json`'s `item.updated`); off: a command shows nothing until it ends."""
     sandbox_env: list[str] = Field(default_factory=list)
     """Extra environment variables a command may see (besides PATH, LANG, TERM, the pagers...)."""
     sandbox_read: list[str] = Field(default_factory=list)

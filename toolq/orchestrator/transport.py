@@ -51,6 +51,10 @@ class CallWatch:
     hostname: str | None = None
     started_at: float | None = None
     on_started: Callable[[CallWatch], None] | None = None
+    on_output: Callable[[str], None] | None = None
+    """Hears the call's output while it runs (toolq/workers/streaming.py); shown, never its output."""
+    output_seq: int = 0
+    """The last output batch heard: an older or replayed one is dropped."""
 
     def set_started(self, hostname: str | None) -> None:
         if self.hostname is not None or self.done.done():
@@ -58,6 +62,12 @@ class CallWatch:
         self.hostname, self.started_at = hostname, time.time()
         if self.on_started:
             self.on_started(self)
+
+    def output(self, seq: int, text: str) -> None:
+        if self.done.done() or seq <= self.output_seq or self.on_output is None:
+            return
+        self.output_seq = seq
+        self.on_output(text)
 
     def finish(self, outcome: TaskOutcome) -> bool:
         """The first terminal state wins: a late SUCCESS after REVOKED is not applied."""

@@ -2,12 +2,16 @@
 
 `turn.started`, `item.started` / `item.updated` / `item.completed`, `error`, `turn.completed` /
 `turn.failed`, and toolq's `turn.aborted`. Items are toolq's `tool_call` (with Codex's `status`:
-in_progress / completed / failed, and toolq's finer `state`), `agent_message` and `reasoning`.
-The live view reads the fields; `--json` writes `to_json()` one per line.
+in_progress / completed / failed, and toolq's finer `state`), `agent_message` and `reasoning`;
+a call of exec_command, apply_patch or update_plan is Codex's `command_execution`, `file_change` or
+`todo_list` item (with toolq's call fields besides). Every event carries a `timestamp` (epoch
+seconds; Codex's events have none). The live view reads the fields; `--json` writes `to_json()` one
+per line.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import BaseModel, Field
@@ -15,13 +19,18 @@ from pydantic import BaseModel, Field
 from toolq.orchestrator.states import CallState
 
 
-class _Event(BaseModel):
+class _Json(BaseModel):
     def to_json(self) -> dict[str, Any]:
         d = self.model_dump(mode="json", exclude_none=True)
         return {"type": d.pop("type"), **d} if "type" in d else d  # `type` first, as Codex writes it
 
 
-class ToolCallView(_Event):
+class _Event(_Json):
+    timestamp: float = Field(default_factory=time.time)
+    """When it happened (epoch seconds)."""
+
+
+class ToolCallView(_Json):
     """One call as the user sees it."""
 
     id: str
@@ -48,19 +57,54 @@ class ToolCallView(_Event):
     """Seconds from the model's item to the call's output."""
 
 
-class AgentMessageView(_Event):
+class CommandExecutionView(ToolCallView):
+    """An exec_command call as Codex's `command_execution` item; `aggregated_output` grows in
+    `item.updated` events while it runs (streamed by the worker, shown only: the call's output is
+    its signed result), and on completion is the result's output section."""
+
+    type: Literal["command_execution"] = "command_execution"  # type: ignore[assignment]
+    command: str
+    aggregated_output: str = ""
+
+
+class FileUpdateChange(BaseModel):
+    path: str
+    kind: Literal["add", "delete", "update"]
+
+
+class FileChangeView(ToolCallView):
+    """An apply_patch call as Codex's `file_change` item: the files its patch names."""
+
+    type: Literal["file_change"] = "file_change"  # type: ignore[assignment]
+    changes: list[FileUpdateChange] = Field(default_factory=list)
+
+
+class TodoItem(BaseModel):
+    text: str
+    completed: bool
+
+
+class TodoListView(ToolCallView):
+    """An update_plan call as Codex's `todo_list` item: its plan's steps."""
+
+    type: Literal["todo_list"] = "todo_list"  # type: ignore[assignment]
+    items: list[TodoItem] = Field(default_factory=list)
+
+
+class AgentMessageView(_Json):
     id: str | None = None
     type: Literal["agent_message"] = "agent_message"
     text: str
 
 
-class ReasoningView(_Event):
+class ReasoningView(_Json):
     id: str | None = None
     type: Literal["reasoning"] = "reasoning"
     text: str
 
 
-ItemView = Annotated[Union[ToolCallView, AgentMessageView, ReasoningView], Field(discriminator="type")]
+ItemView = Annotated[Union[ToolCallView, CommandExecutionView, FileChangeView, TodoListView, AgentMessageView,
+                           ReasoningView], Field(discriminator="type")]
 
 
 class TurnStarted(_Event):
@@ -70,6 +114,12 @@ class TurnStarted(_Event):
 
 class _ItemEvent(_Event):
     item: ItemView
+
+    def to_json(self) -> dict[str, Any]:
+        d = super().to_json()
+        if isinstance(self.item, CommandExecutionView):
+            d["item"].setdefault("exit_code", None)  # Codex writes `"exit_code": null` while it runs
+        return d
 
 
 class ItemStarted(_ItemEvent):

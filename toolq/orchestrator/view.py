@@ -7,14 +7,18 @@ The JSON events follow `codex exec --json` (`turn.started`, `item.started`/`item
 from __future__ import annotations
 
 import json
+import re
 import sys
+from dataclasses import dataclass
 from typing import IO
 
 from toolq.orchestrator.states import CallState
 from toolq.orchestrator.turn_events import (
     AgentMessageView,
+    CommandExecutionView,
     ErrorEvent,
     ItemCompleted,
+    ItemUpdated,
     ReasoningView,
     ToolCallView,
     TurnAborted,
@@ -23,6 +27,10 @@ from toolq.orchestrator.turn_events import (
     TurnFailed,
     TurnStarted,
 )
+
+#: A running command's last output lines the live view shows at each update, each cut to a line.
+LAST_LINES = 3
+LINE_CHARS = 200
 
 _GLYPH = {CallState.PENDING: "·", CallState.QUEUED: "→", CallState.RUNNING: "▸", CallState.COMPLETED: "✓",
           CallState.FAILED: "✗", CallState.REJECTED: "✗", CallState.TIMED_OUT: "⏱", CallState.LOST: "!",
@@ -56,11 +64,17 @@ class LiveView(_View):
     _last_error: str | None = None
     """The final error comes as `error` then `turn.failed` (as in Codex's JSON); it is shown once."""
 
+    def __init__(self, out: IO[str] = sys.stdout) -> None:
+        super().__init__(out)
+        self._commands: dict[str, _Shown] = {}
+
     def __call__(self, event: TurnEvent) -> None:
         line: str | None = None
         item = getattr(event, "item", None)
         if isinstance(event, TurnStarted):
             line = f"toolq turn {event.turn_id}"
+        elif isinstance(item, CommandExecutionView):
+            self._command(event, item)
         elif isinstance(item, ToolCallView):
             line = self._call_line(item)
         elif isinstance(event, ItemCompleted) and isinstance(item, ReasoningView):
@@ -81,6 +95,24 @@ class LiveView(_View):
         if line is not None:
             self.write(line)
 
+    def _command(self, event: TurnEvent, item: CommandExecutionView) -> None:
+        """A command: its line at each transition, its command line once, then its last output lines
+        as they come (an update that only brings output prints only those)."""
+        seen = self._commands.setdefault(item.id, _Shown())
+        if item.state is not seen.state or not isinstance(event, ItemUpdated):
+            self.write(self._call_line(item))
+        if seen.state is None:
+            self.write(f"    $ {_cut(item.command)}")
+        seen.state = item.state
+        if item.state.terminal:
+            self._commands.pop(item.id, None)
+            return
+        new = item.aggregated_output[seen.shown:]
+        seen.shown = len(item.aggregated_output)
+        who = f"{item.id} " if len(self._commands) > 1 else ""  # parallel commands: whose line it is
+        for text in new.splitlines()[-LAST_LINES:]:
+            self.write(f"    {who}│ {_cut(text)}")
+
     @staticmethod
     def _call_line(item: ToolCallView) -> str:
         parts = [f"  {_GLYPH.get(item.state, '·')} {item.tool:<16} {item.id:<24} {item.state.value:<9}"]
@@ -95,6 +127,24 @@ class LiveView(_View):
         if item.reason:
             parts.append("— " + item.reason)
         return " ".join(parts)
+
+
+@dataclass
+class _Shown:
+    """What the live view has shown of a running command."""
+
+    state: CallState | None = None
+    shown: int = 0
+
+
+def _cut(text: str) -> str:
+    """One line fit for the user's terminal: a command's output is untrusted, and an escape
+    sequence in it must not move the cursor, retitle the window or rewrite what was shown."""
+    text = _CONTROL.sub("\ufffd", text)
+    return text if len(text) <= LINE_CHARS else text[:LINE_CHARS - 1] + "…"
+
+
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 
 def _secs(s: float) -> str:

@@ -147,7 +147,8 @@ def _execute(task: Any, invocation: dict, signature: str, redelivery: bool) -> A
     sync_mcp_tools(catalog(), invocation)  # an MCP server may have listed its tools anew since the fork
     try:
         result = execute(invocation, hostname=_hostname(task), r=redis_client(), catalog=catalog(),
-                         redelivery=redelivery, time_limit_errors=(SoftTimeLimitExceeded,))
+                         redelivery=redelivery, time_limit_errors=(SoftTimeLimitExceeded,),
+                         signer=signing.signer_for(app.conf.get(signing.CONF_KEY)))
     except StillRunning:
         raise Ignore() from None  # the first delivery's result answers the call
     if celery_state(CallState(result["status"])) == FAILURE:

@@ -26,7 +26,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
@@ -36,6 +36,9 @@ from toolq.orchestrator.calls import PayloadKind, ToolInvocation, ToolName
 from toolq.orchestrator.errors import ConfigurationError, RespondToModel
 from toolq.orchestrator.protocol import untrusted
 from toolq.orchestrator.protocol.items import ContentPart, ToolOutputBody
+
+if TYPE_CHECKING:
+    from toolq.workers.streaming import OutputStream
 
 DEFAULT_QUEUE = "toolq"
 
@@ -58,6 +61,8 @@ class ToolContext:
     workspace: Path
     is_cancelled: Callable[[], bool] = lambda: False
     catalog: Catalog | None = None
+    output: OutputStream | None = None
+    """Where a running command's output goes while it runs, when the turn is watched (shown only)."""
 
     @property
     def call_id(self) -> str:

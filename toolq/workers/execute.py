@@ -25,6 +25,8 @@ from toolq.orchestrator.protocol.items import ToolOutputBody
 from toolq.orchestrator.states import TERMINAL, CallState, parse_state
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
 from toolq.workers.sandbox import CallCancelled
+from toolq.workers.signing import Signer
+from toolq.workers.streaming import STREAMED_TOOLS, OutputStream
 
 log = logging.getLogger("toolq.worker")
 
@@ -119,8 +121,9 @@ def _set_state(r: redis.Redis, inv: ToolInvocation, **fields: Any) -> None:
 
 
 def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redelivery: bool = False,
-            time_limit_errors: tuple[type[BaseException], ...] = ()) -> dict:
-    """`time_limit_errors`: what the pool raises inside a tool at its soft time limit."""
+            time_limit_errors: tuple[type[BaseException], ...] = (), signer: Signer | None = None) -> dict:
+    """`time_limit_errors`: what the pool raises inside a tool at its soft time limit. `signer`
+    seals the batches of a call that streams its output."""
     inv = ToolInvocation.model_validate(raw)
     spec = catalog.get(inv.tool_name)
 
@@ -172,10 +175,17 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
     log.info("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
 
     status, output, extra = run_invocation(inv, spec, catalog, hostname, lambda: is_cancelled(r, inv),
-                                           time_limit_errors)
+                                           time_limit_errors, output_stream(inv, r, signer))
     _set_state(r, inv, state=status, finished_at=time.time())
     log.info("← %s %s %s in %.3fs", inv.call_id, inv.tool_name, status, time.time() - started_at)
     return _result(inv, output, status, hostname, started_at=started_at, **extra)
+
+
+def output_stream(inv: ToolInvocation, r: redis.Redis, signer: Signer | None) -> OutputStream | None:
+    """Where the call's output streams while it runs, if its turn is watched (toolq/workers/streaming.py)."""
+    if not inv.stream_output or signer is None or str(inv.tool_name) not in STREAMED_TOOLS:
+        return None
+    return OutputStream(r.publish, signer, inv.task_id, keys.call_output(inv.task_id))
 
 
 Outcome = tuple[CallState, Any, dict[str, Any]]
@@ -184,13 +194,14 @@ Outcome = tuple[CallState, Any, dict[str, Any]]
 
 def run_invocation(inv: ToolInvocation, spec: ToolSpec | None, catalog: Catalog, hostname: str,
                    is_cancelled: Callable[[], bool] = lambda: False,
-                   time_limit_errors: tuple[type[BaseException], ...] = ()) -> Outcome:
+                   time_limit_errors: tuple[type[BaseException], ...] = (),
+                   output: OutputStream | None = None) -> Outcome:
     """Check the call against this worker, then run its handler (a pool child runs one at a time)."""
     refused = refusal(inv, spec, hostname)
     if refused is not None:
         return refused
     assert spec is not None
-    return _event_loop().run_until_complete(call_tool(inv, spec, catalog, is_cancelled, time_limit_errors))
+    return _event_loop().run_until_complete(call_tool(inv, spec, catalog, is_cancelled, time_limit_errors, output))
 
 
 def refusal(inv: ToolInvocation, spec: ToolSpec | None, hostname: str) -> Outcome | None:
@@ -213,13 +224,14 @@ def refusal(inv: ToolInvocation, spec: ToolSpec | None, hostname: str) -> Outcom
 
 async def call_tool(inv: ToolInvocation, spec: ToolSpec, catalog: Catalog,
                     is_cancelled: Callable[[], bool] = lambda: False,
-                    time_limit_errors: tuple[type[BaseException], ...] = ()) -> Outcome:
+                    time_limit_errors: tuple[type[BaseException], ...] = (),
+                    output: OutputStream | None = None) -> Outcome:
     """Parse the arguments and run the handler; every error becomes an outcome the model can read.
 
     Shared by the worker and the in-memory fleet (`toolq.testing`), so a test sees what a worker would."""
     started_at = time.time()
     workspace = Path(inv.workspace or os.getcwd())
-    ctx = ToolContext(invocation=inv, workspace=workspace, is_cancelled=is_cancelled, catalog=catalog)
+    ctx = ToolContext(invocation=inv, workspace=workspace, is_cancelled=is_cancelled, catalog=catalog, output=output)
     try:
         if isinstance(inv.payload, FunctionPayload):
             args: Any = parse_arguments(spec, inv.payload.arguments)

@@ -22,6 +22,7 @@ from toolq.workers.isolation import reaper
 
 if TYPE_CHECKING:
     from toolq.workers.isolation import Launch, Sandbox
+    from toolq.workers.streaming import OutputStream
 
 #: Output kept per command (Codex's `DEFAULT_OUTPUT_BYTES_CAP`): half head, half tail.
 DEFAULT_OUTPUT_CAP = 1024 * 1024
@@ -124,8 +125,12 @@ class HeadTailBuffer:
         self.head = bytearray()
         self.tail = bytearray()
         self.dropped = 0
+        self.listener: Callable[[bytes], None] | None = None
+        """Also hears every byte written (a call's output stream)."""
 
     def write(self, data: bytes) -> None:
+        if self.listener is not None:
+            self.listener(data)
         room = self.head_cap - len(self.head)
         if room > 0:
             self.head += data[:room]
@@ -153,6 +158,7 @@ def run_command(
     shell: str = "bash",
     sandbox: Sandbox | None = None,
     workspace: Path | str | None = None,
+    output: OutputStream | None = None,
 ) -> CommandResult:
     """Run `command` (a script for `shell -c`, or an argv) in its own process group.
 
@@ -160,7 +166,8 @@ def run_command(
     every `POLL_INTERVAL`). Whatever the reason, the whole group is SIGKILLed before returning,
     so background children and grandchildren never outlive the call. A spawn failure is reported
     in `spawn_error`, never raised. With a `sandbox`, the command runs confined to `workspace`
-    (default: `cwd`) with the sandbox's environment and limits (toolq/workers/isolation).
+    (default: `cwd`) with the sandbox's environment and limits (toolq/workers/isolation). With an
+    `output` stream, what the command prints is also published as it comes (toolq/workers/streaming.py).
     """
     argv = [shell, "-c", command] if isinstance(command, str) else list(command)
     start = time.monotonic()
@@ -185,6 +192,8 @@ def run_command(
     fd = proc.stdout.fileno()
     os.set_blocking(fd, False)
     buf = HeadTailBuffer(output_cap)
+    if output is not None:
+        buf.listener = output.write
     selector = selectors.DefaultSelector()
     selector.register(fd, selectors.EVENT_READ)
     timed_out = cancelled = eof = False
@@ -201,6 +210,8 @@ def run_command(
                 # The pipe closed but the leader has not exited yet: back off up to the poll step.
                 time.sleep(exit_wait)
                 exit_wait = min(exit_wait * 2, POLL_INTERVAL)
+            if output is not None:
+                output.tick()
             if _has_exited(pgid):
                 break
             if timeout is not None and time.monotonic() - start >= timeout:

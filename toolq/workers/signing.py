@@ -38,6 +38,7 @@ GENERATE = "python3 -c 'import secrets; print(secrets.token_hex(32))'"
 
 _INVOCATION = "toolq.invocation.v1"
 _META = "toolq.result-meta.v1"
+_OUTPUT = "toolq.call-output.v1"
 
 
 def _reduce(o: Any) -> Any:
@@ -114,6 +115,18 @@ class Signer:
         if not self._matches(signature, _META, task_id, body):
             return "its signature does not match (forged, altered, or replayed from another call)"
         return None
+
+    # --- a running call's output: the worker seals each batch, the orchestrator checks -----------
+
+    def seal_output(self, task_id: str, seq: int, text: str) -> dict[str, Any]:
+        """One batch of streamed output; `seq` orders the batches (a replayed one is refused)."""
+        return {"seq": seq, "text": text, "sig": self._mac(_OUTPUT, task_id, {"seq": seq, "text": text})}
+
+    def output_genuine(self, task_id: str, message: Any) -> bool:
+        if not isinstance(message, dict) or not isinstance(message.get("text"), str):
+            return False
+        return self._matches(message.get("sig"), _OUTPUT, task_id, {"seq": message.get("seq"),
+                                                                    "text": message["text"]})
 
     def accept_meta(self, task_id: str, meta: Any) -> bool:
         """True for a genuine meta; a refused one is logged (the caller drops it)."""

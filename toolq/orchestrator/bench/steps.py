@@ -21,6 +21,7 @@ from typing import IO, Any
 from toolq.orchestrator.bench.harness import goal, median, ms, pct, stack
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.turn import Runtime, Session
+from toolq.orchestrator.turn_events import Emit, ignore
 from toolq.workers.loader import load_catalog
 
 CODEX_MS = {1: 59, 8: 111, 32: 322}
@@ -34,17 +35,17 @@ def script(n: int, steps: int) -> list[Any]:
     return [step(k) for k in range(steps + 1)] + [[b.message("done")]]
 
 
-async def _turn(settings: Any, base_url: str) -> None:
+async def _turn(settings: Any, base_url: str, emit: Emit = ignore) -> None:
     rt = await Runtime.create(settings.model_copy(update={"openai_base_url": base_url, "openai_api_key": "bench"}),
                               catalog=load_catalog())
     try:
-        outcome = await Session(rt).run_turn("bench")
+        outcome = await Session(rt).run_turn("bench", emit)
         assert outcome.status == "completed", outcome.error
     finally:
         await rt.aclose()
 
 
-def _request_times(settings: Any, responses: list[Any]) -> list[float]:
+def _request_times(settings: Any, responses: list[Any], emit: Emit = ignore) -> list[float]:
     """Serve the script from a `toolq fake-model` process; its log says when each request came."""
     with tempfile.TemporaryDirectory() as tmp:
         path, log = Path(tmp) / "script.json", Path(tmp) / "fake.log"
@@ -54,16 +55,17 @@ def _request_times(settings: Any, responses: list[Any]) -> list[float]:
                                       stdout=subprocess.PIPE, stderr=err, text=True)
             try:
                 assert server.stdout is not None
-                asyncio.run(_turn(settings, server.stdout.readline().strip()))
+                asyncio.run(_turn(settings, server.stdout.readline().strip(), emit))
             finally:
                 server.terminate()
                 server.wait(timeout=10)
         return [float(m) for m in re.findall(r"^request \d+: .* at ([0-9.]+)$", log.read_text(), re.M)]
 
 
-def step_times(settings: Any, n: int, steps: int) -> dict[str, float]:
-    """p50 and p90 of the time per step with `n` parallel `exec_command true`, after a warm-up step."""
-    t = _request_times(settings, script(n, steps))
+def step_times(settings: Any, n: int, steps: int, emit: Emit = ignore) -> dict[str, float]:
+    """p50 and p90 of the time per step with `n` parallel `exec_command true`, after a warm-up step
+    (`emit`: who watches the turn; nobody by default)."""
+    t = _request_times(settings, script(n, steps), emit)
     per_step = [t[k + 1] - t[k] for k in range(1, len(t) - 1)]  # skip the warm-up step
     return {"p50": median(per_step), "p90": pct(per_step, 0.9), "samples": per_step}
 

@@ -23,7 +23,8 @@ def available(ctx: ToolContext) -> bool:
 def exec_in_host(cmd: str, *, shell: str, cwd: Path, tty: bool, yield_ms: float, ctx: ToolContext) -> Reply:
     conversation = ctx.invocation.conversation or ""
     request = ExecRequest(conversation=conversation, cmd=cmd, shell=shell, cwd=str(cwd),
-                          workspace=str(ctx.workspace), env=dict(os.environ), tty=tty, yield_ms=yield_ms)
+                          workspace=str(ctx.workspace), env=dict(os.environ), tty=tty, yield_ms=yield_ms,
+                          stream=ctx.output is not None)
     return _call(request, ctx, yield_ms, "exec_command")
 
 
@@ -35,7 +36,7 @@ def write_in_host(session_id: int, chars: str, yield_ms: float, ctx: ToolContext
 
 def _call(request: ExecRequest | WriteRequest, ctx: ToolContext, yield_ms: float, tool: str) -> Reply:
     try:
-        reply = client.call(request, ctx.cancelled, timeout=yield_ms / 1000 + REPLY_SLACK)
+        reply = client.call(request, ctx.cancelled, timeout=yield_ms / 1000 + REPLY_SLACK, output=ctx.output)
     except client.Cancelled:
         raise CallCancelled(f"{tool} cancelled") from None
     except client.HostUnavailable as e:

@@ -7,12 +7,17 @@ import os
 import select
 import socket
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from toolq.workers.sessions.protocol import ExecRequest, Reply, WriteRequest
+from toolq.workers.sessions.protocol import ExecRequest, OutputFrame, Reply, WriteRequest
+
+if TYPE_CHECKING:
+    from toolq.workers.streaming import OutputStream
 
 SOCKET_ENV = "TOOLQ_SESSION_SOCKET"
 STEP = 0.05
+#: How a frame of streamed output starts (a reply never does).
+_FRAME = b'{"progress":'
 
 
 class HostUnavailable(Exception):
@@ -27,7 +32,9 @@ def socket_path() -> str | None:
     return os.environ.get(SOCKET_ENV) or None
 
 
-def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], timeout: float) -> Reply:
+def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], timeout: float,
+         output: OutputStream | None = None) -> Reply:
+    """`output`: where the frames of a streaming request go (and it is ticked while waiting)."""
     path = socket_path()
     if path is None:
         raise HostUnavailable("this worker runs no session host")
@@ -40,7 +47,15 @@ def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], 
         sock.sendall(request.model_dump_json().encode() + b"\n")
         deadline = time.monotonic() + timeout
         data = bytearray()
-        while not data.endswith(b"\n"):
+        while True:
+            line, sep, rest = data.partition(b"\n")
+            if sep and line.startswith(_FRAME):
+                frame, data = OutputFrame.model_validate_json(bytes(line)), bytearray(rest)
+                if output is not None:
+                    output.write(base64.b64decode(frame.progress))
+                continue
+            if sep:
+                return Reply.model_validate_json(bytes(line))
             if is_cancelled():
                 raise Cancelled()
             if time.monotonic() > deadline:
@@ -51,7 +66,8 @@ def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], 
                 if not chunk:
                     raise HostUnavailable("the session host hung up before it answered")
                 data += chunk
-        return Reply.model_validate_json(bytes(data))
+            if output is not None:
+                output.tick()
     finally:
         sock.close()  # before a reply, this is what kills a command that has not yielded
 

@@ -33,7 +33,8 @@ from toolq.workers import isolation
 from toolq.workers.isolation import reaper
 from toolq.workers.sandbox import DEFAULT_OUTPUT_CAP, DRAIN_TIMEOUT, POLL_INTERVAL, HeadTailBuffer, _killpg, flooded
 from toolq.workers.sessions.slots import Slot, Slots
-from toolq.workers.sessions.protocol import ExecRequest, Reply, WriteRequest, parse_request
+from toolq.workers.sessions.protocol import ExecRequest, OutputFrame, Reply, WriteRequest, parse_request
+from toolq.workers.streaming import STREAM_BYTES
 from toolq.workers.sessions.registry import (CONVERSATION_TTL, SessionRecord, conversation_key, next_id_key,
                                              sessions_key)
 
@@ -70,6 +71,9 @@ class Process:
     """The last output bytes, for the line naming a sandbox limit the command hit."""
     limit_note: str | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
+    watched: bytearray | None = None
+    """While a streaming request waits: output not yet sent to it (at most `STREAM_BYTES` per request)."""
+    watch_left: int = 0
 
     def take_output(self) -> bytes:
         with self.cond:
@@ -168,6 +172,9 @@ class Host:
                     with p.cond:
                         p.pending.write(chunk)
                         p.tail = (p.tail + chunk)[-TAIL_BYTES:]
+                        if p.watched is not None and p.watch_left > 0:
+                            p.watched += chunk[:p.watch_left]
+                            p.watch_left -= min(len(chunk), p.watch_left)
                         p.cond.notify_all()
             if exited_at is not None and (eof or time.monotonic() >= exited_at + DRAIN_TIMEOUT):
                 break
@@ -197,14 +204,30 @@ class Host:
 
     # --- waiting for output ----------------------------------------------------------------
 
-    def collect(self, p: Process, yield_s: float, conn: socket.socket) -> bool:
-        """Wait until the process is done or `yield_s` passes; False if the caller hung up."""
+    def collect(self, p: Process, yield_s: float, conn: socket.socket, stream: bool = False) -> bool:
+        """Wait until the process is done or `yield_s` passes; False if the caller hung up. With
+        `stream`, what the process prints meanwhile is sent to the caller as it comes."""
         deadline = time.monotonic() + yield_s
         with p.cond:
-            while not p.done and (left := deadline - time.monotonic()) > 0:
-                p.cond.wait(min(left, STEP))
-                if _hung_up(conn):
-                    return False
+            if stream:
+                p.watched, p.watch_left = bytearray(), STREAM_BYTES
+            try:
+                while not p.done and (left := deadline - time.monotonic()) > 0:
+                    p.cond.wait(min(left, STEP))
+                    if _hung_up(conn):
+                        return False
+                    if p.watched:
+                        frame = OutputFrame(progress=_b64(bytes(p.watched)))
+                        p.watched.clear()
+                        p.cond.release()  # a slow reader must not hold up the pump
+                        try:
+                            conn.sendall(frame.model_dump_json().encode() + b"\n")
+                        except OSError:
+                            return False
+                        finally:
+                            p.cond.acquire()
+            finally:
+                p.watched = None
         return True
 
     def reply_for(self, p: Process, started: float) -> Reply:
@@ -266,7 +289,7 @@ class Host:
             return Reply(error=f"exec_command refused: {e}")
         except OSError as e:
             return Reply(spawn_errno=e.errno or 0, spawn_strerror=e.strerror or str(e), wall_time=0.0)
-        if not self.collect(p, req.yield_ms / 1000, conn):
+        if not self.collect(p, req.yield_ms / 1000, conn, stream=req.stream):
             p.kill()
             return None
         return self.reply_for(p, started)

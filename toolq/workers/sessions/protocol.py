@@ -21,6 +21,8 @@ class ExecRequest(_Request):
     workspace: str
     env: dict[str, str]
     tty: bool = False
+    stream: bool = False
+    """Send the output as it comes, in `OutputFrame` lines before the reply (the call streams it)."""
 
 
 class WriteRequest(_Request):
@@ -35,6 +37,13 @@ _REQUEST: TypeAdapter[Request] = TypeAdapter(Annotated[Request, Field(discrimina
 
 def parse_request(line: bytes) -> Request:
     return _REQUEST.validate_json(line)
+
+
+class OutputFrame(BaseModel):
+    """A piece of a running command's output, sent before the reply to a request that streams."""
+
+    progress: str
+    """base64 of the bytes."""
 
 
 class Reply(BaseModel):

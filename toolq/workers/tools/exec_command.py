@@ -106,6 +106,7 @@ def exec_command(args: ExecCommandArgs, ctx: ToolContext) -> ToolReturn:
             shell=args.shell or "bash",
             sandbox=isolation.current(),
             workspace=ctx.workspace,
+            output=ctx.output,
         )
     except isolation.SandboxUnavailable as e:
         raise RespondToModel(f"exec_command refused: {e}") from None

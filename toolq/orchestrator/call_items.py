@@ -1,0 +1,69 @@
+"""What a call looks like to its watchers: Codex's item for the built-in tools that have one.
+
+`codex exec --json` shows a shell command as `command_execution` (its command line and output),
+a patch as `file_change` (the files it touches) and a plan as `todo_list`; every other call stays
+toolq's `tool_call`. Read from the call's own arguments and its result, never from a worker's
+word alone: the streamed output is shown while the call runs, the result's output once it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from typing import Any
+
+from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult
+from toolq.orchestrator.truncate import TruncationPolicy, truncate_text
+from toolq.orchestrator.turn_events import (CommandExecutionView, FileChangeView, FileUpdateChange, TodoItem,
+                                            TodoListView, ToolCallView)
+from toolq.workers.streaming import STREAM_BYTES
+
+#: `aggregated_output` is cut (head and tail kept) to this much.
+AGGREGATED_POLICY = TruncationPolicy.bytes(STREAM_BYTES)
+_PATCH_HEADER = re.compile(r"^\*\*\* (Add|Delete|Update) File: (.+)$", re.MULTILINE)
+_KINDS = {"Add": "add", "Delete": "delete", "Update": "update"}
+#: exec_command's result text (format_exec_output): the output follows this header line.
+_OUTPUT_HEADER = "\nOutput:\n"
+
+
+def call_view(tool: str, inv: ToolInvocation | None, live_output: str, result: ToolResult | None,
+              **fields: Any) -> ToolCallView:
+    """The item for one call; `fields` are toolq's call fields (id, state, step, worker...)."""
+    if inv is not None and inv.tool_name.namespace is None:
+        if tool == "exec_command" and (args := _arguments(inv)) is not None and isinstance(args.get("cmd"), str):
+            shell = args.get("shell") if isinstance(args.get("shell"), str) else "bash"
+            output = live_output if result is None else result_output(result)
+            return CommandExecutionView(tool=tool, command=shlex.join([shell or "bash", "-c", args["cmd"]]),
+                                        aggregated_output=truncate_text(output, AGGREGATED_POLICY), **fields)
+        if tool == "apply_patch" and isinstance(inv.payload, CustomPayload):
+            return FileChangeView(tool=tool, changes=patch_changes(inv.payload.input, inv.workspace), **fields)
+        if tool == "update_plan" and (args := _arguments(inv)) is not None and isinstance(args.get("plan"), list):
+            return TodoListView(tool=tool, items=[TodoItem(text=str(s.get("step", "")),
+                                                           completed=s.get("status") == "completed")
+                                                  for s in args["plan"] if isinstance(s, dict)], **fields)
+    return ToolCallView(tool=tool, **fields)
+
+
+def result_output(result: ToolResult) -> str:
+    """The command's own output in an exec_command result (after Codex's header), else the text."""
+    text = result.output_text()
+    head, sep, rest = text.partition(_OUTPUT_HEADER)
+    return rest if sep and head.startswith("Chunk ID: ") else text
+
+
+def patch_changes(patch: str, workspace: str | None) -> list[FileUpdateChange]:
+    """The files a patch names, with absolute paths as Codex reports them."""
+    return [FileUpdateChange(path=os.path.join(workspace or "", path.strip()), kind=_KINDS[kind])  # type: ignore[arg-type]
+            for kind, path in _PATCH_HEADER.findall(patch)]
+
+
+def _arguments(inv: ToolInvocation) -> dict[str, Any] | None:
+    if not isinstance(inv.payload, FunctionPayload):
+        return None
+    try:
+        args = json.loads(inv.payload.arguments)
+    except ValueError:
+        return None
+    return args if isinstance(args, dict) else None
