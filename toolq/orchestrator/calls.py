@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from toolq.orchestrator.permits import Permit
 from toolq.orchestrator.states import CallState
 from toolq.orchestrator.protocol import untrusted
 from toolq.orchestrator.protocol.items import (
@@ -95,6 +96,9 @@ class ToolInvocation(BaseModel):
     """Digest of the tool declaration the orchestrator validated against; workers refuse a mismatch."""
     conversation: str | None = None
     """Set by a `Session`: the exec_command sessions this call starts or uses belong to it."""
+    permit: Permit | None = None
+    """The tool's max_concurrency permit the orchestrator took for this call: the worker renews it
+    while the call runs and releases it at the end (toolq/orchestrator/permits.py)."""
 
     @property
     def task_id(self) -> str:

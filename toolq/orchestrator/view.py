@@ -24,9 +24,9 @@ from toolq.orchestrator.turn_events import (
     TurnStarted,
 )
 
-_GLYPH = {CallState.PENDING: "·", CallState.QUEUED: "→", CallState.RUNNING: "▸", CallState.COMPLETED: "✓",
-          CallState.FAILED: "✗", CallState.REJECTED: "✗", CallState.TIMED_OUT: "⏱", CallState.LOST: "!",
-          CallState.CANCELLED: "⊘"}
+_GLYPH = {CallState.PENDING: "·", CallState.THROTTLED: "‖", CallState.QUEUED: "→", CallState.RUNNING: "▸",
+          CallState.COMPLETED: "✓", CallState.FAILED: "✗", CallState.REJECTED: "✗", CallState.TIMED_OUT: "⏱",
+          CallState.LOST: "!", CallState.CANCELLED: "⊘"}
 
 
 class _View:
