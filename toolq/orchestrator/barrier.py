@@ -213,9 +213,11 @@ class Step:
         """One of the turn's slots for calls in flight; False: the deadline passed while waiting."""
         if self._in_flight is None:
             return True
-        if self._in_flight.locked():
-            self._throttle(entry, f"the turn's cap of {self.limits.max_parallel_calls} calls in flight "
-                                  "(TOOLQ_MAX_PARALLEL_CALLS)")
+        if not self._in_flight.locked():
+            await self._in_flight.acquire()  # taken at once, with no suspension: the next call sees it taken
+            return True
+        self._throttle(entry, f"the turn's cap of {self.limits.max_parallel_calls} calls in flight "
+                              "(TOOLQ_MAX_PARALLEL_CALLS)")
         assert entry.inv is not None
         try:
             await asyncio.wait_for(self._in_flight.acquire(), timeout=max(entry.inv.deadline - time.time(), 0.0))
