@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from toolq.orchestrator.bench import cancel, pipeline, steps
+from toolq.orchestrator.bench import cancel, limits, pipeline, steps
 
 pytestmark = pytest.mark.integration
 
@@ -25,6 +25,11 @@ def test_pipeline_bench_measures_both_paths():
 def test_steps_bench_reports_each_size():
     res = steps.run(io.StringIO(), sizes=(2,), steps=2)
     assert res[2]["p50"] > 0
+
+
+def test_limits_bench_counts_the_limited_tool_running_and_both_rates():
+    res = limits.run(io.StringIO(), rounds=1, duration=0.3, ms=100)
+    assert res["peak"] == limits.LIMIT and res["alone"] > 0 and res["beside"] > 0
 
 
 def test_cancel_bench_cancels_every_run():

@@ -21,6 +21,7 @@ import redis
 from tests.integration.conftest import run_session, settings_for
 from tests.integration.test_faults import wait_for_pid
 from toolq.orchestrator import keys
+from toolq.orchestrator.bench.limits import max_running
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
@@ -29,16 +30,6 @@ from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.status import status_cmd
 
 pytestmark = pytest.mark.integration
-
-
-def max_overlap(intervals: list[tuple[float, float]]) -> int:
-    """The most intervals open at one instant (an end at t comes before a start at t)."""
-    edges = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1]))
-    running = peak = 0
-    for _, d in edges:
-        running += d
-        peak = max(peak, running)
-    return peak
 
 
 def ledger_calls(url: str, turn_ids: list[str]) -> list[dict[str, str]]:
@@ -85,7 +76,7 @@ def test_max_concurrency_2_across_3_concurrent_turns_never_runs_more_than_2(redi
     assert len(calls) == 16 and {c["state"] for c in calls} == {"completed"}, calls
     intervals = ran(calls, "limited_sleep")
     assert len(intervals) == 16
-    assert max_overlap(intervals) == 2, sorted(intervals)  # never 3; and 2 did run together (not serialised)
+    assert max_running(intervals) == 2, sorted(intervals)  # never 3; and 2 did run together (not serialised)
     throttled = [c for t, ev in enumerate(events) for c in {e["item"]["id"] for e in ev if "item" in e}
                  if "throttled" in states_seen(ev, c)]
     assert len(throttled) >= 8, "most calls waited for a permit, visibly"
@@ -124,7 +115,7 @@ def test_the_per_turn_cap_holds_and_throttled_calls_show_in_toolq_status(redis_s
     assert run.outcome.status == "completed", run.outcome.error
     assert [json.loads(o["output"])["text"] for o in run.outputs_of(1)] == [f"c{k}" for k in range(9)]  # call order
     intervals = ran(ledger_calls(redis_server.url, [run.outcome.turn_id]))
-    assert len(intervals) == 9 and max_overlap(intervals) == 3, sorted(intervals)  # the fleet has 4 slots
+    assert len(intervals) == 9 and max_running(intervals) == 3, sorted(intervals)  # the fleet has 4 slots
     assert "throttled" in seen.values(), seen
     throttled = [e["item"] for e in run.events if e.get("item", {}).get("state") == "throttled"]
     assert throttled and "TOOLQ_MAX_PARALLEL_CALLS" in throttled[0]["reason"]
