@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from tests.integration.conftest import run_session, settings_for
+from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS, WORKER_ENV, run_session, settings_for
 from tests.integration.test_faults import wait_for_pid
 from toolq.orchestrator import keys
 from toolq.orchestrator.bench.limits import max_running
@@ -168,3 +171,30 @@ def test_a_32_call_turn_does_not_starve_4_small_turns_beside_it(redis_server, fl
         for f in [pool.submit(run, "big", big), *[pool.submit(run, f"small{k}", small) for k in range(4)]]:
             f.result()
     assert all(finished[f"small{k}"] < finished["big"] for k in range(4)), finished
+
+
+def test_a_sigkilled_orchestrator_leaves_its_running_call_holding_the_permit_until_it_ends(redis_server, worker,
+                                                                                           drive, tmp_path):
+    worker(["faults"], concurrency=2, name="survivor@test")  # a free slot: only the permit keeps the next call out
+    script = [[b.function_call("limited_hang", {"seconds": 8}, "call_orphan")], [b.message("done")]]
+    with FakeModel(script) as fake:
+        env = {**os.environ, "REDIS_URL": redis_server.url, "OPENAI_BASE_URL": fake.base_url, "OPENAI_API_KEY": "t",
+               "TOOLQ_SIGNING_KEY": SIGNING_KEY, "TOOLQ_TOOLS": TEST_TOOLS, "TOOLQ_LIMIT_LEASE": "1",
+               "PYTHONPATH": WORKER_ENV["PYTHONPATH"]}
+        proc = subprocess.Popen([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--json", "--workspace",
+                                 str(tmp_path), "go"], env=env, stdout=subprocess.PIPE, text=True)
+        orphaned_turn = json.loads(proc.stdout.readline())["turn_id"]
+        wait_for_pid(tmp_path / "hang-call_orphan.pid")
+        proc.kill()  # no handler runs: its renewals stop with it
+        proc.wait(10)
+        proc.stdout.close()
+    time.sleep(2.5)  # past the orchestrator's 1 s lease: the worker running the call renews it now
+    run = drive([[b.function_call("limited_hang", {"seconds": 0.1}, "call_after")], [b.message("done")]])
+    assert run.outcome.status == "completed", run.outcome.error
+    assert run.outputs_of(1)[0]["output"] == "woke up"
+    (orphan,) = ledger_calls(redis_server.url, [orphaned_turn])
+    (after,) = ledger_calls(redis_server.url, [run.outcome.turn_id])
+    assert orphan["state"] == "completed", orphan  # the worker finished it with nobody listening
+    assert float(after["started_at"]) >= float(orphan["finished_at"]), (orphan, after)  # never 2 at once
+    assert "throttled" in states_seen(run.events, "call_after")
+    assert not redis.Redis.from_url(redis_server.url).zcard(keys.limit_holders("limited_hang"))
