@@ -198,3 +198,12 @@ def test_a_sigkilled_orchestrator_leaves_its_running_call_holding_the_permit_unt
     assert float(after["started_at"]) >= float(orphan["finished_at"]), (orphan, after)  # never 2 at once
     assert "throttled" in states_seen(run.events, "call_after")
     assert not redis.Redis.from_url(redis_server.url).zcard(keys.limit_holders("limited_hang"))
+
+
+def test_a_built_in_tool_gets_its_limit_from_settings(redis_server, fleet, drive):
+    calls = [b.function_call("exec_command", {"cmd": "sleep 0.3; echo ran"}, f"call_x{k}") for k in range(3)]
+    run = drive([calls, [b.message("done")]], tool_limits='{"exec_command": {"max_concurrency": 1}}')
+    assert run.outcome.status == "completed", run.outcome.error
+    assert all("ran" in o["output"] for o in run.outputs_of(1))
+    intervals = ran(ledger_calls(redis_server.url, [run.outcome.turn_id]))
+    assert len(intervals) == 3 and max_running(intervals) == 1, sorted(intervals)
