@@ -347,7 +347,8 @@ class Step:
         self.aborted = True
         now = time.time()
         unfinished = [e for e in self.entries if not e.done.is_set()]
-        # Pending and throttled calls were never sent: nothing to revoke, and no permit to give back.
+        # Pending and throttled calls were never sent: nothing to revoke (a permit a throttled call
+        # already took goes back as its task is cancelled; one it waits for was never its own).
         revoke = [e.task_id for e in unfinished
                   if e.task_id and e.state not in (CallState.PENDING, CallState.THROTTLED)]
         for entry in unfinished:
