@@ -185,3 +185,17 @@ async def test_a_throttled_call_past_its_deadline_times_out_and_says_it_was_neve
     assert waiting.state is CallState.TIMED_OUT
     assert "while it waited for the turn's cap of 1 calls in flight" in outputs[1].output
     assert "never sent" in outputs[1].output and waiting.task_id not in h.transport.sent
+
+
+def test_toolq_config_shows_the_limits_and_a_bad_one_exits_2_in_one_line(monkeypatch, capsys):
+    from toolq.orchestrator.cli import main
+
+    monkeypatch.setenv("TOOLQ_TOOL_LIMITS", '{"git.git_log": {"rate_limit": "100/m"}}')
+    assert main(["config"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["tool_limits"] == {"git.git_log": {"max_concurrency": None, "rate_limit": "100/m"}}
+    assert shown["max_parallel_calls"] == 16
+    monkeypatch.setenv("TOOLQ_TOOL_LIMITS", '{"git.git_log": {"rate_limit": "100/h"}}')
+    assert main(["config"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("toolq: invalid setting tool_limits (TOOLQ_TOOL_LIMITS): ")
