@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from toolq.orchestrator.bench import cancel, pipeline, steps, streaming
+from toolq.orchestrator.bench import cancel, limits, pipeline, steps, streaming
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +31,9 @@ def test_streaming_bench_measures_both_modes_in_one_run():
     out = io.StringIO()
     res = streaming.run(out, sizes=(2,), steps=2, rounds=1)
     assert res["2"]["on"] > 0 and res["2"]["off"] > 0 and "streaming on vs off" in out.getvalue()
+def test_limits_bench_counts_the_limited_tool_running_and_both_rates():
+    res = limits.run(io.StringIO(), rounds=1, duration=0.3, ms=100)
+    assert res["peak"] == limits.LIMIT and res["alone"] > 0 and res["beside"] > 0
 
 
 def test_cancel_bench_cancels_every_run():

@@ -87,3 +87,24 @@ TAG_PARAMETERS = {"type": "object", "properties": {"tags": {"type": "array", "it
 def count_tags(args, ctx: ToolContext) -> str:
     """A function tool declared by its JSON Schema alone: the handler gets the parsed dict."""
     return f"{type(args).__name__} with {len(args['tags'])} tags"
+
+
+# --- limits across the fleet (tests/integration/test_limits.py) ---
+
+
+@tool(max_concurrency=2)
+def limited_sleep(args: SleepArgs, ctx: ToolContext) -> str:
+    """At most 2 run at once across the fleet: sleep, then say when it ran."""
+    return sleep_echo(args, ctx)
+
+
+@tool(rate_limit="4/s")
+def rated_noop(args: NoArgs, ctx: ToolContext) -> str:
+    """At most 4 start per second across the fleet."""
+    return json.dumps({"start": time.time()})
+
+
+@tool(queue="faults", max_concurrency=1, timeout=60)
+def limited_hang(args: HangArgs, ctx: ToolContext) -> str:
+    """One at a time across the fleet: write this process's pid, then sleep (the test kills it)."""
+    return hang(args, ctx)

@@ -1,6 +1,6 @@
 """The benchmarks' printouts: a figure that misses its goal says so (no timing is judged here)."""
 
-from toolq.orchestrator.bench import pipeline, steps
+from toolq.orchestrator.bench import limits, pipeline, steps
 from toolq.orchestrator.bench.harness import START_BENCH_WORKER, goal, missing_queues_line
 
 
@@ -32,3 +32,19 @@ def test_a_fleet_without_bench_workers_is_told_what_to_start():
     line = missing_queues_line(["toolq-bench"], 2)
     assert "\n" not in line and "queue toolq-bench" in line and "2 worker(s) answered" in line
     assert START_BENCH_WORKER in line and START_BENCH_WORKER == "toolq worker --tools toolq.orchestrator.bench.tools"
+
+
+def test_limits_printout_marks_a_slowed_fleet_or_a_third_running_call_missed():
+    base = {"rounds": 3, "alone": 100.0, "beside": 97.0, "ratio": 0.97, "cpu_alone": 0.0016, "cpu_beside": 0.0017,
+            "ms": 500}
+    lines = limits.report({**base, "peak": 2})
+    assert "(goal <= 2: met)" in lines[1] and lines[4].endswith("0.97x   (goal >= 0.9x: met)")
+    res = {**base, "peak": 3}
+    assert "(goal <= 2: MISSED)" in limits.report(res)[1] and res["goal_met"] is False
+    slow = {**base, "peak": 2, "beside": 50.0, "ratio": 0.5}
+    assert limits.report(slow)[4].endswith("(goal >= 0.9x: MISSED)") and slow["goal_met"] is False
+
+
+def test_max_running_counts_overlaps_and_a_finish_before_a_start_at_the_same_instant():
+    assert limits.max_running([(0, 2), (1, 3), (2, 4)]) == 2
+    assert limits.max_running([(0, 1), (1, 2)]) == 1 and limits.max_running([]) == 0

@@ -44,8 +44,8 @@ def test_json_view_marks_a_command_that_exited_non_zero_failed_like_codex():
 
 def test_every_terminal_state_but_completed_is_failed_in_codex_terms():
     assert {s: codex_status(s) for s in CallState} == {
-        CallState.PENDING: "in_progress", CallState.QUEUED: "in_progress", CallState.RUNNING: "in_progress",
-        CallState.COMPLETED: "completed", CallState.FAILED: "failed", CallState.REJECTED: "failed",
+        CallState.PENDING: "in_progress", CallState.THROTTLED: "in_progress", CallState.QUEUED: "in_progress",
+        CallState.RUNNING: "in_progress", CallState.COMPLETED: "completed", CallState.FAILED: "failed", CallState.REJECTED: "failed",
         CallState.TIMED_OUT: "failed", CallState.LOST: "failed", CallState.CANCELLED: "failed"}
 
 

@@ -20,6 +20,7 @@ from toolq.orchestrator.binding import BoundCall
 from toolq.orchestrator.call_items import call_view
 from toolq.orchestrator.calls import ToolInvocation, ToolResult, aborted_text, output_item, task_id_for
 from toolq.orchestrator.errors import Fatal
+from toolq.orchestrator.limits import Limits
 from toolq.orchestrator.protocol.items import OutputItem
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.states import CallState, codex_status
@@ -77,6 +78,8 @@ class CallEntry:
     started_at: float | None = None
     finished_at: float | None = None
     worker: str | None = None
+    throttled_by: str | None = None
+    """The limit that held the call back, if one did."""
     task: asyncio.Task | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     live_output: str = ""
@@ -111,14 +114,18 @@ class CallEntry:
 
 
 class Step:
-    def __init__(self, ctx: StepContext, transport: Transport, records: CallRecords, emit: Emit = ignore, *,
-                 stream_output: bool = False) -> None:
+    def __init__(self, ctx: StepContext, transport: Transport, records: CallRecords, emit: Emit = ignore,
+                 limits: Limits | None = None, *, stream_output: bool = False) -> None:
         self.ctx = ctx
         self.transport = transport
         self.records = records
         self._emit = emit
         self.stream_output = stream_output and emit is not ignore
         """Ask the workers for running commands' output (`TOOLQ_STREAM_OUTPUT`, and someone watches)."""
+        self.limits = limits or Limits()
+        cap = self.limits.max_parallel_calls
+        # A turn's steps run one after another, so the step's cap is the turn's (TOOLQ_MAX_PARALLEL_CALLS).
+        self._in_flight = asyncio.Semaphore(cap) if cap else None
         self.entries: list[CallEntry] = []
         self.fatal: Fatal | None = None
         self.aborted = False
@@ -158,14 +165,14 @@ class Step:
             self._start(self.entries[i])
 
     def _start(self, entry: CallEntry) -> None:
-        entry.state, entry.queued_at = CallState.QUEUED, time.time()
+        entry.state = CallState.QUEUED  # THROTTLED instead if a limit holds it back (_admit_and_run)
         entry.task = asyncio.create_task(self._run(entry), name=f"toolq-call-{entry.call_id}")
 
     # --- running one call ------------------------------------------------------------------------
 
     async def _run(self, entry: CallEntry) -> None:
         try:
-            entry.result = await self._dispatch_and_track(entry)
+            entry.result = await self._admit_and_run(entry)
         except asyncio.CancelledError:
             if entry.result is None:  # abort() fills it; anything else is a bug worth seeing
                 raise
@@ -184,9 +191,65 @@ class Step:
         entry.done.set()
         self.emit(ItemCompleted(item=self._view(entry)))
 
-    async def _dispatch_and_track(self, entry: CallEntry) -> ToolResult:
+    # --- limits: held back as THROTTLED, never failed for it (toolq/orchestrator/limits.py) ---------
+
+    async def _admit_and_run(self, entry: CallEntry) -> ToolResult:
+        """The turn's cap first (in call order), then the tool's fleet-wide limits, then the queue."""
         inv, spec = entry.inv, entry.call.spec
         assert inv is not None and spec is not None
+        if not await self._turn_slot(entry):
+            return self._expired_throttled(entry)
+        try:
+            admission = await self.limits.admit(inv, spec, inv.deadline, lambda why: self._throttle(entry, why))
+            if admission is None:
+                return self._expired_throttled(entry)
+            try:
+                if entry.state is CallState.THROTTLED:
+                    entry.state = CallState.QUEUED
+                    self.emit(ItemUpdated(item=self._view(entry)))
+                entry.queued_at = time.time()
+                return await self._dispatch_and_track(entry, admission.invocation)
+            finally:
+                admission.release()
+        finally:
+            if self._in_flight is not None:
+                self._in_flight.release()
+
+    async def _turn_slot(self, entry: CallEntry) -> bool:
+        """One of the turn's slots for calls in flight; False: the deadline passed while waiting."""
+        if self._in_flight is None:
+            return True
+        if not self._in_flight.locked():
+            await self._in_flight.acquire()  # taken at once, with no suspension: the next call sees it taken
+            return True
+        self._throttle(entry, f"the turn's cap of {self.limits.max_parallel_calls} calls in flight "
+                              "(TOOLQ_MAX_PARALLEL_CALLS)")
+        assert entry.inv is not None
+        try:
+            await asyncio.wait_for(self._in_flight.acquire(), timeout=max(entry.inv.deadline - time.time(), 0.0))
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def _throttle(self, entry: CallEntry, why: str) -> None:
+        if entry.state is CallState.THROTTLED and entry.throttled_by == why:
+            return
+        entry.state, entry.throttled_by = CallState.THROTTLED, why
+        log.info("‖ %s %s throttled: %s", entry.call_id, entry.tool, why)
+        self.emit(ItemUpdated(item=self._view(entry)))
+        assert entry.inv is not None
+        self._background(self.records.mark_throttled(entry.inv, why))
+
+    def _expired_throttled(self, entry: CallEntry) -> ToolResult:
+        return self._synthesize(entry, CallState.TIMED_OUT,
+                                f"call stopped: the turn's deadline passed after {time.time() - entry.added_at:.1f}s "
+                                f"while it waited for {entry.throttled_by or 'a limit'}; it was never sent")
+
+    # --- sending and tracking --------------------------------------------------------------------
+
+    async def _dispatch_and_track(self, entry: CallEntry, inv: ToolInvocation) -> ToolResult:
+        spec = entry.call.spec
+        assert spec is not None
 
         def started(w: CallWatch) -> None:
             entry.state, entry.worker, entry.started_at = CallState.RUNNING, w.hostname, w.started_at
@@ -299,7 +362,10 @@ class Step:
         self.aborted = True
         now = time.time()
         unfinished = [e for e in self.entries if not e.done.is_set()]
-        revoke = [e.task_id for e in unfinished if e.task_id and e.state is not CallState.PENDING]
+        # Pending and throttled calls were never sent: nothing to revoke (a permit a throttled call
+        # already took goes back as its task is cancelled; one it waits for was never its own).
+        revoke = [e.task_id for e in unfinished
+                  if e.task_id and e.state not in (CallState.PENDING, CallState.THROTTLED)]
         for entry in unfinished:
             entry.result = ToolResult(call_id=entry.call_id,
                                       output=aborted_text(entry.call.shell_like, now - entry.added_at),
@@ -331,6 +397,8 @@ class Step:
         if entry.queued_at is not None and entry.started_at is not None:
             view.queue_wait = round(max(entry.started_at - entry.queued_at, 0.0), 4)
         if r is None:
+            if entry.state is CallState.THROTTLED:
+                view.reason = f"waiting for {entry.throttled_by}"
             return view
         text = r.output_text()
         view.success, view.exit_code, view.output = r.success, r.exit_code, text[:VIEW_OUTPUT_CHARS]

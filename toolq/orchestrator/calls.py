@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from toolq.orchestrator.permits import Permit
 from toolq.orchestrator.states import CallState
 from toolq.orchestrator.protocol import untrusted
 from toolq.orchestrator.protocol.items import (
@@ -97,6 +98,9 @@ class ToolInvocation(BaseModel):
     """Set by a `Session`: the exec_command sessions this call starts or uses belong to it."""
     stream_output: bool = False
     """Someone watches the turn: publish a running command's output (toolq/workers/streaming.py)."""
+    permit: Permit | None = None
+    """The tool's max_concurrency permit the orchestrator took for this call: the worker renews it
+    while the call runs and releases it at the end (toolq/orchestrator/permits.py)."""
 
     @property
     def task_id(self) -> str:

@@ -191,7 +191,8 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox", "sessions", "mcp", "streaming")
+BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox", "sessions", "mcp", "streaming",
+              "limits")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from toolq.orchestrator.celery_transport import CeleryTransport
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.errors import Fatal
 from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.limits import FleetLimits
 from toolq.orchestrator.protocol.items import OutputItem, ResponseItem, ToolSearchOutputItem, decode_item
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.results import ResultRouter
@@ -84,6 +85,9 @@ class Fleet:
         self.dispatcher = dispatcher
         self.router = router
         self.transport = CeleryTransport(dispatcher, router, ledger)
+        self.limits = FleetLimits(ledger.r, max_parallel_calls=settings.max_parallel_calls,
+                                  overrides=settings.tool_limits, lease=settings.limit_lease)
+        """Fleet-wide max_concurrency and rate limits, and the per-turn cap, for every step of this process."""
         self.loaded_tools: set[ToolName] = set()
         """Deferred tools a `tool_search` made visible; `tool_specs()` includes them."""
         self.turn_id = new_turn_id()
@@ -154,7 +158,7 @@ class Fleet:
         return bind_item(item, self.registry, ctx, output_index)
 
     def step(self, ctx: StepContext, emit: Emit = ignore) -> Step:
-        return Step(ctx, self.transport, self.ledger, emit, stream_output=self.settings.stream_output)
+        return Step(ctx, self.transport, self.ledger, emit, self.limits, stream_output=self.settings.stream_output)
 
     async def run_calls(self, items: Iterable[Any], turn_id: str | None = None, *,
                         emit: Emit = ignore) -> list[dict[str, Any]]:
@@ -205,6 +209,7 @@ class Fleet:
 
     async def aclose(self) -> None:
         await flush_background()
+        await self.limits.aclose()
         await self.router.aclose()
         await self.dispatcher.aclose()
         await self.ledger.aclose()

@@ -120,3 +120,20 @@ def fleet_tool(digest: str) -> str:
     """STRING (JSON `ToolAdvert`): one tool declaration, addressed by its digest, shared by every
     worker that serves it; refreshed by their heartbeats like their own records."""
     return f"{PREFIX}:fleet:tool:{digest}"
+
+
+# --- limits across the fleet (toolq/orchestrator/permits.py, limits.py) ---
+
+
+def limit_holders(tool: str) -> str:
+    """ZSET of task ids holding one of the tool's max_concurrency permits, scored by lease expiry (ms)."""
+    return f"{PREFIX}:limit:{tool}:holders"
+
+
+def limit_starts(tool: str) -> str:
+    """ZSET of task ids started within the tool's rate-limit window, scored by start time (ms)."""
+    return f"{PREFIX}:limit:{tool}:starts"
+
+
+#: Pub/sub channel: a permit was released (the message is the tool); waiting orchestrators retry.
+LIMIT_RELEASED = f"{PREFIX}:limit-released"

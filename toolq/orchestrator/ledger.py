@@ -20,16 +20,31 @@ from toolq.orchestrator.states import TERMINAL, CallState  # noqa: F401 (TERMINA
 
 
 # KEYS: call record, turn's task list, turn's call_id index. ARGV: ttl, task id, call id, record...
-_CLAIM = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+_RECORD = """
 redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
+"""
+_INDEX = """
 redis.call('RPUSH', KEYS[2], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[3], ARGV[3], ARGV[2])
 redis.call('EXPIRE', KEYS[3], ARGV[1])
 return 1
 """
+# A record that is only `throttled` (listed while it waited for a limit) was never sent: it is claimed.
+_CLAIM = """
+local listed = redis.call('HGET', KEYS[1], 'state')
+if listed and listed ~= 'throttled' then return 0 end
+""" + _RECORD + "if listed then return 1 end" + _INDEX
+# The same keys and arguments: list the call (in the turn's order) only if it has no record yet.
+_THROTTLED = "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end" + _RECORD + _INDEX
+
+
+def _call_script_args(inv: ToolInvocation, record: dict[str, Any]) -> dict[str, list[Any]]:
+    """KEYS and ARGV of _CLAIM and _THROTTLED for one call and the record to write."""
+    flat = [str(x) for kv in record.items() for x in kv]
+    return {"keys": [keys.call(inv.task_id), keys.turn_calls(inv.turn_id), keys.call_ids(inv.turn_id)],
+            "args": [keys.RECORD_TTL, inv.task_id, inv.call_id, *flat]}
 
 
 def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
@@ -40,6 +55,7 @@ class Ledger:
     def __init__(self, r: aioredis.Redis) -> None:
         self.r = r
         self._claim = r.register_script(_CLAIM)
+        self._throttled = r.register_script(_THROTTLED)
 
     @classmethod
     def from_url(cls, url: str) -> Ledger:
@@ -86,9 +102,15 @@ class Ledger:
         record = {"call_id": inv.call_id, "task_id": inv.task_id, "turn_id": inv.turn_id,
                   "tool": str(inv.tool_name), "state": CallState.QUEUED.value, "queue": queue, "step": inv.step,
                   "output_index": inv.output_index, "queued_at": time.time()}
-        flat = [str(x) for kv in record.items() for x in kv]
-        keys_ = [keys.call(inv.task_id), keys.turn_calls(inv.turn_id), keys.call_ids(inv.turn_id)]
-        return bool(await self._claim(keys=keys_, args=[keys.RECORD_TTL, inv.task_id, inv.call_id, *flat]))
+        return bool(await self._claim(**_call_script_args(inv, record)))
+
+    async def mark_throttled(self, inv: ToolInvocation, reason: str) -> None:
+        """List a call held back by a limit (`toolq status` shows it `throttled`); a no-op once it
+        has a record (the claim may have come first). The claim then takes it as never sent."""
+        record = {"call_id": inv.call_id, "task_id": inv.task_id, "turn_id": inv.turn_id,
+                  "tool": str(inv.tool_name), "state": CallState.THROTTLED.value, "throttled_by": reason,
+                  "step": inv.step, "output_index": inv.output_index, "throttled_at": time.time()}
+        await self._throttled(**_call_script_args(inv, record))
 
     async def record_unqueued(self, turn_id: str, step: int, output_index: int, call_id: str, tool: str,
                               state: str, task_id: str) -> None:

@@ -122,3 +122,7 @@ class MemoryRecords:
                               state: str, task_id: str) -> None:
         self.calls[task_id] = {"call_id": call_id, "tool": tool, "state": state, "step": step,
                                "output_index": output_index, "turn_id": turn_id}
+
+    async def mark_throttled(self, inv: ToolInvocation, reason: str) -> None:
+        self.calls.setdefault(inv.task_id, {"call_id": inv.call_id, "tool": str(inv.tool_name),
+                                            "state": CallState.THROTTLED.value, "throttled_by": reason})

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.protocol.reasoning import ReasoningSetting
 from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES
+from toolq.orchestrator.tool_limits import ToolLimit, parse_tool_limits
 
 DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
 
@@ -38,6 +39,10 @@ ENV = {
     "stream_max_retries": ("TOOLQ_STREAM_MAX_RETRIES",),
     "stream_idle_timeout": ("TOOLQ_STREAM_IDLE_TIMEOUT",),
     "max_sse_event_bytes": ("TOOLQ_MAX_SSE_EVENT_BYTES",),
+    # limits across the fleet (toolq/orchestrator/limits.py)
+    "max_parallel_calls": ("TOOLQ_MAX_PARALLEL_CALLS",),
+    "tool_limits": ("TOOLQ_TOOL_LIMITS",),
+    "limit_lease": ("TOOLQ_LIMIT_LEASE",),
     "flower_user": ("FLOWER_USER",),
     "flower_password": ("FLOWER_PASSWORD",),
     "flower_port": ("FLOWER_PORT",),
@@ -104,6 +109,15 @@ class Settings(BaseModel):
     max_sse_event_bytes: int = Field(default=DEFAULT_MAX_EVENT_BYTES, ge=1024)
     """A bigger SSE event from the model is dropped unread, so memory stays bounded; one that may
     have held a call (`output_item.done`) breaks the stream, which is retried."""
+    max_parallel_calls: int = Field(default=16, ge=1, le=10_000)
+    """Calls of one turn in flight at once (past this cap they wait as `throttled`, in call order),
+    so one response's fan-out cannot fill the queue ahead of other turns."""
+    tool_limits: dict[str, ToolLimit] = Field(default_factory=dict)
+    """Per tool name (`exec_command`, `git.git_log`): `max_concurrency` and `rate_limit` across the
+    fleet, over what the tool declares; JSON in TOOLQ_TOOL_LIMITS (toolq/orchestrator/tool_limits.py)."""
+    limit_lease: float = Field(default=10.0, ge=1.0, le=3600.0)
+    """Seconds a max_concurrency permit outlives its holders' last renewal: a permit held by a
+    crashed worker or orchestrator is free again after this."""
     flower_user: str | None = None
     flower_password: str | None = None
     flower_port: int = Field(default=5555, ge=0, le=65535)
@@ -171,6 +185,11 @@ class Settings(BaseModel):
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
         return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+    @field_validator("tool_limits", mode="before")
+    @classmethod
+    def _tool_limits(cls, v: Any) -> Any:
+        return parse_tool_limits(v)
 
     @field_validator("mcp", mode="before")
     @classmethod

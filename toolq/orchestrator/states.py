@@ -16,6 +16,9 @@ class CallState(str, Enum):
 
     #: Bound and valid, waiting for its turn (a serial call waits for the calls before it).
     PENDING = "pending"
+    #: Held back by a limit (the turn's cap on calls in flight, a tool's max_concurrency or rate
+    #: limit); not sent yet. It waits, never fails for it; its deadline applies as to a queued call.
+    THROTTLED = "throttled"
     #: Sent to the queue; no worker has started it yet.
     QUEUED = "queued"
     #: A worker started it.
@@ -46,7 +49,7 @@ class CallState(str, Enum):
         return self.terminal and self is not CallState.COMPLETED
 
 
-_UNFINISHED = frozenset({CallState.PENDING, CallState.QUEUED, CallState.RUNNING})
+_UNFINISHED = frozenset({CallState.PENDING, CallState.THROTTLED, CallState.QUEUED, CallState.RUNNING})
 TERMINAL = frozenset(s for s in CallState if s.terminal)
 
 

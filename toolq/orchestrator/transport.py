@@ -127,3 +127,6 @@ class CallRecords(Protocol):
 
     async def record_unqueued(self, turn_id: str, step: int, output_index: int, call_id: str, tool: str,
                               state: str, task_id: str) -> None: ...
+
+    async def mark_throttled(self, inv: ToolInvocation, reason: str) -> None:
+        """List a call a limit holds back (not sent yet) as `throttled`."""

@@ -46,7 +46,8 @@ class ToolCallView(_Json):
     success: bool | None = None
     exit_code: int | None = None
     reason: str | None = None
-    """For a failed call: why, in one line (`exit code 3`, the tool's error, the timeout...)."""
+    """For a failed call: why, in one line (`exit code 3`, the tool's error, the timeout...); for a
+    throttled one, the limit it waits for."""
     output: str | None = None
     """The start of the model-visible output (2,000 characters at most)."""
     queue_wait: float | None = None

@@ -32,9 +32,9 @@ from toolq.orchestrator.turn_events import (
 LAST_LINES = 3
 LINE_CHARS = 200
 
-_GLYPH = {CallState.PENDING: "·", CallState.QUEUED: "→", CallState.RUNNING: "▸", CallState.COMPLETED: "✓",
-          CallState.FAILED: "✗", CallState.REJECTED: "✗", CallState.TIMED_OUT: "⏱", CallState.LOST: "!",
-          CallState.CANCELLED: "⊘"}
+_GLYPH = {CallState.PENDING: "·", CallState.THROTTLED: "‖", CallState.QUEUED: "→", CallState.RUNNING: "▸",
+          CallState.COMPLETED: "✓", CallState.FAILED: "✗", CallState.REJECTED: "✗", CallState.TIMED_OUT: "⏱",
+          CallState.LOST: "!", CallState.CANCELLED: "⊘"}
 
 
 class _View:

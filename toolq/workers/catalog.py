@@ -36,6 +36,7 @@ from toolq.orchestrator.calls import PayloadKind, ToolInvocation, ToolName
 from toolq.orchestrator.errors import ConfigurationError, RespondToModel
 from toolq.orchestrator.protocol import untrusted
 from toolq.orchestrator.protocol.items import ContentPart, ToolOutputBody
+from toolq.orchestrator.tool_limits import UNLIMITED, ToolLimit, declared_limit
 
 if TYPE_CHECKING:
     from toolq.workers.streaming import OutputStream
@@ -107,6 +108,9 @@ class ToolSpec:
     """Hidden from the model until a tool_search finds it."""
     shell_like: bool = False
     """Aborted shell calls read `Wall time: X seconds\\naborted by user`, like Codex's."""
+    limit: ToolLimit = field(default=UNLIMITED, compare=False)
+    """max_concurrency / rate_limit across the fleet (TOOLQ_TOOL_LIMITS overrides it); policy, not
+    part of the declaration's digest: changing a limit never reroutes a call."""
     args_model: type[BaseModel] | None = field(default=None, compare=False)
     handler: Handler | None = field(default=None, compare=False, repr=False)
 
@@ -213,6 +217,8 @@ def tool(
     idempotent: bool = False,
     deferred: bool = False,
     shell_like: bool = False,
+    max_concurrency: int | None = None,
+    rate_limit: str | None = None,
     catalog: Catalog | None = None,
 ) -> Any:
     """Declare a function (sync or async) as a tool and register it.
@@ -226,10 +232,18 @@ def tool(
     The kind is never changed silently: `parameters=` together with `grammar=`, `kind="custom"`
     or a `str` input is refused with a `ConfigurationError`, as is a schema that is not valid
     JSON Schema. The docstring is the description.
+
+    `max_concurrency=N`: at most N calls of this tool run at once across the fleet; `rate_limit=
+    "10/s"` (or `"100/m"`): at most that many start per second (minute) across the fleet. A call
+    held back waits as `throttled`, never fails for it (toolq/orchestrator/limits.py).
     """
 
     def register(f: Handler) -> Handler:
         label = name or f.__name__
+        try:
+            limit = declared_limit(max_concurrency, rate_limit)
+        except ValueError as e:
+            raise ConfigurationError(f"tool {label}: {_first_error(e)}") from None
         args_model = _args_model(f)
         k = _payload_kind(label, f, kind, args_model, parameters, grammar)
         schema = parameters
@@ -251,6 +265,7 @@ def tool(
             idempotent=idempotent,
             deferred=deferred,
             shell_like=shell_like,
+            limit=limit,
             args_model=args_model,
             handler=f,
         )
@@ -259,6 +274,13 @@ def tool(
         return f
 
     return register(fn) if fn is not None else register
+
+
+def _first_error(e: ValueError) -> str:
+    if isinstance(e, ValidationError):
+        err = e.errors()[0]
+        return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}".lstrip(": ")
+    return str(e)
 
 
 def _payload_kind(label: str, f: Handler, kind: PayloadKind | None, args_model: type[BaseModel] | None,

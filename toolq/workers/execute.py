@@ -24,6 +24,7 @@ from toolq.orchestrator.errors import RespondToModel
 from toolq.orchestrator.protocol.items import ToolOutputBody
 from toolq.orchestrator.states import TERMINAL, CallState, parse_state
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
+from toolq.workers import permit
 from toolq.workers.sandbox import CallCancelled
 from toolq.workers.signing import Signer
 from toolq.workers.streaming import STREAMED_TOOLS, OutputStream
@@ -172,11 +173,25 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
             return _result(inv, f"gave up after {deliveries} deliveries: the worker died each time", CallState.FAILED,
                            hostname, success=False)
 
-    log.info("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
+    if inv.permit is not None:  # limits hook (toolq/workers/permit.py): the max_concurrency permit
+        waited = permit.confirm(r, inv, on_wait=lambda: _set_state(r, inv, state=CallState.THROTTLED))
+        if waited is None:
+            _set_state(r, inv, state=CallState.TIMED_OUT, finished_at=time.time())
+            return _result(inv, f"call stopped: the turn's deadline passed while it waited for a max_concurrency "
+                                f"permit of {inv.permit.tool}; it was not run", CallState.TIMED_OUT, hostname,
+                           success=False)
+        if waited:  # it starts now, not when it was taken off the queue
+            started_at = time.time()
+            _set_state(r, inv, state=CallState.RUNNING, started_at=started_at)
 
-    status, output, extra = run_invocation(inv, spec, catalog, hostname, lambda: is_cancelled(r, inv),
-                                           time_limit_errors, output_stream(inv, r, signer))
-    _set_state(r, inv, state=status, finished_at=time.time())
+    log.info("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
+    try:
+        status, output, extra = run_invocation(inv, spec, catalog, hostname, lambda: is_cancelled(r, inv),
+                                               time_limit_errors, output_stream(inv, r, signer))
+        _set_state(r, inv, state=status, finished_at=time.time())
+    finally:
+        if inv.permit is not None:  # after finished_at is written: the next holder starts after it
+            permit.release(r, inv)
     log.info("← %s %s %s in %.3fs", inv.call_id, inv.tool_name, status, time.time() - started_at)
     return _result(inv, output, status, hostname, started_at=started_at, **extra)
 
