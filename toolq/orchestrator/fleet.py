@@ -107,7 +107,7 @@ class Fleet:
             raise ValueError("a fleet needs a Redis URL (Fleet.connect starts an embedded one when none is given)")
         catalog = catalog if catalog is not None else load_catalog(settings.tools)
         signer = required_signer(settings.signing_key, "an orchestrator with REDIS_URL")
-        ledger = Ledger.from_url(settings.redis_url)
+        ledger = Ledger.from_url(settings.redis_url, settings.redis_connections)
         router = ResultRouter(settings.result_backend_url() or settings.redis_url, signer)
         await router.start()
         return catalog, ledger, Dispatcher(settings, ledger, signer, longest_timeout(catalog)), router

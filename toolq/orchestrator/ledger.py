@@ -7,7 +7,6 @@ absent), and holds the durable cancel records that workers check before they sta
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any
@@ -16,6 +15,8 @@ import redis.asyncio as aioredis
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.calls import ToolInvocation
+from toolq.orchestrator.cancel_listener import CancelListener
+from toolq.orchestrator.redis_pool import DEFAULT_CONNECTIONS, blocking_client
 from toolq.orchestrator.states import TERMINAL, CallState  # noqa: F401 (TERMINAL: read by cancel.py)
 
 
@@ -40,12 +41,17 @@ class Ledger:
     def __init__(self, r: aioredis.Redis) -> None:
         self.r = r
         self._claim = r.register_script(_CLAIM)
+        self._cancels: CancelListener | None = None
+        """Every turn's cancel channel on one subscription, opened by the first `wait_for_cancel`."""
 
     @classmethod
-    def from_url(cls, url: str) -> Ledger:
-        return cls(aioredis.Redis.from_url(url, client_name="toolq-ledger"))
+    def from_url(cls, url: str, max_connections: int = DEFAULT_CONNECTIONS) -> Ledger:
+        """A ledger whose commands wait for a free connection rather than fail (redis_pool.py)."""
+        return cls(blocking_client(url, "toolq-ledger", max_connections))
 
     async def aclose(self) -> None:
+        if self._cancels is not None:
+            await self._cancels.aclose()
         await self.r.aclose()
 
     # --- turns -------------------------------------------------------------------------------
@@ -140,21 +146,11 @@ class Ledger:
     async def wait_for_cancel(self, turn_id: str) -> None:
         """Return once the turn is cancelled from any process (`toolq cancel`, Ctrl-C elsewhere).
 
-        Subscribes first, then checks the durable record, so a cancel sent earlier counts too."""
-        pubsub = self.r.pubsub(ignore_subscribe_messages=True)
-        try:
-            await pubsub.subscribe(keys.cancel_channel(turn_id))
-            if await self.is_cancelled(turn_id):
-                return
-            while True:
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if msg and json.loads(msg["data"]).get("scope") == "turn":
-                    return
-                me = asyncio.current_task()
-                if me is not None and me.cancelling():  # redis-py can swallow a cancel during a read
-                    raise asyncio.CancelledError
-        finally:
-            await pubsub.aclose()
+        One subscription for all the turns of this ledger (cancel_listener.py); the durable record
+        is checked once it is confirmed, so a cancel sent earlier counts too."""
+        if self._cancels is None:
+            self._cancels = CancelListener(self.r, self.is_cancelled)
+        await self._cancels.wait(turn_id)
 
     async def next_step(self, turn_id: str) -> int:
         """A step number no other caller of this turn gets (successive `Fleet.run_calls` never collide)."""

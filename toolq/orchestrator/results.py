@@ -2,7 +2,9 @@
 the barrier typed outcomes (`TaskOutcome`): Celery's result format stays in this module.
 
 Celery's Redis backend publishes every state change of a task on `celery-task-meta-<task id>`.
-Task ids start with the turn id, so one PSUBSCRIBE per turn covers all of its calls. After
+Task ids start with the turn id, so one PSUBSCRIBE per turn covers all of its calls; every
+turn's pattern is on the one subscription of the runtime, which is taken and changed under a
+lock (turns starting at once each opened a connection of their own, and only one was read). After
 subscribing we MGET the keys we wait for, which closes the race with results stored before the
 subscription (celery-lab.md §3). A lost connection is retried; afterwards the router catches up
 with MGET and tells the barrier, which then checks for calls whose messages were lost.
@@ -16,12 +18,12 @@ import logging
 import time
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.calls import ToolResult
+from toolq.orchestrator.redis_pool import blocking_client
 from toolq.orchestrator.states import FAILURE, REVOKED, STARTED, SUCCESS, CallState
 from toolq.orchestrator.transport import TaskOutcome, Watches
 from toolq.workers.contracts import ToolCallFailed
@@ -67,10 +69,14 @@ class ResultRouter(Watches):
     def __init__(self, url: str, signer: Signer) -> None:
         self.signer = signer
         """Checks every meta before it counts (toolq/workers/signing.py)."""
-        self.r = aioredis.Redis.from_url(url, client_name="toolq-results")
+        # The subscription holds one connection; catch-up reads take the others.
+        self.r = blocking_client(url, "toolq-results", max_connections=8)
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         super().__init__()
         self._turns: dict[str, int] = {}
+        self._lock = asyncio.Lock()
+        """Held while the subscription changes: its first command opens its connection, and two
+        opening at once would leave one turn's pattern on a connection nobody reads."""
         self._reader: asyncio.Task | None = None
         self._subscribed = asyncio.Event()
         #: monotonic time of the last reconnect after a lost connection (0: never)
@@ -96,7 +102,8 @@ class ResultRouter(Watches):
         self._turns[turn_id] = self._turns.get(turn_id, 0) + 1
         if self._turns[turn_id] == 1:
             try:
-                await self.pubsub.psubscribe(keys.celery_meta_pattern(turn_id))
+                async with self._lock:
+                    await self.pubsub.psubscribe(keys.celery_meta_pattern(turn_id))
             except BaseException:
                 self._release(turn_id)
                 raise
@@ -115,7 +122,8 @@ class ResultRouter(Watches):
             for task_id in [t for t in self._watches if t.startswith(f"{turn_id}:")]:
                 del self._watches[task_id]
             try:
-                await self.pubsub.punsubscribe(keys.celery_meta_pattern(turn_id))
+                async with self._lock:
+                    await self.pubsub.punsubscribe(keys.celery_meta_pattern(turn_id))
             except (RedisConnectionError, RedisTimeoutError, OSError):
                 pass  # the connection is gone; so is the subscription
 
@@ -179,17 +187,18 @@ class ResultRouter(Watches):
     async def _resubscribe(self) -> None:
         """A fresh pubsub on every watched turn's pattern (a failed one may be left with no
         connection, and its next read would raise "pubsub connection not set")."""
-        old, self.pubsub = self.pubsub, self.r.pubsub(ignore_subscribe_messages=True)
-        try:
-            await old.aclose()
-        except Exception:
-            pass
-        patterns = [keys.celery_meta_pattern(t) for t in self._turns]
-        if patterns:
-            await self.pubsub.psubscribe(*patterns)
-        else:  # nothing to listen for until the next turn: its watch_turn subscribes
-            self._subscribed.clear()
-            await self._subscribed.wait()
+        async with self._lock:
+            old, self.pubsub = self.pubsub, self.r.pubsub(ignore_subscribe_messages=True)
+            try:
+                await old.aclose()
+            except Exception:
+                pass
+            patterns = [keys.celery_meta_pattern(t) for t in self._turns]
+            if patterns:
+                await self.pubsub.psubscribe(*patterns)
+                return
+            self._subscribed.clear()  # under the lock: a watch_turn after it sets it again
+        await self._subscribed.wait()  # nothing to listen for until the next turn: its watch_turn subscribes
 
     async def _reconnected(self) -> None:
         self.connected = True
