@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from toolq.orchestrator.bench import cancel, pipeline, steps
+from toolq.orchestrator.bench import cancel, pipeline, steps, throughput
 
 pytestmark = pytest.mark.integration
 
@@ -25,6 +25,14 @@ def test_pipeline_bench_measures_both_paths():
 def test_steps_bench_reports_each_size():
     res = steps.run(io.StringIO(), sizes=(2,), steps=2)
     assert res[2]["p50"] > 0
+
+
+def test_throughput_bench_measures_both_paths_at_each_k():
+    out = io.StringIO()
+    res = throughput.run(out, ks=(1, 2), rounds=1, calls_per_round=8)
+    assert set(res["ks"]) == {1, 2} and res["ks"][2]["toolq"]["calls"] == 2 * 2 * 4
+    assert res["ks"][2]["bare"]["calls_per_s"] > 0 and isinstance(res["goal_met"], bool)
+    assert "toolq/bare  : calls/s" in out.getvalue() and "per turn over K=1" in out.getvalue()
 
 
 def test_cancel_bench_cancels_every_run():

@@ -5,7 +5,9 @@ A subscription per running turn held a Redis connection per turn: at 128 turns t
 cancel channel serves them all; each waiting turn is a future. A turn checks the durable cancel
 record once the subscription is confirmed, so a cancel sent before it listened counts too; after
 a lost connection the listener re-subscribes and checks the records of every waiting turn again
-(a cancel published meanwhile was missed, its record was not).
+(a cancel published meanwhile was missed, its record was not). While the subscription stays up,
+a turn's record is read once (`Fleet.run_calls` waits once per step): a cancel published later
+is heard, by a waiter or into `_heard` for the turn's next wait.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import OrderedDict
 from typing import Awaitable, Callable
 
 import redis.asyncio as aioredis
@@ -25,6 +28,8 @@ log = logging.getLogger("toolq.cancels")
 #: The name its connection shows in CLIENT LIST.
 CLIENT_NAME = "toolq-cancels"
 _PREFIX = keys.CANCEL_CHANNELS[:-1]
+#: Turns remembered as heard-cancelled or record-checked (oldest forgotten first: then read again).
+REMEMBERED = 10_000
 
 
 class CancelListener:
@@ -35,6 +40,10 @@ class CancelListener:
                                              **{**pool.connection_kwargs, "client_name": CLIENT_NAME})
         self._is_cancelled = is_cancelled
         self._waiters: dict[str, set[asyncio.Future]] = {}
+        self._heard: OrderedDict[str, None] = OrderedDict()
+        """Turns whose cancel was published while this subscription was up."""
+        self._checked: OrderedDict[str, None] = OrderedDict()
+        """Turns whose durable record was read (not cancelled) since the subscription was taken."""
         self._subscribed = asyncio.Event()
         self._reader: asyncio.Task | None = None
 
@@ -47,8 +56,12 @@ class CancelListener:
             if self._reader is None or self._reader.done():
                 self._reader = asyncio.create_task(self._read(), name="toolq-cancels")
             await self._subscribed.wait()  # from here on a published cancel reaches `heard`
-            if await self._is_cancelled(turn_id):
+            if turn_id in self._heard:
                 return
+            if turn_id not in self._checked:
+                if await self._is_cancelled(turn_id):
+                    return
+                _remember(self._checked, turn_id)
             await heard
         finally:
             waiting = self._waiters.get(turn_id, set())
@@ -57,6 +70,9 @@ class CancelListener:
                 self._waiters.pop(turn_id, None)
 
     def _hear(self, turn_id: str) -> None:
+        forgotten = _remember(self._heard, turn_id)
+        if forgotten is not None:  # its record is read again at its next wait
+            self._checked.pop(forgotten, None)
         for heard in self._waiters.get(turn_id, ()):
             if not heard.done():
                 heard.set_result(None)
@@ -90,6 +106,7 @@ class CancelListener:
                     log.warning("lost the cancel channel (%s); reconnecting", e)
                 connected = False
                 self._subscribed.clear()
+                self._checked.clear()  # a cancel published while we are away is only in its record
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
             finally:
@@ -108,6 +125,13 @@ class CancelListener:
             self._reader.cancel()
             await asyncio.wait({self._reader}, timeout=2.0)
         await self._pool.aclose()
+
+
+def _remember(seen: OrderedDict[str, None], turn_id: str) -> str | None:
+    """Add `turn_id`; returns the one forgotten to stay within `REMEMBERED`, if any."""
+    seen[turn_id] = None
+    seen.move_to_end(turn_id)
+    return seen.popitem(last=False)[0] if len(seen) > REMEMBERED else None
 
 
 def _scope(data: bytes | str) -> str | None:

@@ -58,6 +58,9 @@ async def cancel_requested(ledger: Ledger, turn_id: str) -> bool:
         return False
 
 
+#: How long a turn's result pattern outlives a `run_calls` (its next step then subscribes nothing).
+WATCH_LINGER = 30.0
+
 #: How long a cancelled helper task may take to close its connection.
 STOP_GRACE = 2.0
 
@@ -188,7 +191,7 @@ class Fleet:
             waiter.cancel()
         finally:
             await stop(cancel)
-            await self.router.unwatch_turn(turn_id)
+            await self.router.unwatch_turn(turn_id, linger=WATCH_LINGER)
         self.note_outputs(outputs)
         wire = [o.to_wire() for o in outputs]
         if step.fatal is not None:

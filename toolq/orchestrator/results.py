@@ -74,6 +74,9 @@ class ResultRouter(Watches):
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         super().__init__()
         self._turns: dict[str, int] = {}
+        """Watchers per subscribed turn (0: lingering, see `unwatch_turn`)."""
+        self._lingering: dict[str, asyncio.TimerHandle] = {}
+        self._dropping: set[asyncio.Task] = set()
         self._lock = asyncio.Lock()
         """Held while the subscription changes: its first command opens its connection, and two
         opening at once would leave one turn's pattern on a connection nobody reads."""
@@ -88,6 +91,8 @@ class ResultRouter(Watches):
             self._reader = asyncio.create_task(self._read(), name="toolq-results")
 
     async def aclose(self) -> None:
+        for timer in self._lingering.values():
+            timer.cancel()
         if self._reader is not None:
             self._reader.cancel()
             try:
@@ -98,34 +103,51 @@ class ResultRouter(Watches):
         await self.r.aclose()
 
     async def watch_turn(self, turn_id: str) -> None:
+        lingering = self._lingering.pop(turn_id, None)
+        if lingering is not None:  # still subscribed (its count is 0): nothing to send
+            lingering.cancel()
         # Counted before the await: a reader re-subscribing meanwhile includes this turn.
         self._turns[turn_id] = self._turns.get(turn_id, 0) + 1
-        if self._turns[turn_id] == 1:
+        if self._turns[turn_id] == 1 and lingering is None:
             try:
                 async with self._lock:
                     await self.pubsub.psubscribe(keys.celery_meta_pattern(turn_id))
             except BaseException:
-                self._release(turn_id)
+                self._turns[turn_id] -= 1
+                if not self._turns[turn_id]:
+                    del self._turns[turn_id]
                 raise
             self._subscribed.set()
 
-    def _release(self, turn_id: str) -> bool:
-        """One watcher less; True when it was the turn's last."""
+    async def unwatch_turn(self, turn_id: str, linger: float = 0.0) -> None:
+        """One watcher less. The last one's pattern goes now, or after `linger` seconds unless the
+        turn is watched again meanwhile (`Fleet.run_calls` watches once per step: the next step
+        of the turn then sends nothing)."""
         self._turns[turn_id] -= 1
         if self._turns[turn_id] > 0:
-            return False
-        del self._turns[turn_id]
-        return True
+            return
+        if linger > 0:
+            self._lingering[turn_id] = asyncio.get_running_loop().call_later(linger, self._linger_over, turn_id)
+            return
+        await self._drop(turn_id)
 
-    async def unwatch_turn(self, turn_id: str) -> None:
-        if self._release(turn_id):
-            for task_id in [t for t in self._watches if t.startswith(f"{turn_id}:")]:
-                del self._watches[task_id]
-            try:
-                async with self._lock:
-                    await self.pubsub.punsubscribe(keys.celery_meta_pattern(turn_id))
-            except (RedisConnectionError, RedisTimeoutError, OSError):
-                pass  # the connection is gone; so is the subscription
+    def _linger_over(self, turn_id: str) -> None:
+        if self._lingering.pop(turn_id, None) is not None:
+            task = asyncio.get_running_loop().create_task(self._drop(turn_id))
+            self._dropping.add(task)
+            task.add_done_callback(self._dropping.discard)
+
+    async def _drop(self, turn_id: str) -> None:
+        if self._turns.get(turn_id) != 0:
+            return  # watched again
+        del self._turns[turn_id]  # before the await: a watch_turn meanwhile subscribes again, after us
+        for task_id in [t for t in self._watches if t.startswith(f"{turn_id}:")]:
+            del self._watches[task_id]
+        try:
+            async with self._lock:
+                await self.pubsub.punsubscribe(keys.celery_meta_pattern(turn_id))
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            pass  # the connection is gone; so is the subscription
 
     async def catch_up(self, task_ids: list[str] | None = None) -> None:
         ids = [t for t in (task_ids if task_ids is not None else list(self._watches)) if t in self._watches]
