@@ -123,3 +123,24 @@ def test_the_one_cancel_subscription_comes_back_after_a_redis_restart(worker, tm
         worker(["faults"], concurrency=3, redis_url=server.url)
         outcomes = asyncio.run(main(server))
     assert [o.status for o in outcomes] == ["completed", "cancelled", "completed"], [o.error for o in outcomes]
+
+
+def test_step_numbers_come_in_blocks_and_never_collide_across_processes(redis_server):
+    """`Fleet.run_calls` numbers its steps from the ledger: one round trip per block, and two
+    orchestrators driving one turn never get the same number."""
+    from toolq.orchestrator.ledger import STEP_BLOCK, Ledger
+
+    async def main():
+        a, b_ = Ledger.from_url(redis_server.url), Ledger.from_url(redis_server.url)
+        try:
+            turn = f"turn-steps{time.time_ns()}"
+            first = [await a.next_step(turn) for _ in range(3)]
+            mixed = await asyncio.gather(*(ledger.next_step(turn) for _ in range(STEP_BLOCK) for ledger in (a, b_)))
+            return first, mixed
+        finally:
+            await a.aclose()
+            await b_.aclose()
+
+    first, mixed = asyncio.run(main())
+    assert first == [0, 1, 2]
+    assert len(set(first + mixed)) == len(first) + len(mixed)

@@ -33,6 +33,11 @@ return 1
 """
 
 
+#: Step numbers `next_step` takes from a turn's counter at once, and the turns whose block it keeps.
+STEP_BLOCK = 16
+STEP_BLOCKS_KEPT = 10_000
+
+
 def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in h.items()}
 
@@ -42,6 +47,8 @@ class Ledger:
         self.r = r
         self._claim = r.register_script(_CLAIM)
         self._cancels: CancelListener | None = None
+        self._steps: dict[str, tuple[int, int]] = {}
+        """Per turn, the next step number of the block this ledger took and the block's end."""
         """Every turn's cancel channel on one subscription, opened by the first `wait_for_cancel`."""
 
     @classmethod
@@ -153,12 +160,21 @@ class Ledger:
         await self._cancels.wait(turn_id)
 
     async def next_step(self, turn_id: str) -> int:
-        """A step number no other caller of this turn gets (successive `Fleet.run_calls` never collide)."""
-        async with self.r.pipeline(transaction=True) as p:
-            p.incr(keys.turn_steps(turn_id))
-            p.expire(keys.turn_steps(turn_id), keys.RECORD_TTL)
-            n, _ = await p.execute()
-        return int(n) - 1
+        """A step number no other caller of this turn gets (successive `Fleet.run_calls` never collide).
+
+        Taken from the turn's counter in blocks of `STEP_BLOCK`: one round trip per block, not
+        per step (another process's calls of the turn get numbers from another block)."""
+        taken = self._steps.pop(turn_id, None)
+        if taken is None or taken[0] >= taken[1]:
+            async with self.r.pipeline(transaction=True) as p:
+                p.incrby(keys.turn_steps(turn_id), STEP_BLOCK)
+                p.expire(keys.turn_steps(turn_id), keys.RECORD_TTL)
+                end, _ = await p.execute()
+            taken = (int(end) - STEP_BLOCK, int(end))
+        self._steps[turn_id] = (taken[0] + 1, taken[1])  # most recent last: the oldest is dropped first
+        if len(self._steps) > STEP_BLOCKS_KEPT:
+            del self._steps[next(iter(self._steps))]
+        return taken[0]
 
     async def is_draining(self, hostname: str) -> bool:
         """A worker in warm shutdown: silent to pings, still finishing its calls."""
