@@ -97,19 +97,18 @@ def parse_line(number: int, raw: str) -> Entry:
     return Entry(number=number, key=key, turn=turn)
 
 
-def finished_keys(out: Path, done: tuple[str, ...]) -> set[str]:
-    """Keys whose latest result in `out` has a status in `done`; unreadable lines (a batch killed
-    mid-write) are ignored."""
+def latest_statuses(out: Path) -> dict[str, str]:
+    """Each key's latest status in `out`; unreadable lines (a batch killed mid-write) are ignored."""
     latest: dict[str, str] = {}
     if not out.exists():
-        return set()
+        return latest
     for raw in out.read_text().splitlines():
         try:
             r = BatchResult.model_validate_json(raw)
         except ValidationError:
             continue
         latest[r.key] = r.status
-    return {k for k, status in latest.items() if status in done}
+    return latest
 
 
 class Results:
@@ -122,12 +121,13 @@ class Results:
             self.file.seek(self.file.tell() - 1)
             if self.file.read(1) != "\n":
                 self.file.write("\n")
-        self.statuses: list[str] = []
+        self.statuses: dict[str, str] = {}
+        """This run's status per key."""
 
     def write(self, result: BatchResult) -> None:
         self.file.write(result.model_dump_json() + "\n")
         self.file.flush()
-        self.statuses.append(result.status)
+        self.statuses[result.key] = result.status
 
     def close(self) -> None:
         self.file.close()
@@ -213,25 +213,30 @@ def run_batch(settings: Settings, path: Path, out: Path, *, concurrency: int, re
         raise ConfigurationError(f"batch file {path} is not a file")
     if not settings.workspace.is_dir():
         raise ConfigurationError(f"workspace {settings.workspace} is not a directory")
+    if not out.parent.is_dir():
+        raise ConfigurationError(f"the folder of --out {out} does not exist")
     entries = read_entries(path.read_text().splitlines())
-    done = finished_keys(out, ("completed",) if retry_failed else ("completed", "failed"))
-    todo = [e for e in entries if e.key not in done]
+    latest = latest_statuses(out)
+    done = ("completed",) if retry_failed else ("completed", "failed")
+    todo = [e for e in entries if latest.get(e.key) not in done]
     skipped = len(entries) - len(todo)
     if skipped:
         print(f"toolq batch: {skipped} of {len(entries)} turns already done in {out}; running {len(todo)}",
               file=progress_to)
-    if not todo:
-        return 0
-    with ExitStack() as stack:
-        settings = _with_redis(settings, stack, quiet=False)
-        batch = asyncio.run(_run(settings, todo, out, concurrency, progress_to))
-    statuses = batch.results.statuses
-    print(f"toolq batch: {len(statuses)} turns: {statuses.count('completed')} completed, {statuses.count('failed')} "
-          f"failed, {statuses.count('cancelled')} cancelled, {statuses.count('invalid')} invalid; "
-          f"{skipped} skipped (already done); results in {out}", file=progress_to)
-    if batch.stopping is not None:
+    stopped = False
+    if todo:
+        with ExitStack() as stack:
+            settings = _with_redis(settings, stack, quiet=False)
+            batch = asyncio.run(_run(settings, todo, out, concurrency, progress_to))
+        ran = list(batch.results.statuses.values())
+        print(f"toolq batch: {len(ran)} turns: {ran.count('completed')} completed, {ran.count('failed')} failed, "
+              f"{ran.count('cancelled')} cancelled, {ran.count('invalid')} invalid; {skipped} skipped (already "
+              f"done); results in {out}", file=progress_to)
+        latest.update(batch.results.statuses)
+        stopped = batch.stopping is not None
+    if stopped:
         return EXIT_CANCELLED
-    return 0 if all(s == "completed" for s in statuses) else EXIT_FAILED
+    return 0 if all(latest.get(e.key) == "completed" for e in entries) else EXIT_FAILED
 
 
 async def _run(settings: Settings, todo: list[Entry], out: Path, concurrency: int, progress_to: IO[str]) -> Batch:
