@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from toolq.orchestrator.bench import cancel, limits, pipeline, steps, streaming
+from toolq.orchestrator.bench import cancel, limits, pipeline, steps, streaming, throughput
 
 pytestmark = pytest.mark.integration
 
@@ -34,6 +34,14 @@ def test_streaming_bench_measures_both_modes_in_one_run():
 def test_limits_bench_counts_the_limited_tool_running_and_both_rates():
     res = limits.run(io.StringIO(), rounds=1, duration=0.3, ms=100)
     assert res["peak"] == limits.LIMIT and res["alone"] > 0 and res["beside"] > 0
+
+
+def test_throughput_bench_measures_both_paths_at_each_k():
+    out = io.StringIO()
+    res = throughput.run(out, ks=(1, 2), rounds=1, calls_per_round=8)
+    assert set(res["ks"]) == {1, 2} and res["ks"][2]["toolq"]["calls"] == 2 * 2 * 4
+    assert res["ks"][2]["bare"]["calls_per_s"] > 0 and isinstance(res["goal_met"], bool)
+    assert "toolq/bare  : calls/s" in out.getvalue() and "per turn over K=1" in out.getvalue()
 
 
 def test_cancel_bench_cancels_every_run():

@@ -214,8 +214,9 @@ def test_the_barrier_owns_its_subscriptions_and_many_calls_pile_up_none(fleet, d
     results = [(sub, psub) for name, sub, psub in seen if name == "toolq-results"]
     # Two patterns for the whole turn (its results, its calls' streamed output), no per-task channels.
     assert results == [(0, 2)], seen
-    ledger = [sub for name, sub, _ in seen if name == "toolq-ledger"]
-    assert sum(ledger) == 1, seen  # the turn's cancel channel
+    assert all(sub == psub == 0 for name, sub, psub in seen if name == "toolq-ledger"), seen  # commands only
+    cancels = [(sub, psub) for name, sub, psub in seen if name == "toolq-cancels"]
+    assert cancels == [(0, 1)], seen  # every turn's cancel channel, one pattern for the runtime
     # everyone else (Celery clients: the orchestrator's sender, the workers) holds no task channel;
     # a worker's one pattern is its control broadcast
     assert all(sub == 0 and psub <= 1 for name, sub, psub in seen if not name.startswith("toolq-")), seen

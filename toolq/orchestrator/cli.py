@@ -146,6 +146,22 @@ def _cmd_resume(args: argparse.Namespace) -> int:
                        session_file=Path(args.session) if args.session else None)
 
 
+def _cmd_batch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from toolq.orchestrator.batch import run_batch
+    from toolq.orchestrator.client import missing_api_key
+
+    if args.concurrency < 1:
+        raise UsageError("--concurrency must be at least 1")
+    settings = _settings(args)
+    problem = missing_api_key(settings.openai_base_url, settings.openai_api_key)
+    if problem:
+        raise UsageError(problem)
+    return run_batch(settings, Path(args.file), Path(args.out), concurrency=args.concurrency,
+                     retry_failed=args.retry_failed)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -192,7 +208,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox", "sessions", "mcp", "streaming",
-              "limits")
+              "limits", "throughput")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -242,6 +258,24 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--json", action="store_true", help="one JSON event per line, like `toolq run --json`")
     rs.add_argument("--session", help="write the whole conversation to this JSON file at the end")
     rs.set_defaults(func=_cmd_resume)
+
+    bt = sub.add_parser("batch", help="run one turn per line of a JSONL file, N at a time from this process; "
+                                      "re-run with the same --out to skip the turns already done")
+    bt.add_argument("file", metavar="FILE", help='JSON lines: {"prompt": ..., "workspace": ..., "instructions": ...} '
+                                                 "(only the prompt is required)")
+    bt.add_argument("--out", required=True, metavar="RESULTS",
+                    help="JSONL file a result line per turn is appended to (turn_id, status, final_message, usage, "
+                         "error)")
+    bt.add_argument("--concurrency", type=int, default=8, help="turns running at once (default 8)")
+    bt.add_argument("--retry-failed", action="store_true",
+                    help="run again the lines whose turn failed (by default only cancelled and unrun ones are)")
+    bt.add_argument("--model", help="as for `toolq run`")
+    bt.add_argument("--workspace", help="directory the tools work in for lines that name none (default: the "
+                                        "current directory)")
+    bt.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
+    bt.add_argument("--instructions", help="the requests' instructions for lines that give none")
+    bt.add_argument("--reasoning-effort", help="as for `toolq run`")
+    bt.set_defaults(func=_cmd_batch)
 
     w = sub.add_parser("worker", help="a Celery worker that executes toolq's tools")
     w.add_argument("--queues", help="comma-separated queues (default: every queue of the loaded tools)")

@@ -59,6 +59,9 @@ async def cancel_requested(ledger: Ledger, turn_id: str) -> bool:
         return False
 
 
+#: How long a turn's result pattern outlives a `run_calls` (its next step then subscribes nothing).
+WATCH_LINGER = 30.0
+
 #: How long a cancelled helper task may take to close its connection.
 STOP_GRACE = 2.0
 
@@ -111,7 +114,7 @@ class Fleet:
             raise ValueError("a fleet needs a Redis URL (Fleet.connect starts an embedded one when none is given)")
         catalog = catalog if catalog is not None else load_catalog(settings.tools)
         signer = required_signer(settings.signing_key, "an orchestrator with REDIS_URL")
-        ledger = Ledger.from_url(settings.redis_url)
+        ledger = Ledger.from_url(settings.redis_url, settings.redis_connections)
         router = ResultRouter(settings.result_backend_url() or settings.redis_url, signer,
                               stream_output=settings.stream_output)
         await router.start()
@@ -193,7 +196,7 @@ class Fleet:
             waiter.cancel()
         finally:
             await stop(cancel)
-            await self.router.unwatch_turn(turn_id)
+            await self.router.unwatch_turn(turn_id, linger=WATCH_LINGER)
         self.note_outputs(outputs)
         wire = [o.to_wire() for o in outputs]
         if step.fatal is not None:

@@ -73,6 +73,10 @@ def cancel_channel(turn_id: str) -> str:
     return f"{PREFIX}:cancel-events:{turn_id}"
 
 
+#: One pattern subscription per runtime hears every turn's cancel (cancel_listener.py).
+CANCEL_CHANNELS = cancel_channel("*")
+
+
 def draining(hostname: str) -> str:
     """STRING set while a worker is in warm shutdown: it finishes its calls but stops answering
     pings, so the watchdog must not call them lost."""

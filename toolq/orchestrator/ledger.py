@@ -7,7 +7,6 @@ absent), and holds the durable cancel records that workers check before they sta
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any
@@ -16,6 +15,8 @@ import redis.asyncio as aioredis
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.calls import ToolInvocation
+from toolq.orchestrator.cancel_listener import CancelListener
+from toolq.orchestrator.redis_pool import DEFAULT_CONNECTIONS, blocking_client
 from toolq.orchestrator.states import TERMINAL, CallState  # noqa: F401 (TERMINAL: read by cancel.py)
 
 
@@ -47,6 +48,11 @@ def _call_script_args(inv: ToolInvocation, record: dict[str, Any]) -> dict[str, 
             "args": [keys.RECORD_TTL, inv.task_id, inv.call_id, *flat]}
 
 
+#: Step numbers `next_step` takes from a turn's counter at once, and the turns whose block it keeps.
+STEP_BLOCK = 16
+STEP_BLOCKS_KEPT = 10_000
+
+
 def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in h.items()}
 
@@ -56,12 +62,19 @@ class Ledger:
         self.r = r
         self._claim = r.register_script(_CLAIM)
         self._throttled = r.register_script(_THROTTLED)
+        self._cancels: CancelListener | None = None
+        """Every turn's cancel channel on one subscription, opened by the first `wait_for_cancel`."""
+        self._steps: dict[str, tuple[int, int]] = {}
+        """Per turn, the next step number of the block this ledger took and the block's end."""
 
     @classmethod
-    def from_url(cls, url: str) -> Ledger:
-        return cls(aioredis.Redis.from_url(url, client_name="toolq-ledger"))
+    def from_url(cls, url: str, max_connections: int = DEFAULT_CONNECTIONS) -> Ledger:
+        """A ledger whose commands wait for a free connection rather than fail (redis_pool.py)."""
+        return cls(blocking_client(url, "toolq-ledger", max_connections))
 
     async def aclose(self) -> None:
+        if self._cancels is not None:
+            await self._cancels.aclose()
         await self.r.aclose()
 
     # --- turns -------------------------------------------------------------------------------
@@ -162,29 +175,28 @@ class Ledger:
     async def wait_for_cancel(self, turn_id: str) -> None:
         """Return once the turn is cancelled from any process (`toolq cancel`, Ctrl-C elsewhere).
 
-        Subscribes first, then checks the durable record, so a cancel sent earlier counts too."""
-        pubsub = self.r.pubsub(ignore_subscribe_messages=True)
-        try:
-            await pubsub.subscribe(keys.cancel_channel(turn_id))
-            if await self.is_cancelled(turn_id):
-                return
-            while True:
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if msg and json.loads(msg["data"]).get("scope") == "turn":
-                    return
-                me = asyncio.current_task()
-                if me is not None and me.cancelling():  # redis-py can swallow a cancel during a read
-                    raise asyncio.CancelledError
-        finally:
-            await pubsub.aclose()
+        One subscription for all the turns of this ledger (cancel_listener.py); the durable record
+        is checked once it is confirmed, so a cancel sent earlier counts too."""
+        if self._cancels is None:
+            self._cancels = CancelListener(self.r, self.is_cancelled)
+        await self._cancels.wait(turn_id)
 
     async def next_step(self, turn_id: str) -> int:
-        """A step number no other caller of this turn gets (successive `Fleet.run_calls` never collide)."""
-        async with self.r.pipeline(transaction=True) as p:
-            p.incr(keys.turn_steps(turn_id))
-            p.expire(keys.turn_steps(turn_id), keys.RECORD_TTL)
-            n, _ = await p.execute()
-        return int(n) - 1
+        """A step number no other caller of this turn gets (successive `Fleet.run_calls` never collide).
+
+        Taken from the turn's counter in blocks of `STEP_BLOCK`: one round trip per block, not
+        per step (another process's calls of the turn get numbers from another block)."""
+        taken = self._steps.pop(turn_id, None)
+        if taken is None or taken[0] >= taken[1]:
+            async with self.r.pipeline(transaction=True) as p:
+                p.incrby(keys.turn_steps(turn_id), STEP_BLOCK)
+                p.expire(keys.turn_steps(turn_id), keys.RECORD_TTL)
+                end, _ = await p.execute()
+            taken = (int(end) - STEP_BLOCK, int(end))
+        self._steps[turn_id] = (taken[0] + 1, taken[1])  # most recent last: the oldest is dropped first
+        if len(self._steps) > STEP_BLOCKS_KEPT:
+            del self._steps[next(iter(self._steps))]
+        return taken[0]
 
     async def is_draining(self, hostname: str) -> bool:
         """A worker in warm shutdown: silent to pings, still finishing its calls."""

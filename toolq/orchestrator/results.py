@@ -2,7 +2,9 @@
 the barrier typed outcomes (`TaskOutcome`): Celery's result format stays in this module.
 
 Celery's Redis backend publishes every state change of a task on `celery-task-meta-<task id>`.
-Task ids start with the turn id, so one PSUBSCRIBE per turn covers all of its calls. After
+Task ids start with the turn id, so one PSUBSCRIBE per turn covers all of its calls; every
+turn's pattern is on the one subscription of the runtime, which is taken and changed under a
+lock (turns starting at once each opened a connection of their own, and only one was read). After
 subscribing we MGET the keys we wait for, which closes the race with results stored before the
 subscription (celery-lab.md §3). A lost connection is retried; afterwards the router catches up
 with MGET and tells the barrier, which then checks for calls whose messages were lost.
@@ -16,12 +18,12 @@ import logging
 import time
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.calls import ToolResult
+from toolq.orchestrator.redis_pool import blocking_client
 from toolq.orchestrator.states import FAILURE, REVOKED, STARTED, SUCCESS, CallState
 from toolq.orchestrator.transport import TaskOutcome, Watches
 from toolq.workers.contracts import ToolCallFailed
@@ -69,10 +71,17 @@ class ResultRouter(Watches):
         """Checks every meta before it counts (toolq/workers/signing.py)."""
         self.stream_output = stream_output
         """Also hear the calls' streamed output (toolq/workers/streaming.py), on the same connection."""
-        self.r = aioredis.Redis.from_url(url, client_name="toolq-results")
+        # The subscription holds one connection; catch-up reads take the others.
+        self.r = blocking_client(url, "toolq-results", max_connections=8)
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         super().__init__()
         self._turns: dict[str, int] = {}
+        """Watchers per subscribed turn (0: lingering, see `unwatch_turn`)."""
+        self._lingering: dict[str, asyncio.TimerHandle] = {}
+        self._dropping: set[asyncio.Task] = set()
+        self._lock = asyncio.Lock()
+        """Held while the subscription changes: its first command opens its connection, and two
+        opening at once would leave one turn's pattern on a connection nobody reads."""
         self._reader: asyncio.Task | None = None
         self._subscribed = asyncio.Event()
         #: monotonic time of the last reconnect after a lost connection (0: never)
@@ -84,6 +93,8 @@ class ResultRouter(Watches):
             self._reader = asyncio.create_task(self._read(), name="toolq-results")
 
     async def aclose(self) -> None:
+        for timer in self._lingering.values():
+            timer.cancel()
         if self._reader is not None:
             self._reader.cancel()
             try:
@@ -94,13 +105,19 @@ class ResultRouter(Watches):
         await self.r.aclose()
 
     async def watch_turn(self, turn_id: str) -> None:
+        lingering = self._lingering.pop(turn_id, None)
+        if lingering is not None:  # still subscribed (its count is 0): nothing to send
+            lingering.cancel()
         # Counted before the await: a reader re-subscribing meanwhile includes this turn.
         self._turns[turn_id] = self._turns.get(turn_id, 0) + 1
-        if self._turns[turn_id] == 1:
+        if self._turns[turn_id] == 1 and lingering is None:
             try:
-                await self.pubsub.psubscribe(*self._patterns(turn_id))
+                async with self._lock:
+                    await self.pubsub.psubscribe(*self._patterns(turn_id))
             except BaseException:
-                self._release(turn_id)
+                self._turns[turn_id] -= 1
+                if not self._turns[turn_id]:
+                    del self._turns[turn_id]
                 raise
             self._subscribed.set()
 
@@ -109,22 +126,35 @@ class ResultRouter(Watches):
         meta = keys.celery_meta_pattern(turn_id)
         return (meta, keys.call_output_pattern(turn_id)) if self.stream_output else (meta,)
 
-    def _release(self, turn_id: str) -> bool:
-        """One watcher less; True when it was the turn's last."""
+    async def unwatch_turn(self, turn_id: str, linger: float = 0.0) -> None:
+        """One watcher less. The last one's pattern goes now, or after `linger` seconds unless the
+        turn is watched again meanwhile (`Fleet.run_calls` watches once per step: the next step
+        of the turn then sends nothing)."""
         self._turns[turn_id] -= 1
         if self._turns[turn_id] > 0:
-            return False
-        del self._turns[turn_id]
-        return True
+            return
+        if linger > 0:
+            self._lingering[turn_id] = asyncio.get_running_loop().call_later(linger, self._linger_over, turn_id)
+            return
+        await self._drop(turn_id)
 
-    async def unwatch_turn(self, turn_id: str) -> None:
-        if self._release(turn_id):
-            for task_id in [t for t in self._watches if t.startswith(f"{turn_id}:")]:
-                del self._watches[task_id]
-            try:
+    def _linger_over(self, turn_id: str) -> None:
+        if self._lingering.pop(turn_id, None) is not None:
+            task = asyncio.get_running_loop().create_task(self._drop(turn_id))
+            self._dropping.add(task)
+            task.add_done_callback(self._dropping.discard)
+
+    async def _drop(self, turn_id: str) -> None:
+        if self._turns.get(turn_id) != 0:
+            return  # watched again
+        del self._turns[turn_id]  # before the await: a watch_turn meanwhile subscribes again, after us
+        for task_id in [t for t in self._watches if t.startswith(f"{turn_id}:")]:
+            del self._watches[task_id]
+        try:
+            async with self._lock:
                 await self.pubsub.punsubscribe(*self._patterns(turn_id))
-            except (RedisConnectionError, RedisTimeoutError, OSError):
-                pass  # the connection is gone; so is the subscription
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            pass  # the connection is gone; so is the subscription
 
     async def catch_up(self, task_ids: list[str] | None = None) -> None:
         ids = [t for t in (task_ids if task_ids is not None else list(self._watches)) if t in self._watches]
@@ -205,17 +235,18 @@ class ResultRouter(Watches):
     async def _resubscribe(self) -> None:
         """A fresh pubsub on every watched turn's pattern (a failed one may be left with no
         connection, and its next read would raise "pubsub connection not set")."""
-        old, self.pubsub = self.pubsub, self.r.pubsub(ignore_subscribe_messages=True)
-        try:
-            await old.aclose()
-        except Exception:
-            pass
-        patterns = [p for t in self._turns for p in self._patterns(t)]
-        if patterns:
-            await self.pubsub.psubscribe(*patterns)
-        else:  # nothing to listen for until the next turn: its watch_turn subscribes
-            self._subscribed.clear()
-            await self._subscribed.wait()
+        async with self._lock:
+            old, self.pubsub = self.pubsub, self.r.pubsub(ignore_subscribe_messages=True)
+            try:
+                await old.aclose()
+            except Exception:
+                pass
+            patterns = [p for t in self._turns for p in self._patterns(t)]
+            if patterns:
+                await self.pubsub.psubscribe(*patterns)
+                return
+            self._subscribed.clear()  # under the lock: a watch_turn after it sets it again
+        await self._subscribed.wait()  # nothing to listen for until the next turn: its watch_turn subscribes
 
     async def _reconnected(self) -> None:
         self.connected = True

@@ -68,6 +68,8 @@ ENV = {
     # MCP servers a worker hosts (toolq/workers/mcp)
     "mcp": ("TOOLQ_MCP",),
     "mcp_config": ("TOOLQ_MCP_CONFIG",),
+    # an orchestrator's Redis pool (toolq/orchestrator/redis_pool.py)
+    "redis_connections": ("TOOLQ_REDIS_CONNECTIONS",),
 }
 
 SECRETS = {"openai_api_key", "flower_password", "signing_key"}
@@ -158,6 +160,9 @@ class Settings(BaseModel):
     in `TOOLQ_MCP`, one per line (a command may hold commas)."""
     mcp_config: Path | None = None
     """A JSON (`mcpServers`) or TOML (`[mcp_servers.NAME]`) file of MCP servers a worker hosts."""
+    redis_connections: int = Field(default=64, ge=2, le=10_000)
+    """Connections an orchestrator process opens for its ledger at most; more commands at once wait
+    for one (never fail). Bounds commands in flight, not turns: no turn holds a connection."""
 
     @field_validator("redis_url", "result_url")
     @classmethod

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from toolq.orchestrator import keys
@@ -132,8 +133,10 @@ class Session:
     """
 
     def __init__(self, runtime: Runtime, *, instructions: str | None = None,
-                 reasoning: dict[str, Any] | None = None) -> None:
+                 reasoning: dict[str, Any] | None = None, workspace: str | Path | None = None) -> None:
         self.rt = runtime
+        self.workspace = str(workspace or runtime.settings.workspace)
+        """Where its tools work; many sessions on one runtime may each have their own (`toolq batch`)."""
         self.instructions = instructions
         # None: from TOOLQ_REASONING_EFFORT and the model (on by default for reasoning models)
         self.reasoning = reasoning if reasoning is not None else reasoning_for(
@@ -169,7 +172,7 @@ class Session:
         deadline = time.time() + settings.turn_timeout
         try:
             await self.rt.follow_fleet_tools()  # MCP hook: this turn offers the MCP tools live workers host now
-            await self.rt.ledger.start_turn(turn_id, prompt, str(settings.workspace))
+            await self.rt.ledger.start_turn(turn_id, prompt, self.workspace)
             await self._hold_conversation(turn_id)
             self._lease = await self.rt.turns.take_lease(turn_id)
             await self.rt.turns.save_settings(turn_id, self._turn_settings(deadline))
@@ -198,6 +201,7 @@ class Session:
                                f"`toolq cancel {turn_id}` stops it")
         self.turn_id = turn_id
         self.instructions, self.reasoning = saved.instructions, saved.reasoning
+        self.workspace = saved.workspace
         self.loaded_tools = set(saved.loaded_tools)
         self.history = History(c.item for c in committed)
         outcome = TurnOutcome(turn_id=turn_id, status="running")
@@ -213,7 +217,7 @@ class Session:
 
     def _turn_settings(self, deadline: float) -> TurnSettings:
         s = self.rt.settings
-        return TurnSettings(model=self.rt.client.settings.model, workspace=str(s.workspace), tools=list(s.tools),
+        return TurnSettings(model=self.rt.client.settings.model, workspace=self.workspace, tools=list(s.tools),
                             instructions=self.instructions, reasoning=self.reasoning, deadline=deadline,
                             loaded_tools=sorted(self.loaded_tools, key=str))
 
@@ -324,7 +328,7 @@ class Session:
         responses_with_calls = 0
         # step_index: one per model request, retries included, so task ids never collide
         for step_no, calls in pending:  # a resumed turn: the calls that had no output yet, first
-            step = self._step = self.rt.step(StepContext(turn_id, step_no, deadline, str(settings.workspace)), emit)
+            step = self._step = self.rt.step(StepContext(turn_id, step_no, deadline, self.workspace), emit)
             for c in calls:
                 bound = self.rt.bind(decode_item(c.item), step.ctx, c.output_index or 0)
                 if bound is not None:
@@ -341,7 +345,7 @@ class Session:
                 outcome.status = "failed"
                 outcome.error = f"turn stopped after {settings.max_steps} model responses with tool calls"
                 return
-            step = self._step = self.rt.step(StepContext(turn_id, step_index, deadline, str(settings.workspace),
+            step = self._step = self.rt.step(StepContext(turn_id, step_index, deadline, self.workspace,
                                                         conversation=self.conversation.id), emit)
             step_index += 1
             body = build_request(self.rt.client.settings.model, self.history.for_prompt(),

@@ -57,12 +57,19 @@ def _baseline_calls(client: Celery, rt: Runtime, n: int) -> list[float]:
     return times
 
 
-async def _measure(settings: Any, rounds: int, per_round: int) -> dict[str, Any]:
-    rt = await Runtime.create(settings, catalog=load_catalog([BENCH_TOOLS]))
+def baseline_client(settings: Any) -> Celery:
+    """A stock Celery client of the fleet's broker, with the stock, subscribing result backend:
+    the bare round trip the benchmarks compare toolq with (throughput.py too)."""
     client = Celery("bench-baseline", set_as_current=False)
     conf = celery_config(settings, longest=60.0)
-    conf["result_backend"] = conf["result_backend"].split("+", 1)[1]  # the stock, subscribing backend
+    conf["result_backend"] = conf["result_backend"].split("+", 1)[1]
     client.conf.update(conf)
+    return client
+
+
+async def _measure(settings: Any, rounds: int, per_round: int) -> dict[str, Any]:
+    rt = await Runtime.create(settings, catalog=load_catalog([BENCH_TOOLS]))
+    client = baseline_client(settings)
     turn_id = f"turn-bench{uuid.uuid4().hex[:8]}"
     await rt.router.watch_turn(turn_id)
     try:

@@ -27,6 +27,11 @@ A directive is `{"directive": name, ...}`:
 - `stall` `{seconds}`, `gate` (hold until `FakeModel.release()`), `raw` `{text}` (verbatim bytes,
   e.g. a malformed frame): positional, they happen where they sit among the items;
 - `replay` `{path}`: serve a recorded SSE body (path relative to the script file).
+
+Many turns at once (`toolq batch`, concurrent `Session`s): `{"by_prompt": {PROMPT: [responses],
+"*": [responses]}}` gives each conversation its own script, chosen by its last user message
+(`*` for any other), and a request gets the response whose index is how many times tool outputs
+were answered since that message, so interleaved turns never take each other's responses.
 """
 
 from __future__ import annotations
@@ -49,18 +54,24 @@ SCRIPT_EXHAUSTED = "script_exhausted"
 GATE_TIMEOUT = 60.0
 
 
-def load_script(script: Any) -> tuple[list[Any], Path | None]:
-    """The list of responses and the folder relative replay paths start from."""
+def load_script(script: Any) -> tuple[list[Any] | dict[str, list[Any]], Path | None]:
+    """The list of responses (or, `by_prompt`, one list per prompt) and the folder relative
+    replay paths start from."""
     if script is None:
         text = (resources.files("toolq.orchestrator.fake_model") / "scripts" / "demo.json").read_text()
         return _responses(json.loads(text)), None
     if isinstance(script, (str, Path)):
         path = Path(script)
         return _responses(json.loads(path.read_text())), path.resolve().parent
-    return list(script), None
+    return (_responses(script) if isinstance(script, dict) else list(script)), None
 
 
-def _responses(doc: Any) -> list[Any]:
+def _responses(doc: Any) -> list[Any] | dict[str, list[Any]]:
+    if isinstance(doc, dict) and "by_prompt" in doc:
+        scripts = doc["by_prompt"]
+        if not isinstance(scripts, dict) or not all(isinstance(v, list) for v in scripts.values()):
+            raise ValueError('"by_prompt" maps each prompt (or "*") to a list of responses')
+        return dict(scripts)
     responses = doc.get("responses") if isinstance(doc, dict) else doc
     if not isinstance(responses, list):
         raise ValueError('a script is a JSON list of responses or {"responses": [...]}')
@@ -71,7 +82,10 @@ class FakeModel:
     """A running fake server; a context manager that stops it on exit."""
 
     def __init__(self, script: Any = None, *, port: int = 0, log: IO[str] | None = None, loop: bool = False) -> None:
-        self.script, self._base_dir = load_script(script)
+        script, self._base_dir = load_script(script)
+        self.by_prompt: dict[str, list[Any]] | None = script if isinstance(script, dict) else None
+        """Per conversation, by its last user message (see the module docstring); else `script`."""
+        self.script: list[Any] = [] if isinstance(script, dict) else script
         self.loop = loop
         self._next = 0
         """Index of the script entry the next request gets."""
@@ -122,22 +136,25 @@ class FakeModel:
             self.requests.append(body)
             self.request_times.append(time.monotonic())
             self.request_headers.append(headers)
-            if self.loop and (self._next >= len(self.script) or _starts_run(self._last_input, inputs)):
-                self._next = 0
-            self._last_input = inputs
-            index = self._next
-            self._next += 1
-        exhausted = index >= len(self.script)
+            if self.by_prompt is not None:
+                script, index = _conversation_script(self.by_prompt, inputs)
+            else:
+                if self.loop and (self._next >= len(self.script) or _starts_run(self._last_input, inputs)):
+                    self._next = 0
+                self._last_input = inputs
+                script, index = self.script, self._next
+                self._next += 1
+        exhausted = index >= len(script)
         if self._log is not None:
-            note = " (script exhausted)" if exhausted else f" (response {index + 1}/{len(self.script)})"
+            note = " (script exhausted)" if exhausted else f" (response {index + 1}/{len(script)})"
             print(f"request {number}: {len(inputs)} input items{note} at {time.monotonic():.6f}", file=self._log, flush=True)
         if exhausted:
-            return self._exhausted()
-        return render(self.script[index], body, number, self._base_dir)
+            return self._exhausted(script)
+        return render(script[index], body, number, self._base_dir)
 
-    def _exhausted(self) -> HttpError:
-        fix = "the script is empty" if not self.script else "restart `toolq fake-model`, or start it with --loop"
-        message = f"fake model: script exhausted: all {len(self.script)} scripted responses were served; {fix}"
+    def _exhausted(self, script: list[Any]) -> HttpError:
+        fix = "the script is empty" if not script else "restart `toolq fake-model`, or start it with --loop"
+        message = f"fake model: script exhausted: all {len(script)} scripted responses were served; {fix}"
         return HttpError(400, _error_json(message, SCRIPT_EXHAUSTED))
 
 
@@ -152,8 +169,32 @@ def _starts_run(previous: list[Any] | None, inputs: list[Any]) -> bool:
     return len(inputs) < len(previous) or _user_messages(inputs) != _user_messages(previous)
 
 
+def _conversation_script(by_prompt: dict[str, list[Any]], inputs: list[Any]) -> tuple[list[Any], int]:
+    """A `by_prompt` request's script (by its last user message) and its index in it: one per
+    run of tool outputs since that message (each answered response with calls added one)."""
+    last = max((k for k, i in enumerate(inputs) if _is_user_message(i)), default=-1)
+    prompt = _text(inputs[last]) if last >= 0 else ""
+    runs, in_outputs = 0, False
+    for item in inputs[last + 1:]:
+        is_output = isinstance(item, dict) and str(item.get("type", "")).endswith("_output")
+        runs += is_output and not in_outputs
+        in_outputs = is_output
+    return by_prompt.get(prompt, by_prompt.get("*", [])), runs
+
+
+def _is_user_message(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("role") == "user" and item.get("type", "message") == "message"
+
+
+def _text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    return "".join(c.get("text", "") for c in content or [] if isinstance(c, dict))
+
+
 def _user_messages(inputs: list[Any]) -> int:
-    return sum(1 for i in inputs if isinstance(i, dict) and i.get("role") == "user" and i.get("type", "message") == "message")
+    return sum(1 for i in inputs if _is_user_message(i))
 
 
 class _Server(ThreadingHTTPServer):
@@ -253,8 +294,9 @@ def serve_forever(port: int = 0, script: str | None = None, *, loop: bool = Fals
     print(fake.base_url, flush=True)
     what = script or "the built-in demo conversation"
     again = "again for each run" if loop else "once (--loop: for every run)"
-    print(f"serving {len(fake.script)} scripted responses from {what}, {again}; Ctrl-C stops", file=sys.stderr,
-          flush=True)
+    served = (f"{len(fake.by_prompt)} prompts' scripts" if fake.by_prompt is not None
+              else f"{len(fake.script)} scripted responses")
+    print(f"serving {served} from {what}, {again}; Ctrl-C stops", file=sys.stderr, flush=True)
     try:
         while fake._thread.is_alive():
             fake._thread.join(timeout=1.0)

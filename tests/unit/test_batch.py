@@ -1,0 +1,39 @@
+"""`toolq batch`'s input lines, keys and results file (pure parts; the runs are in
+tests/integration/test_batch.py)."""
+
+import json
+
+from toolq.orchestrator.batch import BatchResult, Results, latest_statuses, line_key, read_entries
+
+
+def test_each_line_is_a_turn_or_one_line_naming_every_problem(tmp_path):
+    lines = ['{"prompt": "hi"}', "", "not json", '{"promt": "typo"}', '{"prompt": ""}',
+             json.dumps({"prompt": "there", "workspace": str(tmp_path / "missing")}),
+             json.dumps({"prompt": "ok", "workspace": str(tmp_path), "instructions": "be brief"})]
+    entries = read_entries(lines)
+    assert [e.number for e in entries] == [1, 3, 4, 5, 6, 7]  # the blank line is no turn
+    assert entries[0].turn.prompt == "hi" and entries[0].problem is None
+    assert entries[1].problem.startswith("line 3: the line: Invalid JSON")
+    assert entries[2].problem == "line 4: prompt: Field required; promt: Extra inputs are not permitted"
+    assert entries[3].problem.startswith("line 5: prompt: String should have at least 1 character")
+    assert entries[4].problem == f"line 6: workspace {tmp_path / 'missing'} is not a directory"
+    assert entries[5].turn.workspace == tmp_path and entries[5].turn.instructions == "be brief"
+
+
+def test_a_line_is_known_by_its_number_and_text():
+    assert line_key(3, '{"prompt": "a"}\n') == line_key(3, '{"prompt": "a"}')
+    assert line_key(3, '{"prompt": "a"}') != line_key(4, '{"prompt": "a"}')
+    assert line_key(3, '{"prompt": "a"}') != line_key(3, '{"prompt": "b"}')
+
+
+def test_the_latest_result_of_a_key_counts_and_a_cut_line_is_ignored_and_ended(tmp_path):
+    out = tmp_path / "results.jsonl"
+    first = BatchResult(key="1:a", line=1, status="cancelled")
+    out.write_text(first.model_dump_json() + "\n" + '{"key": "2:b", "line": 2, "sta')  # killed mid-write
+    assert latest_statuses(out) == {"1:a": "cancelled"}
+    results = Results(out)
+    results.write(BatchResult(key="1:a", line=1, status="completed"))
+    results.close()
+    assert latest_statuses(out) == {"1:a": "completed"}
+    assert out.read_text().splitlines()[-1].startswith('{"key":"1:a"')
+    assert latest_statuses(tmp_path / "none.jsonl") == {}

@@ -1,0 +1,282 @@
+"""`toolq batch FILE.jsonl --concurrency N --out RESULTS.jsonl`: many turns at once from one process.
+
+Each input line is one turn, `{"prompt": ..., "workspace": ..., "instructions": ...}` (only the
+prompt is required). N sessions run at once on one `Runtime` (one fleet connection, one model
+client, one result and one cancel subscription for all of them); each turn's result is appended to
+RESULTS as soon as it ends (`BatchResult`), so a batch that dies keeps what it did. A line is
+known by its number and a hash of its text: running again with the same RESULTS skips the lines
+that already have a completed (or failed) result, and runs the rest (never run, cancelled,
+invalid). A bad line gets an `invalid` result naming the problem; it never stops the batch.
+
+Ctrl-C, SIGTERM and SIGHUP cancel the running turns as `toolq run` does (the durable record
+first, then aborted outputs for their unfinished calls) and start no more; `toolq cancel
+TURN_ID` cancels one turn and the batch goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import signal
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import IO, Any, Iterable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from toolq.orchestrator.batch_progress import Progress, ended_call
+from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.redis_faults import REDIS_FAULTS, RedisUnreachable
+from toolq.orchestrator.runner import CANCEL_SIGNALS, _with_redis, default_instructions
+from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.turn import EXIT_CANCELLED, EXIT_FAILED, Runtime, Session, TurnOutcome, new_turn_id
+
+Status = Literal["completed", "failed", "cancelled", "invalid"]
+
+
+class BatchLine(BaseModel):
+    """One input line: a turn to run."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is a clear error, not a silent default
+
+    prompt: str = Field(min_length=1)
+    workspace: Path | None = None
+    """Where its tools work (default: `--workspace`, or the current directory)."""
+    instructions: str | None = None
+
+
+class BatchResult(BaseModel):
+    """One output line: how one input line's turn ended."""
+
+    key: str
+    """`<line number>:<hash of the line>`: what a re-run matches to skip the line."""
+    line: int
+    turn_id: str | None = None
+    status: Status
+    final_message: str | None = None
+    usage: dict[str, int] = Field(default_factory=dict)
+    error: str | None = None
+    calls: int = 0
+    failed_calls: int = 0
+
+
+class Entry(BaseModel):
+    number: int
+    key: str
+    turn: BatchLine | None = None
+    problem: str | None = None
+    """Why the line cannot run (then `turn` is None)."""
+
+
+def line_key(number: int, raw: str) -> str:
+    return f"{number}:{hashlib.sha256(raw.strip().encode()).hexdigest()[:16]}"
+
+
+def read_entries(lines: Iterable[str]) -> list[Entry]:
+    """Every non-blank line, numbered from 1, parsed or with its problem in one line."""
+    entries = []
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        entries.append(parse_line(number, raw))
+    return entries
+
+
+def parse_line(number: int, raw: str) -> Entry:
+    key = line_key(number, raw)
+    try:
+        turn = BatchLine.model_validate_json(raw)
+    except ValidationError as e:
+        said = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'the line'}: {err['msg']}" for err in e.errors())
+        return Entry(number=number, key=key, problem=f"line {number}: {said}")
+    if turn.workspace is not None:
+        turn.workspace = turn.workspace.expanduser().resolve()
+        if not turn.workspace.is_dir():
+            return Entry(number=number, key=key, problem=f"line {number}: workspace {turn.workspace} is not a directory")
+    return Entry(number=number, key=key, turn=turn)
+
+
+def latest_statuses(out: Path) -> dict[str, str]:
+    """Each key's latest status in `out`; unreadable lines (a batch killed mid-write) are ignored."""
+    latest: dict[str, str] = {}
+    if not out.exists():
+        return latest
+    for raw in out.read_text().splitlines():
+        try:
+            r = BatchResult.model_validate_json(raw)
+        except ValidationError:
+            continue
+        latest[r.key] = r.status
+    return latest
+
+
+class Results:
+    """RESULTS, appended to one line per turn as it ends, flushed, so a killed batch keeps them."""
+
+    def __init__(self, path: Path) -> None:
+        self.file: IO[str] = path.open("a+")
+        self.file.seek(0, 2)
+        if self.file.tell():  # a line cut by a killed batch must not swallow the next one
+            self.file.seek(self.file.tell() - 1)
+            if self.file.read(1) != "\n":
+                self.file.write("\n")
+        self.statuses: dict[str, str] = {}
+        """This run's status per key."""
+
+    def write(self, result: BatchResult) -> None:
+        self.file.write(result.model_dump_json() + "\n")
+        self.file.flush()
+        self.statuses[result.key] = result.status
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class Batch:
+    """Runs entries N at a time on one runtime; `interrupt()` cancels the running ones."""
+
+    def __init__(self, runtime: Runtime, settings: Settings, results: Results, progress: Progress,
+                 concurrency: int) -> None:
+        self.rt, self.settings, self.results, self.progress = runtime, settings, results, progress
+        self.concurrency = concurrency
+        self.running: dict[str, Session] = {}
+        self.stopping: signal.Signals | None = None
+
+    async def run(self, entries: list[Entry]) -> None:
+        queue = iter(entries)
+        await asyncio.gather(*(self._lane(queue) for _ in range(min(self.concurrency, len(entries)))))
+
+    async def _lane(self, queue: Any) -> None:
+        for entry in queue:  # one shared iterator: each entry goes to exactly one lane
+            if self.stopping is not None:
+                return
+            if entry.turn is None:
+                self._done(BatchResult(key=entry.key, line=entry.number, status="invalid", error=entry.problem))
+                continue
+            self._done(await self._run_one(entry, entry.turn))
+
+    async def _run_one(self, entry: Entry, line: BatchLine) -> BatchResult:
+        workspace = line.workspace or self.settings.workspace
+        instructions = line.instructions or self.settings.instructions or default_instructions(
+            self.settings.model_copy(update={"workspace": workspace}))
+        session = Session(self.rt, instructions=instructions, workspace=workspace)
+        turn_id = new_turn_id()
+        counted = {"calls": 0, "failed_calls": 0}
+
+        def heard(event: Any) -> None:
+            failed = ended_call(event)
+            if failed is not None:
+                counted["calls"] += 1
+                counted["failed_calls"] += failed
+                self.progress.call_ended(failed)
+
+        self.running[turn_id] = session
+        self.progress.running += 1
+        try:
+            outcome = await session.run_turn(line.prompt, heard, turn_id=turn_id)
+        except Exception as e:  # a bug: this line fails, the batch goes on
+            outcome = TurnOutcome(turn_id=turn_id, status="failed", error=f"toolq failed: {type(e).__name__}: {e}")
+        finally:
+            self.running.pop(turn_id, None)
+            self.progress.running -= 1
+            await session.close()
+        return BatchResult(key=entry.key, line=entry.number, turn_id=turn_id, status=outcome.status,
+                           final_message=outcome.final_message, usage=outcome.usage.model_dump(),
+                           error=outcome.error, **counted)
+
+    def _done(self, result: BatchResult) -> None:
+        self.results.write(result)
+        self.progress.turn_ended(result.status)
+
+    def interrupt(self, sig: signal.Signals) -> list[asyncio.Task]:
+        """Start no more turns; cancel the running ones (durable record first, as `toolq run`)."""
+        self.stopping = sig
+        tasks = []
+        for turn_id, session in list(self.running.items()):
+            tasks.append(asyncio.get_running_loop().create_task(self._record_cancel(turn_id, sig)))
+            session.cancel()
+        return tasks
+
+    async def _record_cancel(self, turn_id: str, sig: signal.Signals) -> None:
+        try:
+            await self.rt.ledger.cancel_turn(turn_id, reason=sig.name)
+        except Exception as e:  # Redis away: the turn still ends here, unrecorded
+            print(f"toolq batch: could not record the cancel of {turn_id} in Redis: {e}", file=sys.stderr)
+
+
+def run_batch(settings: Settings, path: Path, out: Path, *, concurrency: int, retry_failed: bool = False,
+              progress_to: IO[str] = sys.stderr) -> int:
+    """`toolq batch`: exit 0 when every line has a completed result, 1 when one failed or is
+    invalid, 130 when interrupted, 2 when nothing could start (bad file, Redis unreachable)."""
+    if not path.is_file():
+        raise ConfigurationError(f"batch file {path} is not a file")
+    if not settings.workspace.is_dir():
+        raise ConfigurationError(f"workspace {settings.workspace} is not a directory")
+    if not out.parent.is_dir():
+        raise ConfigurationError(f"the folder of --out {out} does not exist")
+    entries = read_entries(path.read_text().splitlines())
+    latest = latest_statuses(out)
+    done = ("completed",) if retry_failed else ("completed", "failed")
+    todo = [e for e in entries if latest.get(e.key) not in done]
+    skipped = len(entries) - len(todo)
+    if skipped:
+        print(f"toolq batch: {skipped} of {len(entries)} turns already done in {out}; running {len(todo)}",
+              file=progress_to)
+    stopped = False
+    if todo:
+        with ExitStack() as stack:
+            settings = _with_redis(settings, stack, quiet=False)
+            batch = asyncio.run(_run(settings, todo, out, concurrency, progress_to))
+        ran = list(batch.results.statuses.values())
+        print(f"toolq batch: {len(ran)} turns: {ran.count('completed')} completed, {ran.count('failed')} failed, "
+              f"{ran.count('cancelled')} cancelled, {ran.count('invalid')} invalid; {skipped} skipped (already "
+              f"done); results in {out}", file=progress_to)
+        latest.update(batch.results.statuses)
+        stopped = batch.stopping is not None
+    if stopped:
+        return EXIT_CANCELLED
+    return 0 if all(latest.get(e.key) == "completed" for e in entries) else EXIT_FAILED
+
+
+async def _run(settings: Settings, todo: list[Entry], out: Path, concurrency: int, progress_to: IO[str]) -> Batch:
+    try:
+        runtime = await Runtime.create(settings)
+    except REDIS_FAULTS as e:
+        raise RedisUnreachable(settings.redis_url, e) from None
+    results = Results(out)
+    progress = Progress(total=len(todo), out=progress_to)
+    batch = Batch(runtime, settings, results, progress, concurrency)
+    loop = asyncio.get_running_loop()
+    pending: set[asyncio.Task] = set()
+
+    def interrupt(sig: signal.Signals) -> None:
+        for task in batch.interrupt(sig):
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
+    for sig in CANCEL_SIGNALS:
+        loop.add_signal_handler(sig, interrupt, sig)
+    ticker = asyncio.create_task(_tick(progress))
+    try:
+        await batch.run(todo)
+    finally:
+        for sig in CANCEL_SIGNALS:
+            loop.remove_signal_handler(sig)
+        ticker.cancel()
+        progress.show(final=True)
+        if pending:
+            await asyncio.wait(pending, timeout=2.0)
+        results.close()
+        await runtime.aclose()
+    return batch
+
+
+async def _tick(progress: Progress) -> None:
+    """Elapsed time moves on a terminal even while no turn ends."""
+    while True:
+        await asyncio.sleep(0.5 if progress.tty else 5.0)
+        progress.show()
+
+
+__all__ = ["Batch", "BatchLine", "BatchResult", "read_entries", "run_batch"]
