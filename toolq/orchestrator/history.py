@@ -121,9 +121,9 @@ class History:
         self.record(*items)
 
     @property
-    def items(self) -> tuple[ResponseItem, ...]:
-        """Read-only: add with `record`, so the wire JSON and the pairing counts stay in step."""
-        return tuple(self._items)
+    def items(self) -> list[ResponseItem]:
+        """A copy: add with `record`, so the wire JSON and the pairing counts stay in step."""
+        return list(self._items)
 
     def __len__(self) -> int:
         return len(self._items)
