@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -41,6 +42,8 @@ class BrokerUnavailable(ConnectionError):
 
 #: What the broker raises when Redis is away, once it has passed through `Dispatcher._run`.
 BROKER_ERRORS = (BrokerUnavailable,)
+
+_MAKING_APP = threading.Lock()
 
 log = logging.getLogger("toolq.dispatch")
 
@@ -89,10 +92,11 @@ class Dispatcher:
     def app(self) -> Celery:
         """The sending app, made (and Celery imported) at the first call: a turn whose model asks
         for no tool never loads Celery, and `toolq run` starts 0.1 s sooner."""
-        if self._app is None:
-            from toolq.workers.config import make_app
+        with _MAKING_APP:  # Celery's lazy package fails when two threads import it at once
+            if self._app is None:
+                from toolq.workers.config import make_app
 
-            self._app = make_app(self._settings, self._longest_timeout)
+                self._app = make_app(self._settings, self._longest_timeout)
         return self._app
 
     async def _run(self, fn, *args, **kwargs):
