@@ -32,3 +32,23 @@ def test_a_fleet_without_bench_workers_is_told_what_to_start():
     line = missing_queues_line(["toolq-bench"], 2)
     assert "\n" not in line and "queue toolq-bench" in line and "2 worker(s) answered" in line
     assert START_BENCH_WORKER in line and START_BENCH_WORKER == "toolq worker --tools toolq.orchestrator.bench.tools"
+
+
+def test_coldstart_printout_marks_each_goal():
+    from toolq.orchestrator.bench import coldstart
+
+    res = {"runs": 3, "imports": 0.15, "imports_load_celery": False,
+           "external": {"first_request": 0.2, "exit": 0.3, "cpu": 0.2},
+           "embedded": {"first_request": 0.25, "exit": 0.8, "cpu": 0.5}}
+    lines = coldstart.report(res)
+    assert "1.11x Codex's 0.27 s (goal <= 1x: MISSED)" in lines[1]
+    assert "(goal < 1 s: met)" in lines[2] and "no Celery" in lines[3]
+    assert res["goal_met"] is False
+
+
+def test_history_printout_compares_the_last_step_with_the_first():
+    from toolq.orchestrator.bench import history
+
+    step = {"around": 0.002, "inside": 0.003, "wall": 0.04}
+    res = {"steps": 200, "window": 10, "at": {1: step, 200: {**step, "around": 0.0023}}}
+    assert history.report(res)[-1] == "  CPU around the request, step 200 / step 1: 1.15x (goal <= 1.2x: met)"
