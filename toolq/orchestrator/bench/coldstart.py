@@ -5,7 +5,8 @@ embedded default (no REDIS_URL) and on an external Redis.
 Each run is a fresh process (`python -m toolq.orchestrator.cli run`); the fake model serves in
 this process and notes each request's arrival on the monotonic clock, which every process on
 Linux shares. The CPU column is `toolq run` and the children it waited for (the embedded stack's
-server and workers). Codex 0.171 took 0.27 s, launch to exit, for the same turn in the issue's
+server and workers). A third row runs one `exec_command true` on the embedded default, so the
+workers are up when the turn ends: its exit includes their (parallel) warm shutdown. Codex 0.171 took 0.27 s, launch to exit, for the same turn in the issue's
 run; it is not installed here, so that figure is the baseline.
 """
 
@@ -45,10 +46,10 @@ def one_run(env: dict[str, str], fake: FakeModel, workspace: str) -> dict[str, f
     proc = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--workspace", workspace, "hi"],
                           env=env, capture_output=True, text=True, timeout=120)
     ended = time.monotonic()
-    if proc.returncode != 0 or len(fake.request_times) != seen + 1:
+    if proc.returncode != 0 or len(fake.request_times) == seen:
         raise RuntimeError(f"toolq run exited {proc.returncode}: {proc.stderr[-2000:]}")
     return {"first_request": fake.request_times[seen] - started, "exit": ended - started,
-            "cpu": _children_cpu() - cpu}
+            "after_last_request": ended - fake.request_times[-1], "cpu": _children_cpu() - cpu}
 
 
 @contextmanager
@@ -82,15 +83,17 @@ def run(out: IO[str] = sys.stdout, runs: int = 5) -> dict[str, Any]:
     base = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL", "TOOLQ_SIGNING_KEY")}
     base.update(OPENAI_API_KEY="bench", TOOLQ_REQUEST_MAX_RETRIES="0", TOOLQ_STREAM_MAX_RETRIES="0")
     res: dict[str, Any] = {"runs": runs}
-    with FakeModel([[b.message("done")]], loop=True) as fake, tempfile.TemporaryDirectory() as ws, \
-            external_redis() as external:
+    one_call = [[b.function_call("exec_command", {"cmd": "true"}, "call_1")], [b.message("done")]]
+    with FakeModel([[b.message("done")]], loop=True) as fake, FakeModel(one_call, loop=True) as calling, \
+            tempfile.TemporaryDirectory() as ws, external_redis() as external:
         base["OPENAI_BASE_URL"] = fake.base_url
-        samples: dict[str, list[dict[str, float]]] = {"external": [], "embedded": []}
-        for _ in range(runs):  # interleaved, so both see the same load
+        samples: dict[str, list[dict[str, float]]] = {"external": [], "embedded": [], "embedded_call": []}
+        for _ in range(runs):  # interleaved, so all see the same load
             samples["external"].append(one_run({**base, **external}, fake, ws))
             samples["embedded"].append(one_run(base, fake, ws))
+            samples["embedded_call"].append(one_run({**base, "OPENAI_BASE_URL": calling.base_url}, calling, ws))
     for where, rows in samples.items():
-        res[where] = {k: median([r[k] for r in rows]) for k in ("first_request", "exit", "cpu")}
+        res[where] = {k: median([r[k] for r in rows]) for k in ("first_request", "exit", "after_last_request", "cpu")}
     res["imports"], res["imports_load_celery"] = import_time(runs)
     print("\n".join(report(res)), file=out)
     return res
@@ -113,6 +116,8 @@ def report(res: dict[str, Any]) -> list[str]:
         "-> exit; CPU of toolq run and its children):",
         line("external Redis", ext) + f"  = {res['ratio_vs_codex']:.2f}x Codex's {CODEX_S} s ({ext_note})",
         line("embedded", emb) + f"  ({emb_note})",
+        line("embedded, 1 call", res["embedded_call"])
+        + f"  (workers up: {res['embedded_call']['after_last_request']:.3f} s from the last request to exit)",
         f"  imports of the toolq run path: {res['imports'] * 1000:.0f} ms "
         f"({'Celery loaded' if res['imports_load_celery'] else 'no Celery'})",
     ]
