@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from toolq.orchestrator.bench import cancel, limits, pipeline, steps, streaming, throughput
+from toolq.orchestrator.bench import cancel, coldstart, history, limits, pipeline, steps, streaming, throughput
 
 pytestmark = pytest.mark.integration
 
@@ -47,6 +47,20 @@ def test_throughput_bench_measures_both_paths_at_each_k():
 def test_cancel_bench_cancels_every_run():
     res = cancel.run(io.StringIO(), runs=2)
     assert res["runs"] == 2 and res["p50"] > 0
+
+
+def test_coldstart_bench_times_both_stacks_and_says_whether_each_goal_is_met():
+    out = io.StringIO()
+    res = coldstart.run(out, runs=1)
+    for where in ("external", "embedded"):
+        assert 0 < res[where]["first_request"] < res[where]["exit"]
+    assert not res["imports_load_celery"]
+    assert "Codex's 0.27 s" in out.getvalue() and ("met" in out.getvalue() or "MISSED" in out.getvalue())
+
+
+def test_history_bench_reports_each_checkpoint():
+    res = history.run(io.StringIO(), steps=4, window=2)
+    assert list(res["at"]) == [1, 4] and res["ratio"] > 0 and len(res["samples"]["around"]) == 4
 
 
 # --- on one's own fleet (REDIS_URL set) ------------------------------------------------------

@@ -218,3 +218,23 @@ def test_with_two_running_stacks_each_command_finds_the_one_that_holds_the_turn(
         assert asyncio.run(cancel(settings, "turn-second")).turn_id == "turn-second"
         for entry in entries:
             runtime_dir.unregister(entry)
+
+
+def test_the_first_request_goes_out_while_the_embedded_workers_boot(tmp_path):
+    """Issue 14 item 6: the first model request needs no worker, so it does not wait for them; the
+    first tool call does, and gets its real output once they are up, with one line saying what it
+    waits for."""
+    script = [[b.function_call("exec_command", {"cmd": "echo real output"}, "call_1")], [b.message("done")]]
+    with FakeModel(script) as fake:
+        shell = Shell(tmp_path, fake)
+        booted = tmp_path / "booted"
+        shell.env.update(TOOLQ_TEST_WORKER_BOOT_DELAY="3", TOOLQ_TEST_WORKER_BOOT_MARK=str(booted))
+        run = shell.toolq("run", "--workspace", str(shell.workspace), "--tools", "tests.integration.slow_boot_tools",
+                          "go")
+    assert run.returncode == 0, run.stderr
+    ready = [float(t) for t in booted.read_text().split()]
+    assert len(ready) == 2 and fake.request_times[0] < min(ready), "the first request waited for the workers"
+    (output,) = [i["output"] for i in fake.requests[1]["input"] if i["type"] == "function_call_output"]
+    assert "Process exited with code 0" in output and "real output" in output
+    assert "waiting for a worker to serve exec_command (embedded workers starting)" in run.stderr
+    assert shell.leftovers() == []

@@ -48,3 +48,24 @@ def test_limits_printout_marks_a_slowed_fleet_or_a_third_running_call_missed():
 def test_max_running_counts_overlaps_and_a_finish_before_a_start_at_the_same_instant():
     assert limits.max_running([(0, 2), (1, 3), (2, 4)]) == 2
     assert limits.max_running([(0, 1), (1, 2)]) == 1 and limits.max_running([]) == 0
+
+
+def test_coldstart_printout_marks_each_goal():
+    from toolq.orchestrator.bench import coldstart
+
+    res = {"runs": 3, "imports": 0.15, "imports_load_celery": False,
+           "external": {"first_request": 0.2, "exit": 0.3, "cpu": 0.2},
+           "embedded": {"first_request": 0.25, "exit": 0.8, "cpu": 0.5},
+           "embedded_call": {"first_request": 0.25, "exit": 1.8, "after_last_request": 0.7, "cpu": 0.9}}
+    lines = coldstart.report(res)
+    assert "1.11x Codex's 0.27 s (goal <= 1x: MISSED)" in lines[1]
+    assert "(goal < 1 s: met)" in lines[2] and "0.700 s from the last request to exit" in lines[3] and "no Celery" in lines[4]
+    assert res["goal_met"] is False
+
+
+def test_history_printout_compares_the_last_step_with_the_first():
+    from toolq.orchestrator.bench import history
+
+    step = {"around": 0.002, "inside": 0.003, "wall": 0.04}
+    res = {"steps": 200, "window": 10, "at": {1: step, 200: {**step, "around": 0.0023}}}
+    assert history.report(res)[-1] == "  CPU around the request, step 200 / step 1: 1.15x (goal <= 1.2x: met)"

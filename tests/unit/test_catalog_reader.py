@@ -3,9 +3,11 @@ tests/integration/test_fleet_catalog.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
-from toolq.orchestrator.catalog_reader import FleetSnapshot, unserved_message
+from toolq.orchestrator import catalog_reader
+from toolq.orchestrator.catalog_reader import FleetCatalog, FleetSnapshot, WorkersStarting, unserved_message
 from toolq.orchestrator.workers_cmd import render_workers
 from toolq.workers.advert import ToolRef, WorkerAdvert
 from toolq.workers.catalog import ToolSpec
@@ -49,3 +51,42 @@ def test_toolq_workers_shows_one_row_per_instance_and_json_keeps_every_tool():
     rows = [json.loads(line) for line in render_workers(records, now=1090.0, as_json=True).splitlines()]
     assert rows[0]["tools"][0]["digest"] == spec.digest() and rows[1]["state"] == "draining"
     assert render_workers([], now=0.0) == "no live workers in the fleet catalog (start one with `toolq worker`)\n"
+
+
+class ScriptedCatalog(FleetCatalog):
+    """The fleet catalog with no Redis: empty until `serve_after` reads, then `worker(spec)`."""
+
+    def __init__(self, spec: ToolSpec, serve_after: int | None, **kw) -> None:
+        super().__init__(None, **kw)  # type: ignore[arg-type]
+        self.spec, self.serve_after, self.reads = spec, serve_after, 0
+
+    async def snapshot(self, max_age=None) -> FleetSnapshot:
+        self.reads += 1
+        served = self.serve_after is not None and self.reads > self.serve_after
+        return FleetSnapshot((worker(self.spec),) if served else (), 0.0)
+
+
+def test_a_call_waits_past_the_grace_for_workers_still_booting_and_says_so_once(monkeypatch, caplog):
+    monkeypatch.setattr(catalog_reader, "NOTICE_AFTER", 0.05)
+    spec = only(declared())
+    fleet = ScriptedCatalog(spec, serve_after=8, grace=0.01)
+    fleet.starting = WorkersStarting()
+    with caplog.at_level("WARNING", logger="toolq.fleet"):
+        assert asyncio.run(fleet.unserved(spec)) is None  # 8 reads x 50 ms: far past the 10 ms grace
+    assert [r.getMessage() for r in caplog.records] == ["waiting for a worker to serve echo (embedded workers starting)"]
+
+
+def test_a_call_is_told_when_the_workers_started_for_it_failed():
+    spec = only(declared())
+    fleet = ScriptedCatalog(spec, serve_after=None, grace=5)
+    fleet.starting = WorkersStarting()
+    fleet.starting.finish("worker embedded0 exited with 1")
+    text = asyncio.run(asyncio.wait_for(fleet.unserved(spec), 2))
+    assert text == ("no worker could run tool `echo`: the workers toolq started for this run failed to start "
+                    "(worker embedded0 exited with 1)")
+
+
+def test_without_a_boot_the_grace_still_ends_the_wait():
+    spec = only(declared())
+    assert asyncio.run(ScriptedCatalog(spec, serve_after=None, grace=0.05).unserved(spec)).startswith(
+        "no live worker serves tool `echo`")

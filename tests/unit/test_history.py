@@ -125,3 +125,49 @@ def test_reasoning_the_server_cannot_resolve_is_dropped_counted_and_logged_once(
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1
     assert warnings[0].startswith("dropped 1 reasoning item(s) without encrypted_content from the next request")
+
+
+# --- constant work per step ------------------------------------------------------------------------
+
+
+def test_each_item_is_serialised_once_and_paired_incrementally(monkeypatch):
+    """200 steps of one session: every item becomes wire JSON once, when recorded, and its pairing
+    role is read once; a step's `for_prompt` does not walk the history again (main converted every
+    item twice per step: 80,802 conversions over 200 steps)."""
+    import toolq.orchestrator.history as history
+    from toolq.orchestrator.protocol.items import _Wire
+
+    conversions, roles = [0], [0]
+    to_wire, role = _Wire.to_wire, history._role
+
+    def counted_to_wire(self):
+        conversions[0] += 1
+        return to_wire(self)
+
+    def counted_role(obj):
+        roles[0] += 1
+        return role(obj)
+
+    monkeypatch.setattr(_Wire, "to_wire", counted_to_wire)
+    monkeypatch.setattr(history, "_role", counted_role)
+    h = History([user()])
+    for step in range(200):
+        h.record(fc(f"c{step}"))
+        h.record(fco(f"c{step}"))
+        assert len(h.for_prompt()) == 1 + 2 * (step + 1)
+    assert conversions[0] == len(h.items) == 401
+    assert roles[0] == 401
+    assert not h.repairs
+
+
+def test_a_repair_after_incremental_steps_still_pairs():
+    h = History([user(), fc("a"), fco("a")])
+    assert h.for_prompt() == [user(), fc("a"), fco("a")]
+    h.record(fc("b"), fco("zzz"), fc("b"))  # one answered twice below, one orphan output
+    h.record(fco("b"))
+    out = h.for_prompt()
+    assert pairing_problems(out) == []
+    assert h.repairs == {"orphan_output_dropped": 1, "missing_output_aborted": 1}
+    h.record(fco("b", "late"))  # now the aborted one has a duplicate: an orphan, dropped
+    assert pairing_problems(h.for_prompt()) == []
+    assert h.repairs["orphan_output_dropped"] == 2

@@ -50,6 +50,16 @@ def test_importing_toolq_and_the_barrier_loads_no_celery_and_registers_no_tool()
     assert after["tools"] == [], "importing toolq registered built-in tools"
 
 
+def test_the_toolq_run_path_loads_no_celery_until_a_call_is_sent():
+    """Celery (0.1 s of imports) is loaded by the first dispatch, not by `toolq run` starting: the
+    first model request needs none, and a turn without tool calls never loads it."""
+    after = _imported_after("import toolq.orchestrator.cli, toolq.orchestrator.runner, toolq.orchestrator.embedded\n"
+                            "import toolq.orchestrator.turn, toolq.orchestrator.fleet, toolq.orchestrator.dispatch\n"
+                            "import toolq.workers.mcp.fleet, toolq.workers.config")
+    loaded = [m for m in after["modules"] if m.split(".")[0] in ("celery", "kombu", "billiard", "amqp")]
+    assert loaded == [], loaded
+
+
 def _imports(path: Path) -> set[str]:
     """Every module a file imports, at any level (function-level imports included)."""
     found: set[str] = set()

@@ -41,3 +41,16 @@ def test_formatted_truncation_reports_total_lines_only_when_cut():
     assert formatted_truncate_text("a\nb\n", TruncationPolicy.bytes(100)) == "a\nb\n"
     out = formatted_truncate_text("line\n" * 50, TruncationPolicy.bytes(10))
     assert out.startswith("Total output lines: 50\n\n")
+
+
+def test_bound_text_is_idempotent_so_worker_and_orchestrator_can_both_cut():
+    from toolq.orchestrator.truncate import HISTORY_POLICY, MARKER_SLACK, bound_output, bound_text
+
+    big = "é" + "x" * (5 * HISTORY_POLICY.byte_budget) + "end"
+    once = bound_text(big)
+    assert once != big and once.endswith("end") and len(once.encode()) <= HISTORY_POLICY.byte_budget + MARKER_SLACK
+    assert bound_text(once) == once
+    just_over = "y" * (HISTORY_POLICY.byte_budget + 10)
+    assert bound_text(just_over) == just_over
+    parts = bound_output([{"type": "input_text", "text": big}, {"type": "input_image", "image_url": "data:..."}])
+    assert parts == [{"type": "input_text", "text": once}, {"type": "input_image", "image_url": "data:..."}]

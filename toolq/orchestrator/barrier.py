@@ -25,7 +25,7 @@ from toolq.orchestrator.protocol.items import OutputItem
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.states import CallState, codex_status
 from toolq.orchestrator.transport import CallRecords, CallWatch, DispatchError, TaskOutcome, Transport
-from toolq.orchestrator.truncate import DEFAULT_POLICY, truncate_text
+from toolq.orchestrator.truncate import bound_output
 from toolq.orchestrator.turn_events import Emit, ItemCompleted, ItemStarted, ItemUpdated, ToolCallView, TurnEvent, ignore
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.contracts import TIME_LIMIT_MARGIN
@@ -42,8 +42,6 @@ LOST_AFTER_MISSES = 2
 FAULT_SETTLE = 10.0
 #: After the queue comes back, how long a call with no trace may take to show up before it is lost.
 RECONNECT_GRACE = 2.0
-#: Outputs are re-truncated with the policy * 1.2, so formatted tool output is not cut twice.
-HISTORY_POLICY = DEFAULT_POLICY.scaled(1.2)
 #: The live view and `--json` show this much of a call's output.
 VIEW_OUTPUT_CHARS = 2000
 
@@ -107,9 +105,9 @@ class CallEntry:
 
     def output(self) -> OutputItem:
         assert self.result is not None
-        body = self.result.output
-        if isinstance(body, str):
-            body = truncate_text(body, HISTORY_POLICY)
+        # Workers bound their outputs already (then this changes nothing); what the orchestrator made,
+        # or an older worker sent, is bounded here.
+        body = bound_output(self.result.output)
         return output_item(self.call.kind, self.call_id, body, tools=self.result.tools)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -29,8 +30,35 @@ CACHE_AGE = 1.0
 UNSERVED_GRACE = 3.0
 #: How often the catalog is re-read while a call waits.
 POLL = 0.25
+#: ... and while workers this process started are still booting (the first call waits on them).
+BOOT_POLL = 0.05
+#: A call waiting this long for a worker says so, in one line on stderr (`toolq run`).
+NOTICE_AFTER = 1.5
 
 BUILTIN_MODULES = "toolq.workers.tools"
+
+
+class WorkersStarting:
+    """Workers this process started and has not seen ready yet (the embedded stack's, which boot
+    while the first model request goes out). A call waits for them rather than being answered
+    "no live worker" after the usual grace; if they fail to start, the call is told why."""
+
+    def __init__(self, what: str = "embedded workers starting") -> None:
+        self.what = what
+        self.error: str | None = None
+        self._done = threading.Event()
+
+    @property
+    def booting(self) -> bool:
+        return not self._done.is_set()
+
+    def finish(self, error: str | None = None) -> None:
+        """Called once, from the thread that watches the boot: all ready (None) or why not."""
+        self.error = error
+        self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
 
 
 @dataclass(frozen=True)
@@ -73,6 +101,8 @@ class FleetCatalog:
         self.r = r
         self.cache_age = cache_age
         self.grace = grace
+        self.starting: WorkersStarting | None = None
+        """Set by whoever started workers that are still booting (`toolq run`'s embedded stack)."""
         self._snapshot: FleetSnapshot | None = None
         self._lock = asyncio.Lock()
 
@@ -123,13 +153,29 @@ class FleetCatalog:
         return out
 
     async def unserved(self, spec: ToolSpec) -> str | None:
-        """None as soon as a live worker serves the call's declaration; otherwise, after the grace,
-        the output that tells the model which worker to start."""
-        end = time.monotonic() + self.grace
+        """None as soon as a live worker serves the call's declaration; otherwise, after the grace
+        (counted from the end of the boot of workers this process is starting), the output that
+        tells the model which worker to start. A wait past `NOTICE_AFTER` is said once."""
+        began = time.monotonic()
+        end = began + self.grace
+        noticed = False
         snapshot = await self.snapshot()
         while not snapshot.servers(spec):
-            if time.monotonic() >= end:
+            now = time.monotonic()
+            starting = self.starting
+            booting = starting is not None and starting.booting
+            if booting:
+                end = now + self.grace
+            elif starting is not None and starting.error:
+                return (f"no worker could run tool `{spec.tool_name}`: the workers toolq started for this run "
+                        f"failed to start ({starting.error})")
+            if now >= end:
                 return unserved_message(spec, snapshot)
-            await asyncio.sleep(POLL)
-            snapshot = await self.snapshot(max_age=POLL)
+            if not noticed and now - began >= NOTICE_AFTER:
+                noticed = True
+                log.warning("waiting for a worker to serve %s%s", spec.tool_name,
+                            f" ({starting.what})" if booting and starting is not None else "")
+            poll = BOOT_POLL if booting else POLL
+            await asyncio.sleep(poll)
+            snapshot = await self.snapshot(max_age=poll)
         return None

@@ -189,7 +189,10 @@ class ModelClient:
             headers["Authorization"] = f"Bearer {settings.api_key}"
         # The read timeout is the idle timeout: httpx re-arms it on every chunk received.
         timeout = httpx.Timeout(settings.stream_idle_timeout, connect=settings.connect_timeout)
-        self._http = httpx.AsyncClient(transport=transport, headers=headers, timeout=timeout)
+        # Plain http (a local vLLM, Ollama, the fake model) never negotiates TLS: the CA bundle
+        # is not loaded (30 ms of each `toolq run`'s start). https verifies as always.
+        tls = settings.base_url.lower().startswith("https:")
+        self._http = httpx.AsyncClient(transport=transport, headers=headers, timeout=timeout, verify=tls)
         self.skipped: Counter[str] = Counter()
         """Frames skipped by reason, over every stream of this client."""
 

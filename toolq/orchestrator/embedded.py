@@ -30,6 +30,7 @@ from typing import Any
 import redis
 
 from toolq.orchestrator import keys, runtime_dir
+from toolq.orchestrator.catalog_reader import WorkersStarting
 from toolq.orchestrator.errors import ConfigurationError
 
 
@@ -272,13 +273,20 @@ class WorkerProcess(ChildProcess):
         return self
 
     def wait_ready(self, timeout: float = 30) -> None:
-        def ready() -> bool:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"worker {self.name} exited with {self.proc.returncode}:\n"
-                                   + self.log.read_text(errors="replace")[-2000:])
-            return " ready." in self.log.read_text(errors="replace")
+        wait_for(self.ready, timeout, f"worker {self.name}", self.log)
 
-        wait_for(ready, timeout, f"worker {self.name}", self.log)
+    def ready(self) -> bool:
+        """Whether it has logged that it is ready; raises if it exited first."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"worker {self.name} exited with {self.proc.returncode}:\n"
+                               + self.log.read_text(errors="replace")[-2000:])
+        return " ready." in self.log.read_text(errors="replace")
+
+
+#: sockaddr_un's path limit (Linux), and the room a worker's socket needs below its TMPDIR
+#: (`toolq-sessions-XXXXXXXX/host.sock`, the MCP host's is shorter).
+UNIX_PATH_MAX = 107
+UNIX_SOCKET_NAME_ROOM = 40
 
 
 class EmbeddedStack:
@@ -289,10 +297,16 @@ class EmbeddedStack:
     then it is kept and named in one line on stderr.
     """
 
-    def __init__(self, *, workers: int = 2, concurrency: int = 4, tools: list[str] | None = None) -> None:
+    def __init__(self, *, workers: int = 2, concurrency: int = 4, tools: list[str] | None = None,
+                 wait_for_workers: bool = True) -> None:
         self.n_workers = workers
         self.concurrency = concurrency
         self.tools = tools or []
+        self.wait_for_workers = wait_for_workers
+        """False: enter returns once Redis is up, the workers boot meanwhile (`starting` says when
+        they are ready), so the first model request goes out while they boot."""
+        self.starting = WorkersStarting()
+        self._closing = threading.Event()
         self._stack = ExitStack()
         self.dir = Path()  # made on enter: a private directory (mode 0700)
         self.redis: RedisServer | None = None
@@ -307,8 +321,15 @@ class EmbeddedStack:
 
     def worker_env(self) -> dict[str, str]:
         """The workers' environment on top of this process's own (REDIS_URL is added by
-        WorkerProcess): the fleet secrets they need, such as this run's signing key."""
-        return {"TOOLQ_SIGNING_KEY": self.signing_key}
+        WorkerProcess): the fleet secrets they need, such as this run's signing key, and a TMPDIR
+        in the stack's private directory, so what a worker stopped mid-boot leaves there (its
+        session host's socket directory) goes with the stack. Not where a unix socket path under it
+        would pass the kernel's limit (a long TMPDIR): then theirs is ours."""
+        env = {"TOOLQ_SIGNING_KEY": self.signing_key}
+        tmp = self.dir / "tmp"
+        if len(str(tmp)) + UNIX_SOCKET_NAME_ROOM <= UNIX_PATH_MAX:
+            env["TMPDIR"] = str(tmp)
+        return env
 
     def __enter__(self) -> EmbeddedStack:
         self.dir = Path(tempfile.mkdtemp(prefix="toolq-embedded-"))
@@ -319,6 +340,7 @@ class EmbeddedStack:
             server.with_parent = True
             self.redis = self._stack.enter_context(server)
             self.signing_key = secrets.token_hex(32)  # this run's fleet key: its workers and its orchestrator
+            (self.dir / "tmp").mkdir(mode=0o700)
             env = self.worker_env()
             host = socket.gethostname()
             self.workers = [WorkerProcess(self.url, concurrency=self.concurrency, tools=self.tools, env=env,
@@ -328,23 +350,45 @@ class EmbeddedStack:
             for w in self.workers:
                 w.with_parent = True
                 w.start(wait=False)
-            for w in self.workers:
-                w.wait_ready()
-            self.entry = runtime_dir.register(self.url, self.dir)
+            self.entry = runtime_dir.register(self.url, self.dir)  # cancel/status need only the server
+            if self.wait_for_workers:
+                for w in self.workers:
+                    w.wait_ready()
+                self.starting.finish()
+            else:
+                threading.Thread(target=self._watch_boot, name="toolq-embedded-boot", daemon=True).start()
         except BaseException:
             self._close(failed=True)
             raise
         return self
 
+    def _watch_boot(self, timeout: float = 30.0) -> None:
+        """Until every worker is ready (or one failed, or the stack is closing): `starting` says which."""
+        pending, end = list(self.workers), time.monotonic() + timeout
+        while pending and not self._closing.is_set():
+            try:
+                pending = [w for w in pending if not w.ready()]
+            except RuntimeError as e:
+                self.starting.finish(str(e).splitlines()[0])
+                return
+            if pending and time.monotonic() > end:
+                self.starting.finish(f"worker {pending[0].name} was not ready in {timeout:.0f}s")
+                return
+            self._closing.wait(0.05)
+        self.starting.finish(None if not pending else "the run ended before the workers were ready")
+
     def _stop_workers(self) -> None:
         # All warm shutdowns at once: the stack stops in the time of the slowest worker, not the sum.
+        # A worker still booting dies at once (it has run nothing; its temporary files are ours).
+        self._closing.set()
         for w in self.workers:
             w.terminate()
         for w in self.workers:
             w.stop()
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        self._close(failed=exc_type is not None or self._a_turn_failed())
+        boot_failed = not self.starting.booting and self.starting.error is not None and not self._closing.is_set()
+        self._close(failed=exc_type is not None or boot_failed or self._a_turn_failed())
 
     def _a_turn_failed(self) -> bool:
         try:

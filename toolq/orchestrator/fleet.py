@@ -142,15 +142,20 @@ class Fleet:
         base = Settings.model_validate({**base.model_dump(), "tools": modules or base.tools, **settings,
                                         **({"redis_url": redis_url} if redis_url else {})})
         async with AsyncExitStack() as stack:
+            embedded = None
             if not base.redis_url:
                 from toolq.orchestrator.embedded import EmbeddedStack
 
-                embedded = EmbeddedStack(workers=2, concurrency=4, tools=base.tools)
+                # The workers boot while the caller makes its first request (as for `toolq run`).
+                embedded = EmbeddedStack(workers=2, concurrency=4, tools=base.tools,
+                                         wait_for_workers=bool(base.mcp or base.mcp_config))
                 await asyncio.to_thread(embedded.__enter__)
                 stack.push_async_callback(asyncio.to_thread, embedded.__exit__, None, None, None)
                 base = base.model_copy(update={"redis_url": embedded.url, "signing_key": embedded.signing_key})
             fleet = await cls.open(base)
             stack.push_async_callback(fleet.aclose)
+            if embedded is not None:
+                fleet.dispatcher.fleet.starting = embedded.starting  # a call waits for them, not the grace
             yield fleet
 
     def tool_specs(self) -> list[dict[str, Any]]:

@@ -56,12 +56,12 @@ def _role(obj: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def _plan(objs: list[dict[str, Any]]) -> tuple[set[int], list[int]]:
-    """(indexes of orphan outputs to drop, indexes of calls that lack an output).
+def _plan(roles: list[tuple[str, str] | None]) -> tuple[set[int], list[int]]:
+    """(indexes of orphan outputs to drop, indexes of calls that lack an output), from each
+    item's `_role`.
 
     Keys are (output type, call_id); duplicates pair up by count, since two calls may share a
     call_id (the API allows it and Codex answers both)."""
-    roles = [_role(o) for o in objs]
     calls = Counter(r[1] for r in roles if r and r[0] == "call")
     kept: Counter[str] = Counter()
     orphans: set[int] = set()
@@ -84,7 +84,7 @@ def _plan(objs: list[dict[str, Any]]) -> tuple[set[int], list[int]]:
 
 def pairing_problems(input_items: list[dict[str, Any]]) -> list[str]:
     """What is wrong with a request's `input` (empty when every call has exactly one output)."""
-    orphans, missing = _plan(input_items)
+    orphans, missing = _plan([_role(o) for o in input_items])
     return [f"call without output: {input_items[i].get('call_id')}" for i in missing] + [
         f"output without call: {input_items[i].get('call_id')}" for i in sorted(orphans)
     ]
@@ -107,48 +107,95 @@ def can_replay(item: ResponseItem) -> bool:
 
 
 class History:
-    """Items in the order they happened; `for_prompt()` is the next request's `input`."""
+    """Items in the order they happened; `for_prompt()` is the next request's `input`.
+
+    Constant work per step: each item is turned into its wire JSON once, when it is recorded, and
+    the pairing is tracked as items come (a count of calls and outputs per pairing key), so a step
+    whose history is paired costs nothing more however long the history is. Only a repair walks
+    the whole history. The wire dicts are shared, not copied: callers must not change them."""
 
     def __init__(self, items: Iterable[ResponseItem | dict[str, Any]] = ()) -> None:
-        self.items: list[ResponseItem] = []
         self.repairs: Counter[str] = Counter()
         self._said_reasoning_dropped = False
+        self._replace([], [])
         self.record(*items)
 
-    def record(self, *items: ResponseItem | dict[str, Any]) -> None:
+    @property
+    def items(self) -> list[ResponseItem]:
+        """A copy: add with `record`, so the wire JSON and the pairing counts stay in step."""
+        return list(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _replace(self, items: list[ResponseItem], wire: list[dict[str, Any]]) -> None:
+        self._items, self._wire, self._roles = [], [], []
+        self._counts: Counter[str] = Counter()
+        """Per pairing key: calls minus outputs (0 when paired)."""
+        self._unpaired: set[str] = set()
+        self._unreplayable = 0
+        for item, obj in zip(items, wire):
+            self._append(item, obj)
+
+    def _append(self, item: ResponseItem, obj: dict[str, Any]) -> None:
+        role = _role(obj)
+        self._items.append(item)
+        self._wire.append(obj)
+        self._roles.append(role)
+        if role is not None:
+            key = role[1]
+            self._counts[key] += 1 if role[0] == "call" else -1
+            if self._counts[key]:
+                self._unpaired.add(key)
+            else:
+                self._unpaired.discard(key)
+        if not can_replay(item):
+            self._unreplayable += 1
+
+    def record(self, *items: ResponseItem | dict[str, Any]) -> list[dict[str, Any]]:
+        """Append; returns the wire JSON of what was kept (unknown types are kept aside by the
+        caller, never replayed)."""
+        added: list[dict[str, Any]] = []
         for item in items:
             if isinstance(item, dict):
                 item = decode_item(item)
-            if is_api_item(item):  # unknown types are kept aside by the caller, never replayed
-                self.items.append(item)
+            if is_api_item(item):
+                obj = item.to_wire()  # the one conversion this item gets
+                self._append(item, obj)
+                added.append(obj)
+        return added
 
     def normalize(self) -> None:
         """Repair pairing in place, logging and counting each repair."""
-        wire = [i.to_wire() for i in self.items]
-        orphans, missing = _plan(wire)
-        if not orphans and not missing:
+        if not self._unpaired:  # every key has as many outputs as calls: nothing to repair
             return
+        wire = self._wire
+        orphans, missing = _plan(self._roles)
         missing_set = set(missing)
-        repaired: list[ResponseItem] = []
-        for i, item in enumerate(self.items):
+        items: list[ResponseItem] = []
+        objs: list[dict[str, Any]] = []
+        for i, item in enumerate(self._items):
             if i in orphans:
                 self.repairs["orphan_output_dropped"] += 1
                 log.warning("dropped an output with no call: call_id=%s", wire[i].get("call_id"))
                 continue
-            repaired.append(item)
+            items.append(item)
+            objs.append(wire[i])
             if i in missing_set:
                 self.repairs["missing_output_aborted"] += 1
                 log.warning("call had no output, recorded 'aborted': call_id=%s", wire[i].get("call_id"))
-                repaired.append(_aborted_output(wire[i]))
-        self.items = repaired
+                aborted = _aborted_output(wire[i])
+                items.append(aborted)
+                objs.append(aborted.to_wire())
+        self._replace(items, objs)
 
     def drop_unreadable_reasoning(self) -> None:
         """Drop reasoning items `can_replay` refuses; counted each time, logged the first time."""
-        kept = [i for i in self.items if can_replay(i)]
-        dropped = len(self.items) - len(kept)
-        if not dropped:
+        if not self._unreplayable:
             return
-        self.items = kept
+        kept = [(item, obj) for item, obj in zip(self._items, self._wire) if can_replay(item)]
+        dropped = len(self._items) - len(kept)
+        self._replace([item for item, _ in kept], [obj for _, obj in kept])
         self.repairs["reasoning_without_encrypted_content_dropped"] += dropped
         if not self._said_reasoning_dropped:
             self._said_reasoning_dropped = True
@@ -160,7 +207,7 @@ class History:
     def for_prompt(self) -> list[dict[str, Any]]:
         self.drop_unreadable_reasoning()
         self.normalize()
-        return [i.to_wire() for i in self.items]
+        return list(self._wire)
 
     def to_json(self) -> list[dict[str, Any]]:
-        return [i.to_wire() for i in self.items]
+        return list(self._wire)

@@ -17,6 +17,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from toolq.orchestrator.catalog_reader import WorkersStarting
 from toolq.orchestrator.durable import TurnSettings, TurnStore
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.history import History, pairing_problems
@@ -31,8 +32,8 @@ def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, se
         raise ConfigurationError(f"workspace {settings.workspace} is not a directory")
     history = load_session(session_file) if session_file else None
     with ExitStack() as stack:
-        settings = _with_redis(settings, stack, json_events)
-        outcome, history = asyncio.run(_run(settings, prompt, json_events, history))
+        settings, starting = _with_redis(settings, stack, json_events)
+        outcome, history = asyncio.run(_run(settings, prompt, json_events, history, starting=starting))
     if session_file:
         save_session(session_file, history)
     if outcome.could_not_start and json_events:  # stdout is the events; the one line goes to stderr
@@ -72,8 +73,8 @@ def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path |
         fake = stack.enter_context(FakeModel())
         settings = settings.model_copy(update={"openai_base_url": fake.base_url, "openai_api_key": "demo",
                                                "workspace": workspace})
-        settings = _with_redis(settings, stack, json_events)
-        outcome, _ = asyncio.run(_run(settings, "Show me what toolq can do.", json_events))
+        settings, starting = _with_redis(settings, stack, json_events)
+        outcome, _ = asyncio.run(_run(settings, "Show me what toolq can do.", json_events, starting=starting))
         if not json_events:
             created = workspace / "hello.txt"
             print(f"\nworkspace {workspace}: hello.txt = {created.read_text().strip()!r}" if created.exists()
@@ -84,16 +85,21 @@ def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path |
     return outcome.exit_code
 
 
-def _with_redis(settings: Settings, stack: ExitStack, quiet: bool) -> Settings:
-    """No REDIS_URL: start a private server and workers for this run (stopped on exit)."""
+def _with_redis(settings: Settings, stack: ExitStack, quiet: bool) -> tuple[Settings, WorkersStarting | None]:
+    """No REDIS_URL: start a private server and workers for this run (stopped on exit). The
+    workers boot while the first model request goes out (the first call waits for them), except
+    with MCP servers configured: the model's first tool list needs their tools, which the workers
+    advertise when ready."""
     if settings.redis_url:
-        return settings
+        return settings, None
     from toolq.orchestrator.embedded import EmbeddedStack
 
     if not quiet:
         print("no REDIS_URL: starting an embedded Redis-protocol server and 2 workers...", file=sys.stderr)
-    embedded = stack.enter_context(EmbeddedStack(workers=2, concurrency=4, tools=settings.tools))
-    return settings.model_copy(update={"redis_url": embedded.url, "signing_key": embedded.signing_key})
+    embedded = stack.enter_context(EmbeddedStack(workers=2, concurrency=4, tools=settings.tools,
+                                                 wait_for_workers=bool(settings.mcp or settings.mcp_config)))
+    settings = settings.model_copy(update={"redis_url": embedded.url, "signing_key": embedded.signing_key})
+    return settings, embedded.starting
 
 
 def default_instructions(settings: Settings) -> str:
@@ -131,9 +137,11 @@ async def _saved_settings(settings: Settings, turn_id: str) -> TurnSettings | No
 
 
 async def _run(settings: Settings, prompt: str, json_events: bool, history: History | None = None, *,
-               turn_id: str | None = None, resume: bool = False) -> tuple[TurnOutcome, History]:
+               turn_id: str | None = None, resume: bool = False,
+               starting: WorkersStarting | None = None) -> tuple[TurnOutcome, History]:
     view: Any = JsonView() if json_events else LiveView()
     runtime = await Runtime.create(settings)
+    runtime.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
     session = Session(runtime, instructions=settings.instructions or default_instructions(settings))
     if history is not None:
         session.history = history

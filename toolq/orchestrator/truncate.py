@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 APPROX_BYTES_PER_TOKEN = 4
 
@@ -35,6 +35,10 @@ class TruncationPolicy:
 
 #: Codex's default for gpt-5.x models.
 DEFAULT_POLICY = TruncationPolicy.tokens(10_000)
+#: What a tool's output may be in history: the policy * 1.2, so formatted tool output (exec_command
+#: cuts its own to `max_output_tokens`) is not cut twice. Workers cut every output to it before it
+#: travels (`bound_output`), and the orchestrator again on arrival, for outputs it makes itself.
+HISTORY_POLICY = DEFAULT_POLICY.scaled(1.2)
 
 
 def approx_token_count(text: str) -> int:
@@ -82,3 +86,38 @@ def formatted_truncate_text(text: str, policy: TruncationPolicy) -> str:
         return text
     total_lines = len(text.splitlines())
     return f"Total output lines: {total_lines}\n\n" + truncate_text(text, policy)
+
+
+#: A cut text is its budget plus the marker: a text within this much over the budget is left as
+#: it is, so the orchestrator's cut after the worker's changes nothing.
+MARKER_SLACK = 64
+
+
+def bound_text(text: str, policy: TruncationPolicy = HISTORY_POLICY) -> str:
+    """`truncate_text`, unless `text` is within `MARKER_SLACK` of the budget: idempotent, so the
+    worker and the orchestrator can both apply it."""
+    limit = policy.byte_budget + MARKER_SLACK
+    if len(text) * 4 <= limit or len(text.encode()) <= limit:  # the first test spares encoding short texts
+        return text
+    return truncate_text(text, policy)
+
+
+def bound_output(body: Any, policy: TruncationPolicy = HISTORY_POLICY) -> Any:
+    """A tool's output (a string, or a list of content parts as models or dicts) with every text
+    bounded by `bound_text`; anything else unchanged. Workers return it so, and a 10 MB output
+    never travels whole through Redis to be cut on arrival."""
+    if isinstance(body, str):
+        return bound_text(body, policy)
+    if isinstance(body, list):
+        return [_bound_part(part, policy) for part in body]
+    return body
+
+
+def _bound_part(part: Any, policy: TruncationPolicy) -> Any:
+    if isinstance(part, dict):
+        text = part.get("text")
+        return {**part, "text": bound_text(text, policy)} if isinstance(text, str) else part
+    text = getattr(part, "text", None)
+    if isinstance(text, str) and hasattr(part, "model_copy"):
+        return part.model_copy(update={"text": bound_text(text, policy)})
+    return part

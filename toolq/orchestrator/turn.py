@@ -176,7 +176,7 @@ class Session:
             await self._hold_conversation(turn_id)
             self._lease = await self.rt.turns.take_lease(turn_id)
             await self.rt.turns.save_settings(turn_id, self._turn_settings(deadline))
-            await self._durable([Committed(item=i.to_wire()) for i in self.history.items])
+            await self._durable([Committed(item=obj) for obj in self.history.to_json()])
             await self.rt.router.watch_turn(turn_id)
         except REDIS_FAULTS as e:  # nothing ran: one line naming the server, and a turn.failed
             outcome.status, outcome.error = "failed", str(RedisUnreachable(settings.redis_url, e))
@@ -262,10 +262,8 @@ class Session:
 
     async def _commit(self, *items: Any, step: int | None = None, output_index: int | None = None) -> None:
         """Into the history, and into Redis as it happens (so `toolq resume` can rebuild the turn)."""
-        before = len(self.history.items)
-        self.history.record(*items)
-        added = self.history.items[before:]
-        await self._durable([Committed(item=i.to_wire(), step=step, output_index=output_index) for i in added])
+        added = self.history.record(*items)  # each item's wire JSON, made once
+        await self._durable([Committed(item=obj, step=step, output_index=output_index) for obj in added])
 
     async def _durable(self, entries: list[Committed]) -> None:
         if self.turn_id is None or not entries:

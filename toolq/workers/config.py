@@ -8,14 +8,15 @@ Flower, a visibility timeout above the longest tool.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
-
-from celery import Celery
+from typing import TYPE_CHECKING, Any, Iterable
 
 from toolq.orchestrator.settings import Settings
 from toolq.workers.catalog import ToolSpec
 from toolq.workers import signing
 from toolq.workers.contracts import TIME_LIMIT_MARGIN
+
+if TYPE_CHECKING:  # Celery is imported by `make_app`, when an app is made: `longest_timeout` needs none
+    from celery import Celery
 
 
 def longest_timeout(specs: Iterable[ToolSpec]) -> float:
@@ -63,4 +64,6 @@ def configure_app(app: Celery, settings: Settings, longest: float) -> Celery:
 def make_app(settings: Settings, longest: float = 60.0) -> Celery:
     """A Celery app on the settings' Redis. Workers use `toolq.workers.app.app`; each orchestrator
     runtime makes its own, so one process can talk to several brokers (tests do)."""
+    from celery import Celery
+
     return configure_app(Celery("toolq", set_as_current=False), settings, longest)

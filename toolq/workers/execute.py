@@ -23,6 +23,7 @@ from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocat
 from toolq.orchestrator.errors import RespondToModel
 from toolq.orchestrator.protocol.items import ToolOutputBody
 from toolq.orchestrator.states import TERMINAL, CallState, parse_state
+from toolq.orchestrator.truncate import bound_output
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
 from toolq.workers import permit
 from toolq.workers.sandbox import CallCancelled
@@ -240,13 +241,21 @@ def refusal(inv: ToolInvocation, spec: ToolSpec | None, hostname: str) -> Outcom
 async def call_tool(inv: ToolInvocation, spec: ToolSpec, catalog: Catalog,
                     is_cancelled: Callable[[], bool] = lambda: False,
                     time_limit_errors: tuple[type[BaseException], ...] = (),
-                    output: OutputStream | None = None) -> Outcome:
+                    stream: OutputStream | None = None) -> Outcome:
     """Parse the arguments and run the handler; every error becomes an outcome the model can read.
+    The output is cut to what history keeps here, on the worker, so it travels bounded (built-in,
+    user and MCP tools alike).
 
     Shared by the worker and the in-memory fleet (`toolq.testing`), so a test sees what a worker would."""
+    state, output, extra = await _run_handler(inv, spec, catalog, is_cancelled, time_limit_errors, stream)
+    return state, bound_output(output), extra
+
+
+async def _run_handler(inv: ToolInvocation, spec: ToolSpec, catalog: Catalog, is_cancelled: Callable[[], bool],
+                       time_limit_errors: tuple[type[BaseException], ...], stream: OutputStream | None) -> Outcome:
     started_at = time.time()
     workspace = Path(inv.workspace or os.getcwd())
-    ctx = ToolContext(invocation=inv, workspace=workspace, is_cancelled=is_cancelled, catalog=catalog, output=output)
+    ctx = ToolContext(invocation=inv, workspace=workspace, is_cancelled=is_cancelled, catalog=catalog, output=stream)
     try:
         if isinstance(inv.payload, FunctionPayload):
             args: Any = parse_arguments(spec, inv.payload.arguments)

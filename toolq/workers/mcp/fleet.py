@@ -1,5 +1,5 @@
 """The fleet side of MCP: start with the worker and keep its advertisement following its servers
-(the only MCP module that imports Celery), and, for the orchestrator, each server's namespace
+(the only MCP module that imports Celery, on the worker side only), and, for the orchestrator, each server's namespace
 in the registry as the fleet catalog lists it.
 
 Both go through the fleet catalog (`toolq.workers.presence`, `toolq.orchestrator.catalog_reader`):
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 from typing import Any
-
-from celery.signals import worker_ready, worker_shutdown
 
 from toolq.orchestrator.catalog_reader import FleetCatalog
 from toolq.orchestrator.registry import Registry
@@ -37,6 +35,8 @@ def start_with_worker(settings: Settings, catalog: Catalog, logfile: str | None 
     servers = load_servers(settings.mcp, settings.mcp_config)
     if not servers:
         return []
+    from celery.signals import worker_ready, worker_shutdown  # here, so the orchestrator's side loads no Celery
+
     listing = worker.start_host(servers, catalog, logfile)
     lines = worker.banner(listing)
     consumer: list[Any] = []

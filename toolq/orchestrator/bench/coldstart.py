@@ -1,0 +1,127 @@
+"""Benchmark: a cold `toolq run` of a one-request turn (the model answers without calls), as a
+user's shell runs it: the time from launch to the first model request and to exit, on the
+embedded default (no REDIS_URL) and on an external Redis.
+
+Each run is a fresh process (`python -m toolq.orchestrator.cli run`); the fake model serves in
+this process and notes each request's arrival on the monotonic clock, which every process on
+Linux shares. The CPU column is `toolq run` and the children it waited for (the embedded stack's
+server and workers). A third row runs one `exec_command true` on the embedded default, so the
+workers are up when the turn ends: its exit includes their (parallel) warm shutdown. Codex 0.171 took 0.27 s, launch to exit, for the same turn in the issue's
+run; it is not installed here, so that figure is the baseline.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import IO, Any, Iterator
+
+from toolq.orchestrator.bench.harness import goal, median
+from toolq.orchestrator.fake_model import builders as b
+from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.orchestrator.settings import Settings
+
+CODEX_S = 0.27
+#: Goals: external Redis no slower than Codex; the embedded default under a second.
+EXTERNAL_GOAL = 1.0
+EMBEDDED_GOAL_S = 1.0
+IMPORT_PROBE = ("import sys, time; t = time.perf_counter(); import toolq.orchestrator.cli, toolq.orchestrator.runner; "
+                "print(time.perf_counter() - t, any(m.split('.')[0] in ('celery', 'kombu') for m in sys.modules))")
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def one_run(env: dict[str, str], fake: FakeModel, workspace: str) -> dict[str, float]:
+    """Launch `toolq run` once: seconds to its first model request, to its exit, and its CPU."""
+    seen, cpu = len(fake.request_times), _children_cpu()
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--workspace", workspace, "hi"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    ended = time.monotonic()
+    if proc.returncode != 0 or len(fake.request_times) == seen:
+        raise RuntimeError(f"toolq run exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return {"first_request": fake.request_times[seen] - started, "exit": ended - started,
+            "after_last_request": ended - fake.request_times[-1], "cpu": _children_cpu() - cpu}
+
+
+@contextmanager
+def external_redis() -> Iterator[dict[str, str]]:
+    """REDIS_URL's fleet if set (with its TOOLQ_SIGNING_KEY), else a private server of our own:
+    a one-request turn needs no worker."""
+    settings = Settings.load()
+    if settings.redis_url:
+        yield {"REDIS_URL": settings.redis_url, "TOOLQ_SIGNING_KEY": settings.signing_key or ""}
+        return
+    import secrets
+
+    from toolq.orchestrator.embedded import RedisServer
+
+    with RedisServer() as server:
+        yield {"REDIS_URL": server.url, "TOOLQ_SIGNING_KEY": secrets.token_hex(32)}
+
+
+def import_time(runs: int) -> tuple[float, bool]:
+    """Median seconds to import `toolq run`'s modules in a fresh interpreter, and whether Celery came too."""
+    samples, celery = [], False
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, check=True).stdout
+        seconds, loaded = out.split()
+        samples.append(float(seconds))
+        celery = celery or loaded == "True"
+    return median(samples), celery
+
+
+def run(out: IO[str] = sys.stdout, runs: int = 5) -> dict[str, Any]:
+    base = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL", "TOOLQ_SIGNING_KEY")}
+    base.update(OPENAI_API_KEY="bench", TOOLQ_REQUEST_MAX_RETRIES="0", TOOLQ_STREAM_MAX_RETRIES="0")
+    res: dict[str, Any] = {"runs": runs}
+    one_call = [[b.function_call("exec_command", {"cmd": "true"}, "call_1")], [b.message("done")]]
+    with FakeModel([[b.message("done")]], loop=True) as fake, FakeModel(one_call, loop=True) as calling, \
+            tempfile.TemporaryDirectory() as ws, external_redis() as external:
+        base["OPENAI_BASE_URL"] = fake.base_url
+        samples: dict[str, list[dict[str, float]]] = {"external": [], "embedded": [], "embedded_call": []}
+        for _ in range(runs):  # interleaved, so all see the same load
+            samples["external"].append(one_run({**base, **external}, fake, ws))
+            samples["embedded"].append(one_run(base, fake, ws))
+            samples["embedded_call"].append(one_run({**base, "OPENAI_BASE_URL": calling.base_url}, calling, ws))
+    for where, rows in samples.items():
+        res[where] = {k: median([r[k] for r in rows]) for k in ("first_request", "exit", "after_last_request", "cpu")}
+    res["imports"], res["imports_load_celery"] = import_time(runs)
+    print("\n".join(report(res)), file=out)
+    return res
+
+
+def report(res: dict[str, Any]) -> list[str]:
+    ext, emb = res["external"], res["embedded"]
+    res["ratio_vs_codex"] = ext["exit"] / CODEX_S
+    res["external_goal_met"], ext_note = goal(res["ratio_vs_codex"], EXTERNAL_GOAL)
+    res["embedded_goal_met"] = emb["exit"] < EMBEDDED_GOAL_S
+    emb_note = f"goal < {EMBEDDED_GOAL_S:g} s: {'met' if res['embedded_goal_met'] else 'MISSED'}"
+    res["goal_met"] = res["external_goal_met"] and res["embedded_goal_met"]
+
+    def line(label: str, r: dict[str, float]) -> str:
+        return (f"  {label:<15}: first request {r['first_request']:.3f} s  exit {r['exit']:.3f} s  "
+                f"CPU {r['cpu']:.3f} s")
+
+    return [
+        f"cold start of a one-request `toolq run`, median of {res['runs']} runs (launch -> first model request, "
+        "-> exit; CPU of toolq run and its children):",
+        line("external Redis", ext) + f"  = {res['ratio_vs_codex']:.2f}x Codex's {CODEX_S} s ({ext_note})",
+        line("embedded", emb) + f"  ({emb_note})",
+        line("embedded, 1 call", res["embedded_call"])
+        + f"  (workers up: {res['embedded_call']['after_last_request']:.3f} s from the last request to exit)",
+        f"  imports of the toolq run path: {res['imports'] * 1000:.0f} ms "
+        f"({'Celery loaded' if res['imports_load_celery'] else 'no Celery'})",
+    ]
+
+
+if __name__ == "__main__":
+    run()
