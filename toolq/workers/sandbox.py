@@ -173,9 +173,11 @@ def run_command(
             proc = launch.spawn(**popen)
         else:
             proc = subprocess.Popen(argv, env=env, **popen)
-    except OSError as e:
+    except BaseException as e:  # OSError: a spawn failure; SandboxRefused goes to the tool
         if launch is not None:
             launch.close()
+        if not isinstance(e, OSError):
+            raise
         return CommandResult(exit_code=-1, output=b"", wall_time=time.monotonic() - start, spawn_error=e)
 
     pgid = proc.pid
@@ -201,7 +203,7 @@ def run_command(
                 # The pipe closed but the leader has not exited yet: back off up to the poll step.
                 time.sleep(exit_wait)
                 exit_wait = min(exit_wait * 2, POLL_INTERVAL)
-            if _has_exited(pgid):
+            if reaper.has_exited(pgid):
                 break
             if timeout is not None and time.monotonic() - start >= timeout:
                 timed_out = True
@@ -272,10 +274,3 @@ def _drain(fd: int, buf: HeadTailBuffer, selector: selectors.BaseSelector, limit
         if selector.select(min(left, POLL_INTERVAL)) and _read_available(fd, buf):
             return
 
-
-def _has_exited(pid: int) -> bool:
-    """True once the child has exited, without reaping it (WNOWAIT keeps the pgid reserved)."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # already reaped elsewhere
-        return True
