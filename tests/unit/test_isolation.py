@@ -190,6 +190,26 @@ def test_a_gate_that_fails_kills_the_held_sandbox(tmp_path, monkeypatch):
     assert not (tmp_path / "ran").exists()
 
 
+@needs_bwrap
+def test_a_sandbox_held_at_the_gate_never_runs_once_its_gatekeeper_is_gone(tmp_path):
+    """The worker dying at the gate closes its end of --block-fd: bwrap must not read that as go."""
+    gate = bwrap.Gate()
+    args = bwrap.argv(bwrap.executable(), policy(), str(tmp_path), str(tmp_path), ["touch", "ran"], gate)
+    proc = subprocess.Popen(args, pass_fds=gate.child_fds, start_new_session=True, env={"PATH": "/usr/bin:/bin"})
+    try:
+        gate.opened()
+        assert bwrap._read_child_pid(gate.info_r)
+        os.close(gate.block_w)  # as if this process died here
+        gate.block_w = -1
+        time.sleep(1)
+        assert proc.poll() is None and not (tmp_path / "ran").exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        gate.close()
+
+
 LIM = Limits(memory_mb=512, processes=32, cpu_seconds=7, file_mb=3)
 
 

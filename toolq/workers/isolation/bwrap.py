@@ -230,12 +230,14 @@ class Gate:
         """The sandbox's first process (pid 1 of its namespace), once bwrap said so."""
 
     @property
-    def child_fds(self) -> tuple[int, int, int]:
-        return self.info_w, self.block_r, self.bound_w
+    def child_fds(self) -> tuple[int, ...]:
+        # bwrap keeps a write end of --block-fd too: if this process dies at the gate, bwrap
+        # waits forever (and dies with its cgroup) instead of reading end-of-file and going on.
+        return self.info_w, self.block_r, self.bound_w, self.block_w
 
     def opened(self) -> None:
         """After the spawn: the ends bwrap holds are its own now."""
-        for fd in self.child_fds:
+        for fd in (self.info_w, self.block_r, self.bound_w):
             os.close(fd)
         self.info_w = self.block_r = self.bound_w = -1
         self._bound.shutdown(socket.SHUT_WR)  # the file op reads nothing
