@@ -203,7 +203,7 @@ def run_command(
                 # The pipe closed but the leader has not exited yet: back off up to the poll step.
                 time.sleep(exit_wait)
                 exit_wait = min(exit_wait * 2, POLL_INTERVAL)
-            if reaper.has_exited(pgid):
+            if _has_exited(pgid):
                 break
             if timeout is not None and time.monotonic() - start >= timeout:
                 timed_out = True
@@ -273,4 +273,7 @@ def _drain(fd: int, buf: HeadTailBuffer, selector: selectors.BaseSelector, limit
     while (left := deadline - time.monotonic()) > 0:
         if selector.select(min(left, POLL_INTERVAL)) and _read_available(fd, buf):
             return
+
+
+_has_exited = reaper.has_exited
 
