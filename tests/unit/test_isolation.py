@@ -9,11 +9,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
+from toolq.workers import isolation
 from toolq.workers.isolation import bwrap, choose, landlock, limits
 from toolq.workers.isolation.policy import Limits, Policy
 from toolq.workers.sandbox import run_command
@@ -93,6 +95,119 @@ def test_a_command_does_not_run_when_git_is_not_the_workspaces_own(tmp_path):
     refused = run(args)
     assert refused.returncode == 125 and "RAN" not in refused.stdout
     assert ".git changed while the sandbox was set up" in refused.stderr
+
+
+needs_bwrap = pytest.mark.skipif(bwrap.executable() is None or choose(policy(sandbox="bwrap")).unavailable is not None,
+                                 reason="bubblewrap cannot run here")
+
+
+def gated_argv(tmp_path) -> list[str]:
+    gate = bwrap.Gate()
+    try:
+        return bwrap.argv("bwrap", policy(), str(tmp_path), str(tmp_path), ["bash", "-c", "true"], gate)
+    finally:
+        gate.close()
+
+
+def test_through_the_gate_nothing_runs_before_the_command(tmp_path):
+    """The gate sets the limits and checks .git from outside: no prlimit, no checking shell."""
+    (tmp_path / ".git").mkdir()
+    args = gated_argv(tmp_path)
+    assert "--info-fd" in args and "--block-fd" in args
+    assert args[args.index("--") + 1:] == ["bash", "-c", "true"]
+    git = args.index(str(tmp_path / ".git")) - 1
+    assert args[git:git + 3] == ["--ro-bind", str(tmp_path / ".git"), str(tmp_path / ".git")]
+    assert args[git + 3] == "--file" and args[git + 5] == "/dev/null"  # after the bind: its done sign
+
+
+def test_a_read_dir_under_the_workspace_is_left_to_the_workspaces_bind(tmp_path):
+    inner = tmp_path / "venv"
+    inner.mkdir()
+    args = bwrap.argv("bwrap", policy(sandbox_read=[str(inner)]), str(tmp_path), str(tmp_path), ["true"])
+    assert str(inner) not in args
+    assert str(inner) in bwrap.argv("bwrap", policy(sandbox_read=[str(inner)]), "/w", "/w", ["true"])
+
+
+WS, GIT = "/w/ws", "/w/ws/.git"
+OWN = bwrap.GitMount(GIT, "254:0 /w/ws/.git", WS)
+
+
+@pytest.mark.parametrize("table, verdict", [
+    # bwrap's staging root: the sandbox's mounts under /newroot, the host's under /oldroot
+    (f"1 0 0:60 / / rw\n2 1 254:0 /w/ws /newroot{WS} rw\n3 2 254:0 /w/ws/.git /newroot{GIT} ro\n", None),
+    ("1 0 0:61 / / rw\n", None),  # between the two pivots only the root shows
+    (f"1 0 0:61 / / ro\n2 1 254:0 /w/ws {WS} rw\n3 2 254:0 /w/ws/.git {GIT} ro\n", True),
+    # the race: bwrap bound the workspace's parent (a symlink to ..) as .git
+    (f"1 0 0:61 / / ro\n2 1 254:0 /w/ws {WS} rw\n3 2 254:0 /w {GIT} ro\n", False),
+    # the race the other way: the .git bind landed on the parent, .git itself stays writable
+    (f"1 0 0:61 / / ro\n2 1 254:0 /w/ws {WS} rw\n3 1 254:0 /w/ws/.git /w ro\n", False),
+])
+def test_the_gate_judges_git_only_in_the_final_mount_table(table, verdict):
+    assert OWN.judge(table.encode()) is verdict
+
+
+@needs_bwrap
+def test_the_gate_holds_the_command_until_its_limits_are_set(tmp_path):
+    (tmp_path / ".git").mkdir()
+    sandbox = choose(policy(sandbox="bwrap", sandbox_cpu_seconds=7, sandbox_file_mb=3))
+    r = run_command("ulimit -t; ulimit -f; ulimit -c; touch .git/x 2>/dev/null || echo RO", cwd=tmp_path,
+                    sandbox=sandbox, env={"PATH": "/usr/bin:/bin"})
+    assert r.output.decode().split() == ["7", str(3 * 1024), "0", "RO"], r.output
+    assert not (tmp_path / ".git" / "x").exists()
+
+
+@needs_bwrap
+def test_a_command_does_not_run_when_the_gate_finds_git_is_not_the_workspaces_own(tmp_path, monkeypatch):
+    """What a parallel call's swap of .git for a symlink makes bwrap bind: another directory. The
+    gate kills the held sandbox; the tool says why."""
+    (tmp_path / ".git").mkdir()
+    sandbox = choose(policy(sandbox="bwrap"))  # its probe checks a .git too
+    real = bwrap._git_mount
+
+    def parents(git: str):
+        expected, own = real(git)
+        return expected.rpartition("/")[0], own  # the workspace's parent, as the race binds it
+
+    monkeypatch.setattr(bwrap, "_git_mount", parents)
+    with pytest.raises(isolation.SandboxRefused, match=".git changed while the sandbox was set up"):
+        run_command("touch ran", cwd=tmp_path, sandbox=sandbox, env={"PATH": "/usr/bin:/bin"})
+    assert not (tmp_path / "ran").exists()
+    monkeypatch.setattr(bwrap, "_git_mount", real)  # the control
+    assert run_command("touch ran", cwd=tmp_path, sandbox=sandbox, env={"PATH": "/usr/bin:/bin"}).exit_code == 0
+    assert (tmp_path / "ran").exists()
+
+
+@needs_bwrap
+def test_a_gate_that_fails_kills_the_held_sandbox(tmp_path, monkeypatch):
+    """Closing --block-fd without a release would let bwrap go on: the gate kills it first."""
+    def refuse(self, pid):
+        raise PermissionError(1, "Operation not permitted", "prlimit")
+
+    monkeypatch.setattr(limits.CallLimits, "apply_to", refuse)
+    r = run_command("touch ran", cwd=tmp_path, sandbox=choose(policy(sandbox="bwrap")), env={"PATH": "/usr/bin:/bin"})
+    assert isinstance(r.spawn_error, PermissionError)
+    time.sleep(0.2)
+    assert not (tmp_path / "ran").exists()
+
+
+@needs_bwrap
+def test_a_sandbox_held_at_the_gate_never_runs_once_its_gatekeeper_is_gone(tmp_path):
+    """The worker dying at the gate closes its end of --block-fd: bwrap must not read that as go."""
+    gate = bwrap.Gate()
+    args = bwrap.argv(bwrap.executable(), policy(), str(tmp_path), str(tmp_path), ["touch", "ran"], gate)
+    proc = subprocess.Popen(args, pass_fds=gate.child_fds, start_new_session=True, env={"PATH": "/usr/bin:/bin"})
+    try:
+        gate.opened()
+        assert bwrap._read_child_pid(gate.info_r)
+        os.close(gate.block_w)  # as if this process died here
+        gate.block_w = -1
+        time.sleep(1)
+        assert proc.poll() is None and not (tmp_path / "ran").exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        gate.close()
 
 
 LIM = Limits(memory_mb=512, processes=32, cpu_seconds=7, file_mb=3)

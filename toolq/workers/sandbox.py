@@ -180,9 +180,11 @@ def run_command(
             proc = launch.spawn(**popen)
         else:
             proc = subprocess.Popen(argv, env=env, **popen)
-    except OSError as e:
+    except BaseException as e:  # OSError: a spawn failure; SandboxRefused goes to the tool
         if launch is not None:
             launch.close()
+        if not isinstance(e, OSError):
+            raise
         return CommandResult(exit_code=-1, output=b"", wall_time=time.monotonic() - start, spawn_error=e)
 
     pgid = proc.pid
@@ -284,9 +286,5 @@ def _drain(fd: int, buf: HeadTailBuffer, selector: selectors.BaseSelector, limit
             return
 
 
-def _has_exited(pid: int) -> bool:
-    """True once the child has exited, without reaping it (WNOWAIT keeps the pgid reserved)."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # already reaped elsewhere
-        return True
+_has_exited = reaper.has_exited
+

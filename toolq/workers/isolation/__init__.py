@@ -35,6 +35,10 @@ class SandboxUnavailable(Exception):
     """The configured sandbox cannot run here; shell tools refuse to run."""
 
 
+class SandboxRefused(SandboxUnavailable):
+    """This command's sandbox was tampered with while it was set up: the command did not run."""
+
+
 class Launch:
     """One command's spawn: `spawn` it, `kill` what is left after the group kill, `close` at the end."""
 
@@ -86,6 +90,23 @@ class Launch:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
+class GatedLaunch(Launch):
+    """A bubblewrap spawn through its start gate (`bwrap.Gate`): the rlimits are set on the held
+    sandbox and `.git` checked before the command runs, with no process in between."""
+
+    def __init__(self, build: Callable[[bwrap.Gate | None], list[str]], env: dict[str, str],
+                 call_limits: limits.CallLimits) -> None:
+        super().__init__([], env, None, call_limits)  # the command line needs the gate's fds
+        self.build = build
+
+    def spawn(self, **popen: Any) -> subprocess.Popen:
+        assert self.call_limits is not None
+        try:
+            return bwrap.spawn(self.build, self.call_limits.apply_to, env=self.env, **popen)
+        except bwrap.GateRefused as e:
+            raise SandboxRefused(str(e)) from None
+
+
 @dataclass
 class Sandbox:
     backend: Backend
@@ -116,14 +137,13 @@ class Sandbox:
             _require_program(argv[0], command_env)
             return Launch(argv, command_env, None)
         call_limits = limits.CallLimits(self.policy.limits)
-        prefix = call_limits.prlimit_prefix()  # None: the limits are set by a pre-exec function
         if self.backend == "bwrap":
             command_env = self.policy.command_env(env, home=bwrap.SANDBOX_TMP)
             _require_program(argv[0], command_env)
-            wrapped = bwrap.argv(self.bwrap_path or "bwrap", self.policy, os.path.abspath(workspace), cwd, argv)
-            if prefix:
-                return Launch(prefix + wrapped, command_env, None, call_limits)
-            return Launch(wrapped, command_env, call_limits.apply_in_child, call_limits)
+            path, ws = self.bwrap_path or "bwrap", os.path.abspath(workspace)
+            return GatedLaunch(lambda gate: bwrap.argv(path, self.policy, ws, cwd, argv, gate), command_env,
+                               call_limits)
+        prefix = call_limits.prlimit_prefix()  # None: the limits are set by a pre-exec function
         tmpdir = tempfile.mkdtemp(prefix="toolq-call-")
         command_env = self.policy.command_env(env, home=tmpdir)
         try:

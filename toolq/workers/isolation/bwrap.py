@@ -13,18 +13,35 @@ read-write (uid 0 in the sandbox is the host's root). Memory the command could f
 processes' address space is bounded: `/tmp` and `/dev/shm` are tmpfs of the call's memory limit,
 and the rest of `/dev` is read-only. `/proc/sys` is read-only too: uid 0 in the sandbox passes the
 sysctls' permission check, capabilities or not (it rewrote `vm.swappiness` of the host). A command that finds `.git` bound from anywhere but the
-workspace does not run (`GIT_CHECK`).
+workspace does not run.
+
+Started through a `Gate` (what `Sandbox.launch` does), bwrap holds its sandbox before the command
+runs (`--block-fd`) while the worker sets the call's rlimits on it and checks `.git`'s mount in
+its final mount table, from outside: no `prlimit` or shell runs before the command. Without a
+gate (or where the outside check cannot tell, see `argv`), a shell checks `.git` from inside
+first (`GIT_CHECK`).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import select
 import shutil
+import signal
+import socket
+import stat
 import subprocess
+import threading
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from toolq.workers.isolation.policy import Policy
+from toolq.workers.isolation.reaper import has_exited
 
 #: Where the private /tmp is: HOME and TMPDIR point here inside the sandbox.
 SANDBOX_TMP = "/tmp"
@@ -38,34 +55,43 @@ def executable() -> str | None:
     return shutil.which("bwrap")
 
 
-def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str]) -> list[str]:
+def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str], gate: Gate | None = None) -> list[str]:
+    """The command line; with a `gate`, bwrap waits at it before the command runs (`Gate.release`)."""
     args = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    if gate is not None:
+        args += ["--info-fd", str(gate.info_w), "--block-fd", str(gate.block_r)]
     if policy.network == "host":
         args.append("--share-net")
     size = str(policy.limits.memory_mb * 1024 * 1024)
     args += ["--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
              "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger",
              "/proc/sysrq-trigger", "--size", size, "--tmpfs", SANDBOX_TMP]
-    for d in policy.read_dirs:
-        if os.path.islink(d):
-            args += ["--symlink", os.readlink(d), d]
-        else:
-            args += ["--ro-bind-try", d, d]
-    for path in MASKED:
-        if os.path.isdir(path) and not os.path.islink(path):
-            args += ["--tmpfs", path]
-        elif os.path.lexists(path):
-            args += ["--ro-bind", "/dev/null", path]
     real = os.path.realpath(workspace)
+    for d, link in _read_dirs(policy.read_dirs):
+        if d == real or d.startswith(real.rstrip("/") + "/"):
+            continue  # under the workspace: its bind below covers this one
+        args += ["--symlink", link, d] if link is not None else ["--ro-bind-try", d, d]
+    for path in MASKED:
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            continue
+        args += ["--tmpfs", path] if stat.S_ISDIR(mode) else ["--ro-bind", "/dev/null", path]
     args += ["--bind", real, real]
     if real != workspace:  # reached through a symlink: the same path inside as outside
         args += ["--symlink", real, workspace]
     git = os.path.join(real, ".git")
-    expected = _git_mount(git) if os.path.lexists(git) and not os.path.islink(git) else None
-    if expected is not None:
+    mount = _git_mount(git) if os.path.lexists(git) and not os.path.islink(git) else None
+    if mount is not None:
         # A symlinked .git is not bound: it resolves inside the sandbox only.
+        expected, own_mount = mount
         args += ["--ro-bind", git, git]
-        command = ["/bin/sh", "-c", GIT_CHECK, "toolq-sandbox", _escape(git), expected, *command]
+        if gate is not None and not own_mount and not (real + "/").startswith(_STAGING):
+            # bwrap closes the file op's fd when the op is done: the gate's sign that .git is bound.
+            args += ["--file", str(gate.bound_w), "/dev/null"]
+            gate.git = GitMount(_escape(git), expected, _escape(real))
+        else:  # the table could show the mount before it is final: checked from inside
+            command = ["/bin/sh", "-c", GIT_CHECK, "toolq-sandbox", _escape(git), expected, *command]
     args += ["--remount-ro", "/", "--chdir", cwd, "--", *command]
     return args
 
@@ -84,6 +110,13 @@ exec "$@"
 """
 
 
+@functools.lru_cache(maxsize=8)
+def _read_dirs(dirs: tuple[str, ...]) -> tuple[tuple[str, str | None], ...]:
+    """Each readable directory and, for a symlink (`/bin` -> `usr/bin`), its target: once per
+    worker, as the system directories do not change under it."""
+    return tuple((d, os.readlink(d) if os.path.islink(d) else None) for d in dirs)
+
+
 def _escape(path: str) -> str:
     """A path as /proc/<pid>/mountinfo writes it."""
     for char, code in (("\\", "\\134"), (" ", "\\040"), ("\t", "\\011"), ("\n", "\\012")):
@@ -91,40 +124,260 @@ def _escape(path: str) -> str:
     return path
 
 
-def _git_mount(git: str) -> str | None:
-    """`major:minor root` of a bind mount of `git`, as mountinfo shows it (the root is the path
-    within its filesystem); None when no mount of this process's table contains it."""
-    best: tuple[str, str, str] | None = None
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
+class _MountTable:
+    """This process's mount table, parsed once and again only when it changed (mountinfo polls
+    POLLPRI on a change): `_git_mount` runs for every command."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._poller = select.poll()
+        self._mounts: list[tuple[str, str, str]] = []
+
+    def mounts(self) -> list[tuple[str, str, str]]:
+        """(major:minor, root, mount point) of each mount, the mount point unescaped."""
+        with self._lock:
+            if self._fd is None:
+                self._fd = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+                self._poller.register(self._fd, select.POLLPRI)
+            elif not self._poller.poll(0):
+                return self._mounts
+            mounts = []
+            for line in _read_all("/proc/self/mountinfo").decode("utf-8", "surrogateescape").splitlines():
                 _, _, dev, root, mount = line.split(" ", 5)[:5]
                 mount = mount.encode().decode("unicode_escape") if "\\" in mount else mount
-                inside = git == mount or git.startswith(mount.rstrip("/") + "/")
-                if inside and (best is None or len(mount) >= len(best[2])):
-                    best = (dev, root, mount)
+                mounts.append((dev, root, mount))
+            self._mounts = mounts
+            return mounts
+
+
+_HOST_MOUNTS = _MountTable()
+
+
+def _forget_host_mounts() -> None:
+    global _HOST_MOUNTS
+    _HOST_MOUNTS = _MountTable()  # a forked child (a pool process) must not inherit a held lock
+
+
+os.register_at_fork(after_in_child=_forget_host_mounts)
+
+
+def _git_mount(git: str) -> tuple[str, bool] | None:
+    """`major:minor root` of a bind mount of `git`, as mountinfo shows it (the root is the path
+    within its filesystem), and whether `git` is a mount point here; None when no mount of this
+    process's table contains it."""
+    best: tuple[str, str, str] | None = None
+    try:
+        mounts = _HOST_MOUNTS.mounts()
     except OSError:
         return None
+    for dev, root, mount in mounts:
+        inside = git == mount or git.startswith(mount.rstrip("/") + "/")
+        if inside and (best is None or len(mount) >= len(best[2])):
+            best = (dev, root, mount)
     if best is None:
         return None
     dev, root, mount = best
     rest = os.path.relpath(git, mount)
-    return f"{dev} {os.path.normpath(root.rstrip('/') + '/' + _escape(rest))}"
+    return f"{dev} {os.path.normpath(root.rstrip('/') + '/' + _escape(rest))}", mount == git
+
+
+#: Where bwrap builds the sandbox's root before pivoting into it (its mount table shows these
+#: prefixes until then): a workspace under them is checked from inside.
+_STAGING = ("/newroot/", "/oldroot/")
+#: How long a start waits for bwrap at each step of the gate; only a sandbox that lost the .git
+#: race waits for its last mount-table change that never comes.
+GATE_TIMEOUT = 10.0
+
+
+class GateRefused(Exception):
+    """The sandbox's .git is not the workspace's own: the command was not run."""
+
+
+@dataclass(frozen=True)
+class GitMount:
+    """What `.git`'s mount must look like in the sandbox's final mount table (mountinfo's text)."""
+
+    mount_point: str
+    dev_root: str
+    workspace: str
+
+    def judge(self, table: bytes) -> bool | None:
+        """True: .git is the workspace's own; False: the table is final and it is not; None: not final."""
+        final = False
+        for line in table.decode("utf-8", "surrogateescape").splitlines():
+            fields = line.split(" ", 5)
+            if len(fields) < 5:
+                continue
+            if fields[4] == self.mount_point and f"{fields[2]} {fields[3]}" == self.dev_root:
+                return True
+            final = final or fields[4] == self.workspace  # staging shows it under /newroot
+        return False if final else None
+
+
+class Gate:
+    """The start handshake: bwrap writes its sandbox's pid (`--info-fd`), signals when `.git` is
+    bound (`--file` on a socket, see `argv`), and waits (`--block-fd`) until `release` lets the
+    command run. Closing the gate without a release lets bwrap go on: kill it first."""
+
+    def __init__(self) -> None:
+        self.info_r, self.info_w = os.pipe()
+        self.block_r, self.block_w = os.pipe()
+        self._bound, bound_child = socket.socketpair()
+        self.bound_w = bound_child.detach()
+        self.git: GitMount | None = None
+        self.child: int | None = None
+        """The sandbox's first process (pid 1 of its namespace), once bwrap said so."""
+
+    @property
+    def child_fds(self) -> tuple[int, ...]:
+        # bwrap keeps a write end of --block-fd too: if this process dies at the gate, bwrap
+        # waits forever (and dies with its cgroup) instead of reading end-of-file and going on.
+        return self.info_w, self.block_r, self.bound_w, self.block_w
+
+    def opened(self) -> None:
+        """After the spawn: the ends bwrap holds are its own now."""
+        for fd in (self.info_w, self.block_r, self.bound_w):
+            os.close(fd)
+        self.info_w = self.block_r = self.bound_w = -1
+        self._bound.shutdown(socket.SHUT_WR)  # the file op reads nothing
+
+    def release(self, set_limits: Callable[[int], None], alive: Callable[[], bool]) -> None:
+        """Set the limits on the held sandbox, check .git, let the command run. Raises GateRefused
+        (or OSError); returns without a release when bwrap ended on its own (its message is in
+        the output)."""
+        self.child = _read_child_pid(self.info_r)
+        if self.child is None:
+            return  # bwrap failed before its sandbox existed
+        set_limits(self.child)
+        if self.git is not None:
+            own = self._git_is_own(alive)
+            if own is None:
+                _kill(self.child)  # bwrap ended during the set-up; nothing of it may go on
+                return
+            if not own:
+                raise GateRefused(".git changed while the sandbox was set up (another command swapped it): "
+                                  "the command did not run")
+        os.write(self.block_w, b"1")
+
+    def _git_is_own(self, alive: Callable[[], bool]) -> bool | None:
+        """Whether the final mount table has the workspace's own .git; None if bwrap ended first."""
+        assert self.git is not None and self.child is not None
+        self._bound.settimeout(GATE_TIMEOUT)
+        if self._bound.recv(1) != b"":
+            return False
+        path = f"/proc/{self.child}/mountinfo"
+        try:
+            changes = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            if alive():
+                raise
+            return None
+        try:
+            poller = select.poll()
+            poller.register(changes, select.POLLPRI)  # mountinfo polls on every change of the table
+            deadline = time.monotonic() + GATE_TIMEOUT
+            # Opened anew each time: an open file shows the mounts under the root it was opened at.
+            while (verdict := self.git.judge(_read_all(path))) is None:
+                if not alive():
+                    return None
+                if time.monotonic() > deadline:
+                    return False
+                poller.poll(50)
+            return verdict
+        except OSError:
+            if alive():
+                raise
+            return None
+        finally:
+            os.close(changes)
+
+    def close(self) -> None:
+        for fd in (self.info_r, self.info_w, self.block_r, self.block_w, self.bound_w):
+            if fd >= 0:
+                os.close(fd)
+        self.info_r = self.info_w = self.block_r = self.block_w = self.bound_w = -1
+        self._bound.close()
+
+
+def spawn(build: Callable[[Gate], list[str]], set_limits: Callable[[int], None], **popen: Any) -> subprocess.Popen:
+    """Popen bwrap's command line (`build`, given the gate) and hold it at the gate until
+    `set_limits(pid)` and the .git check are done. Raises GateRefused or OSError, with nothing
+    left running."""
+    gate = Gate()
+    try:
+        proc = subprocess.Popen(build(gate), pass_fds=gate.child_fds, **popen)
+        gate.opened()
+        try:
+            gate.release(set_limits, alive=lambda: not has_exited(proc.pid))
+        except BaseException:
+            # Before the gate closes: a closed --block-fd lets the sandbox go on.
+            for pid in (gate.child, proc.pid):
+                _kill(pid)
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+            raise
+        return proc
+    finally:
+        gate.close()
+
+
+def _kill(pid: int | None) -> None:
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _read_all(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_child_pid(fd: int) -> int | None:
+    """bwrap's `--info-fd` JSON (written before the sandbox starts); None if bwrap ended first."""
+    data = b""
+    deadline = time.monotonic() + GATE_TIMEOUT
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise OSError(f"bwrap did not start its sandbox within {GATE_TIMEOUT:g} s")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    if not data:
+        return None
+    try:
+        return int(json.loads(data)["child-pid"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise OSError(f"bwrap's --info-fd said {data[:200]!r}") from e
 
 
 def probe(policy: Policy) -> str | None:
-    """None when bubblewrap runs a command here with this policy; else why not (one line)."""
+    """None when bubblewrap runs a command here with this policy, through its gate and with a
+    `.git` to check; else why not (one line)."""
     bwrap = executable()
     if bwrap is None:
         return "bwrap is not installed"
     with tempfile.TemporaryDirectory(prefix="toolq-probe-") as ws:
+        os.mkdir(os.path.join(ws, ".git"))
         try:
-            proc = subprocess.run(argv(bwrap, policy, ws, ws, ["/bin/sh", "-c", "echo ok > probe"]),
-                                  env={"PATH": "/usr/bin:/bin"}, capture_output=True, timeout=20)
-        except (OSError, subprocess.TimeoutExpired) as e:
+            proc = spawn(lambda gate: argv(bwrap, policy, ws, ws, ["/bin/sh", "-c", "echo ok > probe"], gate),
+                         lambda pid: None, env={"PATH": "/usr/bin:/bin"}, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+        except (OSError, GateRefused) as e:
             return f"bwrap did not run: {e}"
+        try:
+            _, stderr = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return "bwrap did not run: it did not finish within 20 s"
         if proc.returncode != 0 or not (Path(ws) / "probe").exists():
-            err = proc.stderr.decode(errors="replace").strip().splitlines()
+            err = stderr.decode(errors="replace").strip().splitlines()
             return f"bwrap failed here ({err[-1] if err else f'exit {proc.returncode}'})"
     return None
 

@@ -212,15 +212,26 @@ class CallLimits:
             args.append(f"--nproc={self.nproc}")
         return [*args, "--"]
 
+    def rlimits(self) -> list[tuple[int, tuple[int, int]]]:
+        lim = self.limits
+        found = [(resource.RLIMIT_AS, (lim.memory_mb * MIB,) * 2),
+                 (resource.RLIMIT_CPU, (lim.cpu_seconds, lim.cpu_seconds + CPU_HARD_SLACK)),
+                 (resource.RLIMIT_FSIZE, (lim.file_mb * MIB,) * 2),
+                 (resource.RLIMIT_CORE, (0, 0))]
+        if self.nproc is not None:
+            found.append((resource.RLIMIT_NPROC, (self.nproc,) * 2))
+        return found
+
     def apply_in_child(self) -> None:
         """Runs between fork and exec: syscalls only."""
-        lim = self.limits
-        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_mb * MIB,) * 2)
-        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_seconds, lim.cpu_seconds + CPU_HARD_SLACK))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_mb * MIB,) * 2)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if self.nproc is not None:
-            resource.setrlimit(resource.RLIMIT_NPROC, (self.nproc,) * 2)
+        for which, value in self.rlimits():
+            resource.setrlimit(which, value)
+
+    def apply_to(self, pid: int) -> None:
+        """Set the limits on another process before it runs the command (bwrap's held sandbox,
+        whose processes inherit them)."""
+        for which, value in self.rlimits():
+            resource.prlimit(pid, which, value)
 
     def kill_all(self) -> None:
         """SIGKILL every process in the pool child's cgroup but the pool child, until none is left."""

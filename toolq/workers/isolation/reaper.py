@@ -33,6 +33,14 @@ def is_subreaper() -> bool:
     return _subreaper_of == os.getpid()
 
 
+def has_exited(pid: int) -> bool:
+    """True once the child has exited, without reaping it (WNOWAIT keeps the pgid reserved)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # already reaped elsewhere
+        return True
+
+
 def children(pid: int) -> list[int]:
     found: list[int] = []
     try:

@@ -154,7 +154,7 @@ class Host:
         """Read the process's output until it exits (and its output is drained), then finish it."""
         exited_at: float | None = None
         while True:
-            if exited_at is None and _has_exited(p.proc.pid):
+            if exited_at is None and reaper.has_exited(p.proc.pid):
                 exited_at = time.monotonic()
                 _killpg(p.proc.pid)  # leftovers of the group (background children) go with it
             timeout = STEP if exited_at is None else max(0.0, min(STEP, exited_at + DRAIN_TIMEOUT - time.monotonic()))
@@ -352,6 +352,8 @@ class Host:
 
     def _reap_orphans(self) -> None:
         """Reap the dead orphans that came back to the host (never a command's own leader)."""
+        if not reaper.is_subreaper():
+            return  # orphans come back only to a subreaper (Landlock); bwrap's stay in its pid namespace
         with self.lock:
             leaders = {p.proc.pid for p in self.running} | {p.proc.pid for p in self.live.values()}
         for pid in reaper.children(os.getpid()):
@@ -370,13 +372,6 @@ class Host:
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
-
-
-def _has_exited(pid: int) -> bool:
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
 
 
 def _hung_up(conn: socket.socket) -> bool:
