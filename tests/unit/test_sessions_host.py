@@ -78,6 +78,17 @@ def test_a_caller_that_hangs_up_before_the_yield_kills_its_command(host):
     assert not pgrep(mark), "a cancelled exec_command left its process running"
 
 
+def test_a_command_answered_within_the_first_wait_costs_no_cancel_check(host, monkeypatch):
+    # Each check is a Redis round trip on a worker; the call was checked just before it started.
+    checks: list[float] = []
+    with monkeypatch.context() as m:
+        m.setattr(client, "STEP", 5.0)  # the first wait outlasts `true` even on a loaded machine
+        assert run(host, "true", cancelled=lambda: checks.append(1) or False).exit_code == 0
+    assert checks == []
+    assert run(host, "sleep 0.3", yield_ms=5000, cancelled=lambda: checks.append(1) or False).exit_code == 0
+    assert len(checks) >= 3  # a command still running is checked every STEP
+
+
 def test_the_socket_is_private_to_the_worker_user(host):
     path = client.socket_path()
     assert path and os.stat(os.path.dirname(path)).st_mode & 0o077 == 0

@@ -41,16 +41,16 @@ def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], 
         deadline = time.monotonic() + timeout
         data = bytearray()
         while not data.endswith(b"\n"):
-            if is_cancelled():
-                raise Cancelled()
-            if time.monotonic() > deadline:
-                raise Cancelled()
             ready, _, _ = select.select([sock], [], [], STEP)
             if ready:
                 chunk = sock.recv(65536)
                 if not chunk:
                     raise HostUnavailable("the session host hung up before it answered")
                 data += chunk
+            # Checked after a wait, not before the first: the call was found not cancelled
+            # just before it started, and a command that ends at once costs no round trip.
+            elif is_cancelled() or time.monotonic() > deadline:
+                raise Cancelled()
         return Reply.model_validate_json(bytes(data))
     finally:
         sock.close()  # before a reply, this is what kills a command that has not yielded
