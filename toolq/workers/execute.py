@@ -169,12 +169,13 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
             return _result(inv, f"gave up after {deliveries} deliveries: the worker died each time", CallState.FAILED,
                            hostname, success=False)
 
-    log.info("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
+    # DEBUG: Celery's own lines (received, succeeded in) say as much at INFO, once per call.
+    log.debug("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
 
     status, output, extra = run_invocation(inv, spec, catalog, hostname, lambda: is_cancelled(r, inv),
                                            time_limit_errors)
     _set_state(r, inv, state=status, finished_at=time.time())
-    log.info("← %s %s %s in %.3fs", inv.call_id, inv.tool_name, status, time.time() - started_at)
+    log.debug("← %s %s %s in %.3fs", inv.call_id, inv.tool_name, status, time.time() - started_at)
     return _result(inv, output, status, hostname, started_at=started_at, **extra)
 
 
