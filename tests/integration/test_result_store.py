@@ -54,10 +54,11 @@ def test_a_store_is_one_round_trip_published_once_and_never_replaces_a_genuine_s
     pubsub.close()
 
 
-def test_a_forged_stored_success_is_overwritten_by_the_genuine_result(backend, results):
+@pytest.mark.parametrize("separators", [None, (",", ":")])  # written as kombu does, and otherwise
+def test_a_forged_stored_success_is_overwritten_by_the_genuine_result(backend, results, separators):
     forged = {"status": "SUCCESS", "task_id": TASK_ID, "result": {"output": "FORGED"}, "traceback": None,
               "children": [], "date_done": None, "toolq_signature": "0" * 64}
-    results.set(keys.celery_meta(TASK_ID), json.dumps(forged))
+    results.set(keys.celery_meta(TASK_ID), json.dumps(forged, separators=separators))
     backend.store_result(TASK_ID, {"output": "genuine"}, "SUCCESS")
     assert stored(results)["result"] == {"output": "genuine"}
     assert Signer(c.SIGNING_KEY).meta_refusal(TASK_ID, stored(results)) is None

@@ -24,14 +24,13 @@ from kombu.utils.encoding import bytes_to_str
 from toolq.workers import signing
 
 # KEYS: the meta. ARGV: the encoded meta, its TTL (0: none). Returns a stored SUCCESS, left in
-# place, or nil once the meta is stored and published.
+# place, or nil once the meta is stored and published. A genuine meta is kombu's JSON of Celery's
+# dict, which starts with its status: a prefix test, so a large stored result is never decoded in
+# the server, and anything else (a forged SUCCESS written otherwise included) is overwritten.
 _STORE = """
 local current = redis.call('GET', KEYS[1])
-if current then
-    local ok, meta = pcall(cjson.decode, current)
-    if ok and type(meta) == 'table' and meta['status'] == 'SUCCESS' then
-        return current
-    end
+if current and string.sub(current, 1, ARGV[3]:len()) == ARGV[3] then
+    return current
 end
 if tonumber(ARGV[2]) > 0 then
     redis.call('SETEX', KEYS[1], ARGV[2], ARGV[1])
@@ -41,6 +40,9 @@ end
 redis.call('PUBLISH', KEYS[1], ARGV[1])
 return false
 """
+
+
+_SUCCESS_PREFIX = '{"status": "SUCCESS"'
 
 
 class NoSubscribeRedisBackend(RedisBackend):
@@ -75,4 +77,4 @@ class NoSubscribeRedisBackend(RedisBackend):
         script = self.__dict__.get("_store_script")
         if script is None:
             script = self.__dict__["_store_script"] = self.client.register_script(_STORE)
-        return script(keys=[key], args=[value, expires])
+        return script(keys=[key], args=[value, expires, _SUCCESS_PREFIX])
