@@ -32,3 +32,16 @@ def test_a_fleet_without_bench_workers_is_told_what_to_start():
     line = missing_queues_line(["toolq-bench"], 2)
     assert "\n" not in line and "queue toolq-bench" in line and "2 worker(s) answered" in line
     assert START_BENCH_WORKER in line and START_BENCH_WORKER == "toolq worker --tools toolq.orchestrator.bench.tools"
+
+
+def test_callcpu_counts_each_process_kind_per_call_and_reads_this_process():
+    from toolq.orchestrator.bench import callcpu
+
+    before = {1: ("pool child", 1.0, 0.0), 2: ("session host", 2.0, 5.0)}
+    after = {1: ("pool child", 1.5, 0.0), 2: ("session host", 2.25, 5.5), 3: ("pool child", 0.25, 0.0)}
+    res = callcpu.per_call(before, after, calls=250)
+    assert res["pool child"] == (3.0, 0.0) and res["session host"] == (1.0, 2.0) and res["redis"] == (0.0, 0.0)
+    lines = callcpu.report([res], 32)
+    assert "session host  1.00   + 2.00 commands" in lines[4] and lines[-1].endswith("4.00")
+    mine = callcpu.snapshot()
+    assert [k for k, *_ in mine.values()].count("orchestrator") == 1  # /proc, this process included
