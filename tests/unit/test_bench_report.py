@@ -69,3 +69,16 @@ def test_history_printout_compares_the_last_step_with_the_first():
     step = {"around": 0.002, "inside": 0.003, "wall": 0.04}
     res = {"steps": 200, "window": 10, "at": {1: step, 200: {**step, "around": 0.0023}}}
     assert history.report(res)[-1] == "  CPU around the request, step 200 / step 1: 1.15x (goal <= 1.2x: met)"
+
+
+def test_callcpu_counts_each_process_kind_per_call_and_reads_this_process():
+    from toolq.orchestrator.bench import callcpu
+
+    before = {1: ("pool child", 1.0, 0.0), 2: ("session host", 2.0, 5.0)}
+    after = {1: ("pool child", 1.5, 0.0), 2: ("session host", 2.25, 5.5), 3: ("pool child", 0.25, 0.0)}
+    res = callcpu.per_call(before, after, calls=250)
+    assert res["pool child"] == (3.0, 0.0) and res["session host"] == (1.0, 2.0) and res["redis"] == (0.0, 0.0)
+    lines = callcpu.report([res], 32)
+    assert "session host  1.00   + 2.00 commands" in lines[4] and lines[-1].endswith("4.00")
+    mine = callcpu.snapshot()
+    assert [k for k, *_ in mine.values()].count("orchestrator") == 1  # /proc, this process included

@@ -78,6 +78,38 @@ def test_a_caller_that_hangs_up_before_the_yield_kills_its_command(host):
     assert not pgrep(mark), "a cancelled exec_command left its process running"
 
 
+def test_a_command_answered_within_the_first_wait_costs_no_cancel_check(host, monkeypatch):
+    # Each check is a Redis round trip on a worker; the call was checked just before it started.
+    checks: list[float] = []
+    with monkeypatch.context() as m:
+        m.setattr(client, "STEP", 5.0)  # the first wait outlasts `true` even on a loaded machine
+        assert run(host, "true", cancelled=lambda: checks.append(1) or False).exit_code == 0
+    assert checks == []
+    assert run(host, "sleep 0.3", yield_ms=5000, cancelled=lambda: checks.append(1) or False).exit_code == 0
+    assert len(checks) >= 3  # a command still running is checked every STEP
+
+
+@pytest.mark.parametrize("subreaper", [False, True])
+def test_only_a_subreaper_host_looks_for_orphans_after_a_command(tmp_path, monkeypatch, subreaper):
+    # Elsewhere its only children are the leaders: reading every thread's children list
+    # (~20 files) after each command was a quarter of the host's CPU per command.
+    from toolq.orchestrator.settings import Settings
+    from toolq.workers import isolation
+    from toolq.workers.sessions import host as host_module
+
+    looked: list[int] = []
+    monkeypatch.setattr(isolation, "_current", None)
+    monkeypatch.setattr(host_module.reaper, "is_subreaper", lambda: subreaper)
+    monkeypatch.setattr(host_module.reaper, "children", lambda pid: looked.append(pid) or [])
+    h = host_module.Host(Settings.load({"TOOLQ_SANDBOX": "none"}), "i", "h", None)
+    ours, theirs = socket.socketpair()
+    req = ExecRequest(conversation="c", cmd="true", cwd=str(tmp_path), workspace=str(tmp_path),
+                      env=dict(os.environ), yield_ms=5000)
+    assert h.handle_exec(req, theirs).exit_code == 0
+    ours.close(), theirs.close()
+    assert bool(looked) is subreaper
+
+
 def test_the_socket_is_private_to_the_worker_user(host):
     path = client.socket_path()
     assert path and os.stat(os.path.dirname(path)).st_mode & 0o077 == 0

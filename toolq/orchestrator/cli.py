@@ -208,7 +208,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox", "sessions", "mcp", "streaming",
-              "limits", "throughput", "coldstart", "history")
+              "limits", "throughput", "coldstart", "history", "callcpu")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

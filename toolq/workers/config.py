@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from toolq.orchestrator.settings import Settings
 from toolq.workers.catalog import ToolSpec
-from toolq.workers import signing
+from toolq.workers import kombu_clients, signing
 from toolq.workers.contracts import TIME_LIMIT_MARGIN
 
 if TYPE_CHECKING:  # Celery is imported by `make_app`, when an app is made: `longest_timeout` needs none
@@ -47,6 +47,9 @@ def celery_config(settings: Settings, longest: float) -> dict[str, Any]:
             "visibility_timeout": int(longest + 2 * TIME_LIMIT_MARGIN + 60),
             "unacked_restore_interval": 10,
             "unacked_restore_throttle": 1,
+            # toolq sends no message priorities: one list per queue, not four, so each BRPOP of a
+            # worker's many queues (one per tool declaration) names a quarter of the keys.
+            "priority_steps": [0],
         },
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
@@ -57,6 +60,7 @@ def celery_config(settings: Settings, longest: float) -> dict[str, Any]:
 
 
 def configure_app(app: Celery, settings: Settings, longest: float) -> Celery:
+    kombu_clients.install()  # a Redis client per kombu pool, not per command (both sides)
     app.conf.update(celery_config(settings, longest))
     return app
 

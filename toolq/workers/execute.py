@@ -185,7 +185,8 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
             started_at = time.time()
             _set_state(r, inv, state=CallState.RUNNING, started_at=started_at)
 
-    log.info("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
+    # DEBUG: Celery's own lines (received, succeeded in) say as much at INFO, once per call.
+    log.debug("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
     try:
         status, output, extra = run_invocation(inv, spec, catalog, hostname, lambda: is_cancelled(r, inv),
                                                time_limit_errors, output_stream(inv, r, signer))
@@ -193,7 +194,7 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
     finally:
         if inv.permit is not None:  # after finished_at is written: the next holder starts after it
             permit.release(r, inv)
-    log.info("← %s %s %s in %.3fs", inv.call_id, inv.tool_name, status, time.time() - started_at)
+    log.debug("← %s %s %s in %.3fs", inv.call_id, inv.tool_name, status, time.time() - started_at)
     return _result(inv, output, status, hostname, started_at=started_at, **extra)
 
 

@@ -46,6 +46,7 @@ def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], 
             raise HostUnavailable(f"the session host does not answer: {e}") from None
         sock.sendall(request.model_dump_json().encode() + b"\n")
         deadline = time.monotonic() + timeout
+        next_check = time.monotonic() + STEP
         data = bytearray()
         while True:
             line, sep, rest = data.partition(b"\n")
@@ -56,16 +57,20 @@ def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], 
                 continue
             if sep:
                 return Reply.model_validate_json(bytes(line))
-            if is_cancelled():
-                raise Cancelled()
-            if time.monotonic() > deadline:
-                raise Cancelled()
             ready, _, _ = select.select([sock], [], [], STEP)
             if ready:
                 chunk = sock.recv(65536)
                 if not chunk:
                     raise HostUnavailable("the session host hung up before it answered")
                 data += chunk
+            # Checked after a wait, not before the first: the call was found not cancelled just
+            # before it started, and a command that ends at once costs no round trip. A stream of
+            # frames still gets it checked every STEP.
+            now = time.monotonic()
+            if not ready or now >= next_check:
+                next_check = now + STEP
+                if is_cancelled() or now > deadline:
+                    raise Cancelled()
             if output is not None:
                 output.tick()
     finally:
