@@ -26,9 +26,10 @@ from typing import IO, Any, Iterable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from toolq.orchestrator.batch_progress import Progress, ended_call
+from toolq.orchestrator.catalog_reader import WorkersStarting
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.redis_faults import REDIS_FAULTS, RedisUnreachable
-from toolq.orchestrator.runner import CANCEL_SIGNALS, _with_redis, default_instructions
+from toolq.orchestrator.runner import CANCEL_SIGNALS, default_instructions, with_redis
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import EXIT_CANCELLED, EXIT_FAILED, Runtime, Session, TurnOutcome, new_turn_id
 
@@ -226,8 +227,8 @@ def run_batch(settings: Settings, path: Path, out: Path, *, concurrency: int, re
     stopped = False
     if todo:
         with ExitStack() as stack:
-            settings = _with_redis(settings, stack, quiet=False)
-            batch = asyncio.run(_run(settings, todo, out, concurrency, progress_to))
+            settings, starting = with_redis(settings, stack, quiet=False)
+            batch = asyncio.run(_run(settings, todo, out, concurrency, progress_to, starting))
         ran = list(batch.results.statuses.values())
         print(f"toolq batch: {len(ran)} turns: {ran.count('completed')} completed, {ran.count('failed')} failed, "
               f"{ran.count('cancelled')} cancelled, {ran.count('invalid')} invalid; {skipped} skipped (already "
@@ -239,11 +240,13 @@ def run_batch(settings: Settings, path: Path, out: Path, *, concurrency: int, re
     return 0 if all(latest.get(e.key) == "completed" for e in entries) else EXIT_FAILED
 
 
-async def _run(settings: Settings, todo: list[Entry], out: Path, concurrency: int, progress_to: IO[str]) -> Batch:
+async def _run(settings: Settings, todo: list[Entry], out: Path, concurrency: int, progress_to: IO[str],
+               starting: WorkersStarting | None) -> Batch:
     try:
         runtime = await Runtime.create(settings)
     except REDIS_FAULTS as e:
         raise RedisUnreachable(settings.redis_url, e) from None
+    runtime.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
     results = Results(out)
     progress = Progress(total=len(todo), out=progress_to)
     batch = Batch(runtime, settings, results, progress, concurrency)

@@ -32,7 +32,7 @@ def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, se
         raise ConfigurationError(f"workspace {settings.workspace} is not a directory")
     history = load_session(session_file) if session_file else None
     with ExitStack() as stack:
-        settings, starting = _with_redis(settings, stack, json_events)
+        settings, starting = with_redis(settings, stack, json_events)
         outcome, history = asyncio.run(_run(settings, prompt, json_events, history, starting=starting))
     if session_file:
         save_session(session_file, history)
@@ -73,7 +73,7 @@ def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path |
         fake = stack.enter_context(FakeModel())
         settings = settings.model_copy(update={"openai_base_url": fake.base_url, "openai_api_key": "demo",
                                                "workspace": workspace})
-        settings, starting = _with_redis(settings, stack, json_events)
+        settings, starting = with_redis(settings, stack, json_events)
         outcome, _ = asyncio.run(_run(settings, "Show me what toolq can do.", json_events, starting=starting))
         if not json_events:
             created = workspace / "hello.txt"
@@ -85,7 +85,7 @@ def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path |
     return outcome.exit_code
 
 
-def _with_redis(settings: Settings, stack: ExitStack, quiet: bool) -> tuple[Settings, WorkersStarting | None]:
+def with_redis(settings: Settings, stack: ExitStack, quiet: bool) -> tuple[Settings, WorkersStarting | None]:
     """No REDIS_URL: start a private server and workers for this run (stopped on exit). The
     workers boot while the first model request goes out (the first call waits for them), except
     with MCP servers configured: the model's first tool list needs their tools, which the workers
