@@ -32,6 +32,16 @@ return 1
 """
 
 
+#: Seconds one ledger command may wait for its reply. Without it, a Redis that stops answering
+#: (packets dropped, the host frozen) holds the turn's every await for as long as TCP keeps trying;
+#: with it the command raises `redis.TimeoutError`, which the turn handles as any Redis fault.
+#: No retry on timeout: a command that timed out may have run (an RPUSH twice is two items).
+SOCKET_TIMEOUT = 10.0
+CONNECT_TIMEOUT = 5.0
+#: An idle connection is pinged before use after this long (a dead one is replaced, not awaited).
+HEALTH_CHECK_INTERVAL = 15
+
+
 def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in h.items()}
 
@@ -43,7 +53,9 @@ class Ledger:
 
     @classmethod
     def from_url(cls, url: str) -> Ledger:
-        return cls(aioredis.Redis.from_url(url, client_name="toolq-ledger"))
+        return cls(aioredis.Redis.from_url(url, client_name="toolq-ledger", socket_timeout=SOCKET_TIMEOUT,
+                                           socket_connect_timeout=CONNECT_TIMEOUT, socket_keepalive=True,
+                                           health_check_interval=HEALTH_CHECK_INTERVAL))
 
     async def aclose(self) -> None:
         await self.r.aclose()
