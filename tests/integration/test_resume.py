@@ -30,18 +30,24 @@ def turn_state(turn_id: str, env: dict[str, str]) -> str | None:
     return next((r["state"] for r in map(json.loads, out.stdout.splitlines()) if r["turn_id"] == turn_id), None)
 
 
+def start_run(fleet, fake: FakeModel, workspace, *, lease: float) -> tuple[dict[str, str], subprocess.Popen, str]:
+    """`toolq run --json` on the fleet's Redis in its own process (to be SIGKILLed): env, process, turn id."""
+    env = {**os.environ, "REDIS_URL": fleet[0].redis_url, "OPENAI_BASE_URL": fake.base_url,
+           "OPENAI_API_KEY": "test", "TOOLQ_SIGNING_KEY": c.SIGNING_KEY, "TOOLQ_TURN_LEASE": f"{lease:g}",
+           "PYTHONPATH": c.WORKER_ENV["PYTHONPATH"]}
+    proc = subprocess.Popen([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--json", "--workspace",
+                             str(workspace), "go"], env=env, stdout=subprocess.PIPE, text=True)
+    return env, proc, json.loads(proc.stdout.readline())["turn_id"]
+
+
 def test_a_sigkilled_run_is_orphaned_and_resume_finishes_it_without_running_the_call_again(fleet, tmp_path):
     marker = tmp_path / "ran.txt"
     cmd = f"echo ran >> {marker}; sleep 3; echo finished"
     script = [[b.function_call("exec_command", {"cmd": cmd}, "call_durable")], [b.message("all done")]]
     session = tmp_path / "session.json"
     with FakeModel(script) as fake:
-        env = {**os.environ, "REDIS_URL": fleet[0].redis_url, "OPENAI_BASE_URL": fake.base_url,
-               "OPENAI_API_KEY": "test", "TOOLQ_SIGNING_KEY": c.SIGNING_KEY, "TOOLQ_TURN_LEASE": "5",
-               "PYTHONPATH": c.WORKER_ENV["PYTHONPATH"]}
-        proc = subprocess.Popen([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--json", "--workspace",
-                                 str(tmp_path), "go"], env=env, stdout=subprocess.PIPE, text=True)
-        turn_id = json.loads(proc.stdout.readline())["turn_id"]
+        # a lease that outlives a loaded machine starting the early `toolq resume` below
+        env, proc, turn_id = start_run(fleet, fake, tmp_path, lease=10)
         end = time.monotonic() + 30
         while not (marker.exists() and marker.read_text()):
             assert time.monotonic() < end, "the command never started"
@@ -54,7 +60,7 @@ def test_a_sigkilled_run_is_orphaned_and_resume_finishes_it_without_running_the_
         early = toolq("resume", turn_id, env=env)
         assert early.returncode == 2 and "another orchestrator" in early.stderr, early.stderr
 
-        end = time.monotonic() + 15
+        end = time.monotonic() + 25
         while turn_state(turn_id, env) != "orphaned":
             assert time.monotonic() < end, f"the turn never showed as orphaned: {turn_state(turn_id, env)}"
             time.sleep(0.3)
@@ -84,12 +90,7 @@ def test_a_run_killed_mid_stream_resumes_as_codex_retries_a_cut_stream(fleet, tm
              b.function_call("exec_command", {"cmd": f"echo ran >> {slow}; sleep 3; echo slow done"}, "call_slow")]
     script = [b.response(*calls, b.gate()), [b.message("all done")]]  # the gate: no response.completed
     with FakeModel(script) as fake:
-        env = {**os.environ, "REDIS_URL": fleet[0].redis_url, "OPENAI_BASE_URL": fake.base_url,
-               "OPENAI_API_KEY": "test", "TOOLQ_SIGNING_KEY": c.SIGNING_KEY, "TOOLQ_TURN_LEASE": "1",
-               "PYTHONPATH": c.WORKER_ENV["PYTHONPATH"]}
-        proc = subprocess.Popen([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--json", "--workspace",
-                                 str(tmp_path), "go"], env=env, stdout=subprocess.PIPE, text=True)
-        turn_id = json.loads(proc.stdout.readline())["turn_id"]
+        env, proc, turn_id = start_run(fleet, fake, tmp_path, lease=1)
         for line in proc.stdout:  # the quick call finished: the resume must use its stored result
             event = json.loads(line)
             if event["type"] == "item.completed" and event["item"].get("id") == "call_quick":

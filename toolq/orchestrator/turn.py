@@ -306,11 +306,7 @@ class Session:
         """Another orchestrator holds the lease (this one stalled past it, and `toolq resume` took
         the turn): stop driving without touching the calls, which the new driver awaits."""
         self._superseded = True
-        inner.cancel()
-        try:
-            await inner
-        except (asyncio.CancelledError, ModelError):
-            pass
+        await _stop_loop(inner)
         if self._step is not None:
             self._step.detach()
         outcome.status = "failed"
@@ -319,11 +315,7 @@ class Session:
 
     async def _abort(self, turn_id: str, inner: asyncio.Task, outcome: TurnOutcome, emit: Emit,
                      started: float) -> None:
-        inner.cancel()
-        try:
-            await inner
-        except (asyncio.CancelledError, ModelError):
-            pass
+        await _stop_loop(inner)
         if self._step is not None:
             await self._commit(*await self._step.abort())
         await self._commit(MessageItem(role="user", content=[InputText(text=TURN_ABORTED)]))
@@ -429,3 +421,12 @@ class Session:
         for out in outputs:
             if isinstance(out, ToolSearchOutputItem) and out.tools:
                 self.loaded_tools |= self.rt.registry.deferred_names(out.tools)
+
+
+async def _stop_loop(inner: asyncio.Task) -> None:
+    """Cancel the turn loop and let it unwind (its stream closes; a model error on the way is moot)."""
+    inner.cancel()
+    try:
+        await inner
+    except (asyncio.CancelledError, ModelError):
+        pass
