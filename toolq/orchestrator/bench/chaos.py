@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,6 +147,8 @@ class Tally:
     seconds: float = 0.0
     turn_seconds: dict[str, float] = field(default_factory=dict)
     """How long each turn took, by its description."""
+    kept: Path | None = None
+    """Where the logs of a campaign that broke a contract were kept."""
 
     @property
     def violations(self) -> list[str]:
@@ -260,7 +264,9 @@ class Campaign:
         from toolq.orchestrator.turn import CannotResume, Runtime, Session
 
         started = time.monotonic()
-        env = {**os.environ, "REDIS_URL": self.server.url, "OPENAI_BASE_URL": fake.base_url,
+        # the user's own toolq settings stay out: this run is the campaign's, like the in-process turns
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith(("TOOLQ_", "OPENAI_", "CELERY_"))},
+               "REDIS_URL": self.server.url, "OPENAI_BASE_URL": fake.base_url,
                "OPENAI_API_KEY": "chaos", "TOOLQ_SIGNING_KEY": self.signing_key, "TOOLQ_TOOLS": CHAOS_TOOLS,
                "TOOLQ_TURN_LEASE": f"{LEASE:g}", "TOOLQ_TURN_TIMEOUT": f"{DEADLINE:g}"}
         out = self.workdir / f"orchestrator-{plan.turn}.jsonl"
@@ -411,30 +417,31 @@ def processes_under(path: Path) -> list[tuple[int, str]]:
 
 
 def campaign(seed: int, turns: int, workdir: Path | None = None) -> Tally:
-    """Run one seeded campaign of `turns` turns (in `workdir`, else a temporary directory)."""
+    """Run one seeded campaign of `turns` turns in `workdir`, else in a temporary directory that
+    is removed unless a contract broke (then `Tally.kept` names it: workers' and orchestrators' logs)."""
     if workdir is not None:
         return Campaign(seed, workdir).run(turns)
-    with tempfile.TemporaryDirectory(prefix="toolq-chaos-") as tmp:
-        return Campaign(seed, Path(tmp)).run(turns)
+    tmp = Path(tempfile.mkdtemp(prefix=f"toolq-chaos-{seed}-"))
+    tally = Campaign(seed, tmp).run(turns)
+    if tally.violations:
+        tally.kept = tmp
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tally
 
 
 def report(t: Tally) -> list[str]:
     def counts(c: Counter) -> str:
         return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "none"
 
-    lines = [
-        f"chaos seed {t.seed} (Redis {'with AOF' if t.aof else 'without persistence'}): {t.turns} turns, "
-        f"{t.calls} calls in {t.seconds:.0f} s",
-        f"  faults injected      : {counts(t.faults)}",
-        f"  turns ended          : {counts(t.outcomes)}",
-        f"  calls answered       : {counts(t.answered)}",
-        f"  pairing violations   : {len(t.pairing)}",
-        f"  double executions    : {len(t.double)}",
-        f"  past their deadline  : {len(t.late)}   (slowest: {slowest(t)})",
-        f"  leftover processes   : {len(t.leftovers)}",
-        f"  other broken contracts: {len(t.broken)}",
-    ]
-    return lines + [f"  VIOLATION {v}" for v in t.violations]
+    rows = [("faults injected", counts(t.faults)), ("turns ended", counts(t.outcomes)),
+            ("calls answered", counts(t.answered)), ("pairing violations", len(t.pairing)),
+            ("double executions", len(t.double)), ("past their deadline", f"{len(t.late)}   (slowest: {slowest(t)})"),
+            ("leftover processes", len(t.leftovers)), ("other broken contracts", len(t.broken))]
+    lines = [f"chaos seed {t.seed} (Redis {'with AOF' if t.aof else 'without persistence'}): {t.turns} turns, "
+             f"{t.calls} calls in {t.seconds:.0f} s", *(f"  {label:<22} : {value}" for label, value in rows)]
+    lines += [f"  VIOLATION {v}" for v in t.violations]
+    return lines + ([f"  logs kept in {t.kept}"] if t.kept else [])
 
 
 def slowest(t: Tally) -> str:
@@ -451,6 +458,8 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def run(out: IO[str] = sys.stdout, turns: int = 24, seeds: list[int] = (1,)) -> dict[str, Any]:
+    # Faults make toolq warn by design (lost results, reconnects); the table says what matters.
+    logging.getLogger("toolq").setLevel(logging.ERROR)
     tallies = []
     for seed in seeds:
         tallies.append(campaign(seed, turns))
