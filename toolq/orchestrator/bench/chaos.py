@@ -147,6 +147,8 @@ class Tally:
     seconds: float = 0.0
     turn_seconds: dict[str, float] = field(default_factory=dict)
     """How long each turn took, by its description."""
+    why: Counter = field(default_factory=Counter)
+    """Why calls were not answered `completed` (or `cancelled`): state and reason."""
     kept: Path | None = None
     """Where the logs of a campaign that broke a contract were kept."""
 
@@ -222,6 +224,9 @@ class Campaign:
             try:
                 drive = self._killed_and_resumed if plan.fleet.startswith("kill_orchestrator") else self._in_process
                 run = asyncio.run(asyncio.wait_for(drive(plan, fake), DEADLINE + 30))
+            except TimeoutError:
+                t.late.append(f"{what}: hung, no end {DEADLINE + 30:g}s after its start (deadline {DEADLINE:g}s)")
+                return
             except Exception as e:  # the campaign goes on; the turn's contracts were not kept
                 t.broken.append(f"{what}: the turn raised {type(e).__name__}: {e}")
                 return
@@ -289,6 +294,10 @@ class Campaign:
                 events[-1]["type"] if events else "", "failed")
             return TurnRun(status, events, [], fake.requests, time.monotonic() - started)
         turn_id = events[0]["turn_id"]
+        # Outputs reach Redis when their step ends, and a campaign turn's calls are one step: the
+        # resume answers each again (a finished one from its stored result), so the dead run's
+        # answers do not count.
+        events = [e for e in events if e["type"] != "item.completed"]
         runtime = await Runtime.create(self.settings(fake))
         session = Session(runtime)
         try:
@@ -331,6 +340,8 @@ class Campaign:
         answers = [e["item"] for e in run.events if e["type"] == "item.completed"
                    and e.get("item", {}).get("type") == "tool_call"]
         t.answered.update(a["state"] for a in answers)
+        t.why.update(f"{a['state']}: {(a.get('reason') or a.get('output') or '')[:90]}" for a in answers
+                     if a["state"] not in ("completed", "cancelled"))
         for call_id, asked in plan.counts.items():
             path = runs_file(self.workspace, call_id)
             ran = path.read_text().count("\n") if path.exists() else 0
@@ -440,6 +451,8 @@ def report(t: Tally) -> list[str]:
             ("leftover processes", len(t.leftovers)), ("other broken contracts", len(t.broken))]
     lines = [f"chaos seed {t.seed} (Redis {'with AOF' if t.aof else 'without persistence'}): {t.turns} turns, "
              f"{t.calls} calls in {t.seconds:.0f} s", *(f"  {label:<22} : {value}" for label, value in rows)]
+    if t.why:  # what the calls that did not complete were told (the commonest)
+        lines += ["  calls not completed, as told:", *(f"    {n:>4} x {why}" for why, n in t.why.most_common(6))]
     lines += [f"  VIOLATION {v}" for v in t.violations]
     return lines + ([f"  logs kept in {t.kept}"] if t.kept else [])
 
