@@ -163,3 +163,40 @@ def test_an_orchestrator_whose_lease_another_took_stops_driving_the_turn(fleet, 
     assert turn_state_ == "running", "the turn's new driver records its end, not this one"
     assert call_state == "completed", "the call was stopped; the new driver would have found it revoked"
     assert not any(b"function_call_output" in i for i in items), "this orchestrator wrote an output"
+
+
+def test_a_call_claimed_by_an_orchestrator_that_died_before_sending_it_runs_on_resume(fleet, tmp_path):
+    """Killed between the ledger's claim and the broker's publish, an orchestrator leaves a call
+    that nobody will run: the resumed turn waited for it until the deadline ("no worker reported
+    starting it", found by the campaign, seed 1). It is sent now, and runs once; a call that was
+    sent is still never sent twice."""
+    import asyncio
+
+    from toolq.orchestrator.fleet import Fleet
+    from toolq.orchestrator.protocol.items import decode_item
+    from toolq.orchestrator.registry import StepContext
+    from toolq.orchestrator.settings import Settings
+
+    async def go():
+        settings = Settings(redis_url=fleet[0].redis_url, workspace=tmp_path, tools=[c.TEST_TOOLS],
+                            signing_key=c.SIGNING_KEY)
+        rt = await Fleet.open(settings)
+        turn_id = f"turn-unsent-{time.time_ns()}"
+        ctx = StepContext(turn_id, 0, time.time() + 60, str(tmp_path))
+        item = decode_item(b.function_call("count_runs", {}, "call_unsent"))
+        await rt.router.watch_turn(turn_id)
+        try:
+            bound = rt.bind(item, ctx, 0)
+            assert await rt.ledger.claim(bound.invocation, bound.spec.queue)  # and then it died
+            outputs = []
+            for _ in range(2):  # resumed, and resumed again: sent once, answered from its result
+                step = rt.step(ctx)
+                step.add(rt.bind(item, ctx, 0))
+                outputs += await asyncio.wait_for(step.wait(), 20)
+            return [o.output for o in outputs]
+        finally:
+            await rt.router.unwatch_turn(turn_id)
+            await rt.aclose()
+
+    assert asyncio.run(go()) == ["counted", "counted"]
+    assert (tmp_path / "runs-call_unsent.txt").read_text().count("\n") == 1

@@ -102,8 +102,13 @@ class Dispatcher:
         """Queue the call; False if it had been queued before (it is not sent again)."""
         try:
             if not await self.ledger.claim(inv, spec.queue):
-                log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
-                return False
+                if not await self.ledger.never_sent(inv.task_id):
+                    log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
+                    return False
+                # A resumed turn: the orchestrator that claimed it died before sending it. Were it
+                # sent after all (killed between the send and the mark), the worker's started
+                # marker still runs it once.
+                log.warning("↻ %s was claimed but never sent (its orchestrator died); sending it now", inv.call_id)
             if str(spec.tool_name) == session_route.TOOL:  # sessions hook: to the worker holding it
                 try:
                     queue = await session_route.queue_for(self.ledger.r, inv)
@@ -119,6 +124,10 @@ class Dispatcher:
             await self._run(self._send, inv, spec, queue)
         except (OperationalError, RedisError, OSError) as e:
             raise DispatchError(f"the task queue (Redis) is unavailable: {e}") from e
+        try:
+            await self.ledger.mark_sent(inv.task_id)
+        except (RedisError, OSError) as e:  # it was sent: a resume would send it again, and it runs once
+            log.warning("could not mark %s sent: %s", inv.task_id, e)
         return True
 
     def _send(self, inv: ToolInvocation, spec: ToolSpec, queue: str | None = None) -> None:

@@ -102,6 +102,16 @@ class Ledger:
         keys_ = [keys.call(inv.task_id), keys.turn_calls(inv.turn_id), keys.call_ids(inv.turn_id)]
         return bool(await self._claim(keys=keys_, args=[keys.RECORD_TTL, inv.task_id, inv.call_id, *flat]))
 
+    async def mark_sent(self, task_id: str) -> None:
+        """The call's message reached the broker: a claim alone is all an orchestrator killed
+        between claiming and sending leaves, and then nobody would ever run the call."""
+        await self.r.hset(keys.call(task_id), "sent", "1")
+
+    async def never_sent(self, task_id: str) -> bool:
+        """Claimed, still queued, and never marked sent: its orchestrator died before sending it."""
+        sent, state = await self.r.hmget(keys.call(task_id), "sent", "state")
+        return sent is None and state == CallState.QUEUED.value.encode()
+
     async def record_unqueued(self, turn_id: str, step: int, output_index: int, call_id: str, tool: str,
                               state: str, task_id: str) -> None:
         """A call that never reached the queue (bad arguments, unknown tool): still listed."""
