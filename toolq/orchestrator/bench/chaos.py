@@ -335,6 +335,8 @@ class Campaign:
             t.broken.append(f"{what}: terminal events {terminal}, last event {run.events[-1:]}")
         if plan.fleet == "cancel" and run.status != "cancelled":
             t.broken.append(f"{what}: cancelled, but the turn ended {run.status}")
+        if plan.fleet.startswith("kill_orchestrator") and run.status != "completed":  # its stream faults are retried
+            t.broken.append(f"{what}: resumed, but the turn ended {run.status}")
         if run.seconds > DEADLINE + LATE_BY:
             t.late.append(f"{what}: took {run.seconds:.1f}s (deadline {DEADLINE:g}s)")
         answers = [e["item"] for e in run.events if e["type"] == "item.completed"
