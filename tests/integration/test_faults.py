@@ -212,3 +212,58 @@ def test_a_broker_down_at_dispatch_gives_the_call_a_clear_output(tmp_path, worke
     assert outcome.status == "completed"
     (out,) = [i for i in second if i["type"] == "function_call_output"]
     assert out["output"].startswith("sleep_echo was not run: the task queue (Redis) is unavailable: "), out
+
+
+def test_a_redis_that_stops_answering_mid_call_does_not_hold_the_turn_past_its_deadline(tmp_path, worker, drive,
+                                                                                       monkeypatch):
+    """`CLIENT PAUSE` is a Redis that keeps its connections and answers nothing (a frozen host,
+    dropped packets): the ledger's and the broker's commands time out (a short timeout here; 10 s by
+    default) and the turn ends by
+    its deadline, its call answered, instead of waiting for Redis as long as TCP would."""
+    import redis
+
+    from toolq.orchestrator import dispatch, ledger
+
+    for module in (ledger, dispatch):  # the ledger's client and the broker's connections
+        monkeypatch.setattr(module, "SOCKET_TIMEOUT", 1.0)
+    with RedisServer() as server:
+        worker(["toolq", "faults"], redis_url=server.url)
+        pidfile = tmp_path / "hang-call_paused.pid"
+
+        async def during(session, runtime):
+            await asyncio.to_thread(wait_for_pid, pidfile)
+            client = redis.Redis.from_url(server.url)
+            client.execute_command("CLIENT", "PAUSE", 120000, "ALL")
+            client.close()
+
+        started = time.monotonic()
+        run = drive([[b.function_call("hang", {"seconds": 60}, "call_paused")], final()], during=during,
+                    redis_url=server.url, turn_timeout=5, timeout=90)
+        took = time.monotonic() - started
+    assert run.outcome.status == "failed" and "deadline" in (run.outcome.error or ""), run.outcome
+    assert took < 30, f"the turn waited {took:.0f}s on a Redis that did not answer"
+    (out,) = [i.output for i in run.session.history.items if i.type == "function_call_output"]
+    assert "timed out" in str(out), out
+
+
+def test_many_calls_asking_the_fleet_at_once_never_deadlock_the_broker_pool(redis_server):
+    """After a Redis restart each call of a 32-call step asks which tasks the workers hold. A
+    Celery broadcast holds a broker-pool connection while it takes a producer, which takes another
+    from the same pool (10): ten broadcasts at once waited on each other forever (found by the
+    campaign, seed 2). They are bounded now, and concurrent questions of which tasks are held
+    share one answer, so every question gets its answer, soon."""
+    from toolq.orchestrator.dispatch import Dispatcher
+    from toolq.orchestrator.settings import Settings
+
+    async def ask() -> list:
+        ledger = Ledger.from_url(redis_server.url)
+        dispatcher = Dispatcher(Settings(redis_url=redis_server.url), ledger)
+        try:
+            return await asyncio.wait_for(asyncio.gather(
+                *[dispatcher.active_task_ids(timeout=0.2) for _ in range(16)],
+                *[dispatcher.ping(f"nobody{i}@nowhere", timeout=0.2) for i in range(16)]), 30)
+        finally:
+            await dispatcher.aclose()
+            await ledger.aclose()
+
+    assert asyncio.run(ask()) == [set()] * 16 + [False] * 16

@@ -379,6 +379,14 @@ class Step:
                                                         finished_at=time.time()))
         return [e.output() for e in self.entries]
 
+    def detach(self) -> None:
+        """Stop tracking the calls and leave them running: another orchestrator drives the turn now
+        and awaits them under the same task ids (nothing is revoked, nothing recorded)."""
+        self.aborted = True
+        for entry in self.entries:
+            if entry.task is not None:
+                entry.task.cancel()
+
     # --- helpers ---------------------------------------------------------------------------------
 
     def emit(self, event: TurnEvent) -> None:

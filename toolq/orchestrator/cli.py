@@ -209,23 +209,36 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
 BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox", "sessions", "mcp", "streaming",
               "limits", "throughput", "coldstart", "history", "callcpu")
+#: Run only when named: not a timing but a fault campaign on a stack of its own (--turns, --seed).
+CAMPAIGNS = ("chaos",)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    unknown = set(args.which) - set(BENCHMARKS)
+    known = (*BENCHMARKS, *CAMPAIGNS)
+    unknown = set(args.which) - set(known)
     if unknown:
-        print(f"toolq bench: unknown benchmark {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}",
+        print(f"toolq bench: unknown benchmark {', '.join(sorted(unknown))}; choose from {', '.join(known)}",
               file=sys.stderr)
         return 2
+    from toolq.orchestrator.bench.chaos import parse_seeds
     from toolq.orchestrator.bench.harness import FleetNotReady
 
+    try:
+        seeds = parse_seeds(args.seed)
+    except ValueError:
+        print(f"toolq bench: --seed takes a number or a range such as 1..3, not {args.seed!r}", file=sys.stderr)
+        return 2
     code = 0
     for name in args.which or BENCHMARKS:
         print(f"== {name}", flush=True)
         try:
-            importlib.import_module(f"toolq.orchestrator.bench.{name}").run()
+            bench = importlib.import_module(f"toolq.orchestrator.bench.{name}")
+            if name in CAMPAIGNS:
+                code = max(code, 1 if bench.run(turns=args.turns, seeds=seeds)["violations"] else 0)
+            else:
+                bench.run()
         except FleetNotReady as e:
             print(f"toolq bench {name}: {e}", file=sys.stderr, flush=True)
             code = 1
@@ -343,7 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bn = sub.add_parser("bench", help="development: benchmarks, each against a baseline measured in the same run")
     bn.add_argument("which", nargs="*", metavar="NAME", help=f"any of {', '.join(BENCHMARKS)} (default: all); "
-                    "with REDIS_URL set they run on that fleet")
+                    "with REDIS_URL set they run on that fleet; chaos (a seeded fault campaign on its own "
+                    "Redis and worker, exit 1 on any violation) runs only when named")
+    bn.add_argument("--turns", type=int, default=24, metavar="N", help="chaos: turns per campaign (default 24)")
+    bn.add_argument("--seed", default="1", metavar="S", help="chaos: the campaign's seed, or a range 1..3 "
+                    "for one campaign per seed (default 1)")
     bn.set_defaults(func=_cmd_bench)
     return p
 

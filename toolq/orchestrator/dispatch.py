@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation
 from toolq.orchestrator import session_route
 from toolq.orchestrator.catalog_reader import FleetCatalog
-from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.ledger import CONNECT_TIMEOUT, SOCKET_TIMEOUT, Ledger
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.states import CallState
 from toolq.orchestrator.transport import DispatchError
@@ -52,6 +52,12 @@ PUBLISH_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, 
 
 
 __all__ = ["DispatchError", "Dispatcher"]
+
+#: Control broadcasts (revoke, ping, inspect) at once. Each holds a broker-pool connection while
+#: it takes a producer, which takes another from the same pool (`broker_pool_limit`, 10): ten at
+#: once wait on each other forever in kombu's pool. After a Redis restart every call of a wide step
+#: asks the fleet, so they are bounded well below half the pool.
+CONTROL_CONCURRENCY = 4
 
 #: Flower's args column shows this much of an exec_command's command line.
 FLOWER_COMMAND_CHARS = 300
@@ -87,6 +93,9 @@ class Dispatcher:
         """Signs each invocation (toolq/workers/signing.py); None: this dispatcher only revokes."""
         self.fleet = FleetCatalog(ledger.r)  # fleet catalog hook: who serves which declaration
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="toolq-dispatch")
+        self._control = asyncio.Semaphore(CONTROL_CONCURRENCY)  # waiting here holds no pool thread
+        self._asking: asyncio.Future | None = None
+        """The `active_task_ids` question out now, if any."""
 
     @property
     def app(self) -> Celery:
@@ -96,7 +105,14 @@ class Dispatcher:
             if self._app is None:
                 from toolq.workers.config import make_app
 
-                self._app = make_app(self._settings, self._longest_timeout)
+                app = make_app(self._settings, self._longest_timeout)
+                # This process's broker connections (sends, revokes, pings) give up on a Redis that
+                # stops answering, as the ledger's do, instead of holding a call's deadline up forever.
+                app.conf.broker_transport_options = {**app.conf.broker_transport_options,
+                                                     "socket_timeout": SOCKET_TIMEOUT,
+                                                     "socket_connect_timeout": CONNECT_TIMEOUT,
+                                                     "socket_keepalive": True}
+                self._app = app
         return self._app
 
     async def _run(self, fn, *args, **kwargs):
@@ -113,12 +129,22 @@ class Dispatcher:
 
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
+    async def _broadcast(self, fn, *args, **kwargs):
+        """A control broadcast, never more than CONTROL_CONCURRENCY at once (see there)."""
+        async with self._control:
+            return await self._run(fn, *args, **kwargs)
+
     async def dispatch(self, inv: ToolInvocation, spec: ToolSpec) -> bool:
         """Queue the call; False if it had been queued before (it is not sent again)."""
         try:
             if not await self.ledger.claim(inv, spec.queue):
-                log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
-                return False
+                if not await self.ledger.never_sent(inv.task_id):
+                    log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
+                    return False
+                # A resumed turn: the orchestrator that claimed it died before sending it. Were it
+                # sent after all (killed between the send and the mark), the worker's started
+                # marker still runs it once.
+                log.warning("↻ %s was claimed but never sent (its orchestrator died); sending it now", inv.call_id)
             if str(spec.tool_name) == session_route.TOOL:  # sessions hook: to the worker holding it
                 try:
                     queue = await session_route.queue_for(self.ledger.r, inv)
@@ -134,6 +160,10 @@ class Dispatcher:
             await self._run(self._send, inv, spec, queue)
         except (RedisError, OSError) as e:  # BrokerUnavailable is an OSError
             raise DispatchError(f"the task queue (Redis) is unavailable: {e}") from e
+        try:
+            await self.ledger.mark_sent(inv.task_id)
+        except (RedisError, OSError) as e:  # it was sent: a resume would send it again, and it runs once
+            log.warning("could not mark %s sent: %s", inv.task_id, e)
         return True
 
     def _send(self, inv: ToolInvocation, spec: ToolSpec, queue: str | None = None) -> None:
@@ -159,19 +189,27 @@ class Dispatcher:
 
     async def revoke(self, task_ids: list[str], terminate: bool = True) -> None:
         if task_ids:
-            await self._run(lambda: self.app.control.revoke(task_ids, terminate=terminate, signal="SIGTERM"))
+            await self._broadcast(lambda: self.app.control.revoke(task_ids, terminate=terminate, signal="SIGTERM"))
 
     async def ping(self, hostname: str, timeout: float = 1.0) -> bool:
         """Whether a worker answers (2-3 ms when alive; the full timeout when it is gone)."""
-        replies = await self._run(lambda: self.app.control.ping(destination=[hostname], timeout=timeout))
+        replies = await self._broadcast(lambda: self.app.control.ping(destination=[hostname], timeout=timeout))
         return any(hostname in r for r in replies or [])
 
     async def active_task_ids(self, timeout: float = 1.0) -> set[str]:
-        """Task ids some live worker holds (running or prefetched)."""
+        """Task ids some live worker holds (running or prefetched). Callers that ask while a
+        question is out share its answer: after a Redis restart every call of a step asks at once,
+        and each question costs the full `timeout` (workers that do not answer are waited for)."""
+        if self._asking is None:
+            self._asking = asyncio.ensure_future(self._ask_active(timeout))
+            self._asking.add_done_callback(lambda _: setattr(self, "_asking", None))
+        return set(await asyncio.shield(self._asking))
+
+    async def _ask_active(self, timeout: float) -> set[str]:
         inspect = self.app.control.inspect(timeout=timeout)
         ids: set[str] = set()
         for fn in (inspect.active, inspect.reserved):
-            for tasks in (await self._run(fn) or {}).values():
+            for tasks in (await self._broadcast(fn) or {}).values():
                 ids |= {t["id"] for t in tasks}
         return ids
 

@@ -77,14 +77,20 @@ class TurnStore:
         await self._release(keys=[keys.turn_lease(turn_id)], args=[token])
 
     async def heartbeat(self, turn_id: str, token: str) -> None:
-        """Renew the lease until cancelled; Redis trouble is retried (the lease may lapse meanwhile)."""
+        """Renew the lease until cancelled. Returns when another orchestrator holds it: the caller
+        must stop driving the turn (two drivers would both ask the model and both append items).
+        Redis trouble is retried; a lease that lapsed with nobody holding it (a Redis restarted
+        empty) is taken again."""
         while True:
             await asyncio.sleep(self.lease_ttl / 3)
             try:
-                if not await self.renew(turn_id, token):
-                    log.warning("the lease on %s was lost (it lapsed, or another orchestrator took it)", turn_id)
-                    if await self.r.set(keys.turn_lease(turn_id), token, nx=True, px=int(self.lease_ttl * 1000)):
-                        log.warning("took the lease on %s again", turn_id)
+                if await self.renew(turn_id, token):
+                    continue
+                if await self.r.set(keys.turn_lease(turn_id), token, nx=True, px=int(self.lease_ttl * 1000)):
+                    log.warning("the lease on %s had lapsed; took it again", turn_id)
+                    continue
+                log.warning("another orchestrator took over %s after its lease lapsed here", turn_id)
+                return
             except Exception as e:
                 log.warning("lease heartbeat for %s failed: %s", turn_id, e)
 

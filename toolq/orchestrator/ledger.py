@@ -53,6 +53,16 @@ STEP_BLOCK = 16
 STEP_BLOCKS_KEPT = 10_000
 
 
+#: Seconds one ledger command may wait for its reply. Without it, a Redis that stops answering
+#: (packets dropped, the host frozen) holds the turn's every await for as long as TCP keeps trying;
+#: with it the command raises `redis.TimeoutError`, which the turn handles as any Redis fault.
+#: No retry on timeout: a command that timed out may have run (an RPUSH twice is two items).
+SOCKET_TIMEOUT = 10.0
+CONNECT_TIMEOUT = 5.0
+#: An idle connection is pinged before use after this long (a dead one is replaced, not awaited).
+HEALTH_CHECK_INTERVAL = 15
+
+
 def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in h.items()}
 
@@ -69,8 +79,11 @@ class Ledger:
 
     @classmethod
     def from_url(cls, url: str, max_connections: int = DEFAULT_CONNECTIONS) -> Ledger:
-        """A ledger whose commands wait for a free connection rather than fail (redis_pool.py)."""
-        return cls(blocking_client(url, "toolq-ledger", max_connections))
+        """A ledger whose commands wait for a free connection rather than fail (redis_pool.py) and
+        give up on a Redis that stops answering."""
+        return cls(blocking_client(url, "toolq-ledger", max_connections, socket_timeout=SOCKET_TIMEOUT,
+                                   socket_connect_timeout=CONNECT_TIMEOUT, socket_keepalive=True,
+                                   health_check_interval=HEALTH_CHECK_INTERVAL))
 
     async def aclose(self) -> None:
         if self._cancels is not None:
@@ -124,6 +137,16 @@ class Ledger:
                   "tool": str(inv.tool_name), "state": CallState.THROTTLED.value, "throttled_by": reason,
                   "step": inv.step, "output_index": inv.output_index, "throttled_at": time.time()}
         await self._throttled(**_call_script_args(inv, record))
+
+    async def mark_sent(self, task_id: str) -> None:
+        """The call's message reached the broker: a claim alone is all an orchestrator killed
+        between claiming and sending leaves, and then nobody would ever run the call."""
+        await self.r.hset(keys.call(task_id), "sent", "1")
+
+    async def never_sent(self, task_id: str) -> bool:
+        """Claimed, still queued, and never marked sent: its orchestrator died before sending it."""
+        sent, state = await self.r.hmget(keys.call(task_id), "sent", "state")
+        return sent is None and state == CallState.QUEUED.value.encode()
 
     async def record_unqueued(self, turn_id: str, step: int, output_index: int, call_id: str, tool: str,
                               state: str, task_id: str) -> None:

@@ -21,9 +21,10 @@ DEFAULT_CONNECTIONS: int = Settings.model_fields["redis_connections"].default
 POOL_WAIT = 60.0
 
 
-def blocking_client(url: str, name: str, max_connections: int = DEFAULT_CONNECTIONS) -> aioredis.Redis:
+def blocking_client(url: str, name: str, max_connections: int = DEFAULT_CONNECTIONS,
+                    **connection: object) -> aioredis.Redis:
     """A client named `name` (CLIENT LIST shows it) whose pool waits rather than fails; closing
-    the client closes its pool."""
+    the client closes its pool. `connection`: redis-py connection options (timeouts)."""
     pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT,
-                                                    client_name=name)
+                                                    client_name=name, **connection)
     return aioredis.Redis.from_pool(pool)

@@ -150,6 +150,8 @@ class Session:
         self._step: Step | None = None
         self._lease: str | None = None
         """The token of this session's lease on the running turn (durable.py)."""
+        self._superseded = False
+        """Another orchestrator took the turn over: this session writes nothing more to it."""
         self.conversation = ConversationLease(runtime.ledger.r, new_conversation_id())
         """Its exec_command sessions live while it is held: from the first turn to `close()`."""
 
@@ -228,10 +230,14 @@ class Session:
         inner = asyncio.create_task(loop)
         cancelled = asyncio.create_task(self._cancel.wait())
         started = time.monotonic()
+        self._superseded = False
         try:
-            await asyncio.wait({inner, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({inner, cancelled, *([heartbeat] if heartbeat else [])},
+                               return_when=asyncio.FIRST_COMPLETED)
             if inner.done():
                 inner.result()
+            elif heartbeat is not None and heartbeat.done():
+                await self._hand_over(turn_id, inner, outcome)
             else:
                 await self._abort(turn_id, inner, outcome, emit, started)
         except ModelError as e:
@@ -266,7 +272,7 @@ class Session:
         await self._durable([Committed(item=obj, step=step, output_index=output_index) for obj in added])
 
     async def _durable(self, entries: list[Committed]) -> None:
-        if self.turn_id is None or not entries:
+        if self.turn_id is None or not entries or self._superseded:
             return
         try:
             await self.rt.turns.append(self.turn_id, entries)
@@ -280,7 +286,8 @@ class Session:
             emit(TurnFailed(turn_id=turn_id, error=TurnError(message=outcome.error or "")))
         elif outcome.status == "completed":
             emit(TurnCompleted(turn_id=turn_id, usage=outcome.usage.model_dump()))
-        if not outcome.could_not_start:  # else the Redis to record it in is the one that is away
+        # Not recorded when the Redis to record it in is away, or when the turn's new orchestrator will.
+        if not (outcome.could_not_start or self._superseded):
             await self._finish(turn_id, outcome)
         return outcome
 
@@ -297,13 +304,20 @@ class Session:
         except Exception as e:  # Redis gone at the very end: the outcome still stands
             log.warning("could not record the end of %s: %s", turn_id, e)
 
+    async def _hand_over(self, turn_id: str, inner: asyncio.Task, outcome: TurnOutcome) -> None:
+        """Another orchestrator holds the lease (this one stalled past it, and `toolq resume` took
+        the turn): stop driving without touching the calls, which the new driver awaits."""
+        self._superseded = True
+        await _stop_loop(inner)
+        if self._step is not None:
+            self._step.detach()
+        outcome.status = "failed"
+        outcome.error = (f"another orchestrator took over turn {turn_id} after this one's lease lapsed; "
+                         "it drives the turn now, and this process stopped")
+
     async def _abort(self, turn_id: str, inner: asyncio.Task, outcome: TurnOutcome, emit: Emit,
                      started: float) -> None:
-        inner.cancel()
-        try:
-            await inner
-        except (asyncio.CancelledError, ModelError):
-            pass
+        await _stop_loop(inner)
         if self._step is not None:
             await self._commit(*await self._step.abort())
         await self._commit(MessageItem(role="user", content=[InputText(text=TURN_ABORTED)]))
@@ -326,7 +340,8 @@ class Session:
         responses_with_calls = 0
         # step_index: one per model request, retries included, so task ids never collide
         for step_no, calls in pending:  # a resumed turn: the calls that had no output yet, first
-            step = self._step = self.rt.step(StepContext(turn_id, step_no, deadline, self.workspace), emit)
+            step = self._step = self.rt.step(StepContext(turn_id, step_no, deadline, self.workspace,
+                                                         conversation=self.conversation.id), emit)
             for c in calls:
                 bound = self.rt.bind(decode_item(c.item), step.ctx, c.output_index or 0)
                 if bound is not None:
@@ -408,3 +423,12 @@ class Session:
         for out in outputs:
             if isinstance(out, ToolSearchOutputItem) and out.tools:
                 self.loaded_tools |= self.rt.registry.deferred_names(out.tools)
+
+
+async def _stop_loop(inner: asyncio.Task) -> None:
+    """Cancel the turn loop and let it unwind (its stream closes; a model error on the way is moot)."""
+    inner.cancel()
+    try:
+        await inner
+    except (asyncio.CancelledError, ModelError):
+        pass

@@ -25,7 +25,7 @@ from toolq.workers.catalog import Catalog
 from toolq.workers.config import configure_app, longest_timeout, make_app
 from toolq.workers.contracts import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, ToolCallFailed
 from toolq.workers.loader import load_catalog
-from toolq.workers import isolation, kombu_acks, presence, signing
+from toolq.workers import isolation, kombu_acks, pool_exits, presence, signing
 from toolq.workers.execute import StillRunning, execute
 from toolq.workers.mcp.worker import sync as sync_mcp_tools
 from toolq.workers.sandbox import install_sigterm_handler
@@ -47,6 +47,7 @@ def catalog() -> Catalog:
 
 app = make_app(Settings.load(), longest_timeout(catalog()))
 kombu_acks.install()  # a call finishing after a Redis restart must not take the worker down
+pool_exits.install()  # nor a consumer restart just after a pool child died
 
 
 def configure(settings: Settings) -> Celery:
