@@ -98,14 +98,10 @@ class Server:
             else:
                 read, write, _ = await stack.enter_async_context(
                     streamablehttp_client(self.config.url or "", headers=self.config.http_headers or None))
-            # The SDK does not say when a stdio server exits; a relay of its messages does.
+            # The SDK does not say when a stdio server exits; its read stream ending does.
             closed = asyncio.Event()
-            relay_send, relay_read = anyio.create_memory_object_stream[Any](16)
-            tasks = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(tasks.cancel_scope.cancel)
-            tasks.start_soon(_relay, read, relay_send, closed)
             session = await stack.enter_async_context(
-                ClientSession(relay_read, write, message_handler=self._on_message))
+                ClientSession(_Watched(read, closed), write, message_handler=self._on_message))
             with anyio.fail_after(self.config.startup_timeout_sec):
                 await session.initialize()
                 await self._list_tools(session)
@@ -204,13 +200,38 @@ class Server:
                                  "the call may have partly run")
 
 
-async def _relay(source: Any, sink: Any, closed: asyncio.Event) -> None:
-    try:
-        async with sink:
-            async for message in source:
-                await sink.send(message)
-    finally:
-        closed.set()
+class _Watched:
+    """A transport's read stream that sets `closed` when it ends. Wrapped rather than relayed
+    through a task: a relay costs every message of every call one more task switch."""
+
+    def __init__(self, stream: Any, closed: asyncio.Event) -> None:
+        self._stream, self._closed = stream, closed
+
+    async def __aenter__(self) -> _Watched:
+        await self._stream.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        return await self._stream.__aexit__(*exc)
+
+    def __aiter__(self) -> _Watched:
+        return self
+
+    async def receive(self) -> Any:
+        try:
+            return await self._stream.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._closed.set()
+            raise
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
 
 
 async def _cancel(session: ClientSession, request_id: int | None, reason: str) -> None:
@@ -245,42 +266,69 @@ class Host:
             self.generation += 1
         return Listing(generation=self.generation, servers=[s.snapshot() for s in self.servers.values()])
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while line := await reader.readline():
-                try:
-                    req = REQUEST.validate_json(line)
-                except ValidationError as e:
-                    writer.write(CallReply(refusal=f"bad request to the MCP host: {e.errors()[0]['msg']}")
-                                 .model_dump_json().encode() + b"\n")
-                    continue
-                if isinstance(req, ListRequest):
-                    reply: BaseModel = self.listing()
-                else:
-                    reply = await self._call_while_connected(req, reader)
-                    if reply is None:
-                        return  # the child went away: its call was cancelled
-                writer.write(reply.model_dump_json().encode() + b"\n")
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
+    def connection(self) -> Connection:
+        return Connection(self)
 
-    async def _call_while_connected(self, req: CallRequest, reader: asyncio.StreamReader) -> CallReply | None:
+    def answer(self, line: bytes) -> BaseModel | asyncio.Task[CallReply]:
+        """A request's reply, or the task that will give it (a call)."""
+        try:
+            req = REQUEST.validate_json(line)
+        except ValidationError as e:
+            return CallReply(refusal=f"bad request to the MCP host: {e.errors()[0]['msg']}")
+        if isinstance(req, ListRequest):
+            return self.listing()
         server = self.servers.get(req.server)
         if server is None:
             return CallReply(refusal=f"no MCP server named {req.server} on this worker; not run")
-        call = asyncio.create_task(server.call(req))
-        gone = asyncio.create_task(reader.read(1))  # a child sends nothing mid-call: EOF means it left
-        done, _ = await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if call in done:
-            gone.cancel()
-            await asyncio.gather(gone, return_exceptions=True)  # the next readline needs the reader free
-            return call.result()
-        call.cancel()
-        await asyncio.gather(call, return_exceptions=True)
-        return None
+        return asyncio.get_running_loop().create_task(server.call(req))
+
+
+class Connection(asyncio.Protocol):
+    """One client's connection (a pool child, or the worker's heartbeat): a request per line, each
+    answered before the next is read. A protocol rather than a stream reader: a call costs one
+    task, and a client that goes away mid-call (EOF) cancels it from `connection_lost`, which
+    tells the server; a stream reader needed a second task per call just to watch for that EOF."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.transport: asyncio.Transport | None = None
+        self.buffer = b""
+        self.call: asyncio.Task[CallReply] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self._next()
+
+    def _next(self) -> None:
+        while self.call is None and self.transport is not None and b"\n" in self.buffer:
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            reply = self.host.answer(line)
+            if isinstance(reply, asyncio.Task):
+                self.call = reply
+                reply.add_done_callback(self._answered)
+            else:
+                self._send(reply)
+
+    def _answered(self, call: asyncio.Task[CallReply]) -> None:
+        self.call = None
+        if call.cancelled():
+            return  # the client went away
+        exc = call.exception()
+        self._send(call.result() if exc is None else CallReply(refusal=f"the MCP host failed the call: {describe(exc)}"))
+        self._next()
+
+    def _send(self, reply: BaseModel) -> None:
+        if self.transport is not None:
+            self.transport.write(reply.model_dump_json().encode() + b"\n")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.call is not None:
+            self.call.cancel()
 
 
 async def serve(socket_path: str, config: HostConfig) -> None:
@@ -288,7 +336,7 @@ async def serve(socket_path: str, config: HostConfig) -> None:
     parent = os.getppid()
     supervisors = [asyncio.create_task(s.supervise()) for s in host.servers.values()]
     await asyncio.gather(*(s.first_start.wait() for s in host.servers.values()))
-    server = await asyncio.start_unix_server(host.handle, path=socket_path)
+    server = await asyncio.get_running_loop().create_unix_server(host.connection, path=socket_path)
     os.chmod(socket_path, 0o600)
     sys.stdout.write(host.listing().model_dump_json() + "\n")
     sys.stdout.flush()
