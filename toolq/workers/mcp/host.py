@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, cast
 
 import anyio
 from mcp import ClientSession, McpError, StdioServerParameters, types
@@ -26,6 +26,7 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamablehttp_client
 from pydantic import BaseModel, ValidationError
 
+from toolq.workers.mcp.checks import OutputCheck, SchemaError, output_check
 from toolq.workers.mcp.config import McpServerConfig
 from toolq.workers.mcp.results import map_result
 from toolq.workers.mcp.specs import DEFER_ABOVE, McpToolRecord, tool_spec, unusable
@@ -53,6 +54,7 @@ class Server:
         self.error: str | None = None
         self.restarts = 0
         self.tools: dict[str, McpToolRecord] = {}
+        self.checks: dict[str, OutputCheck] = {}
         self.skipped: list[str] = []
         self.up = asyncio.Event()
         self.inflight: set[asyncio.Task] = set()
@@ -138,17 +140,23 @@ class Server:
                 break
         offered = [t for t in listed if self.config.offers(t.name)]
         deferred = self.config.deferred if self.config.deferred is not None else len(offered) > DEFER_ABOVE
-        tools, skipped = {}, []
+        tools, checks, skipped = {}, {}, []
         for t in offered:
             why = unusable(t.name, t.inputSchema)
+            try:
+                check = output_check(t)
+            except SchemaError as e:
+                why = why or f"its outputSchema is not valid JSON Schema: {e.message}"
             if why:
                 skipped.append(f"{t.name}: {why}")
                 continue
+            if check is not None:
+                checks[t.name] = check
             record = McpToolRecord(server=self.name, name=t.name, description=t.description or "",
                                    input_schema=t.inputSchema, timeout=self.config.tool_timeout_sec,
                                    deferred=deferred)
             tools[t.name] = record.model_copy(update={"digest": tool_spec(record).digest()})
-        self.tools, self.skipped = tools, skipped
+        self.tools, self.checks, self.skipped = tools, checks, skipped
 
     async def call(self, req: CallRequest) -> CallReply:
         if not self.up.is_set():
@@ -165,15 +173,16 @@ class Server:
             return CallReply(stale=True, refusal=(
                 f"tool {self.name}.{req.tool} is declared differently by its MCP server now than in the call "
                 f"(declaration {record.digest} != {req.digest}): the server listed its tools anew; not run"))
+        check = self.checks.get(req.tool)  # the listing's, as the digest just checked
         # The SDK (1.x) sends no notifications/cancelled when a request's task is cancelled; this
-        # host does. The id is the next one `call_tool` takes: nothing runs between here and its send.
+        # host does. The id is the next one `send_request` takes: nothing runs between here and its send.
         request_id: int | None = getattr(session, "_request_id", None)
         me = asyncio.current_task()
         assert me is not None
         self.inflight.add(me)
         try:
             async with asyncio.timeout(req.timeout):
-                result = await session.call_tool(req.tool, req.arguments)
+                result = await _call_tool(session, req)
         except TimeoutError:
             await _cancel(session, request_id, f"timed out after {req.timeout:g}s")
             return CallReply(refusal=f"MCP tool {self.name}.{req.tool} timed out after {req.timeout:g}s; "
@@ -193,6 +202,9 @@ class Server:
         finally:
             self.inflight.discard(me)
             self.crashed.discard(me)
+        problem = check.problem(result) if check is not None else None
+        if problem is not None:
+            return CallReply(refusal=f"MCP server {self.name} failed the call: {problem}")
         return CallReply(result=map_result(result))
 
     def _crash_reply(self) -> CallReply:
@@ -232,6 +244,14 @@ class _Watched:
 
     async def aclose(self) -> None:
         await self._stream.aclose()
+
+
+async def _call_tool(session: ClientSession, req: CallRequest) -> types.CallToolResult:
+    """`ClientSession.call_tool` without its per-call output-schema check (`checks.py` has it
+    compiled once per listing), and so without its `tools/list` when a tool is not in its cache."""
+    params = types.CallToolRequestParams(name=req.tool, arguments=req.arguments)
+    return await session.send_request(types.ClientRequest(types.CallToolRequest(params=params)),
+                                      types.CallToolResult)
 
 
 async def _cancel(session: ClientSession, request_id: int | None, reason: str) -> None:
@@ -296,8 +316,7 @@ class Connection(asyncio.Protocol):
         self.call: asyncio.Task[CallReply] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
