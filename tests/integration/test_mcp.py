@@ -367,12 +367,14 @@ enabled = false
         script = [[b.function_call("slow", {"seconds": 30}, "call_slow", namespace="slowpoke"),
                    # not in enabled_tools: the model cannot reach it, whatever it sends
                    b.function_call("crash", {}, "call_crash", namespace="slowpoke")], [b.message("done")]]
-        (outcome,), requests, _ = drive(redis_server, tmp_path, script)
+        (outcome,), requests, events = drive(redis_server, tmp_path, script)
     finally:
         w.stop(grace=3)
     assert sorted(t["name"] for t in namespace(requests[0], "slowpoke")["tools"]) == ["search", "slow"]
     assert not any(t.get("name") == "off" for t in requests[0]["tools"])
-    assert "timed out after 1s; the server was asked to cancel it" in outputs(requests[1])["call_slow"]
+    # Timed out like any call that hits its limit: the state, and the usual output.
+    assert outputs(requests[1])["call_slow"] == "call timed out after 1s and was stopped"
+    assert completed(events)["call_slow"]["state"] == "timed_out"
     assert outputs(requests[1])["call_crash"] == "unsupported call: slowpokecrash"
     assert (evidence / "slowpoke.pid").read_text() == str(first_pid)  # never crashed
     wait_for_cancel_on_the_server(evidence / "slowpoke.cancelled")

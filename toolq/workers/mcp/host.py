@@ -185,8 +185,7 @@ class Server:
                 result = await _call_tool(session, req)
         except TimeoutError:
             await _cancel(session, request_id, f"timed out after {req.timeout:g}s")
-            return CallReply(refusal=f"MCP tool {self.name}.{req.tool} timed out after {req.timeout:g}s; "
-                                     "the server was asked to cancel it")
+            return CallReply(timed_out=req.timeout)
         except asyncio.CancelledError:
             if me in self.crashed:
                 me.uncancel()

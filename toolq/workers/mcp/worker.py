@@ -24,7 +24,7 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from toolq.orchestrator.calls import ToolName
-from toolq.orchestrator.errors import ConfigurationError, RespondToModel
+from toolq.orchestrator.errors import ConfigurationError, RespondToModel, ToolTimedOut
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn
 from toolq.workers.mcp.config import BASIC_ENV, McpServerConfig
 from toolq.workers.mcp.specs import mcp_queue, tool_spec
@@ -211,6 +211,8 @@ class Forward:
             reply = _host.client.call(request, ctx.cancelled)
         except HostUnavailable as e:
             raise RespondToModel(f"{e}; not run") from None
+        if reply.timed_out is not None:
+            raise ToolTimedOut(reply.timed_out)  # the host asked the server to cancel it
         if reply.stale and ctx.catalog is not None:
             reload(ctx.catalog)  # this process's copy of the server's tools is out of date
         if reply.refusal is not None or reply.result is None:
