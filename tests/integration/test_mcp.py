@@ -431,6 +431,58 @@ def test_a_worker_killed_outright_leaves_no_mcp_server_behind(redis_server, evid
         w.proc = None
 
 
+def _mcp_host_of(worker_pid: int) -> int:
+    """The worker's MCP host process: the child running `toolq.workers.mcp.host`."""
+    for task in Path(f"/proc/{worker_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"toolq.workers.mcp.host" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return int(child)
+    raise AssertionError(f"worker {worker_pid} has no MCP host")
+
+
+def test_a_killed_mcp_host_is_restarted_and_its_in_flight_call_is_told(redis_server, evidence, tmp_path):
+    """The host holds every server's session: SIGKILLed mid-call, the call's output says so, the
+    worker starts the host again (and so its servers), and the next call waits for it and runs."""
+    import signal
+
+    pid_file = evidence / "phoenix.pid"
+    w = McpWorkerProcess(redis_server.url, name="mcp6@test", queues=["mcp-idle"], concurrency=1,
+                         tools=[TEST_TOOLS], env=WORKER_ENV, logdir=tmp_path,
+                         mcp=[f"phoenix={sys.executable} {EDGES} phoenix {evidence}"])
+    w.start()
+    try:
+        assert w.proc is not None
+        host, server = _mcp_host_of(w.proc.pid), int(pid_file.read_text())
+
+        async def during(session, runtime):
+            end = time.monotonic() + 20
+            while not (session.turn_id and any(c.get("state") == "running"
+                                               for c in await runtime.ledger.calls(session.turn_id))):
+                assert time.monotonic() < end, "the slow call never started"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)  # the call is in the server's hands
+            os.kill(host, signal.SIGKILL)
+
+        script = [[b.function_call("slow", {"seconds": 30}, "call_slow", namespace="phoenix")],
+                  [b.function_call("search", {"query": "again"}, "call_again", namespace="phoenix")],
+                  [b.message("done")]]
+        (outcome,), requests, events = drive(redis_server, tmp_path, script, during=during)
+        restarted = _mcp_host_of(w.proc.pid)
+    finally:
+        w.stop(grace=3)
+    assert outcome.status == "completed"
+    assert outputs(requests[1])["call_slow"] == ("the worker's MCP host exited during the call and is being "
+                                                 "restarted; the call may have partly run")
+    assert completed(events)["call_slow"]["state"] == "failed"
+    assert "phoenix found again" in outputs(requests[2])["call_again"]  # waited for the restart
+    assert restarted != host and int(pid_file.read_text()) != server
+    assert "the MCP host exited with -9" in w.log.read_text()
+    end = time.monotonic() + 10
+    while _alive(server):  # the old host's server read EOF on its stdin, as MCP's stdio shutdown says
+        assert time.monotonic() < end, "the killed host's server outlived it"
+        time.sleep(0.1)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

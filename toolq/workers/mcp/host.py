@@ -26,6 +26,7 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamablehttp_client
 from pydantic import BaseModel, ValidationError
 
+from toolq.workers.mcp.backoff import Backoff
 from toolq.workers.mcp.checks import OutputCheck, SchemaError, output_check
 from toolq.workers.mcp.config import McpServerConfig
 from toolq.workers.mcp.results import map_result
@@ -34,14 +35,14 @@ from toolq.workers.mcp.wire import REQUEST, CallReply, CallRequest, Listing, Lis
 
 log = logging.getLogger("toolq.mcp")
 
-#: Restart delays after a crash: doubled each time, reset once a server has stayed up a while.
-BACKOFF_FIRST, BACKOFF_MAX, STAYED_UP = 0.5, 30.0, 60.0
 
 
 class HostConfig(BaseModel):
     servers: dict[str, McpServerConfig]
     environments: dict[str, dict[str, str]]
     """Each server's whole environment, computed by the worker (`McpServerConfig.environment`)."""
+    first_generation: int = 0
+    """Where this start's listing generations begin (past any earlier start's: `launch.py`)."""
 
 
 class Server:
@@ -68,7 +69,7 @@ class Server:
                            skipped=self.skipped)
 
     async def supervise(self) -> None:
-        backoff = BACKOFF_FIRST
+        backoff = Backoff()
         while True:
             started = asyncio.get_running_loop().time()
             try:
@@ -84,11 +85,9 @@ class Server:
                 task.cancel()
             self.first_start.set()
             self._changed.set()
-            if asyncio.get_running_loop().time() - started > STAYED_UP:
-                backoff = BACKOFF_FIRST
-            log.warning("mcp server %s down (%s); restarting in %.1fs", self.name, self.error, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX)
+            delay = backoff.after_crash(asyncio.get_running_loop().time() - started)
+            log.warning("mcp server %s down (%s); restarting in %.1fs", self.name, self.error, delay)
+            await asyncio.sleep(delay)
             self.restarts += 1
 
     async def _run_once(self) -> None:
@@ -275,7 +274,7 @@ def describe(e: BaseException) -> str:
 class Host:
     def __init__(self, config: HostConfig) -> None:
         self.changed = asyncio.Event()
-        self.generation = 0
+        self.generation = config.first_generation
         self.servers = {name: Server(name, c, config.environments.get(name, {}), self.changed)
                         for name, c in config.servers.items()}
 
@@ -324,7 +323,11 @@ class Connection(asyncio.Protocol):
     def _next(self) -> None:
         while self.call is None and self.transport is not None and b"\n" in self.buffer:
             line, self.buffer = self.buffer.split(b"\n", 1)
-            reply = self.host.answer(line)
+            try:
+                reply = self.host.answer(line)
+            except Exception as e:  # a bug here must still answer, or the client waits forever
+                log.exception("the MCP host failed a request")
+                reply = CallReply(refusal=f"the MCP host failed the request: {describe(e)}")
             if isinstance(reply, asyncio.Task):
                 self.call = reply
                 reply.add_done_callback(self._answered)
@@ -336,6 +339,8 @@ class Connection(asyncio.Protocol):
         if call.cancelled():
             return  # the client went away
         exc = call.exception()
+        if exc is not None:
+            log.error("the MCP host failed a call", exc_info=exc)
         self._send(call.result() if exc is None else CallReply(refusal=f"the MCP host failed the call: {describe(exc)}"))
         self._next()
 
