@@ -136,6 +136,16 @@ def wait_for_cancel_on_the_server(marker: Path) -> None:
         time.sleep(0.05)
 
 
+async def in_the_servers_hands(session, runtime) -> None:
+    """Returns once the turn's (slow) call is running, and a little more: it reached the server."""
+    end = time.monotonic() + 20
+    while not (session.turn_id and any(c.get("state") == "running"
+                                       for c in await runtime.ledger.calls(session.turn_id))):
+        assert time.monotonic() < end, "the slow call never started"
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+
+
 def completed(events: list[dict]) -> dict[str, dict]:
     return {e["item"]["id"]: e["item"] for e in events if e["type"] == "item.completed"}
 
@@ -229,12 +239,7 @@ def test_a_cancelled_call_is_cancelled_on_the_server(mcp_worker, redis_server, e
     marker.unlink(missing_ok=True)
 
     async def during(session, runtime):
-        end = time.monotonic() + 20
-        while not (session.turn_id and any(c.get("state") == "running"
-                                           for c in await runtime.ledger.calls(session.turn_id))):
-            assert time.monotonic() < end, "the slow call never started"
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)  # the call is in the server's hands
+        await in_the_servers_hands(session, runtime)
         session.cancel()
 
     script = [[b.function_call("slow", {"seconds": 30}, "call_slow", namespace="edges")], [b.message("done")]]
@@ -455,12 +460,7 @@ def test_a_killed_mcp_host_is_restarted_and_its_in_flight_call_is_told(redis_ser
         host, server = _mcp_host_of(w.proc.pid), int(pid_file.read_text())
 
         async def during(session, runtime):
-            end = time.monotonic() + 20
-            while not (session.turn_id and any(c.get("state") == "running"
-                                               for c in await runtime.ledger.calls(session.turn_id))):
-                assert time.monotonic() < end, "the slow call never started"
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.3)  # the call is in the server's hands
+            await in_the_servers_hands(session, runtime)
             os.kill(host, signal.SIGKILL)
 
         script = [[b.function_call("slow", {"seconds": 30}, "call_slow", namespace="phoenix")],
