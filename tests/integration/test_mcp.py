@@ -481,6 +481,9 @@ def test_a_killed_mcp_host_is_restarted_and_its_in_flight_call_is_told(redis_ser
     while _alive(server):  # the old host's server read EOF on its stdin, as MCP's stdio shutdown says
         assert time.monotonic() < end, "the killed host's server outlived it"
         time.sleep(0.1)
+    while _alive(restarted):  # in a session of its own, the new host still goes with its worker
+        assert time.monotonic() < end, "the restarted MCP host outlived its worker"
+        time.sleep(0.1)
 
 
 def _alive(pid: int) -> bool:

@@ -47,9 +47,14 @@ class HostProcess:
             config = self.config.model_copy(update={"first_generation": self.starts * GENERATIONS_PER_START})
             # The host's log and its servers' stderr go to the worker's logfile when it has one.
             log_to = open(self.logfile, "ab") if self.logfile else None  # noqa: SIM115 - the host holds it
+            # Its own session: a signal to the worker's process group (Ctrl-C, a supervisor's group
+            # SIGTERM) must neither take the host down while a warm shutdown lets calls finish nor
+            # look like a crash to restart. The worker stops it at shutdown (`stop`), and it exits
+            # by itself once the worker is gone (it polls its parent).
             try:
                 proc = subprocess.Popen([sys.executable, "-m", "toolq.workers.mcp.host", self.path],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_to, env=self.env)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_to, env=self.env,
+                                        start_new_session=True)
             finally:
                 if log_to is not None:
                     log_to.close()
