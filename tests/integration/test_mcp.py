@@ -136,6 +136,16 @@ def wait_for_cancel_on_the_server(marker: Path) -> None:
         time.sleep(0.05)
 
 
+async def in_the_servers_hands(session, runtime) -> None:
+    """Returns once the turn's (slow) call is running, and a little more: it reached the server."""
+    end = time.monotonic() + 20
+    while not (session.turn_id and any(c.get("state") == "running"
+                                       for c in await runtime.ledger.calls(session.turn_id))):
+        assert time.monotonic() < end, "the slow call never started"
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+
+
 def completed(events: list[dict]) -> dict[str, dict]:
     return {e["item"]["id"]: e["item"] for e in events if e["type"] == "item.completed"}
 
@@ -229,12 +239,7 @@ def test_a_cancelled_call_is_cancelled_on_the_server(mcp_worker, redis_server, e
     marker.unlink(missing_ok=True)
 
     async def during(session, runtime):
-        end = time.monotonic() + 20
-        while not (session.turn_id and any(c.get("state") == "running"
-                                           for c in await runtime.ledger.calls(session.turn_id))):
-            assert time.monotonic() < end, "the slow call never started"
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)  # the call is in the server's hands
+        await in_the_servers_hands(session, runtime)
         session.cancel()
 
     script = [[b.function_call("slow", {"seconds": 30}, "call_slow", namespace="edges")], [b.message("done")]]
@@ -367,12 +372,14 @@ enabled = false
         script = [[b.function_call("slow", {"seconds": 30}, "call_slow", namespace="slowpoke"),
                    # not in enabled_tools: the model cannot reach it, whatever it sends
                    b.function_call("crash", {}, "call_crash", namespace="slowpoke")], [b.message("done")]]
-        (outcome,), requests, _ = drive(redis_server, tmp_path, script)
+        (outcome,), requests, events = drive(redis_server, tmp_path, script)
     finally:
         w.stop(grace=3)
     assert sorted(t["name"] for t in namespace(requests[0], "slowpoke")["tools"]) == ["search", "slow"]
     assert not any(t.get("name") == "off" for t in requests[0]["tools"])
-    assert "timed out after 1s; the server was asked to cancel it" in outputs(requests[1])["call_slow"]
+    # Timed out like any call that hits its limit: the state, and the usual output.
+    assert outputs(requests[1])["call_slow"] == "call timed out after 1s and was stopped"
+    assert completed(events)["call_slow"]["state"] == "timed_out"
     assert outputs(requests[1])["call_crash"] == "unsupported call: slowpokecrash"
     assert (evidence / "slowpoke.pid").read_text() == str(first_pid)  # never crashed
     wait_for_cancel_on_the_server(evidence / "slowpoke.cancelled")
@@ -427,6 +434,56 @@ def test_a_worker_killed_outright_leaves_no_mcp_server_behind(redis_server, evid
             pass
         w.proc.wait(5)
         w.proc = None
+
+
+def _mcp_host_of(worker_pid: int) -> int:
+    """The worker's MCP host process: the child running `toolq.workers.mcp.host`."""
+    for task in Path(f"/proc/{worker_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"toolq.workers.mcp.host" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return int(child)
+    raise AssertionError(f"worker {worker_pid} has no MCP host")
+
+
+def test_a_killed_mcp_host_is_restarted_and_its_in_flight_call_is_told(redis_server, evidence, tmp_path):
+    """The host holds every server's session: SIGKILLed mid-call, the call's output says so, the
+    worker starts the host again (and so its servers), and the next call waits for it and runs."""
+    import signal
+
+    pid_file = evidence / "phoenix.pid"
+    w = McpWorkerProcess(redis_server.url, name="mcp6@test", queues=["mcp-idle"], concurrency=1,
+                         tools=[TEST_TOOLS], env=WORKER_ENV, logdir=tmp_path,
+                         mcp=[f"phoenix={sys.executable} {EDGES} phoenix {evidence}"])
+    w.start()
+    try:
+        assert w.proc is not None
+        host, server = _mcp_host_of(w.proc.pid), int(pid_file.read_text())
+
+        async def during(session, runtime):
+            await in_the_servers_hands(session, runtime)
+            os.kill(host, signal.SIGKILL)
+
+        script = [[b.function_call("slow", {"seconds": 30}, "call_slow", namespace="phoenix")],
+                  [b.function_call("search", {"query": "again"}, "call_again", namespace="phoenix")],
+                  [b.message("done")]]
+        (outcome,), requests, events = drive(redis_server, tmp_path, script, during=during)
+        restarted = _mcp_host_of(w.proc.pid)
+    finally:
+        w.stop(grace=3)
+    assert outcome.status == "completed"
+    assert outputs(requests[1])["call_slow"] == ("the worker's MCP host exited during the call and is being "
+                                                 "restarted; the call may have partly run")
+    assert completed(events)["call_slow"]["state"] == "failed"
+    assert "phoenix found again" in outputs(requests[2])["call_again"]  # waited for the restart
+    assert restarted != host and int(pid_file.read_text()) != server
+    assert "the MCP host exited with -9" in w.log.read_text()
+    end = time.monotonic() + 10
+    while _alive(server):  # the old host's server read EOF on its stdin, as MCP's stdio shutdown says
+        assert time.monotonic() < end, "the killed host's server outlived it"
+        time.sleep(0.1)
+    while _alive(restarted):  # in a session of its own, the new host still goes with its worker
+        assert time.monotonic() < end, "the restarted MCP host outlived its worker"
+        time.sleep(0.1)
 
 
 def _alive(pid: int) -> bool:

@@ -17,6 +17,16 @@ class RespondToModel(Exception):
         self.message = message
 
 
+class ToolTimedOut(Exception):
+    """Raise it in a tool whose own time limit ran out and whose work was stopped: the call ends
+    `timed_out` with the same output as one the pool's time limit stopped."""
+
+    def __init__(self, seconds: float) -> None:
+        self.message = f"call timed out after {seconds:g}s and was stopped"
+        super().__init__(self.message)
+        self.seconds = seconds
+
+
 class Fatal(Exception):
     """A runtime contract broke (a tool got a payload kind it does not take): the turn ends."""
 

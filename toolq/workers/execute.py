@@ -20,7 +20,7 @@ import redis
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult, aborted_text
-from toolq.orchestrator.errors import RespondToModel
+from toolq.orchestrator.errors import RespondToModel, ToolTimedOut
 from toolq.orchestrator.protocol.items import ToolOutputBody
 from toolq.orchestrator.states import TERMINAL, CallState, parse_state
 from toolq.orchestrator.truncate import bound_output
@@ -269,8 +269,10 @@ async def _run_handler(inv: ToolInvocation, spec: ToolSpec, catalog: Catalog, is
         return CallState.FAILED, e.message, {"success": False}
     except CallCancelled:
         return CallState.CANCELLED, aborted_text(spec.shell_like, time.time() - started_at), {"success": False}
+    except ToolTimedOut as e:  # the tool's own limit (an MCP call's tool_timeout_sec)
+        return CallState.TIMED_OUT, e.message, {"success": False}
     except time_limit_errors:
-        return CallState.TIMED_OUT, f"call timed out after {spec.timeout:g}s and was stopped", {"success": False}
+        return CallState.TIMED_OUT, ToolTimedOut(spec.timeout).message, {"success": False}
     except Exception as e:  # a tool's own bug still becomes an output the model can read
         log.error("tool %s raised:\n%s", inv.tool_name, traceback.format_exc())
         return CallState.FAILED, f"tool {inv.tool_name} failed: {type(e).__name__}: {e}", {"success": False}

@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, cast
 
 import anyio
 from mcp import ClientSession, McpError, StdioServerParameters, types
@@ -26,6 +26,8 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamablehttp_client
 from pydantic import BaseModel, ValidationError
 
+from toolq.workers.mcp.backoff import Backoff
+from toolq.workers.mcp.checks import OutputCheck, SchemaError, output_check
 from toolq.workers.mcp.config import McpServerConfig
 from toolq.workers.mcp.results import map_result
 from toolq.workers.mcp.specs import DEFER_ABOVE, McpToolRecord, tool_spec, unusable
@@ -33,14 +35,14 @@ from toolq.workers.mcp.wire import REQUEST, CallReply, CallRequest, Listing, Lis
 
 log = logging.getLogger("toolq.mcp")
 
-#: Restart delays after a crash: doubled each time, reset once a server has stayed up a while.
-BACKOFF_FIRST, BACKOFF_MAX, STAYED_UP = 0.5, 30.0, 60.0
 
 
 class HostConfig(BaseModel):
     servers: dict[str, McpServerConfig]
     environments: dict[str, dict[str, str]]
     """Each server's whole environment, computed by the worker (`McpServerConfig.environment`)."""
+    first_generation: int = 0
+    """Where this start's listing generations begin (past any earlier start's: `launch.py`)."""
 
 
 class Server:
@@ -53,6 +55,7 @@ class Server:
         self.error: str | None = None
         self.restarts = 0
         self.tools: dict[str, McpToolRecord] = {}
+        self.checks: dict[str, OutputCheck] = {}
         self.skipped: list[str] = []
         self.up = asyncio.Event()
         self.inflight: set[asyncio.Task] = set()
@@ -66,7 +69,7 @@ class Server:
                            skipped=self.skipped)
 
     async def supervise(self) -> None:
-        backoff = BACKOFF_FIRST
+        backoff = Backoff()
         while True:
             started = asyncio.get_running_loop().time()
             try:
@@ -82,11 +85,9 @@ class Server:
                 task.cancel()
             self.first_start.set()
             self._changed.set()
-            if asyncio.get_running_loop().time() - started > STAYED_UP:
-                backoff = BACKOFF_FIRST
-            log.warning("mcp server %s down (%s); restarting in %.1fs", self.name, self.error, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX)
+            delay = backoff.after_crash(asyncio.get_running_loop().time() - started)
+            log.warning("mcp server %s down (%s); restarting in %.1fs", self.name, self.error, delay)
+            await asyncio.sleep(delay)
             self.restarts += 1
 
     async def _run_once(self) -> None:
@@ -98,14 +99,10 @@ class Server:
             else:
                 read, write, _ = await stack.enter_async_context(
                     streamablehttp_client(self.config.url or "", headers=self.config.http_headers or None))
-            # The SDK does not say when a stdio server exits; a relay of its messages does.
+            # The SDK does not say when a stdio server exits; its read stream ending does.
             closed = asyncio.Event()
-            relay_send, relay_read = anyio.create_memory_object_stream[Any](16)
-            tasks = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(tasks.cancel_scope.cancel)
-            tasks.start_soon(_relay, read, relay_send, closed)
             session = await stack.enter_async_context(
-                ClientSession(relay_read, write, message_handler=self._on_message))
+                ClientSession(_Watched(read, closed), write, message_handler=self._on_message))
             with anyio.fail_after(self.config.startup_timeout_sec):
                 await session.initialize()
                 await self._list_tools(session)
@@ -142,17 +139,23 @@ class Server:
                 break
         offered = [t for t in listed if self.config.offers(t.name)]
         deferred = self.config.deferred if self.config.deferred is not None else len(offered) > DEFER_ABOVE
-        tools, skipped = {}, []
+        tools, checks, skipped = {}, {}, []
         for t in offered:
             why = unusable(t.name, t.inputSchema)
+            try:
+                check = output_check(t)
+            except SchemaError as e:
+                why = why or f"its outputSchema is not valid JSON Schema: {e.message}"
             if why:
                 skipped.append(f"{t.name}: {why}")
                 continue
+            if check is not None:
+                checks[t.name] = check
             record = McpToolRecord(server=self.name, name=t.name, description=t.description or "",
                                    input_schema=t.inputSchema, timeout=self.config.tool_timeout_sec,
                                    deferred=deferred)
             tools[t.name] = record.model_copy(update={"digest": tool_spec(record).digest()})
-        self.tools, self.skipped = tools, skipped
+        self.tools, self.checks, self.skipped = tools, checks, skipped
 
     async def call(self, req: CallRequest) -> CallReply:
         if not self.up.is_set():
@@ -169,19 +172,19 @@ class Server:
             return CallReply(stale=True, refusal=(
                 f"tool {self.name}.{req.tool} is declared differently by its MCP server now than in the call "
                 f"(declaration {record.digest} != {req.digest}): the server listed its tools anew; not run"))
+        check = self.checks.get(req.tool)  # the listing's, as the digest just checked
         # The SDK (1.x) sends no notifications/cancelled when a request's task is cancelled; this
-        # host does. The id is the next one `call_tool` takes: nothing runs between here and its send.
+        # host does. The id is the next one `send_request` takes: nothing runs between here and its send.
         request_id: int | None = getattr(session, "_request_id", None)
         me = asyncio.current_task()
         assert me is not None
         self.inflight.add(me)
         try:
             async with asyncio.timeout(req.timeout):
-                result = await session.call_tool(req.tool, req.arguments)
+                result = await _call_tool(session, req)
         except TimeoutError:
             await _cancel(session, request_id, f"timed out after {req.timeout:g}s")
-            return CallReply(refusal=f"MCP tool {self.name}.{req.tool} timed out after {req.timeout:g}s; "
-                                     "the server was asked to cancel it")
+            return CallReply(timed_out=req.timeout)
         except asyncio.CancelledError:
             if me in self.crashed:
                 me.uncancel()
@@ -197,6 +200,9 @@ class Server:
         finally:
             self.inflight.discard(me)
             self.crashed.discard(me)
+        problem = check.problem(result) if check is not None else None
+        if problem is not None:
+            return CallReply(refusal=f"MCP server {self.name} failed the call: {problem}")
         return CallReply(result=map_result(result))
 
     def _crash_reply(self) -> CallReply:
@@ -204,13 +210,46 @@ class Server:
                                  "the call may have partly run")
 
 
-async def _relay(source: Any, sink: Any, closed: asyncio.Event) -> None:
-    try:
-        async with sink:
-            async for message in source:
-                await sink.send(message)
-    finally:
-        closed.set()
+class _Watched:
+    """A transport's read stream that sets `closed` when it ends. Wrapped rather than relayed
+    through a task: a relay costs every message of every call one more task switch."""
+
+    def __init__(self, stream: Any, closed: asyncio.Event) -> None:
+        self._stream, self._closed = stream, closed
+
+    async def __aenter__(self) -> _Watched:
+        await self._stream.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        return await self._stream.__aexit__(*exc)
+
+    def __aiter__(self) -> _Watched:
+        return self
+
+    async def receive(self) -> Any:
+        try:
+            return await self._stream.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._closed.set()
+            raise
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+async def _call_tool(session: ClientSession, req: CallRequest) -> types.CallToolResult:
+    """`ClientSession.call_tool` without its per-call output-schema check (`checks.py` has it
+    compiled once per listing), and so without its `tools/list` when a tool is not in its cache."""
+    params = types.CallToolRequestParams(name=req.tool, arguments=req.arguments)
+    return await session.send_request(types.ClientRequest(types.CallToolRequest(params=params)),
+                                      types.CallToolResult)
 
 
 async def _cancel(session: ClientSession, request_id: int | None, reason: str) -> None:
@@ -235,7 +274,7 @@ def describe(e: BaseException) -> str:
 class Host:
     def __init__(self, config: HostConfig) -> None:
         self.changed = asyncio.Event()
-        self.generation = 0
+        self.generation = config.first_generation
         self.servers = {name: Server(name, c, config.environments.get(name, {}), self.changed)
                         for name, c in config.servers.items()}
 
@@ -245,42 +284,74 @@ class Host:
             self.generation += 1
         return Listing(generation=self.generation, servers=[s.snapshot() for s in self.servers.values()])
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while line := await reader.readline():
-                try:
-                    req = REQUEST.validate_json(line)
-                except ValidationError as e:
-                    writer.write(CallReply(refusal=f"bad request to the MCP host: {e.errors()[0]['msg']}")
-                                 .model_dump_json().encode() + b"\n")
-                    continue
-                if isinstance(req, ListRequest):
-                    reply: BaseModel = self.listing()
-                else:
-                    reply = await self._call_while_connected(req, reader)
-                    if reply is None:
-                        return  # the child went away: its call was cancelled
-                writer.write(reply.model_dump_json().encode() + b"\n")
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
+    def connection(self) -> Connection:
+        return Connection(self)
 
-    async def _call_while_connected(self, req: CallRequest, reader: asyncio.StreamReader) -> CallReply | None:
+    def answer(self, line: bytes) -> BaseModel | asyncio.Task[CallReply]:
+        """A request's reply, or the task that will give it (a call)."""
+        try:
+            req = REQUEST.validate_json(line)
+        except ValidationError as e:
+            return CallReply(refusal=f"bad request to the MCP host: {e.errors()[0]['msg']}")
+        if isinstance(req, ListRequest):
+            return self.listing()
         server = self.servers.get(req.server)
         if server is None:
             return CallReply(refusal=f"no MCP server named {req.server} on this worker; not run")
-        call = asyncio.create_task(server.call(req))
-        gone = asyncio.create_task(reader.read(1))  # a child sends nothing mid-call: EOF means it left
-        done, _ = await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if call in done:
-            gone.cancel()
-            await asyncio.gather(gone, return_exceptions=True)  # the next readline needs the reader free
-            return call.result()
-        call.cancel()
-        await asyncio.gather(call, return_exceptions=True)
-        return None
+        return asyncio.get_running_loop().create_task(server.call(req))
+
+
+class Connection(asyncio.Protocol):
+    """One client's connection (a pool child, or the worker's heartbeat): a request per line, each
+    answered before the next is read. A protocol rather than a stream reader: a call costs one
+    task, and a client that goes away mid-call (EOF) cancels it from `connection_lost`, which
+    tells the server; a stream reader needed a second task per call just to watch for that EOF."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.transport: asyncio.Transport | None = None
+        self.buffer = b""
+        self.call: asyncio.Task[CallReply] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self._next()
+
+    def _next(self) -> None:
+        while self.call is None and self.transport is not None and b"\n" in self.buffer:
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            try:
+                reply = self.host.answer(line)
+            except Exception as e:  # a bug here must still answer, or the client waits forever
+                log.exception("the MCP host failed a request")
+                reply = CallReply(refusal=f"the MCP host failed the request: {describe(e)}")
+            if isinstance(reply, asyncio.Task):
+                self.call = reply
+                reply.add_done_callback(self._answered)
+            else:
+                self._send(reply)
+
+    def _answered(self, call: asyncio.Task[CallReply]) -> None:
+        self.call = None
+        if call.cancelled():
+            return  # the client went away
+        exc = call.exception()
+        if exc is not None:
+            log.error("the MCP host failed a call", exc_info=exc)
+        self._send(call.result() if exc is None else CallReply(refusal=f"the MCP host failed the call: {describe(exc)}"))
+        self._next()
+
+    def _send(self, reply: BaseModel) -> None:
+        if self.transport is not None:
+            self.transport.write(reply.model_dump_json().encode() + b"\n")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.call is not None:
+            self.call.cancel()
 
 
 async def serve(socket_path: str, config: HostConfig) -> None:
@@ -288,7 +359,7 @@ async def serve(socket_path: str, config: HostConfig) -> None:
     parent = os.getppid()
     supervisors = [asyncio.create_task(s.supervise()) for s in host.servers.values()]
     await asyncio.gather(*(s.first_start.wait() for s in host.servers.values()))
-    server = await asyncio.start_unix_server(host.handle, path=socket_path)
+    server = await asyncio.get_running_loop().create_unix_server(host.connection, path=socket_path)
     os.chmod(socket_path, 0o600)
     sys.stdout.write(host.listing().model_dump_json() + "\n")
     sys.stdout.flush()

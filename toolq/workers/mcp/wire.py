@@ -68,3 +68,5 @@ class CallReply(BaseModel):
     """Why the call did not run or did not finish (server down or crashed, list changed, timeout)."""
     stale: bool = False
     """The server lists the tool differently from the declaration the call carries."""
+    timed_out: float | None = None
+    """The call ran out of its time (this many seconds) and the server was asked to cancel it."""

@@ -5,95 +5,31 @@ each server's tools in the catalog as namespaced function tools whose handler is
 children inherit both. Before a child runs an MCP call it asks the host for the current listing
 (`sync`), so a tool list that changed since the fork is what `execute` checks the call's
 declaration digest against. The main process follows the listing too, for the fleet catalog
-(`follow.py`).
+(`follow.py`), and starts the host again should it die (`launch.py`); children reach it with
+`client.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import select
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import dataclass
-from typing import Any, Callable
-
-from pydantic import BaseModel
+from typing import Any
 
 from toolq.orchestrator.calls import ToolName
-from toolq.orchestrator.errors import ConfigurationError, RespondToModel
+from toolq.orchestrator.errors import ConfigurationError, RespondToModel, ToolTimedOut
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn
+from toolq.workers.mcp.client import HostClient, HostGone, HostUnavailable
 from toolq.workers.mcp.config import BASIC_ENV, McpServerConfig
+from toolq.workers.mcp.launch import HostProcess
 from toolq.workers.mcp.specs import mcp_queue, tool_spec
-from toolq.workers.mcp.wire import CallReply, CallRequest, Listing, ListRequest
-from toolq.workers.sandbox import CallCancelled
+from toolq.workers.mcp.wire import CallRequest, Listing
 
 log = logging.getLogger("toolq.worker")
 
-#: How often a child waiting on a call checks whether the turn or the call was cancelled.
-CANCEL_POLL = 0.25
-
-
-class HostUnavailable(Exception):
-    pass
-
-
-class HostClient:
-    """One connection to the host per process (re-made after a fork), one request at a time."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._sock: socket.socket | None = None
-        self._pid = 0
-
-    def _connection(self) -> socket.socket:
-        if self._sock is None or self._pid != os.getpid():
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(self.path)
-            except OSError as e:
-                sock.close()
-                raise HostUnavailable(f"the worker's MCP host is not running ({e.strerror})") from None
-            self._sock, self._pid, self._file = sock, os.getpid(), sock.makefile("rb")
-        return self._sock
-
-    def close(self) -> None:
-        if self._sock is not None and self._pid == os.getpid():
-            self._sock.close()
-        self._sock = None
-
-    def _ask(self, request: BaseModel, is_cancelled: Callable[[], bool] = lambda: False) -> bytes:
-        sock = self._connection()
-        answered = False
-        try:
-            sock.sendall(request.model_dump_json().encode() + b"\n")
-            while not select.select([sock], [], [], CANCEL_POLL)[0]:
-                if is_cancelled():
-                    raise CallCancelled()  # closing the connection is what cancels the call
-            line = self._file.readline()
-            if not line:
-                raise HostUnavailable("the worker's MCP host went away during the call")
-            answered = True
-            return line
-        except OSError as e:
-            raise HostUnavailable(f"the worker's MCP host is not reachable ({e})") from None
-        finally:
-            if not answered:  # cancelled, timed out (SoftTimeLimitExceeded) or broken: the host cancels
-                self.close()
-
-    def listing(self, timeout: float | None = None) -> Listing:
-        end = None if timeout is None else time.monotonic() + timeout
-        try:
-            late = (lambda: time.monotonic() > end) if end is not None else (lambda: False)
-            return Listing.model_validate_json(self._ask(ListRequest(), late))
-        except CallCancelled:
-            raise HostUnavailable(f"the worker's MCP host did not answer in {timeout}s") from None
-
-    def call(self, request: CallRequest, is_cancelled: Callable[[], bool]) -> CallReply:
-        return CallReply.model_validate_json(self._ask(request, is_cancelled))
+#: How long a call waits for a host that is restarting (`launch.py`: its servers start anew too).
+HOST_RESTART_WAIT = 15.0
 
 
 @dataclass
@@ -101,17 +37,12 @@ class McpHost:
     """The worker's host process and what it serves."""
 
     servers: dict[str, McpServerConfig]
-    proc: subprocess.Popen
+    process: HostProcess
     client: HostClient
     generation: int = -1
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        self.process.stop()
 
 
 #: This process's host (set in the worker's main process; pool children inherit it).
@@ -119,8 +50,9 @@ _host: McpHost | None = None
 
 
 def start_host(servers: dict[str, McpServerConfig], catalog: Catalog, logfile: str | None = None) -> Listing:
-    """Start the host, wait for every server's first start, and install their tools. The host's
-    log and its servers' stderr go to the worker's logfile when it has one."""
+    """Start the host, wait for every server's first start, install their tools, and from then on
+    restart the host should it die. The host's log and its servers' stderr go to the worker's
+    logfile when it has one."""
     global _host
     from toolq.workers.mcp.host import HostConfig
 
@@ -131,20 +63,14 @@ def start_host(servers: dict[str, McpServerConfig], catalog: Catalog, logfile: s
     config = HostConfig(servers=servers, environments={n: c.environment() for n, c in servers.items()})
     # The host gets no secrets either: it needs only to find Python and toolq.
     env = {k: v for k, v in os.environ.items() if k in (*BASIC_ENV, "PYTHONPATH", "VIRTUAL_ENV")}
-    log_to = open(logfile, "ab") if logfile else None  # noqa: SIM115 - the host holds it for its life
-    proc = subprocess.Popen([sys.executable, "-m", "toolq.workers.mcp.host", path], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=log_to, env=env)
-    if log_to is not None:
-        log_to.close()
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(config.model_dump_json().encode())
-    proc.stdin.close()
-    first = proc.stdout.readline()  # after every server started or failed its first start
-    if not first:
-        raise ConfigurationError(f"the MCP host exited with {proc.wait()} before its servers started")
-    _host = McpHost(servers=servers, proc=proc, client=HostClient(path))
-    listing = Listing.model_validate_json(first)
+    process = HostProcess(path, config, env, logfile)
+    listing = process.start()
+    if listing is None:
+        assert process.proc is not None
+        raise ConfigurationError(f"the MCP host exited with {process.proc.wait()} before its servers started")
+    _host = McpHost(servers=servers, process=process, client=HostClient(path))
     install(catalog, listing)
+    process.supervise()
     return listing
 
 
@@ -208,9 +134,13 @@ class Forward:
         request = CallRequest(server=self.server, tool=self.tool, arguments=args,
                               digest=ctx.invocation.spec_digest, timeout=max(timeout, 0.001))
         try:
-            reply = _host.client.call(request, ctx.cancelled)
+            reply = _host.client.call(request, ctx.cancelled, wait=min(timeout, HOST_RESTART_WAIT))
+        except HostGone as e:
+            raise RespondToModel(str(e)) from None
         except HostUnavailable as e:
             raise RespondToModel(f"{e}; not run") from None
+        if reply.timed_out is not None:
+            raise ToolTimedOut(reply.timed_out)  # the host asked the server to cancel it
         if reply.stale and ctx.catalog is not None:
             reload(ctx.catalog)  # this process's copy of the server's tools is out of date
         if reply.refusal is not None or reply.result is None:
