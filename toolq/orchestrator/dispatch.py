@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from redis.exceptions import RedisError
 
@@ -29,6 +29,7 @@ from toolq.orchestrator.transport import DispatchError
 from toolq.workers.advert import tool_queue
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.contracts import TIME_LIMIT_MARGIN, task_name
+from toolq.workers.sessions.registry import SessionRecord, instance_queue
 from toolq.workers.signing import Signer
 
 if TYPE_CHECKING:
@@ -113,18 +114,23 @@ class Dispatcher:
 
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
-    async def dispatch(self, inv: ToolInvocation, spec: ToolSpec) -> bool:
-        """Queue the call; False if it had been queued before (it is not sent again)."""
+    async def dispatch(self, inv: ToolInvocation, spec: ToolSpec,
+                       on_session: Callable[[SessionRecord], None] | None = None) -> bool:
+        """Queue the call; False if it had been queued before (it is not sent again). `on_session`
+        hears the record of a write_stdin's session once it is routed (the view shows its command)."""
         try:
             if not await self.ledger.claim(inv, spec.queue):
                 log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
                 return False
             if str(spec.tool_name) == session_route.TOOL:  # sessions hook: to the worker holding it
                 try:
-                    queue = await session_route.queue_for(self.ledger.r, inv)
+                    session = await session_route.session_for(self.ledger.r, inv)
                 except DispatchError:
                     await self.ledger.set_state(inv.task_id, CallState.FAILED, finished_at=time.time())
                     raise
+                queue = instance_queue(session.instance)
+                if on_session is not None:
+                    on_session(session)
             else:
                 unserved = await self.fleet.unserved(spec)  # fleet catalog hook: no live worker serves it
                 if unserved:
