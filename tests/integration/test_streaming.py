@@ -162,3 +162,45 @@ def test_a_forged_or_replayed_batch_never_reaches_the_watchers(fleet, drive, red
     outputs = [s for s in shown[1:-1] if s]
     assert all(b.startswith(a) for a, b in zip(outputs, outputs[1:]))  # the replay added nothing
     assert_streamed_before_completion(events)
+
+
+#: Prints a line every 0.3 s for about five seconds: a session past its exec_command's 500 ms.
+SESSION_TICKING = "for i in $(seq 1 16); do echo tick $i; sleep 0.3; done; exit 4"
+
+
+def test_a_write_stdin_poll_streams_the_sessions_new_output_while_it_waits(fleet, drive):
+    run = drive([[b.function_call("exec_command", {"cmd": SESSION_TICKING, "yield_time_ms": 500}, "call_start")],
+                 [b.function_call("write_stdin", {"session_id": 1, "chars": "", "yield_time_ms": 3000}, "call_poll")],
+                 final()])
+    start_text = run.outputs_of(1)[0]["output"]
+    assert "Process running with session ID 1" in start_text, start_text
+    started, *updates, completed = events_of(run, "call_poll")
+    assert (started["type"], completed["type"]) == ("item.started", "item.completed")
+    command = f"bash -c '{SESSION_TICKING}'"
+    # The session's command line, known once the poll is routed to the worker holding the session.
+    assert all(u["item"]["type"] == "command_execution" for u in updates)
+    outputs = [u["item"]["aggregated_output"] for u in updates if u["item"].get("aggregated_output")]
+    assert len(outputs) >= 3, outputs
+    assert all(u["item"]["command"] == command for u in updates if u["item"].get("aggregated_output"))
+    assert all(b.startswith(a) and len(b) > len(a) for a, b in zip(outputs, outputs[1:])), outputs
+    assert "tick 16" not in outputs[0]
+    streamed = [u["timestamp"] for u in updates if u["item"].get("aggregated_output")]
+    assert completed["timestamp"] - streamed[0] > 1.0, (streamed, completed["timestamp"])
+    assert all(u["item"]["exit_code"] is None and u["item"]["status"] == "in_progress" for u in updates)
+    item = completed["item"]
+    assert (item["type"], item["command"], item["status"], item["exit_code"]) == (
+        "command_execution", command, "failed", 4)
+    # The model reads the signed result alone: the poll's new output, all of it, as before.
+    (poll_text,) = [o["output"] for o in run.outputs_of(2) if o["call_id"] == "call_poll"]
+    assert "Process exited with code 4" in poll_text and poll_text.endswith("tick 16\n"), poll_text
+    assert item["aggregated_output"] == poll_text.partition("\nOutput:\n")[2]
+    assert outputs[-1] == item["aggregated_output"][:len(outputs[-1])]
+
+
+def test_with_streaming_off_a_poll_streams_nothing(fleet, drive):
+    run = drive([[b.function_call("exec_command", {"cmd": SESSION_TICKING, "yield_time_ms": 500}, "call_start")],
+                 [b.function_call("write_stdin", {"session_id": 1, "chars": "", "yield_time_ms": 3000}, "call_poll")],
+                 final()], stream_output=False)
+    started, *updates, completed = events_of(run, "call_poll")
+    assert not any(u["item"].get("aggregated_output") for u in updates)
+    assert completed["item"]["aggregated_output"].endswith("tick 16\n")

@@ -184,3 +184,25 @@ def test_a_streaming_request_hears_the_output_as_it_comes_and_the_reply_is_uncha
     quiet = Heard()
     client.call(req.model_copy(update={"stream": False}), lambda: False, timeout=20, output=quiet)
     assert quiet.chunks == []
+
+
+def test_a_streaming_write_hears_the_sessions_output_while_it_waits(host):
+    live = run(host, "echo a; sleep 0.5; echo b; sleep 1.0; echo c", yield_ms=200)
+    assert live.session_id is not None and client.output_text(live) == "a\n"
+    time.sleep(0.5)  # "b" comes before the poll: it shows with what the poll waits for, as in its reply
+    heard = Heard()
+    poll = WriteRequest(conversation="c1", session_id=live.session_id, yield_ms=5000, stream=True)
+    reply = client.call(poll, lambda: False, timeout=20, output=heard)
+    replied = time.monotonic()
+    assert b"".join(c for _, c in heard.chunks) == b"b\nc\n"
+    assert replied - heard.chunks[0][0] > 0.3  # "b" came while the poll still waited
+    assert (reply.exit_code, client.output_text(reply)) == (0, "b\nc\n")
+    cat = run(host, "cat", tty=True)
+    typed = Heard()
+    client.call(WriteRequest(conversation="c1", session_id=cat.session_id, chars="ping\n", yield_ms=400,
+                             stream=True), lambda: False, timeout=20, output=typed)
+    assert b"".join(c for _, c in typed.chunks) == b"ping\r\nping\r\n"  # a write streams too
+    quiet = Heard()
+    client.call(WriteRequest(conversation="c1", session_id=cat.session_id, chars="x\n", yield_ms=400),
+                lambda: False, timeout=20, output=quiet)
+    assert quiet.chunks == []

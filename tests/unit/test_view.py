@@ -121,3 +121,34 @@ def test_parallel_commands_lines_say_whose_they_are():
     view(ItemUpdated(item=other))
     view(command(CallState.RUNNING, output="tests ok\n"))
     assert out.getvalue().splitlines()[-1] == "    call_c │ tests ok"
+
+
+def test_a_polls_command_line_shows_once_its_session_is_known():
+    """A write_stdin's item carries its session's command line once the call is routed."""
+    out = io.StringIO()
+    view = LiveView(out)
+
+    def poll(state, event=ItemUpdated, command="", output=""):
+        return event(item=CommandExecutionView(id="call_p", tool="write_stdin", status=codex_status(state),
+                                               state=state, step=0, command=command, aggregated_output=output))
+
+    view(poll(CallState.QUEUED, ItemStarted))
+    view(poll(CallState.RUNNING, command="bash -c 'make test'"))
+    view(poll(CallState.RUNNING, command="bash -c 'make test'", output="ok\n"))
+    lines = out.getvalue().splitlines()
+    assert "queued" in lines[0] and "running" in lines[1]
+    assert lines[2:] == ["    $ bash -c 'make test'", "    │ ok"]
+
+
+def test_a_write_stdin_call_is_a_command_execution_of_its_session():
+    from toolq.orchestrator.call_items import call_view
+    from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
+
+    inv = ToolInvocation(turn_id="t", step=0, output_index=0, call_id="c", tool_name=ToolName(name="write_stdin"),
+                         payload=FunctionPayload(arguments='{"session_id": 1}'), deadline=0)
+    view = call_view("write_stdin", inv, "tick 3\n", None, session_command="bash -c 'make test'", id="c",
+                     status="in_progress", state=CallState.RUNNING, step=0)
+    assert isinstance(view, CommandExecutionView)
+    assert (view.command, view.aggregated_output, view.exit_code) == ("bash -c 'make test'", "tick 3\n", None)
+    assert call_view("write_stdin", inv, "", None, id="c", status="in_progress", state=CallState.QUEUED,
+                     step=0).command == ""

@@ -82,6 +82,7 @@ class CallEntry:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     live_output: str = ""
     """What the worker streamed while the call runs (bounded; shown only, never the output)."""
+    watch: CallWatch | None = None
 
     @property
     def call_id(self) -> str:
@@ -253,7 +254,7 @@ class Step:
             entry.state, entry.worker, entry.started_at = CallState.RUNNING, w.hostname, w.started_at
             self.emit(ItemUpdated(item=self._view(entry)))
 
-        watch = self.transport.watch(inv.task_id, on_started=started)
+        watch = entry.watch = self.transport.watch(inv.task_id, on_started=started)
         if self.stream_output and str(inv.tool_name) in STREAMED_TOOLS:
             inv = inv.model_copy(update={"stream_output": True})
             watch.on_output = lambda text: self._output(entry, text)
@@ -398,7 +399,8 @@ class Step:
 
     def _view(self, entry: CallEntry) -> ToolCallView:
         r = entry.result
-        view = call_view(entry.tool, entry.inv, entry.live_output, r, id=entry.call_id,
+        view = call_view(entry.tool, entry.inv, entry.live_output, r,
+                         session_command=entry.watch.session_command if entry.watch else None, id=entry.call_id,
                          status=codex_status(entry.state), state=entry.state, step=self.ctx.step, worker=entry.worker)
         if entry.queued_at is not None and entry.started_at is not None:
             view.queue_wait = round(max(entry.started_at - entry.queued_at, 0.0), 4)

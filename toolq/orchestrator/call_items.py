@@ -29,14 +29,17 @@ _OUTPUT_HEADER = "\nOutput:\n"
 
 
 def call_view(tool: str, inv: ToolInvocation | None, live_output: str, result: ToolResult | None,
-              **fields: Any) -> ToolCallView:
-    """The item for one call; `fields` are toolq's call fields (id, state, step, worker...)."""
+              session_command: str | None = None, **fields: Any) -> ToolCallView:
+    """The item for one call; `fields` are toolq's call fields (id, state, step, worker...).
+    `session_command`: a write_stdin's session's command line, once the call is routed."""
     if inv is not None and inv.tool_name.namespace is None:
         if tool == "exec_command" and (args := _arguments(inv)) is not None and isinstance(args.get("cmd"), str):
             shell = args.get("shell") if isinstance(args.get("shell"), str) else "bash"
-            output = live_output if result is None else result_output(result)
             return CommandExecutionView(tool=tool, command=shlex.join([shell or "bash", "-c", args["cmd"]]),
-                                        aggregated_output=truncate_text(output, AGGREGATED_POLICY), **fields)
+                                        aggregated_output=_aggregated(live_output, result), **fields)
+        if tool == "write_stdin":  # Codex's exec --json has no item of its own for a poll: see ARCHITECTURE
+            return CommandExecutionView(tool=tool, command=session_command or "",
+                                        aggregated_output=_aggregated(live_output, result), **fields)
         if tool == "apply_patch" and isinstance(inv.payload, CustomPayload):
             return FileChangeView(tool=tool, changes=patch_changes(inv.payload.input, inv.workspace), **fields)
         if tool == "update_plan" and (args := _arguments(inv)) is not None and isinstance(args.get("plan"), list):
@@ -44,6 +47,11 @@ def call_view(tool: str, inv: ToolInvocation | None, live_output: str, result: T
                                                            completed=s.get("status") == "completed")
                                                   for s in args["plan"] if isinstance(s, dict)], **fields)
     return ToolCallView(tool=tool, **fields)
+
+
+def _aggregated(live_output: str, result: ToolResult | None) -> str:
+    output = live_output if result is None else result_output(result)
+    return truncate_text(output, AGGREGATED_POLICY)
 
 
 def result_output(result: ToolResult) -> str:

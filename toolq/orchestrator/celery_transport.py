@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Callable
 
 from toolq.orchestrator.calls import ToolInvocation
@@ -10,6 +11,7 @@ from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.results import ResultRouter
 from toolq.orchestrator.transport import CallWatch
 from toolq.workers.catalog import ToolSpec
+from toolq.workers.sessions.registry import SessionRecord
 
 
 #: How stale a fleet catalog read the lost-worker check may use (every running call asks each second).
@@ -36,7 +38,12 @@ class CeleryTransport:
         self._instances.pop(task_id, None)
 
     async def send(self, inv: ToolInvocation, spec: ToolSpec) -> None:
-        if not await self.dispatcher.dispatch(inv, spec):
+        watch = self.router.watch(inv.task_id)
+
+        def routed(session: SessionRecord) -> None:
+            watch.session_command = shlex.join([session.shell, "-c", session.command])
+
+        if not await self.dispatcher.dispatch(inv, spec, on_session=routed):
             # Queued before (a restarted orchestrator): it may have finished already.
             await self.router.catch_up([inv.task_id])
 

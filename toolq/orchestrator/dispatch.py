@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from redis.exceptions import RedisError
 
@@ -29,6 +29,7 @@ from toolq.orchestrator.transport import DispatchError
 from toolq.workers.advert import tool_queue
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.contracts import TIME_LIMIT_MARGIN, task_name
+from toolq.workers.sessions.registry import SessionRecord, instance_queue
 from toolq.workers.signing import Signer
 
 if TYPE_CHECKING:
@@ -134,8 +135,10 @@ class Dispatcher:
         async with self._control:
             return await self._run(fn, *args, **kwargs)
 
-    async def dispatch(self, inv: ToolInvocation, spec: ToolSpec) -> bool:
-        """Queue the call; False if it had been queued before (it is not sent again)."""
+    async def dispatch(self, inv: ToolInvocation, spec: ToolSpec,
+                       on_session: Callable[[SessionRecord], None] | None = None) -> bool:
+        """Queue the call; False if it had been queued before (it is not sent again). `on_session`
+        hears the record of a write_stdin's session once it is routed (the view shows its command)."""
         try:
             if not await self.ledger.claim(inv, spec.queue):
                 if not await self.ledger.never_sent(inv.task_id):
@@ -147,10 +150,13 @@ class Dispatcher:
                 log.warning("↻ %s was claimed but never sent (its orchestrator died); sending it now", inv.call_id)
             if str(spec.tool_name) == session_route.TOOL:  # sessions hook: to the worker holding it
                 try:
-                    queue = await session_route.queue_for(self.ledger.r, inv)
+                    session = await session_route.session_for(self.ledger.r, inv)
                 except DispatchError:
                     await self.ledger.set_state(inv.task_id, CallState.FAILED, finished_at=time.time())
                     raise
+                queue = instance_queue(session.instance)
+                if on_session is not None:
+                    on_session(session)
             else:
                 unserved = await self.fleet.unserved(spec)  # fleet catalog hook: no live worker serves it
                 if unserved:

@@ -16,7 +16,7 @@ from toolq.orchestrator import keys
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation
 from toolq.orchestrator.states import CallState
 from toolq.orchestrator.transport import DispatchError
-from toolq.workers.sessions.registry import SessionRecord, instance_queue, sessions_key
+from toolq.workers.sessions.registry import SessionRecord, sessions_key
 
 TOOL = "write_stdin"
 
@@ -26,8 +26,9 @@ def unknown(session_id: object) -> DispatchError:
                          output=f"write_stdin failed: Unknown process id {session_id}")
 
 
-async def queue_for(r, inv: ToolInvocation) -> str:
-    """The queue of the instance holding the call's session; DispatchError (with the output) if none."""
+async def session_for(r, inv: ToolInvocation) -> SessionRecord:
+    """The record of the call's session (its instance's queue is `instance_queue(record.instance)`);
+    DispatchError (with the output) if none."""
     try:
         assert isinstance(inv.payload, FunctionPayload)
         session_id = int(json.loads(inv.payload.arguments)["session_id"])
@@ -45,7 +46,7 @@ async def queue_for(r, inv: ToolInvocation) -> str:
         raise DispatchError("session lost", state=CallState.FAILED, output=(
             f"write_stdin failed: session {session_id} was lost with its worker {record.hostname} "
             f"(the worker is gone; `{record.command[:80]}` is no longer running); start it again with exec_command"))
-    return instance_queue(record.instance)
+    return record
 
 
 async def live_sessions(r, conversation: str) -> list[SessionRecord]:

@@ -55,6 +55,8 @@ class CallWatch:
     """Hears the call's output while it runs (toolq/workers/streaming.py); shown, never its output."""
     output_seq: int = 0
     """The last output batch heard: an older or replayed one is dropped."""
+    session_command: str | None = None
+    """A write_stdin's session's command line, from its record when it was routed (for the view)."""
 
     def set_started(self, hostname: str | None) -> None:
         if self.hostname is not None or self.done.done():

@@ -59,7 +59,8 @@ class ToolCallView(_Json):
 
 
 class CommandExecutionView(ToolCallView):
-    """An exec_command call as Codex's `command_execution` item; `aggregated_output` grows in
+    """An exec_command call (or a write_stdin to its session: `command` is the session's) as
+    Codex's `command_execution` item; `aggregated_output` grows in
     `item.updated` events while it runs (streamed by the worker, shown only: the call's output is
     its signed result), and on completion is the result's output section."""
 

@@ -101,8 +101,9 @@ class LiveView(_View):
         seen = self._commands.setdefault(item.id, _Shown())
         if item.state is not seen.state or not isinstance(event, ItemUpdated):
             self.write(self._call_line(item))
-        if seen.state is None:
+        if not seen.command_shown and item.command:  # a write_stdin's is known once it is routed
             self.write(f"    $ {_cut(item.command)}")
+            seen.command_shown = True
         seen.state = item.state
         if item.state.terminal:
             self._commands.pop(item.id, None)
@@ -135,6 +136,7 @@ class _Shown:
 
     state: CallState | None = None
     shown: int = 0
+    command_shown: bool = False
 
 
 def _cut(text: str) -> str:

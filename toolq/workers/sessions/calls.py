@@ -30,7 +30,7 @@ def exec_in_host(cmd: str, *, shell: str, cwd: Path, tty: bool, yield_ms: float,
 
 def write_in_host(session_id: int, chars: str, yield_ms: float, ctx: ToolContext) -> Reply:
     request = WriteRequest(conversation=ctx.invocation.conversation or "", session_id=session_id, chars=chars,
-                           yield_ms=yield_ms)
+                           yield_ms=yield_ms, stream=ctx.output is not None)
     return _call(request, ctx, yield_ms, "write_stdin")
 
 

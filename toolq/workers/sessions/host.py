@@ -50,6 +50,19 @@ TAIL_BYTES = 4096
 SLOTS_PER_SESSION_LIMIT = 4
 
 
+@dataclass(eq=False)
+class Watcher:
+    """A streaming request's share of a process's output: not yet sent to it, and what it may still get."""
+
+    unsent: bytearray
+    left: int
+
+    def add(self, chunk: bytes) -> None:
+        take = chunk[:self.left]
+        self.unsent += take
+        self.left -= len(take)
+
+
 @dataclass(eq=False)  # hashed by identity: held in sets
 class Process:
     proc: subprocess.Popen
@@ -59,6 +72,7 @@ class Process:
     command: str
     conversation: str
     launch: isolation.Launch | None
+    shell: str = "bash"
     started: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     pending: HeadTailBuffer = field(default_factory=lambda: HeadTailBuffer(DEFAULT_OUTPUT_CAP))
@@ -71,9 +85,8 @@ class Process:
     """The last output bytes, for the line naming a sandbox limit the command hit."""
     limit_note: str | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
-    watched: bytearray | None = None
-    """While a streaming request waits: output not yet sent to it (at most `STREAM_BYTES` per request)."""
-    watch_left: int = 0
+    watchers: list[Watcher] = field(default_factory=list)
+    """The streaming requests waiting on it (a session may have two polls at once)."""
 
     def take_output(self) -> bytes:
         with self.cond:
@@ -144,7 +157,7 @@ class Host:
             assert proc.stdout is not None
             fd = proc.stdout.fileno()
         p = Process(proc=proc, fd=fd, tty=req.tty, command=req.cmd, conversation=req.conversation, launch=launch,
-                    slot=slot)
+                    shell=req.shell, slot=slot)
         with self.lock:
             self.running.add(p)
         threading.Thread(target=self._pump, args=(p,), name="toolq-session-pump", daemon=True).start()
@@ -172,9 +185,8 @@ class Host:
                     with p.cond:
                         p.pending.write(chunk)
                         p.tail = (p.tail + chunk)[-TAIL_BYTES:]
-                        if p.watched is not None and p.watch_left > 0:
-                            p.watched += chunk[:p.watch_left]
-                            p.watch_left -= min(len(chunk), p.watch_left)
+                        for w in p.watchers:
+                            w.add(chunk)
                         p.cond.notify_all()
             if exited_at is not None and (eof or time.monotonic() >= exited_at + DRAIN_TIMEOUT):
                 break
@@ -209,16 +221,19 @@ class Host:
         `stream`, what the process prints meanwhile is sent to the caller as it comes."""
         deadline = time.monotonic() + yield_s
         with p.cond:
-            if stream:
-                p.watched, p.watch_left = bytearray(), STREAM_BYTES
+            watcher = None
+            if stream:  # a poll shows what its reply will hold: what came since the last call, too
+                watcher = Watcher(bytearray(), STREAM_BYTES)
+                watcher.add(p.pending.getvalue())
+                p.watchers.append(watcher)
             try:
                 while not p.done and (left := deadline - time.monotonic()) > 0:
                     p.cond.wait(min(left, STEP))
                     if _hung_up(conn):
                         return False
-                    if p.watched:
-                        frame = OutputFrame(progress=_b64(bytes(p.watched)))
-                        p.watched.clear()
+                    if watcher is not None and watcher.unsent:
+                        frame = OutputFrame(progress=_b64(bytes(watcher.unsent)))
+                        watcher.unsent.clear()
                         p.cond.release()  # a slow reader must not hold up the pump
                         try:
                             conn.sendall(frame.model_dump_json().encode() + b"\n")
@@ -227,7 +242,8 @@ class Host:
                         finally:
                             p.cond.acquire()
             finally:
-                p.watched = None
+                if watcher is not None:
+                    p.watchers.remove(watcher)
         return True
 
     def reply_for(self, p: Process, started: float) -> Reply:
@@ -257,7 +273,7 @@ class Host:
 
     def _register(self, p: Process) -> int:
         session_id = int(self.r.incr(next_id_key(p.conversation))) if self.r is not None else next(self._ids)
-        record = SessionRecord.new(session_id, self.instance, self.hostname, p.command, p.tty)
+        record = SessionRecord.new(session_id, self.instance, self.hostname, p.command, p.tty, p.shell)
         if self.r is not None:
             with self.r.pipeline(transaction=True) as pipe:
                 pipe.hset(sessions_key(p.conversation), str(session_id), record.model_dump_json())
@@ -307,7 +323,7 @@ class Host:
                 os.write(p.fd, req.chars.encode())
             except OSError as e:
                 return Reply(error=f"write_stdin failed: {e.strerror or e}")
-        if not self.collect(p, req.yield_ms / 1000, conn):
+        if not self.collect(p, req.yield_ms / 1000, conn, stream=req.stream):
             return None  # the session stays: only its poll was cut short
         return self.reply_for(p, started)
 

@@ -11,6 +11,8 @@ class _Request(BaseModel):
     conversation: str
     """Sessions answer only their own conversation."""
     yield_ms: float
+    stream: bool = False
+    """Send the output as it comes, in `OutputFrame` lines before the reply (the call streams it)."""
 
 
 class ExecRequest(_Request):
@@ -21,8 +23,6 @@ class ExecRequest(_Request):
     workspace: str
     env: dict[str, str]
     tty: bool = False
-    stream: bool = False
-    """Send the output as it comes, in `OutputFrame` lines before the reply (the call streams it)."""
 
 
 class WriteRequest(_Request):

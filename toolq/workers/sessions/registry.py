@@ -42,8 +42,11 @@ class SessionRecord(BaseModel):
     command: str
     started_at: float
     tty: bool = False
+    shell: str = "bash"
+    """What runs `command` (`shell -c command`), for the command line a write_stdin's item shows."""
 
     @classmethod
-    def new(cls, session_id: int, instance: str, hostname: str, command: str, tty: bool) -> SessionRecord:
+    def new(cls, session_id: int, instance: str, hostname: str, command: str, tty: bool,
+            shell: str = "bash") -> SessionRecord:
         return cls(session_id=session_id, instance=instance, hostname=hostname, command=command[:300],
-                   started_at=time.time(), tty=tty)
+                   started_at=time.time(), tty=tty, shell=shell)
