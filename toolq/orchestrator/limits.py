@@ -77,6 +77,10 @@ class FleetLimits(Limits):
         self._queues: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         """Per tool (and per tool's rate): this process's waiters, first come first served."""
         self._released: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self._waiting: set[str] = set()
+        """Tools a caller here waits for (holding the tool's lock) because the fleet's permits are taken."""
+        self._behind: defaultdict[str, list[OnWait]] = defaultdict(list)
+        """Per tool, callers queued behind a try still under way: told if that try fails."""
         self._held: dict[str, Permit] = {}
         """Task id -> the permit this process holds for it (renewed until released)."""
         self._keeper: asyncio.Task | None = None
@@ -112,25 +116,50 @@ class FleetLimits(Limits):
     # --- max_concurrency ---------------------------------------------------------------------------
 
     async def _take(self, permit: Permit, task_id: str, deadline: float, on_wait: OnWait) -> bool:
-        queue = self._queues[permit.tool]
-        if not queue.locked() and await self._try(permit, task_id):  # nobody here waits before it
-            return True
-        on_wait(f"max_concurrency={permit.limit} of {permit.tool}")
-        self._listen()
-        async with queue:
-            delay = FIRST_RETRY
-            released = self._released[permit.tool]
-            while True:
-                released.clear()  # before trying: a release from here on wakes the wait below
+        # This process's callers try in arrival order (a step's calls in call order): two tries at
+        # once could reach Redis in either order and let a later call take the permit first. One
+        # that finds a waiter ahead is held back at once; one behind a quick try, if that try fails.
+        tool, why = permit.tool, f"max_concurrency={permit.limit} of {permit.tool}"
+        queue, behind = self._queues[tool], self._behind[tool]
+        if queue.locked():
+            if tool in self._waiting:
+                on_wait(why)
+            else:
+                behind.append(on_wait)
+        try:
+            async with queue:
+                if on_wait in behind:
+                    behind.remove(on_wait)
                 if await self._try(permit, task_id):
                     return True
-                remaining = deadline - time.time()
-                if remaining <= 0:
-                    return False
+                on_wait(why)
+                for held_back in behind:
+                    held_back(why)
+                behind.clear()
+                self._waiting.add(tool)
                 try:
-                    await asyncio.wait_for(released.wait(), timeout=min(delay, remaining))
-                except asyncio.TimeoutError:
-                    delay = min(delay * 2, MAX_RETRY)
+                    return await self._wait_for_permit(permit, task_id, deadline)
+                finally:
+                    self._waiting.discard(tool)
+        finally:
+            if on_wait in behind:
+                behind.remove(on_wait)
+
+    async def _wait_for_permit(self, permit: Permit, task_id: str, deadline: float) -> bool:
+        self._listen()
+        delay = FIRST_RETRY
+        released = self._released[permit.tool]
+        while True:
+            released.clear()  # before trying: a release from here on wakes the wait below
+            if await self._try(permit, task_id):
+                return True
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(released.wait(), timeout=min(delay, remaining))
+            except asyncio.TimeoutError:
+                delay = min(delay * 2, MAX_RETRY)
 
     async def _try(self, permit: Permit, task_id: str) -> bool:
         try:
