@@ -138,3 +138,13 @@ def test_every_strict_builtin_schema_follows_the_strict_rules():
     assert strict, "no strict built-in tools to check"
     for spec in strict:
         assert strict_problems(spec.parameters) == [], spec.name
+
+
+def test_every_builtin_declaration_is_a_valid_json_schema():
+    """Start-up no longer checks toolq's own `parameters=` (catalog.CHECKED_PACKAGES): this does."""
+    from toolq.workers.loader import load_catalog
+
+    specs = [s for s in load_catalog(()) if s.parameters is not None]
+    assert {str(s.tool_name) for s in specs} >= {"exec_command", "write_stdin", "read_file"}
+    for spec in specs:
+        Draft202012Validator.check_schema(spec.parameters)

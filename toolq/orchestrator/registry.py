@@ -8,14 +8,15 @@ a payload kind the tool does not take raises `Fatal`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import ValidationError as SchemaError
+from typing import TYPE_CHECKING, Any
 
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolInvocation, ToolName
 from toolq.orchestrator.errors import Fatal, RespondToModel
 from toolq.workers.catalog import Catalog, ToolSpec, is_nullable, load_arguments, map_subschemas
+
+if TYPE_CHECKING:
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import ValidationError as SchemaError
 
 #: Codex's `functions` namespace also names the top-level tools (codex-reference S7).
 FUNCTIONS_NAMESPACE = "functions"
@@ -37,13 +38,11 @@ class Registry:
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
         self._validators: dict[ToolName, Draft202012Validator] = {}
-        for spec in catalog:
-            self._index(spec)
+        """Compiled at a tool's first call, not here: a turn whose model calls no such tool never
+        loads jsonschema (a quarter of `toolq run`'s start-up imports)."""
 
     def _index(self, spec: ToolSpec) -> None:
-        if spec.kind == "function" and spec.parameters is not None:
-            Draft202012Validator.check_schema(spec.parameters)
-            self._validators[spec.tool_name] = Draft202012Validator(_nullable_is_optional(spec.parameters))
+        self._validators.pop(spec.tool_name, None)  # a new declaration: compiled again when called
 
     def add(self, specs: list[ToolSpec]) -> None:
         """Tools learned rather than loaded here (the fleet's MCP namespaces use `replace_namespace`)."""
@@ -56,8 +55,6 @@ class Registry:
         for name in [n for n in self._validators if n.namespace == namespace]:
             del self._validators[name]
         self.catalog.replace_namespace(namespace, specs)
-        for spec in specs:
-            self._index(spec)
 
     def lookup(self, name: ToolName) -> ToolSpec | None:
         spec = self.catalog.get(name)
@@ -89,7 +86,7 @@ class Registry:
 
     def _validate_arguments(self, spec: ToolSpec, raw: str) -> None:
         args = load_arguments(raw)
-        validator = self._validators.get(spec.tool_name)
+        validator = self._validator(spec)
         if validator is None:
             return
         try:
@@ -98,6 +95,22 @@ class Registry:
             raise RespondToModel("failed to parse function arguments: nesting too deep for the schema") from None
         if error is not None:
             raise RespondToModel(f"failed to parse function arguments: {describe_schema_error(error)}")
+
+    def _validator(self, spec: ToolSpec) -> Draft202012Validator | None:
+        if spec.kind != "function" or spec.parameters is None:
+            return None
+        validator = self._validators.get(spec.tool_name)
+        if validator is None:
+            from jsonschema import Draft202012Validator
+            from jsonschema.exceptions import SchemaError as InvalidSchema
+
+            try:  # declarations are checked where they are made; one learned from the fleet is checked here
+                Draft202012Validator.check_schema(spec.parameters)
+            except InvalidSchema as e:
+                raise RespondToModel(f"tool {spec.tool_name.display()} declares an invalid parameters schema: "
+                                     f"{e.message}") from None
+            validator = self._validators[spec.tool_name] = Draft202012Validator(_nullable_is_optional(spec.parameters))
+        return validator
 
     def model_visible_specs(self, loaded: set[ToolName] | frozenset[ToolName] = frozenset()) -> list[dict[str, Any]]:
         """Tools for the request's `tools`: deferred ones only once a search has loaded them.

@@ -1,6 +1,10 @@
 """The built-in tools. Importing this package registers each of them in `toolq.workers.catalog.CATALOG`."""
 
-from toolq.workers.tools import (  # noqa: F401
+from toolq.workers import catalog
+
+catalog.CHECKED_PACKAGES.add(__name__ + ".")  # before the tools declare themselves (see there)
+
+from toolq.workers.tools import (  # noqa: E402, F401
     apply_patch,
     exec_command,
     grep_files,
