@@ -159,12 +159,16 @@ class ChildProcess:
     def kill(self) -> None:
         """SIGKILL the whole group at once (children included)."""
         if self.proc is not None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait(5)
             self.proc = None
 
     def __enter__(self):  # noqa: ANN204 - returns the subclass
-        return self.start()
+        # `with X().start():` enters a started process: starting it again leaked the first one.
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -275,6 +279,14 @@ class WorkerProcess(ChildProcess):
     def wait_ready(self, timeout: float = 30) -> None:
         wait_for(self.ready, timeout, f"worker {self.name}", self.log)
 
+    def ran_nothing(self) -> bool:
+        """Whether it never received a task (Celery logs each one received), booting or not: such
+        a worker has nothing to finish, and is killed rather than shut down warm."""
+        try:
+            return "] received" not in self.log.read_text(errors="replace")
+        except OSError:
+            return False
+
     def ready(self) -> bool:
         """Whether it has logged that it is ready; raises if it exited first."""
         if self.proc is not None and self.proc.poll() is not None:
@@ -381,10 +393,20 @@ class EmbeddedStack:
         # All warm shutdowns at once: the stack stops in the time of the slowest worker, not the sum.
         # A worker still booting dies at once (it has run nothing; its temporary files are ours).
         self._closing.set()
+        # Killed, what a worker made goes only where the stack's private TMPDIR holds it.
+        idle = [w for w in self.workers if w.ran_nothing()] if "TMPDIR" in self.worker_env() else []
         for w in self.workers:
-            w.terminate()
+            if w in idle:  # a warm shutdown caught during or just after the boot took ~3 s
+                w.kill()
+            else:
+                w.terminate()
         for w in self.workers:
-            w.stop()
+            if w not in idle:
+                w.stop()
+        if idle:  # a killed worker leaves its pool children's cgroups (a warm shutdown removes them)
+            from toolq.workers.isolation.limits import remove_stale_pool_cgroups
+
+            remove_stale_pool_cgroups()
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         boot_failed = not self.starting.booting and self.starting.error is not None and not self._closing.is_set()
