@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 import redis
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.fleet import Fleet
 from toolq.workers.streaming import STREAM_BYTES
-from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS, settings_for
+from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS
 from tests.integration.test_builtin_tools import exec_parts
 
 pytestmark = pytest.mark.integration

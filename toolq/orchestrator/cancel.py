@@ -15,9 +15,10 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from toolq.orchestrator.dispatch import Dispatcher
-from toolq.orchestrator.ledger import TERMINAL, Ledger
+from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.runtime_dir import ledgers
 from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.states import TERMINAL
 
 
 @dataclass

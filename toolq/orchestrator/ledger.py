@@ -17,7 +17,7 @@ from toolq.orchestrator import keys
 from toolq.orchestrator.calls import ToolInvocation
 from toolq.orchestrator.cancel_listener import CancelListener
 from toolq.orchestrator.redis_pool import DEFAULT_CONNECTIONS, blocking_client
-from toolq.orchestrator.states import TERMINAL, CallState  # noqa: F401 (TERMINAL: read by cancel.py)
+from toolq.orchestrator.states import CallState
 
 
 # KEYS: call record, turn's task list, turn's call_id index. ARGV: ttl, task id, call id, record...

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-
 from toolq.orchestrator.errors import RespondToModel
 from tests.unit.tools import call
 from tests.unit.tools.test_view_image import PNG

@@ -9,7 +9,6 @@ Calls are sequential, the two interleaved in rounds so both see the same machine
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import shlex
 import sys
