@@ -19,11 +19,12 @@ from toolq.orchestrator.bench import chaos
 
 pytestmark = pytest.mark.integration
 
-TURNS = len(chaos.FLEET_FAULTS)
+TURNS = len(chaos.SUITE_FLEET_FAULTS)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_a_seeded_fault_campaign_keeps_every_contract(seed, tmp_path):
-    tally = chaos.campaign(seed, TURNS, tmp_path)
-    assert tally.turns == TURNS and tally.faults["fleet:kill_orchestrator_mid_stream"] == 1
+    tally = chaos.campaign(seed, TURNS, tmp_path, chaos.SUITE_FLEET_FAULTS)
+    assert tally.turns == TURNS
+    assert all(tally.faults[f"fleet:{f}"] == 1 for f in chaos.SUITE_FLEET_FAULTS if f != "none"), tally.faults
     assert tally.violations == [], "\n".join(chaos.report(tally))
