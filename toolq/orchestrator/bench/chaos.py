@@ -4,15 +4,21 @@ by tests/integration/test_campaign.py.
 Each campaign owns its stack (a private Redis, AOF on for odd seeds and off for even ones, a real
 prefork worker loading `chaos_tools`) and the fake model. Every turn draws a shape (a few calls, a
 32-call step, a 10 MB output, duplicate call_ids), a stream fault (HTTP 500/429, a cut stream, a
-malformed frame) and a fleet fault (a cancel or a SIGKILLed pool child mid-call, a Redis restart,
-or a SIGKILLed orchestrator, mid-call or mid-stream before `response.completed`, followed by
-`toolq resume`). Nothing raises on a broken contract: each is counted as a violation and named,
-so the bench prints the whole table and the test asserts it is empty.
+malformed frame, a stall longer than the client's idle timeout) and a fleet fault (a cancel of the
+turn mid-call, mid-stream before `response.completed` or before any call came, a cancel of one
+call as `toolq cancel TURN --call` does, a SIGKILLed pool child or whole worker mid-call, a warm
+shutdown mid-call (each followed by a new worker), a Redis restart, or a SIGKILLed orchestrator,
+mid-call or mid-stream, followed by `toolq resume`). Nothing raises on a broken contract: each is
+counted as a violation and named, so the bench prints the whole table and the test asserts it is
+empty. The suite leaves out `BENCH_ONLY` faults (what they find is not fixed yet).
 
 Checked on every turn: every model request's input is paired, the final history answers every
 call exactly once, no call ran more often than it was asked for (the tools' own evidence), a
 completed turn ran every call, one terminal event, a cancel ends `cancelled`, the turn ended within
 its deadline, the calls' processes are gone; after the campaign, nothing it started is running.
+The call a fault hit is told the truth: a cancelled call `cancelled`, a call on a SIGKILLed worker
+`lost` (it may have run), a call on a worker shut down warm `completed` only if it finished; no
+call is answered `completed` without having run; a stalled stream is retried after the idle timeout.
 """
 
 from __future__ import annotations
@@ -62,8 +68,10 @@ HELD = ("kill_orchestrator_mid_stream", "cancel_mid_stream", "cancel_before_star
 #: Fleet faults that cost a worker mid-call: its calls may be answered `lost`, not run.
 WORKER_LOST = ("kill_worker", "warm_shutdown")
 #: Faults the bench mixes in but the suite's campaign leaves out, until what they find is fixed:
-#: a SIGKILLed worker can take a call's task with it (started, its STARTED not yet recorded, or
-#: reserved), and that call is only answered at the turn's deadline, which fails the turn.
+#: a SIGKILLed worker takes with it a task it had reserved (prefetched, acks_late) but not started;
+#: Redis gives it back only after the visibility timeout (longer than a turn), and the barrier
+#: probes only the worker of a call that reported starting, so the call waits for the turn's
+#: deadline, is answered `timed_out` ("before any worker reported starting it") and the turn fails.
 BENCH_ONLY = ("kill_worker",)
 SUITE_FLEET_FAULTS = tuple(f for f in FLEET_FAULTS if f not in BENCH_ONLY)
 SHAPES = ("calls", "calls", "wide", "flood")
@@ -240,7 +248,8 @@ class Campaign:
             os.kill(old.proc.pid, signal.SIGTERM)
             self.retired.append(old)
             self.generation += 1
-            name = old.name.replace("@", f"-{self.generation}@")
+            base, _, host = old.name.partition("@")
+            name = f"{base.split('-w')[0]}-w{self.generation}@{host}"
             self.worker = self.new_worker(name)
         else:
             os.killpg(old.proc.pid, signal.SIGKILL)
