@@ -58,3 +58,25 @@ def test_a_bad_seed_is_one_line_and_exit_2(capsys):
 
 def test_the_campaign_is_not_part_of_a_plain_toolq_bench():
     assert "chaos" not in cli.BENCHMARKS and "chaos" in cli.CAMPAIGNS
+
+
+def test_the_suites_deck_meets_each_of_its_faults_once_and_none_left_to_the_bench():
+    p = chaos.Planner(5, chaos.SUITE_FLEET_FAULTS)
+    fleet = [p.plan(t).fleet for t in range(len(chaos.SUITE_FLEET_FAULTS))]
+    assert sorted(fleet) == sorted(chaos.SUITE_FLEET_FAULTS)
+    assert not set(fleet) & set(chaos.BENCH_ONLY)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_held_and_stalled_responses_are_scripted_where_their_fault_needs_them(seed):
+    p = chaos.Planner(seed)
+    for t in range(22):
+        plan = p.plan(t)
+        first = plan.script[-2]  # the response with the calls (after any 500/429)
+        directives = [i.get("directive") for i in steps(first)]
+        if plan.fleet in chaos.HELD:  # a stream fault at the end would never be reached
+            assert plan.stream in ("none", "500", "429")
+        if plan.fleet == "cancel_before_start":  # the silence comes before any call, short of the idle timeout
+            assert directives[0] == "stall" and steps(first)[0]["seconds"] < chaos.IDLE_TIMEOUT
+        elif plan.stream == "stall":  # longer than the client's idle timeout, after the calls
+            assert directives[-1] == "stall" and steps(first)[-1]["seconds"] > chaos.IDLE_TIMEOUT

@@ -122,6 +122,16 @@ def _set_state(r: redis.Redis, inv: ToolInvocation, **fields: Any) -> None:
         p.execute()
 
 
+def _record_end(r: redis.Redis, inv: ToolInvocation, status: CallState) -> None:
+    """The call ran: its result is its output even when the ledger cannot hear of it (Redis
+    restarting). Raising here answered a call that had completed as `failed` (the fault campaign)."""
+    try:
+        _set_state(r, inv, state=status, finished_at=time.time())
+    except redis.RedisError as e:
+        log.warning("%s %s ended %s, but Redis could not record it (%s); its result is returned",
+                    inv.call_id, inv.tool_name, status, e)
+
+
 def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redelivery: bool = False,
             time_limit_errors: tuple[type[BaseException], ...] = (), signer: Signer | None = None) -> dict:
     """`time_limit_errors`: what the pool raises inside a tool at its soft time limit. `signer`
@@ -190,7 +200,7 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
     try:
         status, output, extra = run_invocation(inv, spec, catalog, hostname, lambda: is_cancelled(r, inv),
                                                time_limit_errors, output_stream(inv, r, signer))
-        _set_state(r, inv, state=status, finished_at=time.time())
+        _record_end(r, inv, status)
     finally:
         if inv.permit is not None:  # after finished_at is written: the next holder starts after it
             permit.release(r, inv)

@@ -4,15 +4,21 @@ by tests/integration/test_campaign.py.
 Each campaign owns its stack (a private Redis, AOF on for odd seeds and off for even ones, a real
 prefork worker loading `chaos_tools`) and the fake model. Every turn draws a shape (a few calls, a
 32-call step, a 10 MB output, duplicate call_ids), a stream fault (HTTP 500/429, a cut stream, a
-malformed frame) and a fleet fault (a cancel or a SIGKILLed pool child mid-call, a Redis restart,
-or a SIGKILLed orchestrator, mid-call or mid-stream before `response.completed`, followed by
-`toolq resume`). Nothing raises on a broken contract: each is counted as a violation and named,
-so the bench prints the whole table and the test asserts it is empty.
+malformed frame, a stall longer than the client's idle timeout) and a fleet fault (a cancel of the
+turn mid-call, mid-stream before `response.completed` or before any call came, a cancel of one
+call as `toolq cancel TURN --call` does, a SIGKILLed pool child or whole worker mid-call, a warm
+shutdown mid-call (each followed by a new worker), a Redis restart, or a SIGKILLed orchestrator,
+mid-call or mid-stream, followed by `toolq resume`). Nothing raises on a broken contract: each is
+counted as a violation and named, so the bench prints the whole table and the test asserts it is
+empty. The suite leaves out `BENCH_ONLY` faults (what they find is not fixed yet).
 
 Checked on every turn: every model request's input is paired, the final history answers every
 call exactly once, no call ran more often than it was asked for (the tools' own evidence), a
 completed turn ran every call, one terminal event, a cancel ends `cancelled`, the turn ended within
 its deadline, the calls' processes are gone; after the campaign, nothing it started is running.
+The call a fault hit is told the truth: a cancelled call `cancelled`, a call on a SIGKILLed worker
+`lost` (it may have run), a call on a worker shut down warm `completed` only if it finished; no
+call is answered `completed` without having run; a stalled stream is retried after the idle timeout.
 """
 
 from __future__ import annotations
@@ -47,8 +53,27 @@ LATE_BY = 10.0
 #: The killed orchestrator's lease: `toolq resume` may take over this long after the kill.
 LEASE = 1.0
 
-STREAM_FAULTS = ("none", "500", "429", "cut", "malformed")
-FLEET_FAULTS = ("none", "cancel", "kill_child", "redis_restart", "kill_orchestrator", "kill_orchestrator_mid_stream")
+#: The client's stream idle timeout (TOOLQ_STREAM_IDLE_TIMEOUT); a stalled stream stalls longer.
+IDLE_TIMEOUT = 3.0
+STALL = IDLE_TIMEOUT + 2
+#: How long a warm shutdown may take before the worker is SIGKILLed (the hang call sleeps 6 s).
+WARM_GRACE = 15.0
+
+STREAM_FAULTS = ("none", "500", "429", "cut", "malformed", "stall")
+FLEET_FAULTS = ("none", "cancel", "cancel_call", "cancel_before_start", "cancel_mid_stream", "kill_child",
+                "kill_worker", "warm_shutdown", "redis_restart", "kill_orchestrator", "kill_orchestrator_mid_stream")
+#: Fleet faults whose response is held (a gate, a stall before any call): a stream fault at the
+#: response's end would never be reached.
+HELD = ("kill_orchestrator_mid_stream", "cancel_mid_stream", "cancel_before_start")
+#: Fleet faults that cost a worker mid-call: its calls may be answered `lost`, not run.
+WORKER_LOST = ("kill_worker", "warm_shutdown")
+#: Faults the bench mixes in but the suite's campaign leaves out, until what they find is fixed:
+#: a SIGKILLed worker takes with it a task it had reserved (prefetched, acks_late) but not started;
+#: Redis gives it back only after the visibility timeout (longer than a turn), and the barrier
+#: probes only the worker of a call that reported starting, so the call waits for the turn's
+#: deadline, is answered `timed_out` ("before any worker reported starting it") and the turn fails.
+BENCH_ONLY = ("kill_worker",)
+SUITE_FLEET_FAULTS = tuple(f for f in FLEET_FAULTS if f not in BENCH_ONLY)
 SHAPES = ("calls", "calls", "wide", "flood")
 WIDE = 32
 TERMINAL = ("turn.completed", "turn.aborted", "turn.failed")
@@ -88,15 +113,15 @@ class Deck:
 
 
 class Planner:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, fleet: tuple[str, ...] = FLEET_FAULTS) -> None:
         self.rng = random.Random(seed)
-        self.shapes, self.fleet = Deck(self.rng, SHAPES), Deck(self.rng, FLEET_FAULTS)
+        self.shapes, self.fleet = Deck(self.rng, SHAPES), Deck(self.rng, fleet)
 
     def plan(self, turn: int) -> TurnPlan:
         rng = self.rng
         shape, fleet = self.shapes.draw(), self.fleet.draw()
         # mid-stream, the response stops before its end: a cut or malformed end would never be sent
-        stream = rng.choice(STREAM_FAULTS[:3] if fleet == "kill_orchestrator_mid_stream" else STREAM_FAULTS)
+        stream = rng.choice(STREAM_FAULTS[:3] if fleet in HELD else STREAM_FAULTS)
         n = WIDE if shape == "wide" else rng.randint(1, 8)
         ids = [f"call_{turn}_{i}" for i in range(n)]
         if n > 1 and rng.random() < 0.3:
@@ -114,8 +139,12 @@ class Planner:
             script.append([b.http_error(500)])
         elif stream == "429":
             script.append([b.http_error(429, headers={"retry-after-ms": "50"})])
-        if fleet == "kill_orchestrator_mid_stream":  # the calls are committed; response.completed never comes
-            script.append(b.response(*calls, b.gate()))
+        if fleet in ("kill_orchestrator_mid_stream", "cancel_mid_stream"):
+            script.append(b.response(*calls, b.gate()))  # the calls are committed; response.completed never comes
+        elif fleet == "cancel_before_start":  # cancelled while the response has sent no call yet
+            script.append(b.response(b.stall(IDLE_TIMEOUT / 2), *calls))
+        elif stream == "stall":  # the client's idle timeout turns the silence into a retried request
+            script.append(b.response(*calls, b.stall(STALL)))
         elif stream == "cut":
             script.append(b.response(*calls, b.cut_after(clean=False)))
         elif stream == "malformed":
@@ -179,27 +208,63 @@ class Campaign:
         self.workspace = workdir / "workspace"
         self.workspace.mkdir(parents=True, exist_ok=True)
         self.server: Any = None
+        self.worker: Any = None
+        self.retired: list[Any] = []
+        """Workers shut down warm (stopped for good when the campaign ends)."""
+        self.generation = 0
         self.tally = Tally(seed, self.aof)
 
-    def run(self, turns: int) -> Tally:
+    def run(self, turns: int, fleet: tuple[str, ...] = FLEET_FAULTS) -> Tally:
         from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 
         started = time.monotonic()
         args = ["--appendonly", "yes", "--appendfsync", "always"] if self.aof else []
         with RedisServer(workdir=self._dir("redis"), args=args) as self.server:
-            worker = WorkerProcess(self.server.url, concurrency=self.concurrency, tools=[CHAOS_TOOLS],
-                                   env={"TOOLQ_SIGNING_KEY": self.signing_key}, logdir=self.workdir,
-                                   name=f"chaos{self.seed}-{self.server.port}@campaign").start()
+            self.worker = self.new_worker(f"chaos{self.seed}-{self.server.port}@campaign").start()
             try:
-                planner = Planner(self.seed)
+                planner = Planner(self.seed, fleet)
                 for turn in range(turns):
                     self.turn(planner.plan(turn))
             finally:
-                worker.stop(grace=3)
+                for w in (self.worker, *self.retired):
+                    w.stop(grace=3)
         self.tally.leftovers += [f"process {pid} still running after the campaign: {cmd}"
                                  for pid, cmd in processes_under(self.workdir)]
         self.tally.seconds = time.monotonic() - started
         return self.tally
+
+    def new_worker(self, name: str) -> Any:
+        from toolq.orchestrator.embedded import WorkerProcess
+
+        return WorkerProcess(self.server.url, concurrency=self.concurrency, tools=[CHAOS_TOOLS],
+                             env={"TOOLQ_SIGNING_KEY": self.signing_key}, logdir=self.workdir, name=name)
+
+    async def replace_worker(self, warm: bool) -> None:
+        """SIGKILL the worker's whole process group (a machine dying) and start it again under the
+        same name (as systemd would), or SIGTERM its main process (a warm shutdown: its running
+        calls may finish) and start a new one meanwhile, so later calls have somewhere to run."""
+        old = self.worker
+        if warm:
+            os.kill(old.proc.pid, signal.SIGTERM)
+            self.retired.append(old)
+            self.generation += 1
+            base, _, host = old.name.partition("@")
+            name = f"{base.split('-w')[0]}-w{self.generation}@{host}"
+            self.worker = self.new_worker(name)
+        else:
+            os.killpg(old.proc.pid, signal.SIGKILL)
+            await asyncio.to_thread(old.proc.wait, 5)
+            old.proc = None
+            self.generation += 1  # its log is evidence: the restart starts a new one
+            old.log.replace(old.log.with_suffix(f".killed-{self.generation}.log"))
+        self.worker.start(wait=False)  # from the loop's thread: the parent-death signal is tied to it
+        await asyncio.to_thread(self.worker.wait_ready)
+        if warm:  # `stop()` would SIGTERM the whole group, pool children too: no longer warm
+            try:
+                await asyncio.to_thread(old.proc.wait, WARM_GRACE)
+            except subprocess.TimeoutExpired:
+                pass
+            old.stop(grace=0)
 
     def _dir(self, name: str) -> Path:
         d = self.workdir / name
@@ -209,7 +274,7 @@ class Campaign:
     def settings(self, fake: FakeModel) -> Settings:
         return Settings(redis_url=self.server.url, openai_base_url=fake.base_url, openai_api_key="chaos",
                         workspace=self.workspace, tools=[CHAOS_TOOLS], signing_key=self.signing_key,
-                        turn_timeout=DEADLINE, turn_lease=LEASE)
+                        turn_timeout=DEADLINE, turn_lease=LEASE, stream_idle_timeout=IDLE_TIMEOUT)
 
     # --- one turn ------------------------------------------------------------------------------
 
@@ -241,7 +306,7 @@ class Campaign:
         session = Session(runtime)
         try:
             turn = asyncio.create_task(session.run_turn("go", lambda e: events.append(e.to_json())))
-            await self._fault(plan, session)
+            await self._fault(plan, session, fake)
             outcome = await turn
         finally:
             await session.close()
@@ -249,15 +314,27 @@ class Campaign:
         return TurnRun(outcome.status, events, [i.to_wire() for i in session.history.items], fake.requests,
                        time.monotonic() - started)
 
-    async def _fault(self, plan: TurnPlan, session: Any) -> None:
-        """Once the hang call runs: cancel the turn, SIGKILL its pool child, or restart Redis."""
+    async def _fault(self, plan: TurnPlan, session: Any, fake: FakeModel) -> None:
+        """Once the hang call runs: cancel the turn or the call alone, SIGKILL its pool child or
+        its whole worker, shut its worker down warm, or restart Redis. A cancel before start
+        comes while the response has sent no call."""
         if plan.fleet == "none":
+            return
+        if plan.fleet == "cancel_before_start":
+            await asyncio.to_thread(wait_until, lambda: fake.requests, 20)
+            session.cancel()
             return
         pid = await asyncio.to_thread(wait_for_pid, pid_file(self.workspace, plan.hang_id), 20)
         if pid is None:  # the stream fault ended the turn before the call started
             return
-        if plan.fleet == "cancel":
+        if plan.fleet in ("cancel", "cancel_mid_stream"):
             session.cancel()
+        elif plan.fleet == "cancel_call":  # as `toolq cancel TURN --call CALL_ID` does, from anywhere
+            from toolq.orchestrator.cancel import cancel
+
+            await cancel(self.settings(fake), session.turn_id, plan.hang_id)
+        elif plan.fleet in WORKER_LOST:
+            await self.replace_worker(warm=plan.fleet == "warm_shutdown")
         elif plan.fleet == "redis_restart":
             await asyncio.to_thread(self.server.restart)
         elif plan.fleet == "kill_child":
@@ -273,7 +350,8 @@ class Campaign:
         env = {**{k: v for k, v in os.environ.items() if not k.startswith(("TOOLQ_", "OPENAI_", "CELERY_"))},
                "REDIS_URL": self.server.url, "OPENAI_BASE_URL": fake.base_url,
                "OPENAI_API_KEY": "chaos", "TOOLQ_SIGNING_KEY": self.signing_key, "TOOLQ_TOOLS": CHAOS_TOOLS,
-               "TOOLQ_TURN_LEASE": f"{LEASE:g}", "TOOLQ_TURN_TIMEOUT": f"{DEADLINE:g}"}
+               "TOOLQ_TURN_LEASE": f"{LEASE:g}", "TOOLQ_TURN_TIMEOUT": f"{DEADLINE:g}",
+               "TOOLQ_STREAM_IDLE_TIMEOUT": f"{IDLE_TIMEOUT:g}"}
         out = self.workdir / f"orchestrator-{plan.turn}.jsonl"
         with open(out, "w") as stdout, open(out.with_suffix(".log"), "w") as stderr:
             proc = subprocess.Popen([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--json",
@@ -333,10 +411,16 @@ class Campaign:
         terminal = [e["type"] for e in run.events if e["type"] in TERMINAL]
         if len(terminal) != 1 or run.events[-1]["type"] not in TERMINAL:
             t.broken.append(f"{what}: terminal events {terminal}, last event {run.events[-1:]}")
-        if plan.fleet == "cancel" and run.status != "cancelled":
+        cancelled = plan.fleet in ("cancel", "cancel_mid_stream", "cancel_before_start")
+        if cancelled and run.status != "cancelled":
             t.broken.append(f"{what}: cancelled, but the turn ended {run.status}")
-        if plan.fleet.startswith("kill_orchestrator") and run.status != "completed":  # its stream faults are retried
-            t.broken.append(f"{what}: resumed, but the turn ended {run.status}")
+        goes_on = plan.fleet.startswith("kill_orchestrator") or plan.fleet in ("cancel_call", *WORKER_LOST)
+        if goes_on and run.status != "completed":  # its stream faults are retried; the fleet recovers
+            t.broken.append(f"{what}: the turn should go on to its end, but ended {run.status}")
+        reconnects = [e.get("message", "") for e in run.events if e["type"] == "error"]
+        if (plan.stream == "stall" and run.status == "completed" and not plan.fleet.startswith("kill_orchestrator")
+                and not any("idle timeout" in m for m in reconnects)):  # a dead run's events may stop first
+            t.broken.append(f"{what}: the stalled stream was not retried after the idle timeout: {reconnects}")
         if run.seconds > DEADLINE + LATE_BY:
             t.late.append(f"{what}: took {run.seconds:.1f}s (deadline {DEADLINE:g}s)")
         answers = [e["item"] for e in run.events if e["type"] == "item.completed"
@@ -344,17 +428,41 @@ class Campaign:
         t.answered.update(a["state"] for a in answers)
         t.why.update(f"{a['state']}: {(a.get('reason') or a.get('output') or '')[:90]}" for a in answers
                      if a["state"] not in ("completed", "cancelled"))
+        told = {a["id"]: a for a in answers}
         for call_id, asked in plan.counts.items():
             path = runs_file(self.workspace, call_id)
             ran = path.read_text().count("\n") if path.exists() else 0
             if ran > asked:
                 t.double.append(f"{what}: {call_id} ran {ran} times for {asked} call(s)")
-            # after a Redis restart a call may have been stopped before it ran ("may or may not have run")
-            elif ran < asked and run.status == "completed" and plan.fleet != "redis_restart":
+            # after a Redis restart a call may have been stopped before it ran ("may or may not have
+            # run"); a worker killed or shut down with calls it had taken loses them
+            elif (ran < asked and run.status == "completed" and plan.fleet not in ("redis_restart", *WORKER_LOST)
+                  and call_id != (plan.hang_id if plan.fleet == "cancel_call" else None)):
                 t.broken.append(f"{what}: {call_id} ran {ran} times for {asked} call(s) in a completed turn")
+            if call_id in told and told[call_id]["state"] == "completed" and ran == 0:
+                t.broken.append(f"{what}: {call_id} is answered completed but never ran")
+        if plan.fleet == "cancel_before_start":
+            t.broken += [f"{what}: {c} ran although its turn was cancelled before any call came"
+                         for c in plan.counts if runs_file(self.workspace, c).exists()]
+        self.check_fault_answer(plan, told.get(plan.hang_id), what)
         left = self.left_running(plan.hang_id, run.ended_at)
         if left:
             t.leftovers.append(f"{what}: {left}")
+
+    def check_fault_answer(self, plan: TurnPlan, answer: dict[str, Any] | None, what: str) -> None:
+        """What the call the fault hit was told must be the truth: a cancelled call `cancelled`, a
+        call on a SIGKILLed worker `lost` (it may have run), a call on a worker shut down warm
+        `completed` only if it finished, else `lost`."""
+        if answer is None or plan.fleet not in ("cancel_call", *WORKER_LOST):
+            return
+        state = answer["state"]
+        finished = end_file(self.workspace, plan.hang_id).exists()
+        expected = {"cancel_call": ("cancelled",), "kill_worker": ("lost",),
+                    "warm_shutdown": ("completed",) if finished else ("lost",)}[plan.fleet]
+        if state not in expected:
+            t = self.tally
+            t.broken.append(f"{what}: {plan.hang_id} answered {state} ({answer.get('reason')}), expected "
+                            f"{' or '.join(expected)} (it {'finished' if finished else 'did not finish'})")
 
     def left_running(self, call_id: str, turn_ended: float) -> str | None:
         """Whether the hang call outlived its turn: still running, or finished after the turn ended."""
@@ -381,6 +489,13 @@ def read_pid(path: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.strip().isdigit() else None
+
+
+def wait_until(ready: Any, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while not ready() and time.monotonic() < end:
+        time.sleep(0.02)
+    return bool(ready())
 
 
 def wait_for_pid(path: Path, timeout: float, proc: subprocess.Popen | None = None) -> int | None:
@@ -429,13 +544,13 @@ def processes_under(path: Path) -> list[tuple[int, str]]:
 # --- the bench -----------------------------------------------------------------------------------
 
 
-def campaign(seed: int, turns: int, workdir: Path | None = None) -> Tally:
+def campaign(seed: int, turns: int, workdir: Path | None = None, fleet: tuple[str, ...] = FLEET_FAULTS) -> Tally:
     """Run one seeded campaign of `turns` turns in `workdir`, else in a temporary directory that
     is removed unless a contract broke (then `Tally.kept` names it: workers' and orchestrators' logs)."""
     if workdir is not None:
-        return Campaign(seed, workdir).run(turns)
+        return Campaign(seed, workdir).run(turns, fleet)
     tmp = Path(tempfile.mkdtemp(prefix=f"toolq-chaos-{seed}-"))
-    tally = Campaign(seed, tmp).run(turns)
+    tally = Campaign(seed, tmp).run(turns, fleet)
     if tally.violations:
         tally.kept = tmp
     else:
