@@ -108,6 +108,8 @@ class Host:
         self.live: dict[int, Process] = {}
         """Sessions (processes that outlived their exec_command) by session id."""
         self.running: set[Process] = set()
+        self._spawning = 0
+        """Commands being started, not yet in `running` (see _reap_orphans)."""
         self._ids = itertools.count(1)  # without Redis (tests of the host alone)
         sandbox = isolation.current(settings)
         confined = not sandbox.unavailable and sandbox.backend != "none"
@@ -141,9 +143,13 @@ class Host:
         if launch.call_limits is not None:
             launch.call_limits.use_cgroups(slot.cgroup, slot.memory_cgroup)
         launch.reap = False  # a sweep would kill the other sessions' processes: see _reap_orphans
+        with self.lock:
+            self._spawning += 1  # until it is in `running`: _reap_orphans must not take it for an orphan
         try:
             proc = slot.run(launch.spawn, **popen)
         except BaseException:
+            with self.lock:
+                self._spawning -= 1
             launch.close()
             self.slots.give_back(slot)
             for fd in (master, slave):
@@ -160,6 +166,7 @@ class Host:
                     shell=req.shell, slot=slot)
         with self.lock:
             self.running.add(p)
+            self._spawning -= 1
         threading.Thread(target=self._pump, args=(p,), name="toolq-session-pump", daemon=True).start()
         return p
 
@@ -374,14 +381,19 @@ class Host:
         host's CPU per command."""
         if not reaper.is_subreaper():
             return
+        # Under the lock throughout, and not while a spawn is under way: a command that started
+        # (and maybe ended) after the leaders were listed was reaped here as an "orphan", and its
+        # own wait then read exit code 0 (ECHILD) for a command that had failed.
         with self.lock:
+            if self._spawning:
+                return
             leaders = {p.proc.pid for p in self.running} | {p.proc.pid for p in self.live.values()}
-        for pid in reaper.children(os.getpid()):
-            if pid not in leaders:
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
+            for pid in reaper.children(os.getpid()):
+                if pid not in leaders:
+                    try:
+                        os.waitpid(pid, os.WNOHANG)
+                    except ChildProcessError:
+                        pass
 
     def kill_all(self) -> None:
         with self.lock:
