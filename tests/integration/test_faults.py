@@ -9,12 +9,14 @@ import signal
 import time
 
 import pytest
+import redis
 
 import tests.integration.conftest as c
 from toolq.orchestrator.embedded import RedisServer
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.ledger import Ledger
+from toolq.workers.isolation import reaper
 
 pytestmark = pytest.mark.integration
 
@@ -75,6 +77,41 @@ def test_a_worker_killed_and_restarted_under_the_same_name_is_still_detected(wor
     (out,) = run.outputs_of(1)
     assert "phoenix@test" in out["output"] and "may have partially executed" in out["output"], out["output"]
     assert time.monotonic() - started < 30, "the watchdog took as long as the tool would have"
+
+
+def test_a_call_a_killed_worker_had_taken_but_not_started_runs_on_another_worker(worker, drive, redis_server):
+    """A worker takes a message before a pool process starts it (prefetch, `acks_late`). SIGKILLed in
+    between, Redis gives the message back only after the visibility timeout, longer than a turn: the
+    call waited for the turn's deadline and read `timed_out` (the fault campaign's kill_worker).
+    Here the worker's pool process is stopped, so it takes the call and never starts it; it dies,
+    and the call runs once, on the worker that is left."""
+    doomed = worker(["faults"], name="doomed@test")
+    for pid in reaper.children(doomed.proc.pid):
+        os.kill(pid, signal.SIGSTOP)
+    r = redis.Redis.from_url(redis_server.url)
+
+    def taken() -> bool:  # in kombu's hash of messages a worker took and has not acked
+        return any(b"call_stranded" in v for v in r.hvals("unacked"))
+
+    async def kill_once_taken(session, runtime):
+        assert await asyncio.to_thread(wait_until, taken, 20), "the doomed worker never took the call"
+        doomed.kill()
+        await asyncio.to_thread(worker, ["faults"], name="heir@test")
+
+    started = time.monotonic()
+    run = drive([[b.function_call("hang", {"seconds": 0.1}, "call_stranded")], final()], during=kill_once_taken,
+                timeout=60, turn_timeout=50)
+    assert run.outcome.status == "completed", run.outcome.error
+    (out,) = run.outputs_of(1)
+    assert out["output"] == "woke up", out["output"]
+    assert time.monotonic() - started < 30, "the call waited for the turn's deadline"
+
+
+def wait_until(ready, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while not ready() and time.monotonic() < end:
+        time.sleep(0.05)
+    return bool(ready())
 
 
 def test_a_call_past_its_time_limit_is_stopped_with_an_output(worker, drive):

@@ -9,6 +9,7 @@ from toolq.orchestrator.calls import ToolInvocation
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.results import ResultRouter
+from toolq.orchestrator.stranded import StrandedCalls
 from toolq.orchestrator.transport import CallWatch
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.sessions.registry import SessionRecord
@@ -25,6 +26,7 @@ class CeleryTransport:
         self.ledger = ledger
         self._instances: dict[str, set[str]] = {}
         """Task id -> the fleet catalog's instances of its worker's name when it was first checked."""
+        self.stranded = StrandedCalls(dispatcher, router, ledger)
 
     @property
     def reconnected_at(self) -> float:
@@ -36,6 +38,7 @@ class CeleryTransport:
     def forget(self, task_id: str) -> None:
         self.router.forget(task_id)
         self._instances.pop(task_id, None)
+        self.stranded.forget(task_id)
 
     async def send(self, inv: ToolInvocation, spec: ToolSpec) -> None:
         watch = self.router.watch(inv.task_id)
@@ -70,6 +73,9 @@ class CeleryTransport:
         if live:
             return True
         return await self.dispatcher.ping(hostname) or await self.ledger.is_draining(hostname)
+
+    async def requeue_if_stranded(self, task_id: str, queued_at: float) -> None:
+        await self.stranded.check(task_id, queued_at)
 
     async def vanished(self, task_id: str) -> bool:
         if await self.router.has_result(task_id):

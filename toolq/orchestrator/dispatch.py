@@ -219,6 +219,44 @@ class Dispatcher:
                 ids |= {t["id"] for t in tasks}
         return ids
 
+    async def taken(self) -> dict[str, str]:
+        """Task id -> delivery tag of every message some worker has taken and not acked (kombu's
+        `unacked` hash): running, about to start, or stranded on a worker that died."""
+        def read() -> dict[str, str]:
+            with self.app.connection_for_write() as conn:
+                channel = conn.default_channel
+                raw = channel.client.hgetall(channel.unacked_key)
+            out = {}
+            for tag, value in raw.items():
+                try:
+                    out[str(json.loads(value)[0]["headers"]["id"])] = tag.decode()
+                except (ValueError, KeyError, TypeError, IndexError):
+                    continue
+            return out
+
+        return await self._run(read)
+
+    async def held(self, task_ids: list[str], hostnames: set[str], timeout: float = 1.0) -> set[str] | None:
+        """Which of the tasks these workers hold (reserved or running); None unless all answered."""
+        def ask() -> dict:
+            inspect = self.app.control.inspect(destination=sorted(hostnames), timeout=timeout, limit=len(hostnames))
+            return inspect.query_task(*task_ids) or {}
+
+        replies = await self._broadcast(ask)
+        if not hostnames <= set(replies):
+            return None
+        return {t for tasks in replies.values() for t in (tasks or {})}
+
+    async def restore(self, tags: list[str]) -> None:
+        """Put taken messages back at the head of their queues (as kombu does at a warm shutdown)."""
+        def put_back() -> None:
+            with self.app.connection_for_write() as conn:
+                qos = conn.default_channel.qos
+                for tag in tags:
+                    qos.restore_by_tag(tag)
+
+        await self._run(put_back)
+
     async def aclose(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._app is not None:
