@@ -141,11 +141,16 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
 
     # One round trip on every call's path: cancelled? first delivery? then mark it started.
     started_at = time.time()
-    cancelled, first, prev_state, prev_worker, prev_pid = r.register_script(_START)(
-        keys=[keys.cancel_turn(inv.turn_id), keys.cancel_call(inv.task_id), keys.started(inv.task_id),
-              keys.call(inv.task_id)],
-        args=[hostname, keys.RECORD_TTL, started_at, os.getpid(), CallState.RUNNING.value],
-    )
+    try:
+        cancelled, first, prev_state, prev_worker, prev_pid = r.register_script(_START)(
+            keys=[keys.cancel_turn(inv.turn_id), keys.cancel_call(inv.task_id), keys.started(inv.task_id),
+                  keys.call(inv.task_id)],
+            args=[hostname, keys.RECORD_TTL, started_at, os.getpid(), CallState.RUNNING.value],
+        )
+    except redis.RedisError as e:  # it never ran: say so, not the exception's name (Redis restarting)
+        log.warning("%s %s not run: Redis did not answer its start (%s)", inv.call_id, inv.tool_name, e)
+        return _result(inv, f"{inv.tool_name} was not run: the worker could not reach Redis to start it ({e})",
+                       CallState.FAILED, hostname, success=False)
     prev_state = (prev_state or b"").decode()
     prev_worker = worker_name(prev_worker)
 
