@@ -107,6 +107,39 @@ def test_a_call_a_killed_worker_had_taken_but_not_started_runs_on_another_worker
     assert time.monotonic() - started < 30, "the call waited for the turn's deadline"
 
 
+def test_a_call_whose_message_died_with_its_worker_is_sent_again(worker, drive, redis_server):
+    """Killed in the instant between taking a message off its queue and recording it as taken, a
+    worker takes the message with it: Redis has it nowhere. Here the worker is stopped (a BRPOP it
+    had out may still take the message; else the test takes it off the queue as it would have),
+    then killed: the call is sent again and runs once, on the worker that is left."""
+    doomed = worker(["faults"], name="doomed2@test")
+    os.killpg(doomed.proc.pid, signal.SIGSTOP)  # its heartbeat stops too: its record lapses
+    r = redis.Redis.from_url(redis_server.url)
+
+    def take() -> bool:
+        sent = [k for k in r.scan_iter("toolq:call:*") if r.hget(k, "call_id") == b"call_lost" and r.hget(k, "sent")]
+        if not sent:
+            return False
+        for queue in r.scan_iter("toolq.t.hang.*"):
+            for raw in r.lrange(queue, 0, -1):
+                if b"call_lost" in raw:
+                    r.lrem(queue, 1, raw)
+        return not any(b"call_lost" in v for v in r.hvals("unacked"))
+
+    async def take_then_kill(session, runtime):
+        assert await asyncio.to_thread(wait_until, take, 20), "the call was never sent"
+        doomed.kill()
+        await asyncio.to_thread(worker, ["faults"], name="heir2@test")
+
+    started = time.monotonic()
+    run = drive([[b.function_call("hang", {"seconds": 0.1}, "call_lost")], final()], during=take_then_kill,
+                timeout=60, turn_timeout=50)
+    assert run.outcome.status == "completed", run.outcome.error
+    (out,) = run.outputs_of(1)
+    assert out["output"] == "woke up", out["output"]
+    assert time.monotonic() - started < 30, "the call waited for the turn's deadline"
+
+
 def wait_until(ready, timeout: float) -> bool:
     end = time.monotonic() + timeout
     while not ready() and time.monotonic() < end:

@@ -90,3 +90,38 @@ def test_without_a_boot_the_grace_still_ends_the_wait():
     spec = only(declared())
     assert asyncio.run(ScriptedCatalog(spec, serve_after=None, grace=0.05).unserved(spec)).startswith(
         "no live worker serves tool `echo`")
+
+
+class RecordsOnly:
+    """The two reads `FleetCatalog.read` makes, from a dict of instance -> record."""
+
+    def __init__(self, records: dict[str, WorkerAdvert]) -> None:
+        self.records = records
+
+    async def smembers(self, key):
+        return {i.encode() for i in self.records}
+
+    async def mget(self, keys):
+        by_key = {f"toolq:fleet:worker:{i}": r.model_dump_json() for i, r in self.records.items()}
+        return [by_key.get(k) for k in keys]
+
+    async def srem(self, key, *ids):
+        pass
+
+
+def test_a_serving_instance_gone_without_a_clean_exit_is_noted_as_a_death_and_a_draining_one_is_not():
+    a, b = worker(instance="a" * 32), worker(instance="b" * 32, hostname="w2@h")
+    records = RecordsOnly({a.instance: a, b.instance: b})
+    fleet = FleetCatalog(records)  # type: ignore[arg-type]
+    asyncio.run(fleet.read())
+    records.records = {a.instance: a, b.instance: b.model_copy(update={"draining": True})}
+    asyncio.run(fleet.read())
+    records.records = {a.instance: a}  # the draining one left: a warm shutdown, not a death
+    asyncio.run(fleet.read())
+    assert fleet.departed_at == float("-inf")
+    records.records = {}  # an empty catalog (Redis restarted empty) says nothing
+    asyncio.run(fleet.read())
+    assert fleet.departed_at == float("-inf")
+    records.records = {b.instance: b}  # a's record expired: SIGKILLed
+    asyncio.run(fleet.read())
+    assert fleet.departed_at > 0

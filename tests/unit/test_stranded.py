@@ -9,23 +9,62 @@ from types import SimpleNamespace
 
 import pytest
 
+from pydantic import BaseModel
+
+from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.stranded import StrandedCalls
+from toolq.workers.catalog import Catalog, ToolContext, tool
+
+
+class NoArgs(BaseModel):
+    pass
+
+
+CATALOG = Catalog()
+
+
+@tool(name="noop", catalog=CATALOG)
+def noop(args: NoArgs, ctx: ToolContext) -> str:
+    return "ok"
+
+
+SPEC = noop.tool_spec
+
+
+def inv(call_id: str) -> ToolInvocation:
+    return ToolInvocation(turn_id="turn-1", step=0, output_index=0, call_id=call_id, tool_name=ToolName.plain("noop"),
+                          payload=FunctionPayload(arguments="{}"), deadline=time.time() + 60, workspace="/tmp",
+                          spec_digest=SPEC.digest())
+
+
+def tid(call_id: str) -> str:
+    return inv(call_id).task_id
 
 
 class FakeFleet:
     def __init__(self, hostnames):
         self.hostnames = hostnames
+        self.departed_at = float("-inf")
 
     async def snapshot(self, max_age=None):
         return SimpleNamespace(workers=[SimpleNamespace(hostname=h) for h in self.hostnames])
 
 
 class FakeDispatcher:
-    def __init__(self, taken, held, hostnames=("a@h", "b@h")):
-        self._taken, self._held = taken, held
+    def __init__(self, taken, held, hostnames=("a@h", "b@h"), on_queue=()):
+        self._taken = {tid(c): tag for c, tag in taken.items()}
+        self._held = None if held is None else {tid(c) for c in held}
+        self.on_queue = {tid(c) for c in on_queue}
         self.fleet = FakeFleet(hostnames)
         self.asked: list[set[str]] = []
         self.restored: list[str] = []
+        self.resent: list[str] = []
+
+    async def queued(self, task_ids, queues):
+        return task_ids & self.on_queue
+
+    async def resend(self, inv, spec):
+        self.resent.append(inv.call_id)
 
     async def taken(self):
         return dict(self._taken)
@@ -40,7 +79,7 @@ class FakeDispatcher:
 
 class FakeLedger:
     def __init__(self, started=()):
-        self.started = set(started)
+        self.started = {tid(c) for c in started}
 
     async def started_at(self, task_id):
         return 1.0 if task_id in self.started else None
@@ -48,7 +87,7 @@ class FakeLedger:
 
 class FakeRouter:
     def __init__(self, results=()):
-        self.results = set(results)
+        self.results = {tid(c) for c in results}
 
     async def has_result(self, task_id):
         return task_id in self.results
@@ -60,7 +99,7 @@ def sweep(dispatcher, *, waiting, ledger=None, router=None):
 
     async def run():
         for task_id in waiting:
-            await stranded.check(task_id, old)
+            await stranded.check(inv(task_id), SPEC, old)
 
     asyncio.run(run())
     return dispatcher.restored
@@ -93,11 +132,34 @@ def test_an_empty_catalog_names_no_live_worker_so_nothing_is_restored():
 
 def test_a_call_still_on_its_queue_costs_no_question_to_the_fleet():
     d = FakeDispatcher({}, held=set())
-    assert sweep(d, waiting=["t1"]) == [] and d.asked == []
+    assert sweep(d, waiting=["t1"]) == [] and d.asked == [] and d.resent == []
+
+
+def test_a_call_sent_before_a_worker_died_and_found_nowhere_is_sent_again():
+    """Killed between taking the message and recording it as taken: the message is gone."""
+    d = FakeDispatcher({}, held=set())
+    d.fleet.departed_at = time.time()
+    assert sweep(d, waiting=["t1"]) == [] and d.resent == ["t1"]
+
+
+@pytest.mark.parametrize("where", ["on its queue", "held by a live worker"])
+def test_a_call_found_after_a_worker_died_is_not_sent_again(where):
+    d = FakeDispatcher({}, held={"t1"} if where != "on its queue" else set(),
+                       on_queue={"t1"} if where == "on its queue" else ())
+    d.fleet.departed_at = time.time()
+    sweep(d, waiting=["t1"])
+    assert d.resent == []
+
+
+def test_a_call_sent_after_the_worker_died_is_not_suspected():
+    d = FakeDispatcher({}, held=set())
+    d.fleet.departed_at = time.time() - 60
+    sweep(d, waiting=["t1"])
+    assert d.resent == [] and d.asked == []
 
 
 def test_a_call_queued_a_moment_ago_is_not_looked_for():
     d = FakeDispatcher({"t1": "tag1"}, held=set())
     stranded = StrandedCalls(d, FakeRouter(), FakeLedger(), after=60.0, interval=0.0)
-    asyncio.run(stranded.check("t1", time.time()))
+    asyncio.run(stranded.check(inv("t1"), SPEC, time.time()))
     assert d.restored == [] and d.asked == []

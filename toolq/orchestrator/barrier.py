@@ -306,7 +306,7 @@ class Step:
                         entry, CallState.LOST, f"worker {watch.hostname} stopped answering while running this "
                         "call (or was restarted); the call may have partially executed")
             elif entry.queued_at is not None:  # not started: taken by a worker that died before starting it?
-                await _probe(self.transport.requeue_if_stranded(inv.task_id, entry.queued_at))
+                await _probe(self.transport.requeue_if_stranded(inv, spec, entry.queued_at))
             reconnected = self.transport.reconnected_at
             if reconnected != seen_reconnect and time.monotonic() - reconnected > RECONNECT_GRACE:
                 vanished = False if watch.done.done() else await _probe(self.transport.vanished(inv.task_id))

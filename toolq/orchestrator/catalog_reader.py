@@ -105,6 +105,10 @@ class FleetCatalog:
         """Set by whoever started workers that are still booting (`toolq run`'s embedded stack)."""
         self._snapshot: FleetSnapshot | None = None
         self._lock = asyncio.Lock()
+        self._serving: set[str] = set()
+        self.departed_at = float("-inf")
+        """`time.time()` when a read last found an instance gone that was serving (not draining) at
+        the read before: a worker that died without a clean exit (`stranded.py` looks for its calls)."""
 
     async def read(self) -> FleetSnapshot:
         """Every live instance, now. Ids whose record has expired (a worker killed without a clean
@@ -123,6 +127,10 @@ class FleetCatalog:
         if gone:
             await self.r.srem(keys.FLEET_WORKERS, *gone)
         workers.sort(key=lambda w: (w.hostname, w.started_at))
+        if workers:  # an empty catalog (Redis restarted empty) is no news of a death
+            if self._serving - {w.instance for w in workers}:
+                self.departed_at = time.time()
+            self._serving = {w.instance for w in workers if not w.draining}
         return FleetSnapshot(tuple(workers), time.monotonic())
 
     async def snapshot(self, max_age: float | None = None) -> FleetSnapshot:

@@ -74,8 +74,8 @@ class CeleryTransport:
             return True
         return await self.dispatcher.ping(hostname) or await self.ledger.is_draining(hostname)
 
-    async def requeue_if_stranded(self, task_id: str, queued_at: float) -> None:
-        await self.stranded.check(task_id, queued_at)
+    async def requeue_if_stranded(self, inv: ToolInvocation, spec: ToolSpec, queued_at: float) -> None:
+        await self.stranded.check(inv, spec, queued_at)
 
     async def vanished(self, task_id: str) -> bool:
         if await self.router.has_result(task_id):

@@ -247,6 +247,27 @@ class Dispatcher:
             return None
         return {t for tasks in replies.values() for t in (tasks or {})}
 
+    async def queued(self, task_ids: set[str], queues: set[str]) -> set[str]:
+        """Which of the tasks wait on these queues (read whole: asked only after a worker died)."""
+        def read() -> set[str]:
+            with self.app.connection_for_write() as conn:
+                client = conn.default_channel.client
+                found = set()
+                for queue in queues:
+                    for raw in client.lrange(queue, 0, -1):
+                        try:
+                            found.add(str(json.loads(raw)["headers"]["id"]))
+                        except (ValueError, KeyError, TypeError):
+                            continue
+            return found & task_ids
+
+        return await self._run(read)
+
+    async def resend(self, inv: ToolInvocation, spec: ToolSpec) -> None:
+        """Send a call again under its task id: its message was lost (the worker's started marker
+        still runs it at most once)."""
+        await self._run(self._send, inv, spec)
+
     async def restore(self, tags: list[str]) -> None:
         """Put taken messages back at the head of their queues (as kombu does at a warm shutdown)."""
         def put_back() -> None:

@@ -99,7 +99,7 @@ class MemoryTransport(Watches):
         if self.probe_error is not None:
             raise self.probe_error
 
-    async def requeue_if_stranded(self, task_id: str, queued_at: float) -> None:
+    async def requeue_if_stranded(self, inv: ToolInvocation, spec: ToolSpec, queued_at: float) -> None:
         """Nothing is taken by a worker that can die here."""
 
     async def vanished(self, task_id: str) -> bool:

@@ -1,16 +1,18 @@
 """Calls stranded on a dead worker: taken off their queue by a worker that died before it started them.
 
 A worker takes a message before one of its pool processes starts it (prefetch, `acks_late`), and
-Redis keeps every taken message in kombu's `unacked` hash until the worker acks it. If the worker
+kombu keeps every taken message in Redis's `unacked` hash until the worker acks it. If the worker
 is SIGKILLed in between, Redis gives the message back only after the visibility timeout, which
-must stay above the longest tool's time limit: longer than a turn. The call would wait for its
-turn's deadline and be answered `timed_out` although it never ran anywhere.
+must stay above the longest tool's time limit: longer than a turn. Killed in the instant between
+taking the message and recording it there, the message is gone for good. Either way the call
+waited for its turn's deadline and was answered `timed_out`, although it never ran anywhere.
 
-So a call that has been queued for `STRANDED_AFTER` seconds without starting is looked for in that
-hash. Found there, every live worker of the fleet catalog is asked whether it holds it
-(`query_task`); when all have answered and none does, its message goes back to the head of its
-queue and a live worker runs it. Wrong guesses are safe: a restored message whose call did start
-somewhere meets the worker's started marker (`toolq.workers.execute`) and never runs twice.
+So a call queued for `STRANDED_AFTER` seconds without starting is looked for among the taken
+messages, and every live worker of the fleet catalog is asked whether it holds it (`query_task`).
+When all have answered and none does, a taken message goes back to the head of its queue; a call
+sent before a worker died that is neither taken nor on its queue is sent again. A live worker
+runs it. Wrong guesses are safe: a message whose call did start somewhere meets the worker's
+started marker (`toolq.workers.execute`) and never runs twice.
 """
 
 from __future__ import annotations
@@ -18,10 +20,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
+from toolq.orchestrator import session_route
+from toolq.orchestrator.calls import ToolInvocation
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.results import ResultRouter
+from toolq.workers.advert import tool_queue
+from toolq.workers.catalog import ToolSpec
 
 log = logging.getLogger("toolq.stranded")
 
@@ -35,21 +42,29 @@ SWEEP_INTERVAL = 2.0
 ASK_TIMEOUT = 1.0
 
 
+@dataclass(frozen=True)
+class Waiting:
+    inv: ToolInvocation
+    spec: ToolSpec
+    queued_at: float
+    """`time.time()` when it was sent."""
+
+
 class StrandedCalls:
-    """Finds and requeues the waiting calls of one runtime that a dead worker had taken."""
+    """Finds the waiting calls of one runtime that a dead worker had taken, and queues them again."""
 
     def __init__(self, dispatcher: Dispatcher, router: ResultRouter, ledger: Ledger, *,
                  after: float = STRANDED_AFTER, interval: float = SWEEP_INTERVAL) -> None:
         self.dispatcher, self.router, self.ledger = dispatcher, router, ledger
         self.after, self.interval = after, interval
-        self._waiting: dict[str, float] = {}
-        """Task id -> when it was queued (`time.time()`), for the calls not started yet."""
+        self._waiting: dict[str, Waiting] = {}
+        """Task id -> a sent call that has not started yet."""
         self._swept_at = float("-inf")
         self._sweep: asyncio.Future | None = None
 
-    async def check(self, task_id: str, queued_at: float) -> None:
+    async def check(self, inv: ToolInvocation, spec: ToolSpec, queued_at: float) -> None:
         """Called while a sent call waits to start; a sweep, when one is due, covers every such call."""
-        self._waiting[task_id] = queued_at
+        self._waiting[inv.task_id] = Waiting(inv, spec, queued_at)
         if time.time() - queued_at < self.after or time.monotonic() - self._swept_at < self.interval:
             return
         if self._sweep is None:
@@ -62,22 +77,34 @@ class StrandedCalls:
         self._waiting.pop(task_id, None)
 
     async def _requeue(self) -> list[str]:
-        """Requeue the due calls that sit taken by no live worker; the task ids requeued."""
-        now = time.time()
-        due = {t for t, queued in self._waiting.items() if now - queued >= self.after}
+        """Queue again the due calls that no live worker holds; the task ids queued again."""
+        now, fleet = time.time(), self.dispatcher.fleet
+        snapshot = await fleet.snapshot(max_age=self.interval)  # a read is also how a death is noticed
+        due = {t: w for t, w in self._waiting.items() if now - w.queued_at >= self.after}
         taken = {t: tag for t, tag in (await self.dispatcher.taken()).items() if t in due}
-        if not taken:  # still on their queues (a busy fleet), or started
+        # Sent before a worker died, and not taken: on its queue still, or lost with that worker.
+        # (A write_stdin's session died with its worker: sending it again would not bring it back.)
+        missing = {t for t, w in due.items() if t not in taken and w.queued_at < fleet.departed_at
+                   and str(w.spec.tool_name) != session_route.TOOL}
+        if missing:
+            missing -= await self.dispatcher.queued(missing, {tool_queue(due[t].spec) for t in missing})
+        if not taken and not missing:  # on their queues (a busy fleet), or started
             return []
-        hostnames = {w.hostname for w in (await self.dispatcher.fleet.snapshot(max_age=0)).workers}
+        hostnames = {w.hostname for w in snapshot.workers}
         if not hostnames:  # an empty catalog (Redis restarted empty) cannot name the live workers yet
             return []
-        held = await self.dispatcher.held(sorted(taken), hostnames, timeout=ASK_TIMEOUT)
+        # Asked after the reads: a live worker that took one of them since holds it, or has started it.
+        held = await self.dispatcher.held(sorted({*taken, *missing}), hostnames, timeout=ASK_TIMEOUT)
         if held is None:  # a worker did not answer: it may be the one holding them, busy
             return []
-        stranded = [t for t in taken if t not in held and t in self._waiting
+        stranded = [t for t in [*taken, *missing] if t not in held and t in self._waiting
                     and await self.ledger.started_at(t) is None and not await self.router.has_result(t)]
-        if stranded:
-            await self.dispatcher.restore([taken[t] for t in stranded])
-            for t in stranded:
-                log.warning("↻ %s was taken by a worker that died before starting it; put back on its queue", t)
+        restore = [taken[t] for t in stranded if t in taken]
+        if restore:
+            await self.dispatcher.restore(restore)
+        for t in stranded:
+            if t not in taken:
+                await self.dispatcher.resend(due[t].inv, due[t].spec)
+            log.warning("↻ %s was taken by a worker that died before starting it; %s", t,
+                        "put back on its queue" if t in taken else "its message was lost with it: sent again")
         return stranded

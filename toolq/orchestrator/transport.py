@@ -118,7 +118,7 @@ class Transport(Protocol):
         """Whether the worker answers, or says it is draining (warm shutdown); with `task_id`, also
         whether it is still the process instance that took that task (not one restarted under its name)."""
 
-    async def requeue_if_stranded(self, task_id: str, queued_at: float) -> None:
+    async def requeue_if_stranded(self, inv: ToolInvocation, spec: ToolSpec, queued_at: float) -> None:
         """Asked while a sent call waits to start: if a worker took it and died before starting it,
         put it back on its queue (`toolq.orchestrator.stranded`)."""
 

@@ -10,7 +10,7 @@ call as `toolq cancel TURN --call` does, a SIGKILLed pool child or whole worker 
 shutdown mid-call (each followed by a new worker), a Redis restart, or a SIGKILLed orchestrator,
 mid-call or mid-stream, followed by `toolq resume`). Nothing raises on a broken contract: each is
 counted as a violation and named, so the bench prints the whole table and the test asserts it is
-empty. The suite leaves out `BENCH_ONLY` faults (what they find is not fixed yet).
+empty.
 
 Checked on every turn: every model request's input is paired, the final history answers every
 call exactly once, no call ran more often than it was asked for (the tools' own evidence), a
@@ -36,9 +36,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Iterator
 
 from toolq.orchestrator.bench.chaos_tools import end_file, pid_file, runs_file
 from toolq.orchestrator.fake_model import builders as b
@@ -67,13 +68,6 @@ FLEET_FAULTS = ("none", "cancel", "cancel_call", "cancel_before_start", "cancel_
 HELD = ("kill_orchestrator_mid_stream", "cancel_mid_stream", "cancel_before_start")
 #: Fleet faults that cost a worker mid-call: its calls may be answered `lost`, not run.
 WORKER_LOST = ("kill_worker", "warm_shutdown")
-#: Faults the bench mixes in but the suite's campaign leaves out, until what they find is fixed:
-#: a SIGKILLed worker takes with it a task it had reserved (prefetched, acks_late) but not started;
-#: Redis gives it back only after the visibility timeout (longer than a turn), and the barrier
-#: probes only the worker of a call that reported starting, so the call waits for the turn's
-#: deadline, is answered `timed_out` ("before any worker reported starting it") and the turn fails.
-BENCH_ONLY = ("kill_worker",)
-SUITE_FLEET_FAULTS = tuple(f for f in FLEET_FAULTS if f not in BENCH_ONLY)
 SHAPES = ("calls", "calls", "wide", "flood")
 WIDE = 32
 TERMINAL = ("turn.completed", "turn.aborted", "turn.failed")
@@ -178,6 +172,8 @@ class Tally:
     """How long each turn took, by its description."""
     why: Counter = field(default_factory=Counter)
     """Why calls were not answered `completed` (or `cancelled`): state and reason."""
+    requeued: int = 0
+    """Calls a dead worker had taken but not started, put back on their queue (`stranded.py`)."""
     kept: Path | None = None
     """Where the logs of a campaign that broke a contract were kept."""
 
@@ -215,11 +211,12 @@ class Campaign:
         self.tally = Tally(seed, self.aof)
 
     def run(self, turns: int, fleet: tuple[str, ...] = FLEET_FAULTS) -> Tally:
-        from toolq.orchestrator.embedded import RedisServer, WorkerProcess
+        from toolq.orchestrator.embedded import RedisServer
 
         started = time.monotonic()
         args = ["--appendonly", "yes", "--appendfsync", "always"] if self.aof else []
-        with RedisServer(workdir=self._dir("redis"), args=args) as self.server:
+        with counting(logging.getLogger("toolq.stranded"), self.tally), \
+                RedisServer(workdir=self._dir("redis"), args=args) as self.server:
             self.worker = self.new_worker(f"chaos{self.seed}-{self.server.port}@campaign").start()
             try:
                 planner = Planner(self.seed, fleet)
@@ -483,6 +480,29 @@ class Campaign:
 # --- processes -----------------------------------------------------------------------------------
 
 
+class _Count(logging.Handler):
+    def __init__(self, tally: Tally) -> None:
+        super().__init__(logging.WARNING)
+        self.tally = tally
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.tally.requeued += 1
+
+
+@contextmanager
+def counting(logger: logging.Logger, tally: Tally) -> Iterator[None]:
+    """Count the stranded calls requeued (one warning each), whatever the bench's log level."""
+    handler, level = _Count(tally), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+
 def read_pid(path: Path) -> int | None:
     try:
         text = path.read_text()
@@ -565,7 +585,8 @@ def report(t: Tally) -> list[str]:
     rows = [("faults injected", counts(t.faults)), ("turns ended", counts(t.outcomes)),
             ("calls answered", counts(t.answered)), ("pairing violations", len(t.pairing)),
             ("double executions", len(t.double)), ("past their deadline", f"{len(t.late)}   (slowest: {slowest(t)})"),
-            ("leftover processes", len(t.leftovers)), ("other broken contracts", len(t.broken))]
+            ("leftover processes", len(t.leftovers)), ("other broken contracts", len(t.broken)),
+            ("requeued, dead worker", t.requeued)]
     lines = [f"chaos seed {t.seed} (Redis {'with AOF' if t.aof else 'without persistence'}): {t.turns} turns, "
              f"{t.calls} calls in {t.seconds:.0f} s", *(f"  {label:<22} : {value}" for label, value in rows)]
     if t.why:  # what the calls that did not complete were told (the commonest)
