@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.stranded import StrandedCalls
+from toolq.orchestrator.transport import CallWatch
 from toolq.workers.catalog import Catalog, ToolContext, tool
 
 
@@ -93,13 +94,16 @@ class FakeRouter:
         return task_id in self.results
 
 
-def sweep(dispatcher, *, waiting, ledger=None, router=None):
+def sweep(dispatcher, *, waiting, ledger=None, router=None, started=()):
     stranded = StrandedCalls(dispatcher, router or FakeRouter(), ledger or FakeLedger(), after=0.0, interval=0.0)
     old = time.time() - 10
 
     async def run():
-        for task_id in waiting:
-            await stranded.check(inv(task_id), SPEC, old)
+        for call_id in waiting:
+            watch = CallWatch(task_id=tid(call_id))
+            if call_id in started:
+                watch.set_started("a@h")
+            await stranded.check(inv(call_id), SPEC, old, watch)
 
     asyncio.run(run())
     return dispatcher.restored
@@ -161,5 +165,14 @@ def test_a_call_sent_after_the_worker_died_is_not_suspected():
 def test_a_call_queued_a_moment_ago_is_not_looked_for():
     d = FakeDispatcher({"t1": "tag1"}, held=set())
     stranded = StrandedCalls(d, FakeRouter(), FakeLedger(), after=60.0, interval=0.0)
-    asyncio.run(stranded.check(inv("t1"), SPEC, time.time()))
+
+    async def run():
+        await stranded.check(inv("t1"), SPEC, time.time(), CallWatch(task_id=tid("t1")))
+
+    asyncio.run(run())
     assert d.restored == [] and d.asked == []
+
+
+def test_a_call_that_started_since_it_was_last_checked_is_not_looked_for():
+    d = FakeDispatcher({"t1": "tag1"}, held=set())
+    assert sweep(d, waiting=["t1"], started=["t1"]) == [] and d.asked == []

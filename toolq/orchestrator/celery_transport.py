@@ -75,7 +75,7 @@ class CeleryTransport:
         return await self.dispatcher.ping(hostname) or await self.ledger.is_draining(hostname)
 
     async def requeue_if_stranded(self, inv: ToolInvocation, spec: ToolSpec, queued_at: float) -> None:
-        await self.stranded.check(inv, spec, queued_at)
+        await self.stranded.check(inv, spec, queued_at, self.router.watch(inv.task_id))
 
     async def vanished(self, task_id: str) -> bool:
         if await self.router.has_result(task_id):

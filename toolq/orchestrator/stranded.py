@@ -27,6 +27,7 @@ from toolq.orchestrator.calls import ToolInvocation
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.results import ResultRouter
+from toolq.orchestrator.transport import CallWatch
 from toolq.workers.advert import tool_queue
 from toolq.workers.catalog import ToolSpec
 
@@ -48,6 +49,11 @@ class Waiting:
     spec: ToolSpec
     queued_at: float
     """`time.time()` when it was sent."""
+    watch: CallWatch
+
+    @property
+    def unstarted(self) -> bool:
+        return self.watch.started_at is None and not self.watch.done.done()
 
 
 class StrandedCalls:
@@ -62,9 +68,9 @@ class StrandedCalls:
         self._swept_at = float("-inf")
         self._sweep: asyncio.Future | None = None
 
-    async def check(self, inv: ToolInvocation, spec: ToolSpec, queued_at: float) -> None:
+    async def check(self, inv: ToolInvocation, spec: ToolSpec, queued_at: float, watch: CallWatch) -> None:
         """Called while a sent call waits to start; a sweep, when one is due, covers every such call."""
-        self._waiting[inv.task_id] = Waiting(inv, spec, queued_at)
+        self._waiting[inv.task_id] = Waiting(inv, spec, queued_at, watch)
         if time.time() - queued_at < self.after or time.monotonic() - self._swept_at < self.interval:
             return
         if self._sweep is None:
@@ -80,7 +86,8 @@ class StrandedCalls:
         """Queue again the due calls that no live worker holds; the task ids queued again."""
         now, fleet = time.time(), self.dispatcher.fleet
         snapshot = await fleet.snapshot(max_age=self.interval)  # a read is also how a death is noticed
-        due = {t: w for t, w in self._waiting.items() if now - w.queued_at >= self.after}
+        # Only calls not started since: a running one is the lost-worker watchdog's.
+        due = {t: w for t, w in self._waiting.items() if now - w.queued_at >= self.after and w.unstarted}
         taken = {t: tag for t, tag in (await self.dispatcher.taken()).items() if t in due}
         # Sent before a worker died, and not taken: on its queue still, or lost with that worker.
         # (A write_stdin's session died with its worker: sending it again would not bring it back.)
