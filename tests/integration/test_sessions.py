@@ -235,6 +235,28 @@ def test_a_killed_worker_loses_its_sessions_with_a_clear_output(worker, own_redi
     assert sleep in text
 
 
+def test_a_write_routed_to_a_worker_that_just_died_is_answered_not_left_to_the_deadline(worker, own_redis, tmp_path):
+    """Killed a moment before the write: its fleet record has not expired, so the write is routed to
+    its queue, which nobody will ever consume again. It is answered once the worker is gone."""
+    w = worker(["toolq"], concurrency=2, redis_url=own_redis.url)
+    sleep = marker()
+    started = {}
+
+    def kill_the_worker(conv, _):
+        w.kill()
+        started["at"] = time.monotonic()
+
+    conv = Conversation(own_redis.url, tmp_path, [
+        [exec_call("start", sleep, yield_time_ms=250)],
+        final(),
+        [write("poll", 1)],
+        final(),
+    ], turns=2, between=kill_the_worker, timeout=60)
+    text = conv.outputs()["poll"]
+    assert text.startswith("write_stdin failed: session 1 was lost with its worker "), text
+    assert time.monotonic() - started["at"] < 30
+
+
 def test_idle_and_lifetime_limits_kill_sessions(worker, own_redis, tmp_path):
     worker(["toolq"], concurrency=2, redis_url=own_redis.url,
            env={"TOOLQ_SESSION_IDLE": "2", "TOOLQ_SESSION_LIFETIME": "8"})

@@ -12,8 +12,11 @@ import pytest
 from pydantic import BaseModel
 
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.orchestrator import stranded as stranded_module
+from toolq.orchestrator.states import CallState
 from toolq.orchestrator.stranded import StrandedCalls
 from toolq.orchestrator.transport import CallWatch
+from toolq.workers.sessions.registry import SessionRecord
 from toolq.workers.catalog import Catalog, ToolContext, tool
 
 
@@ -48,7 +51,7 @@ class FakeFleet:
         self.departed_at = float("-inf")
 
     async def snapshot(self, max_age=None):
-        return SimpleNamespace(workers=[SimpleNamespace(hostname=h) for h in self.hostnames])
+        return SimpleNamespace(workers=[SimpleNamespace(hostname=h, instance=f"inst-{h}") for h in self.hostnames])
 
 
 class FakeDispatcher:
@@ -176,3 +179,26 @@ def test_a_call_queued_a_moment_ago_is_not_looked_for():
 def test_a_call_that_started_since_it_was_last_checked_is_not_looked_for():
     d = FakeDispatcher({"t1": "tag1"}, held=set())
     assert sweep(d, waiting=["t1"], started=["t1"]) == [] and d.asked == []
+
+
+@pytest.mark.parametrize("holder", ["inst-gone@h", "inst-a@h"])
+def test_a_write_to_a_session_whose_worker_is_gone_is_answered_and_not_resent(monkeypatch, holder):
+    monkeypatch.setattr(stranded_module, "GONE_AFTER", 0.0)
+    d = FakeDispatcher({}, held=set())
+    d.fleet.departed_at = time.time()
+    stranded = StrandedCalls(d, FakeRouter(), FakeLedger(), after=0.0, interval=0.0)
+
+    async def run():
+        watch = CallWatch(task_id=tid("w1"))
+        watch.session = SessionRecord.new(7, holder, "gone@h", "sleep 30", tty=False)
+        await stranded.check(inv("w1"), SPEC, time.time() - 10, watch)
+        return watch
+
+    watch = asyncio.run(run())
+    if holder == "inst-gone@h":
+        outcome = watch.done.result()
+        assert outcome.state is CallState.FAILED
+        assert outcome.reason.startswith("write_stdin failed: session 7 was lost with its worker gone@h ")
+    else:  # its worker is alive: the write waits for it
+        assert not watch.done.done()
+    assert d.resent == []

@@ -45,6 +45,7 @@ class CeleryTransport:
 
         def routed(session: SessionRecord) -> None:
             watch.session_command = shlex.join([session.shell, "-c", session.command])
+            watch.session = session
 
         if not await self.dispatcher.dispatch(inv, spec, on_session=routed):
             # Queued before (a restarted orchestrator): it may have finished already.

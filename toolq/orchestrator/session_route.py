@@ -43,10 +43,14 @@ async def session_for(r, inv: ToolInvocation) -> SessionRecord:
         raise unknown(session_id) from None
     if not await r.exists(keys.fleet_worker(record.instance)):
         await r.hdel(sessions_key(inv.conversation or ""), str(session_id))
-        raise DispatchError("session lost", state=CallState.FAILED, output=(
-            f"write_stdin failed: session {session_id} was lost with its worker {record.hostname} "
-            f"(the worker is gone; `{record.command[:80]}` is no longer running); start it again with exec_command"))
+        raise DispatchError("session lost", state=CallState.FAILED, output=lost_session(record))
     return record
+
+
+def lost_session(record: SessionRecord) -> str:
+    """What a write_stdin to a session whose worker is gone is told."""
+    return (f"write_stdin failed: session {record.session_id} was lost with its worker {record.hostname} "
+            f"(the worker is gone; `{record.command[:80]}` is no longer running); start it again with exec_command")
 
 
 async def live_sessions(r, conversation: str) -> list[SessionRecord]:

@@ -13,6 +13,10 @@ When all have answered and none does, a taken message goes back to the head of i
 sent before a worker died that is neither taken nor on its queue is sent again. A live worker
 runs it. Wrong guesses are safe: a message whose call did start somewhere meets the worker's
 started marker (`toolq.workers.execute`) and never runs twice.
+
+A write_stdin waits on the queue of the one instance that holds its session; once that instance
+has been missing from the catalog for `GONE_AFTER` seconds, the write is answered as one routed
+to a lost session is (the session died with its worker), not left to the turn's deadline.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-from toolq.orchestrator import session_route
 from toolq.orchestrator.calls import ToolInvocation
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.results import ResultRouter
-from toolq.orchestrator.transport import CallWatch
+from toolq.orchestrator.session_route import lost_session
+from toolq.orchestrator.states import CallState
+from toolq.orchestrator.transport import CallWatch, TaskOutcome
 from toolq.workers.advert import tool_queue
 from toolq.workers.catalog import ToolSpec
 
@@ -41,6 +46,10 @@ STRANDED_AFTER = 3.0
 SWEEP_INTERVAL = 2.0
 #: How long the live workers are given to say what they hold.
 ASK_TIMEOUT = 1.0
+#: A session's worker instance missing from the catalog this long is dead: its record expired
+#: (no heartbeat for the record's TTL), and a live worker re-advertises within a heartbeat of a
+#: Redis restarted empty, well inside this.
+GONE_AFTER = 5.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,8 @@ class StrandedCalls:
         """Task id -> a sent call that has not started yet."""
         self._swept_at = float("-inf")
         self._sweep: asyncio.Future | None = None
+        self._missing_since: dict[str, float] = {}
+        """Session-holding instance -> when a sweep first found it missing from the catalog."""
 
     async def check(self, inv: ToolInvocation, spec: ToolSpec, queued_at: float, watch: CallWatch) -> None:
         """Called while a sent call waits to start; a sweep, when one is due, covers every such call."""
@@ -88,11 +99,11 @@ class StrandedCalls:
         snapshot = await fleet.snapshot(max_age=self.interval)  # a read is also how a death is noticed
         # Only calls not started since: a running one is the lost-worker watchdog's.
         due = {t: w for t, w in self._waiting.items() if now - w.queued_at >= self.after and w.unstarted}
+        self._end_orphaned_writes(due, {w.instance for w in snapshot.workers})
+        due = {t: w for t, w in due.items() if w.unstarted and w.watch.session is None}
         taken = {t: tag for t, tag in (await self.dispatcher.taken()).items() if t in due}
         # Sent before a worker died, and not taken: on its queue still, or lost with that worker.
-        # (A write_stdin's session died with its worker: sending it again would not bring it back.)
-        missing = {t for t, w in due.items() if t not in taken and w.queued_at < fleet.departed_at
-                   and str(w.spec.tool_name) != session_route.TOOL}
+        missing = {t for t, w in due.items() if t not in taken and w.queued_at < fleet.departed_at}
         if missing:
             missing -= await self.dispatcher.queued(missing, {tool_queue(due[t].spec) for t in missing})
         if not taken and not missing:  # on their queues (a busy fleet), or started
@@ -115,3 +126,17 @@ class StrandedCalls:
             log.warning("↻ %s was taken by a worker that died before starting it; %s", t,
                         "put back on its queue" if t in taken else "its message was lost with it: sent again")
         return stranded
+
+    def _end_orphaned_writes(self, due: dict[str, Waiting], live: set[str]) -> None:
+        """A write_stdin waits on the queue of the one worker instance that holds its session: if
+        that instance is gone, so is the session, and nothing will ever take the write."""
+        now = time.monotonic()  # an empty catalog counts too: no worker left, or one re-advertises soon
+        holders = {w.watch.session.instance for w in due.values() if w.watch.session is not None}
+        self._missing_since = {i: self._missing_since.get(i, now) for i in holders - live}
+        for w in due.values():
+            session = w.watch.session
+            if session is None or session.instance not in self._missing_since:
+                continue
+            if now - self._missing_since[session.instance] >= GONE_AFTER:
+                log.warning("✗ %s: the worker holding session %s is gone", w.inv.task_id, session.session_id)
+                w.watch.finish(TaskOutcome(state=CallState.FAILED, reason=lost_session(session)))

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from toolq.orchestrator.calls import ToolInvocation, ToolResult
 from toolq.orchestrator.states import CallState
 from toolq.workers.catalog import ToolSpec
+from toolq.workers.sessions.registry import SessionRecord
 
 
 class DispatchError(Exception):
@@ -57,6 +58,8 @@ class CallWatch:
     """The last output batch heard: an older or replayed one is dropped."""
     session_command: str | None = None
     """A write_stdin's session's command line, from its record when it was routed (for the view)."""
+    session: SessionRecord | None = None
+    """A write_stdin's session (which worker instance holds it), once the call is routed."""
 
     def set_started(self, hostname: str | None) -> None:
         if self.hostname is not None or self.done.done():
