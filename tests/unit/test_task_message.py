@@ -12,7 +12,6 @@ from datetime import datetime, timezone
 from typing import Any
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 
 from toolq.orchestrator import keys
@@ -26,6 +25,7 @@ from toolq.workers.catalog import ToolSpec
 from toolq.workers.config import make_app
 from toolq.workers.contracts import TIME_LIMIT_MARGIN, task_name
 from toolq.workers.signing import Signer
+from tests.unit.test_permits import r, server  # noqa: F401 - a real redis-server, flushed per test
 
 KEY = "k" * 32
 
@@ -92,20 +92,6 @@ def test_the_message_is_the_one_celery_send_task_publishes(idempotent):
                                      ours["body"][1]["signature"]) is None
 
 
-@pytest.fixture(scope="module")
-def server():
-    with RedisServer() as s:
-        yield s
-
-
-@pytest.fixture
-def r(server):
-    client = redis.Redis.from_url(server.url)
-    client.flushdb()
-    yield client
-    client.close()
-
-
 def ledger_run(server: RedisServer, fn):
     async def go():
         ledger = Ledger.from_url(server.url)
@@ -117,7 +103,7 @@ def ledger_run(server: RedisServer, fn):
     return asyncio.run(go())
 
 
-def test_a_call_is_claimed_queued_and_marked_sent_at_once_and_never_twice(server, r):
+def test_a_call_is_claimed_queued_and_marked_sent_at_once_and_never_twice(server, r):  # noqa: F811
     inv = invocation()
 
     async def twice(ledger: Ledger) -> list[Sent]:
@@ -131,7 +117,7 @@ def test_a_call_is_claimed_queued_and_marked_sent_at_once_and_never_twice(server
     assert r.ttl(keys.call(inv.task_id)) > 0
 
 
-def test_a_call_claimed_and_never_sent_is_sent_once_and_one_past_queued_not_at_all(server, r):
+def test_a_call_claimed_and_never_sent_is_sent_once_and_one_past_queued_not_at_all(server, r):  # noqa: F811
     unsent, throttled, running = invocation("call_a"), invocation("call_b"), invocation("call_c")
 
     async def go(ledger: Ledger) -> list[Sent]:
