@@ -17,7 +17,9 @@ from toolq.orchestrator.protocol.items import FunctionCallItem
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.task_message import queue_key
 from toolq.orchestrator.turn import Runtime
+from toolq.workers.advert import tool_queue
 from toolq.workers.loader import load_catalog
 
 pytestmark = pytest.mark.integration
@@ -289,7 +291,8 @@ def test_a_message_delivered_twice_runs_the_tool_once(fleet, tmp_path):
             (out,) = await step.wait()
             entry = step.entries[0]
             # bypass the ledger's claim: the broker hands the same message over again
-            await asyncio.to_thread(rt.dispatcher._send, entry.inv, entry.spec)
+            queue = tool_queue(entry.spec)
+            await rt.ledger.r.lpush(queue_key(queue), rt.dispatcher._message(entry.inv, entry.spec, queue))
             end = time.monotonic() + 20
             while (record := (await rt.ledger.calls(turn_id))[0]).get("deliveries_refused") != "1":
                 assert time.monotonic() < end, "the second delivery was never handled"

@@ -160,6 +160,10 @@ class FleetCatalog:
                     continue
         return out
 
+    async def serves(self, spec: ToolSpec) -> bool:
+        """Whether a live worker serves the declaration by the cached snapshot (no waiting)."""
+        return bool((await self.snapshot()).servers(spec))
+
     async def unserved(self, spec: ToolSpec) -> str | None:
         """None as soon as a live worker serves the call's declaration; otherwise, after the grace
         (counted from the end of the boot of workers this process is starting), the output that

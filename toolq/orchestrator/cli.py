@@ -95,8 +95,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         print(f"toolq worker: {e}", file=sys.stderr)
         return 2
     print(banner, file=sys.stderr, flush=True)
+    # No --events: task events start when a monitor asks (workers/config.py, `worker_send_task_events`).
     argv = ["worker", "--pool", "prefork", "--concurrency", str(settings.concurrency), "--queues", ",".join(queues),
-            "--events", "--without-gossip", "--without-mingle", "--loglevel", args.loglevel]
+            "--without-gossip", "--without-mingle", "--loglevel", args.loglevel]
     if args.name:
         argv += ["--hostname", args.name]
     if args.logfile:

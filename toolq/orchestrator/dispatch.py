@@ -1,8 +1,11 @@
 """Queue invocations on the Celery fleet: the orchestrator's only door into Celery.
 
-Every Celery call here is synchronous, so it runs on a dedicated thread pool: the event loop
-never blocks on Celery (celery-lab.md §3). The task id is derived from the call, so a restarted
-orchestrator finds the same task, and the ledger's claim makes a second dispatch a no-op.
+A call's task message is built here (task_message.py, Celery's own format) and pushed onto its
+queue by the ledger's claim script, so claiming, queueing and marking it sent are one round trip
+from the event loop. The task id is derived from the call, so a restarted orchestrator finds the
+same task, and the claim makes a second dispatch a no-op. The control commands (revoke, ping,
+inspect) are Celery's and synchronous, so they run on a dedicated thread pool: the event loop
+never blocks on Celery (celery-lab.md §3).
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ import json
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 
 from typing import TYPE_CHECKING, Callable
 
@@ -22,9 +25,10 @@ from redis.exceptions import RedisError
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation
 from toolq.orchestrator import session_route
 from toolq.orchestrator.catalog_reader import FleetCatalog
-from toolq.orchestrator.ledger import CONNECT_TIMEOUT, SOCKET_TIMEOUT, Ledger
+from toolq.orchestrator.ledger import CONNECT_TIMEOUT, SOCKET_TIMEOUT, Ledger, Sent
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.states import CallState
+from toolq.orchestrator.task_message import TaskMessage, anon_nodename, queue_key
 from toolq.orchestrator.transport import DispatchError
 from toolq.workers.advert import tool_queue
 from toolq.workers.catalog import ToolSpec
@@ -47,10 +51,6 @@ BROKER_ERRORS = (BrokerUnavailable,)
 _MAKING_APP = threading.Lock()
 
 log = logging.getLogger("toolq.dispatch")
-
-#: Broker down: kombu retries the publish this often before we give up on the call.
-PUBLISH_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2.0}
-
 
 __all__ = ["DispatchError", "Dispatcher"]
 
@@ -97,6 +97,8 @@ class Dispatcher:
         self._control = asyncio.Semaphore(CONTROL_CONCURRENCY)  # waiting here holds no pool thread
         self._asking: asyncio.Future | None = None
         """The `active_task_ids` question out now, if any."""
+        self._origin, self._reply_to = anon_nodename(), str(uuid.uuid4())
+        """Who sends the task messages, as Celery names a client (task_message.py)."""
 
     @property
     def app(self) -> Celery:
@@ -140,58 +142,68 @@ class Dispatcher:
         """Queue the call; False if it had been queued before (it is not sent again). `on_session`
         hears the record of a write_stdin's session once it is routed (the view shows its command)."""
         try:
-            if not await self.ledger.claim(inv, spec.queue):
-                if not await self.ledger.never_sent(inv.task_id):
-                    log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
-                    return False
-                # A resumed turn: the orchestrator that claimed it died before sending it. Were it
-                # sent after all (killed between the send and the mark), the worker's started
-                # marker still runs it once.
-                log.warning("↻ %s was claimed but never sent (its orchestrator died); sending it now", inv.call_id)
-            if str(spec.tool_name) == session_route.TOOL:  # sessions hook: to the worker holding it
-                try:
-                    session = await session_route.session_for(self.ledger.r, inv)
-                except DispatchError:
-                    await self.ledger.set_state(inv.task_id, CallState.FAILED, finished_at=time.time())
-                    raise
-                queue = instance_queue(session.instance)
-                if on_session is not None:
-                    on_session(session)
+            if str(spec.tool_name) != session_route.TOOL and await self.fleet.serves(spec):
+                # The common case, in one round trip: claimed, queued and marked sent at once.
+                sent = await self._claim_and_send(inv, spec, tool_queue(spec))
+                if sent is Sent.CLAIMED_BEFORE:
+                    log.warning("↻ %s was claimed but never sent (its orchestrator died); sent it now", inv.call_id)
+            elif await self.ledger.claim(inv, spec.queue) or await self._claimed_unsent(inv):
+                # Claimed first: the call is listed (queued) while it waits for its route.
+                sent = await self._claim_and_send(inv, spec, await self._route(inv, spec, on_session))
             else:
-                unserved = await self.fleet.unserved(spec)  # fleet catalog hook: no live worker serves it
-                if unserved:
-                    await self.ledger.set_state(inv.task_id, CallState.REJECTED, finished_at=time.time())
-                    raise DispatchError(unserved, state=CallState.REJECTED)
-                queue = tool_queue(spec)
-            await self._run(self._send, inv, spec, queue)
-        except (RedisError, OSError) as e:  # BrokerUnavailable is an OSError
+                sent = Sent.BEFORE
+        except (RedisError, OSError) as e:
             raise DispatchError(f"the task queue (Redis) is unavailable: {e}") from e
-        try:
-            await self.ledger.mark_sent(inv.task_id)
-        except (RedisError, OSError) as e:  # it was sent: a resume would send it again, and it runs once
-            log.warning("could not mark %s sent: %s", inv.task_id, e)
+        if sent is Sent.BEFORE:
+            log.info("↺ %s already dispatched as %s; not sent again", inv.call_id, inv.task_id)
+            return False
         return True
 
-    def _send(self, inv: ToolInvocation, spec: ToolSpec, queue: str | None = None) -> None:
+    async def _claimed_unsent(self, inv: ToolInvocation) -> bool:
+        """A resumed turn's call that its dead orchestrator claimed and never sent: it is sent now.
+        (Sent by an orchestrator of before the one-script send, killed between the send and its
+        mark: the worker's started marker still runs it once.)"""
+        if not await self.ledger.never_sent(inv.task_id):
+            return False
+        log.warning("↻ %s was claimed but never sent (its orchestrator died); sending it now", inv.call_id)
+        return True
+
+    async def _route(self, inv: ToolInvocation, spec: ToolSpec,
+                     on_session: Callable[[SessionRecord], None] | None) -> str:
+        """The queue of a claimed call: its session's worker, or its declaration's once a live
+        worker serves it. DispatchError (the call's ledger record says why) if there is none."""
+        if str(spec.tool_name) == session_route.TOOL:  # sessions hook: to the worker holding it
+            try:
+                session = await session_route.session_for(self.ledger.r, inv)
+            except DispatchError:
+                await self.ledger.set_state(inv.task_id, CallState.FAILED, finished_at=time.time())
+                raise
+            if on_session is not None:
+                on_session(session)
+            return instance_queue(session.instance)
+        unserved = await self.fleet.unserved(spec)  # fleet catalog hook: no live worker serves it
+        if unserved:
+            await self.ledger.set_state(inv.task_id, CallState.REJECTED, finished_at=time.time())
+            raise DispatchError(unserved, state=CallState.REJECTED)
+        return tool_queue(spec)
+
+    async def _claim_and_send(self, inv: ToolInvocation, spec: ToolSpec, queue: str) -> Sent:
+        return await self.ledger.claim_and_send(inv, spec.queue, queue_key(queue), self._message(inv, spec, queue))
+
+    def _message(self, inv: ToolInvocation, spec: ToolSpec, queue: str) -> str:
+        """The call's Celery task message (task_message.py), signed, for `queue`."""
         assert self.signer is not None, "a Dispatcher that sends needs the fleet's signer"
         task, invocation = task_name(spec.idempotent), inv.model_dump(mode="json")
-        self.app.send_task(
-            task,
-            args=[invocation],
+        return TaskMessage(
+            task=task, task_id=inv.task_id, args=[invocation],
             kwargs={"signature": self.signer.sign_invocation(task, inv.task_id, invocation)},  # signing hook
-            task_id=inv.task_id,
-            queue=queue or tool_queue(spec),  # fleet catalog hook: only workers serving this declaration (or holding the session)
-            # Kept in the message: a call still queued at the turn deadline never starts.
-            expires=datetime.fromtimestamp(inv.deadline, tz=timezone.utc),
-            soft_time_limit=spec.timeout + TIME_LIMIT_MARGIN / 2,
-            time_limit=spec.timeout + TIME_LIMIT_MARGIN,
+            queue=queue,  # fleet catalog hook: only workers serving this declaration (or holding the session)
+            expires=inv.deadline,  # a call still queued at the turn deadline never starts
+            time_limit=spec.timeout + TIME_LIMIT_MARGIN, soft_time_limit=spec.timeout + TIME_LIMIT_MARGIN / 2,
             # Flower shows these: a low-cardinality name, the call id, and what a shell call runs.
-            shadow=f"tool:{spec.tool_name}",
-            argsrepr=flower_args(inv),
-            kwargsrepr="{}",
-            retry=True,
-            retry_policy=PUBLISH_RETRY,
-        )
+            shadow=f"tool:{spec.tool_name}", argsrepr=flower_args(inv), kwargsrepr="{}",
+            origin=self._origin, reply_to=self._reply_to,
+        ).encode(time.time())
 
     async def revoke(self, task_ids: list[str], terminate: bool = True) -> None:
         if task_ids:

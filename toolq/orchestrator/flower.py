@@ -3,7 +3,11 @@
 Flower's API can revoke and terminate any call, and its `/metrics` and `/healthcheck` answer
 without auth in every mode (celery-lab.md §8). So it binds to 127.0.0.1 unless told otherwise,
 and its API is served without auth only when asked, and then only on loopback. Flower runs as
-`python -m celery --app toolq.workers.app flower`: this module never imports Celery itself.
+`python -m celery --app toolq.workers.app flower`.
+
+Workers send task events only once a monitor asks (workers/config.py): Flower broadcasts
+`enable_events` every 5 s, the first 5 s after it starts, so `toolq flower` asks once itself as it
+starts, and Flower sees the calls of the workers already running from its first second.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Iterable, TextIO
 
 import httpx
+import redis
 
 from toolq.orchestrator.embedded import ChildProcess, free_port, wait_for
 from toolq.orchestrator.errors import ConfigurationError
@@ -117,10 +122,34 @@ def run_flower(settings: Settings, *, port: int | None = None, address: str | No
         print(f"toolq flower: warning: {w}", file=err)
     assert settings.redis_url is not None
     print(f"toolq flower: {launch.url} watching {mask_url_password(settings.redis_url)}", file=err)
+    try:  # a broker that is away is not waited for here: Flower says so itself, and asks every 5 s
+        redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1.0, socket_timeout=1.0).ping()
+        enable_task_events(settings)
+    except Exception as e:
+        print(f"toolq flower: warning: could not ask the workers for task events yet: {e}", file=err)
     err.flush()
     sys.stdout.flush()
     os.execve(launch.argv[0], launch.argv, launch.env)
     return 1  # not reached: execve only returns by raising
+
+
+def enable_task_events(settings: Settings, workers: list[str] | None = None, timeout: float = 5.0) -> None:
+    """Ask the workers to send task events from now on (what Flower's periodic broadcast does).
+    With `workers` named, return once each has confirmed; else broadcast without waiting."""
+    from toolq.workers.config import make_app
+
+    app = make_app(settings)
+    try:
+        if workers:
+            replies = app.control.enable_events(destination=workers, reply=True, timeout=timeout,
+                                                limit=len(workers)) or []
+            missing = set(workers) - {name for r in replies for name in r}
+            if missing:
+                raise TimeoutError(f"no answer to enable_events from {sorted(missing)} within {timeout:g}s")
+        else:
+            app.control.enable_events()
+    finally:
+        app.close()
 
 
 class FlowerProcess(ChildProcess):
@@ -130,6 +159,7 @@ class FlowerProcess(ChildProcess):
 
     def __init__(self, settings: Settings, *, port: int | None = None, address: str = "127.0.0.1",
                  unauthenticated_api: bool = False, logdir: Path | None = None) -> None:
+        self.settings = settings
         self.launch = flower_launch(settings, port=port or free_port(), address=address,
                                     unauthenticated_api=unauthenticated_api)
         self.logdir = logdir or Path(tempfile.mkdtemp(prefix="toolq-flower-"))
@@ -162,6 +192,8 @@ class FlowerProcess(ChildProcess):
             return wanted <= online if wanted else bool(online)
 
         wait_for(heard, timeout, f"flower on {self.url} to hear from {sorted(wanted) or 'a worker'}", self.log)
+        # Flower's own `enable_events` comes up to 5 s after its start: ask now, as `toolq flower` does.
+        enable_task_events(self.settings, sorted(wanted) or None)
 
     def _healthy(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:

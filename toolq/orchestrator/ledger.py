@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from enum import IntEnum
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -20,32 +21,65 @@ from toolq.orchestrator.redis_pool import DEFAULT_CONNECTIONS, blocking_client
 from toolq.orchestrator.states import CallState
 
 
-# KEYS: call record, turn's task list, turn's call_id index. ARGV: ttl, task id, call id, record...
-_RECORD = """
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+# KEYS: call record, turn's task list, turn's call_id index[, queue]. ARGV: ttl, task id, call id[, message],
+# record... (`first`: the index of the record's first field in ARGV)
+def _record(first: int) -> str:
+    return f"""
+redis.call('HSET', KEYS[1], unpack(ARGV, {first}))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 """
+
+
 _INDEX = """
 redis.call('RPUSH', KEYS[2], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[3], ARGV[3], ARGV[2])
 redis.call('EXPIRE', KEYS[3], ARGV[1])
-return 1
 """
 # A record that is only `throttled` (listed while it waited for a limit) was never sent: it is claimed.
 _CLAIM = """
 local listed = redis.call('HGET', KEYS[1], 'state')
 if listed and listed ~= 'throttled' then return 0 end
-""" + _RECORD + "if listed then return 1 end" + _INDEX
+""" + _record(4) + "if listed then return 1 end" + _INDEX + "return 1"
 # The same keys and arguments: list the call (in the turn's order) only if it has no record yet.
-_THROTTLED = "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end" + _RECORD + _INDEX
+_THROTTLED = "if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end" + _record(4) + _INDEX + "return 1"
+# The claim, the publish (KEYS[4] is the queue's list, ARGV[4] the task message) and the `sent`
+# mark at once: no process can die between them. A call claimed and never sent (its orchestrator
+# died between the claim and the publish, or `dispatch` claimed it before it could route it) is
+# sent now: 2. Claimed and sent, or past `queued`: 0, nothing pushed.
+_CLAIM_AND_SEND = """
+local listed = redis.call('HGET', KEYS[1], 'state')
+local claimed = listed and listed ~= 'throttled'
+if claimed and (listed ~= 'queued' or redis.call('HEXISTS', KEYS[1], 'sent') == 1) then return 0 end
+if not claimed then
+""" + _record(5) + "if not listed then" + _INDEX + """end
+end
+redis.call('LPUSH', KEYS[4], ARGV[4])
+redis.call('HSET', KEYS[1], 'sent', '1')
+if claimed then return 2 end
+return 1
+"""
 
 
-def _call_script_args(inv: ToolInvocation, record: dict[str, Any]) -> dict[str, list[Any]]:
-    """KEYS and ARGV of _CLAIM and _THROTTLED for one call and the record to write."""
-    flat = [str(x) for kv in record.items() for x in kv]
-    return {"keys": [keys.call(inv.task_id), keys.turn_calls(inv.turn_id), keys.call_ids(inv.turn_id)],
-            "args": [keys.RECORD_TTL, inv.task_id, inv.call_id, *flat]}
+class Sent(IntEnum):
+    """What `Ledger.claim_and_send` did."""
+
+    BEFORE = 0
+    """Nothing: the call was sent before (by another orchestrator, or by a retried attempt of this one)."""
+    NOW = 1
+    """Claimed and sent."""
+    CLAIMED_BEFORE = 2
+    """Sent now, claimed before: by this dispatch, or by an orchestrator that died before sending it."""
+
+
+def _record_fields(inv: ToolInvocation, state: CallState, **fields: Any) -> list[str]:
+    record = {"call_id": inv.call_id, "task_id": inv.task_id, "turn_id": inv.turn_id, "tool": str(inv.tool_name),
+              "state": state.value, "step": inv.step, "output_index": inv.output_index, **fields}
+    return [str(x) for kv in record.items() for x in kv]
+
+
+def _call_keys(inv: ToolInvocation) -> list[str]:
+    return [keys.call(inv.task_id), keys.turn_calls(inv.turn_id), keys.call_ids(inv.turn_id)]
 
 
 #: Step numbers `next_step` takes from a turn's counter at once, and the turns whose block it keeps.
@@ -72,6 +106,7 @@ class Ledger:
         self.r = r
         self._claim = r.register_script(_CLAIM)
         self._throttled = r.register_script(_THROTTLED)
+        self._claim_and_send = r.register_script(_CLAIM_AND_SEND)
         self._cancels: CancelListener | None = None
         """Every turn's cancel channel on one subscription, opened by the first `wait_for_cancel`."""
         self._steps: dict[str, tuple[int, int]] = {}
@@ -122,26 +157,24 @@ class Ledger:
     # --- calls -------------------------------------------------------------------------------
 
     async def claim(self, inv: ToolInvocation, queue: str) -> bool:
-        """Record the call as queued; False if it was already dispatched (never send twice).
+        """Record the call as queued; False if it was already dispatched (never send twice)."""
+        fields = _record_fields(inv, CallState.QUEUED, queue=queue, queued_at=time.time())
+        return bool(await self._claim(keys=_call_keys(inv), args=[keys.RECORD_TTL, inv.task_id, inv.call_id, *fields]))
 
-        One round trip: this sits on every call's path (see `toolq bench pipeline`)."""
-        record = {"call_id": inv.call_id, "task_id": inv.task_id, "turn_id": inv.turn_id,
-                  "tool": str(inv.tool_name), "state": CallState.QUEUED.value, "queue": queue, "step": inv.step,
-                  "output_index": inv.output_index, "queued_at": time.time()}
-        return bool(await self._claim(**_call_script_args(inv, record)))
+    async def claim_and_send(self, inv: ToolInvocation, queue: str, queue_key: str, message: str) -> Sent:
+        """Claim the call as `claim` does, push its task `message` onto the broker's list `queue_key`
+        and mark it sent, in one script: one round trip on every call's path, and no moment where an
+        orchestrator killed leaves a call claimed but unsent, or sent but not marked. Re-running it
+        is harmless (it sends nothing twice), so redis-py may retry it after a lost reply."""
+        fields = _record_fields(inv, CallState.QUEUED, queue=queue, queued_at=time.time())
+        return Sent(await self._claim_and_send(keys=[*_call_keys(inv), queue_key],
+                                               args=[keys.RECORD_TTL, inv.task_id, inv.call_id, message, *fields]))
 
     async def mark_throttled(self, inv: ToolInvocation, reason: str) -> None:
         """List a call held back by a limit (`toolq status` shows it `throttled`); a no-op once it
         has a record (the claim may have come first). The claim then takes it as never sent."""
-        record = {"call_id": inv.call_id, "task_id": inv.task_id, "turn_id": inv.turn_id,
-                  "tool": str(inv.tool_name), "state": CallState.THROTTLED.value, "throttled_by": reason,
-                  "step": inv.step, "output_index": inv.output_index, "throttled_at": time.time()}
-        await self._throttled(**_call_script_args(inv, record))
-
-    async def mark_sent(self, task_id: str) -> None:
-        """The call's message reached the broker: a claim alone is all an orchestrator killed
-        between claiming and sending leaves, and then nobody would ever run the call."""
-        await self.r.hset(keys.call(task_id), "sent", "1")
+        fields = _record_fields(inv, CallState.THROTTLED, throttled_by=reason, throttled_at=time.time())
+        await self._throttled(keys=_call_keys(inv), args=[keys.RECORD_TTL, inv.task_id, inv.call_id, *fields])
 
     async def never_sent(self, task_id: str) -> bool:
         """Claimed, still queued, and never marked sent: its orchestrator died before sending it."""

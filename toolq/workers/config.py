@@ -2,8 +2,8 @@
 sending app (`toolq.orchestrator.dispatch`). Building an app here loads no tool and starts nothing.
 
 Settings follow celery-lab.md's measurements: JSON only, prefork, `acks_late` + prefetch 1 (fair,
-and queued revokes are honoured), STARTED tracked (to tell lost from queued), events on for
-Flower, a visibility timeout above the longest tool.
+and queued revokes are honoured), STARTED tracked (to tell lost from queued), task events when
+Flower asks for them, a visibility timeout above the longest tool.
 """
 
 from __future__ import annotations
@@ -36,7 +36,11 @@ def celery_config(settings: Settings, longest: float) -> dict[str, Any]:
         task_acks_late=True,
         worker_prefetch_multiplier=1,
         task_track_started=True,
-        worker_send_task_events=True,
+        # Task events (task-received, -started, -succeeded) only once a monitor asks for them: Flower
+        # broadcasts `enable_events` every 5 s and `toolq flower` once at its start (flower.py). A
+        # worker nobody watches saves their CPU (about a fifth of its main process's per call);
+        # worker events (heartbeats, online/offline) go out regardless.
+        worker_send_task_events=False,
         # Off: a sent event carries the real task name and, arriving after task-received, makes
         # Flower show `toolq.run` instead of `tool:<name>`; the ledger records "queued" anyway.
         task_send_sent_event=False,
