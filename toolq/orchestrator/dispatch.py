@@ -28,7 +28,8 @@ from toolq.orchestrator.catalog_reader import FleetCatalog
 from toolq.orchestrator.ledger import CONNECT_TIMEOUT, SOCKET_TIMEOUT, Ledger, Sent
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.states import CallState
-from toolq.orchestrator.task_message import TaskMessage, anon_nodename, queue_key
+from toolq.orchestrator.task_message import (UNACKED_KEY, TaskMessage, anon_nodename, message_task_id, queue_key,
+                                             task_id_of)
 from toolq.orchestrator.transport import DispatchError
 from toolq.workers.advert import tool_queue
 from toolq.workers.catalog import ToolSpec
@@ -232,21 +233,17 @@ class Dispatcher:
         return ids
 
     async def taken(self) -> dict[str, str]:
-        """Task id -> delivery tag of every message some worker has taken and not acked (kombu's
-        `unacked` hash): running, about to start, or stranded on a worker that died."""
-        def read() -> dict[str, str]:
-            with self.app.connection_for_write() as conn:
-                channel = conn.default_channel
-                raw = channel.client.hgetall(channel.unacked_key)
-            out = {}
-            for tag, value in raw.items():
-                try:
-                    out[str(json.loads(value)[0]["headers"]["id"])] = tag.decode()
-                except (ValueError, KeyError, TypeError, IndexError):
-                    continue
-            return out
-
-        return await self._run(read)
+        """Task id -> delivery tag of every message some worker has taken and not acked: running,
+        about to start, or stranded on a worker that died."""
+        out = {}
+        for tag, value in (await self.ledger.r.hgetall(UNACKED_KEY)).items():
+            try:
+                task_id = task_id_of(json.loads(value)[0])  # [message, exchange, routing key]
+            except (ValueError, KeyError, IndexError):
+                continue
+            if task_id is not None:
+                out[task_id] = tag.decode()
+        return out
 
     async def held(self, task_ids: list[str], hostnames: set[str], timeout: float = 1.0) -> set[str] | None:
         """Which of the tasks these workers hold (reserved or running); None unless all answered."""
@@ -261,24 +258,16 @@ class Dispatcher:
 
     async def queued(self, task_ids: set[str], queues: set[str]) -> set[str]:
         """Which of the tasks wait on these queues (read whole: asked only after a worker died)."""
-        def read() -> set[str]:
-            with self.app.connection_for_write() as conn:
-                client = conn.default_channel.client
-                found = set()
-                for queue in queues:
-                    for raw in client.lrange(queue, 0, -1):
-                        try:
-                            found.add(str(json.loads(raw)["headers"]["id"]))
-                        except (ValueError, KeyError, TypeError):
-                            continue
-            return found & task_ids
-
-        return await self._run(read)
+        found = set()
+        for queue in queues:
+            found |= {message_task_id(raw) for raw in await self.ledger.r.lrange(queue_key(queue), 0, -1)}
+        return found & task_ids
 
     async def resend(self, inv: ToolInvocation, spec: ToolSpec) -> None:
-        """Send a call again under its task id: its message was lost (the worker's started marker
-        still runs it at most once)."""
-        await self._run(self._send, inv, spec)
+        """Send a call again under its task id, at the head of its queue (where a restored message
+        goes): its message was lost. The worker's started marker still runs it at most once."""
+        queue = tool_queue(spec)
+        await self.ledger.r.rpush(queue_key(queue), self._message(inv, spec, queue))
 
     async def restore(self, tags: list[str]) -> None:
         """Put taken messages back at the head of their queues (as kombu does at a warm shutdown)."""

@@ -81,3 +81,24 @@ def queue_key(queue: str) -> str:
 
 
 __all__ = ["TaskMessage", "anon_nodename", "queue_key"]
+
+
+#: kombu's Redis hash of the messages workers have taken and not acked (its transport's default
+#: `unacked_key`, which toolq's config keeps): delivery tag -> [message, exchange, routing key].
+UNACKED_KEY = "unacked"
+
+
+def task_id_of(message: Any) -> str | None:
+    """The task id of a decoded task message (None if it is not one)."""
+    try:
+        return str(message["headers"]["id"])
+    except (KeyError, TypeError, IndexError):
+        return None
+
+
+def message_task_id(raw: bytes | str) -> str | None:
+    """The task id of a task message as the broker's list holds it."""
+    try:
+        return task_id_of(json.loads(raw))
+    except ValueError:
+        return None
