@@ -114,8 +114,8 @@ class Host:
         self._ids = itertools.count(1)  # without Redis (tests of the host alone)
         sandbox = isolation.current(settings)
         confined = not sandbox.unavailable and sandbox.backend != "none"
-        # bwrap starts faster from a thread whose mount table is smaller (bwrap.hide_unbound_mounts).
-        prepare = functools.partial(bwrap.hide_unbound_mounts, sandbox.policy) if (
+        # bwrap starts faster from a thread whose mount table is smaller (bwrap.prepare_spawning_thread).
+        prepare = functools.partial(bwrap.prepare_spawning_thread, sandbox.policy) if (
             confined and sandbox.backend == "bwrap") else None
         self.slots = Slots(sandbox.policy.limits if confined else None,
                            most=settings.concurrency + SLOTS_PER_SESSION_LIMIT * settings.session_limit,
