@@ -284,6 +284,34 @@ def test_a_spawning_threads_own_mounts_hide_sys_and_mask_secrets_once(tmp_path):
 
 
 @needs_bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="a private mount namespace needs CAP_SYS_ADMIN")
+def test_a_spawning_thread_sees_a_workspace_mounted_after_it_prepared(tmp_path):
+    """Where the host's mounts do not propagate, the thread's copy is made again."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    ready, mounted, seen = threading.Event(), threading.Event(), {}
+
+    def spawner() -> None:
+        assert bwrap.prepare_spawning_thread(policy())
+        ready.set()
+        mounted.wait(10)
+        r = run_command("cat marker", cwd=volume, sandbox=choose(policy(sandbox="bwrap")), env={"PATH": "/usr/bin:/bin"})
+        seen["output"] = r.output
+
+    thread = threading.Thread(target=spawner)
+    thread.start()
+    ready.wait(10)
+    subprocess.run(["mount", "--make-private", "-t", "tmpfs", "toolq-test", str(volume)], check=True)
+    try:
+        (volume / "marker").write_text("on the new file system\n")
+        mounted.set()
+        thread.join()
+    finally:
+        subprocess.run(["umount", "-l", str(volume)], check=True)
+    assert seen["output"] == b"on the new file system\n"
+
+
+@needs_bwrap
 def test_a_gate_that_fails_kills_the_held_sandbox(tmp_path, monkeypatch):
     """Closing --block-fd without a release would let bwrap go on: the gate kills it first."""
     def refuse(self, pid):

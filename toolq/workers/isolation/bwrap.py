@@ -24,6 +24,7 @@ shell runs before the command. Without a gate (or where the outside check cannot
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import re
@@ -67,6 +68,7 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
              "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger",
              "/proc/sysrq-trigger", "--size", size, "--tmpfs", SANDBOX_TMP]
     real = os.path.realpath(workspace)
+    _follow_host_mounts(real)
     for d, link in _read_dirs(policy.read_dirs):
         if d == real or d.startswith(real.rstrip("/") + "/"):
             continue  # under the workspace: its bind below covers this one
@@ -165,6 +167,7 @@ def prepare_spawning_thread(policy: Policy) -> bool:
     trees = [t for t in UNBOUND_TREES if not any(d == t or d.startswith(t + "/") for d in policy.read_dirs)]
     if _libc.unshare(_CLONE_NEWNS) != 0:  # this thread's own namespace (and cwd) from now on
         return False
+    _spawner.policy = policy
     if _libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None) != 0:
         return False  # a copy still shared with the host's: a mount here would show there
     for tree in trees:
@@ -174,6 +177,33 @@ def prepare_spawning_thread(policy: Policy) -> bool:
                 b"/dev/null", path.encode(), None, _MS_BIND, None) == 0:
             _libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, None)
     return True
+
+
+#: The policy a thread prepared its namespace for (`prepare_spawning_thread`).
+_spawner = threading.local()
+
+
+def _follow_host_mounts(workspace: str) -> None:
+    """A prepared thread's copy of the mount table does not follow the host's where the host's
+    mounts are private (no propagation): a workspace on a file system mounted since would be its
+    empty mount point here. Then the copy is made again, from the process's own (its first
+    thread's, as /proc/<pid>/ shows)."""
+    policy = getattr(_spawner, "policy", None)
+    if policy is None:
+        return
+    try:
+        if _identity(workspace, follow=True) == _identity(f"/proc/{os.getpid()}/root{workspace}", follow=True):
+            return
+        fd = os.open(f"/proc/{os.getpid()}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return  # gone on either side: bwrap says so
+    try:
+        if _libc.setns(fd, _CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "setns to the host's mount namespace")
+    finally:
+        os.close(fd)
+    _spawner.policy = None
+    prepare_spawning_thread(policy)
 
 
 def _escape(path: str) -> str:
