@@ -150,15 +150,41 @@ def own_git(root) -> bwrap.GitMount:
 def test_the_gate_judges_git_only_in_the_final_root(tmp_path):
     final = sandbox_root(tmp_path, "final")
     expected = own_git(final)
-    assert expected.judge(str(final)) is True
     assert expected.judge(str(sandbox_root(tmp_path, "staging"))) is None
     assert expected.judge(str(tmp_path / "gone")) is None  # the sandbox ended: its caller asks bwrap
-    # the race: bwrap bound the workspace's parent (a symlink to ..) as .git
-    raced = bwrap.GitMount(expected.path, expected.workspace, bwrap._identity(str(final / "w")),
-                           expected.workspace_id, expected.host_root)
-    assert raced.judge(str(final)) is False
-    (final / "w" / "ws" / ".git").rmdir()  # nothing bound there at all
+    # the race the other way: the .git bind landed on the workspace's parent, .git is no mount
     assert expected.judge(str(final)) is False
+    (final / "w" / "ws" / ".git").rmdir()  # nothing there at all
+    assert expected.judge(str(final)) is False
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="binds .git as bwrap does")
+def test_the_gate_takes_only_the_workspaces_own_git_bound_at_git(tmp_path):
+    final = sandbox_root(tmp_path, "final")
+    git = final / "w" / "ws" / ".git"
+    expected = own_git(final)
+    subprocess.run(["mount", "--bind", str(git), str(git)], check=True)
+    try:
+        assert expected.judge(str(final)) is True
+        # the race: bwrap bound the workspace's parent (a symlink to ..) as .git
+        raced = bwrap.GitMount(expected.path, expected.workspace, bwrap._identity(str(final / "w")),
+                               expected.workspace_id, expected.host_root)
+        assert raced.judge(str(final)) is False
+    finally:
+        subprocess.run(["umount", str(git)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes .git a mount point")
+def test_a_git_that_is_a_mount_point_here_is_checked_from_inside(tmp_path):
+    """The workspace's recursive bind would carry that mount to .git, writable, whatever the .git bind did."""
+    (tmp_path / ".git").mkdir()
+    subprocess.run(["mount", "--bind", str(tmp_path / ".git"), str(tmp_path / ".git")], check=True)
+    try:
+        args = gated_argv(tmp_path)
+    finally:
+        subprocess.run(["umount", str(tmp_path / ".git")], check=True)
+    assert "--file" not in args and args[args.index("--") + 1:][:3] == ["/bin/sh", "-c", bwrap.GIT_CHECK]
+    assert "--file" in gated_argv(tmp_path)  # the control
 
 
 def test_before_bwraps_first_pivot_the_hosts_own_git_is_not_taken_for_the_sandboxs(tmp_path):

@@ -33,6 +33,7 @@ import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import threading
 import tempfile
@@ -84,13 +85,15 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
         found = None
     if found is not None and stat.S_ISLNK(found.st_mode):
         found = None  # a symlinked .git is not bound: it resolves inside the sandbox only
-    if found is not None and gate is not None and not (real + "/").startswith(_STAGING):
+    checkable = gate is not None and not (real + "/").startswith(_STAGING)
+    if found is not None and checkable and _git_is_a_mount(real, git) is False:
         # bwrap closes the file op's fd when the op is done: the gate's sign that .git is bound.
         args += ["--ro-bind", git, git, "--file", str(gate.bound_w), "/dev/null"]
         gate.git = GitMount(git, real, _identity(git, found), _identity(real), _identity("/", follow=True))
     elif found is not None and (mount := _git_mount(git)) is not None:
-        # Without a gate, or where the gate cannot find the workspace (under bwrap's own staging
-        # paths): checked from inside.
+        # Without a gate, or where the gate cannot tell (a workspace under bwrap's own staging
+        # paths, a .git that is a mount point here, a kernel without statx's mount id): checked
+        # from inside.
         args += ["--ro-bind", git, git]
         command = ["/bin/sh", "-c", GIT_CHECK, "toolq-sandbox", _escape(git), mount[0], *command]
     args += ["--remount-ro", "/", "--chdir", cwd, "--", *command]
@@ -116,6 +119,17 @@ def _read_dirs(dirs: tuple[str, ...]) -> tuple[tuple[str, str | None], ...]:
     """Each readable directory and, for a symlink (`/bin` -> `usr/bin`), its target: once per
     worker, as the system directories do not change under it."""
     return tuple((d, os.readlink(d) if os.path.islink(d) else None) for d in dirs)
+
+
+def _git_is_a_mount(workspace: str, git: str) -> bool | None:
+    """Whether `.git` is a mount point of its own here (the workspace's recursive bind would then
+    carry a writable mount of the same inode at .git, whatever the .git bind did); None where
+    statx does not tell."""
+    try:
+        ws, own = _mount_id(workspace), _mount_id(git)
+    except OSError:
+        return None
+    return None if ws is None or own is None else ws != own
 
 
 def _masks() -> list[str]:
@@ -145,6 +159,20 @@ def _identity(path: str, found: os.stat_result | None = None, follow: bool = Fal
     """(device, inode): what a bind mount shows at its mount point is its source's."""
     st = found or os.stat(path, follow_symlinks=follow)
     return st.st_dev, st.st_ino
+
+
+_AT_FDCWD, _AT_SYMLINK_NOFOLLOW, _STATX_INO, _STATX_MNT_ID = -100, 0x100, 0x100, 0x1000
+
+
+def _mount_id(path: str) -> int | None:
+    """The id of the mount `path` (not followed) is on, from statx(2); None where the kernel does
+    not tell (before Linux 5.8). Mount ids are unique across namespaces."""
+    buf = ctypes.create_string_buffer(256)  # struct statx
+    if _libc.statx(_AT_FDCWD, os.fsencode(path), _AT_SYMLINK_NOFOLLOW, _STATX_INO | _STATX_MNT_ID, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    mask, = struct.unpack_from("I", buf, 0)
+    return struct.unpack_from("Q", buf, 144)[0] if mask & _STATX_MNT_ID else None
 
 
 _CLONE_NEWNS, _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_SLAVE, _MNT_DETACH = (
@@ -285,9 +313,11 @@ class GateRefused(Exception):
 
 @dataclass(frozen=True)
 class GitMount:
-    """What `.git` must be in the sandbox's final root: the workspace's own, the same file (device
-    and inode) as on the host when the command line was made. A `.git` swapped for a symlink to
-    `..` gets the workspace's parent bound instead: another inode."""
+    """What `.git` must be in the sandbox's final root: a mount of its own there, of the workspace's
+    own .git (the same device and inode as on the host when the command line was made). A `.git`
+    swapped for a symlink to `..` while bwrap resolves the bind's source gets the workspace's
+    parent bound (another inode); while it resolves the target, the bind lands on the parent and
+    .git is no mount."""
 
     path: str
     workspace: str
@@ -303,10 +333,13 @@ class GitMount:
         try:  # the workspace first: in the staging root its path ends at the first component
             if _identity(root + self.workspace) != self.workspace_id or _identity(root, follow=True) == self.host_root:
                 return None
+            workspace_mount = _mount_id(root + self.workspace)
         except (FileNotFoundError, NotADirectoryError):
             return None
         try:
-            return _identity(root + self.path) == self.expected
+            # The bind landed at .git (not, through a symlink there, on the workspace's parent) and
+            # bound the workspace's own .git (not what a symlink at the source pointed to).
+            return _mount_id(root + self.path) != workspace_mount and _identity(root + self.path) == self.expected
         except (FileNotFoundError, NotADirectoryError):
             return False
 
