@@ -17,7 +17,7 @@ import pytest
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
 from toolq.workers import isolation
-from toolq.workers.isolation import bwrap, choose, landlock, limits
+from toolq.workers.isolation import bwrap, choose, landlock, limits, spawner
 from toolq.workers.isolation.policy import Limits, Policy
 from toolq.workers.sandbox import run_command
 
@@ -287,8 +287,8 @@ def test_a_spawning_threads_own_mounts_hide_sys_and_mask_secrets_once(tmp_path):
     """What bwrap copies from the spawning thread shrinks; the sandbox sees the same, the host too."""
     seen = {}
 
-    def spawner(read: list[str]) -> None:
-        assert bwrap.prepare_spawning_thread(policy(sandbox_read=read))
+    def spawning_thread(read: list[str]) -> None:
+        assert spawner.prepare_spawning_thread(policy(sandbox_read=read), bwrap.MASKED)
         seen["sys"] = os.path.ismount("/sys")
         sandbox = choose(policy(sandbox="bwrap"))
         seen["argv"] = bwrap.argv("bwrap", sandbox.policy, str(tmp_path), str(tmp_path), ["true"])
@@ -297,7 +297,7 @@ def test_a_spawning_threads_own_mounts_hide_sys_and_mask_secrets_once(tmp_path):
         seen["exit"], seen["output"] = r.exit_code, r.output.decode()
 
     for read in ([], ["/sys/kernel"]):  # a policy that reads under /sys keeps it
-        thread = threading.Thread(target=spawner, args=(read,))
+        thread = threading.Thread(target=spawning_thread, args=(read,))
         thread.start()
         thread.join()
         assert seen["sys"] is bool(read)
@@ -317,14 +317,14 @@ def test_a_spawning_thread_sees_a_workspace_mounted_after_it_prepared(tmp_path):
     volume.mkdir()
     ready, mounted, seen = threading.Event(), threading.Event(), {}
 
-    def spawner() -> None:
-        assert bwrap.prepare_spawning_thread(policy())
+    def spawning_thread() -> None:
+        assert spawner.prepare_spawning_thread(policy(), bwrap.MASKED)
         ready.set()
         mounted.wait(10)
         r = run_command("cat marker", cwd=volume, sandbox=choose(policy(sandbox="bwrap")), env={"PATH": "/usr/bin:/bin"})
         seen["output"] = r.output
 
-    thread = threading.Thread(target=spawner)
+    thread = threading.Thread(target=spawning_thread)
     thread.start()
     ready.wait(10)
     subprocess.run(["mount", "--make-private", "-t", "tmpfs", "toolq-test", str(volume)], check=True)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from toolq.workers.isolation import spawner
 from toolq.workers.isolation.policy import Policy
 from toolq.workers.isolation.reaper import _libc, has_exited
 
@@ -69,7 +70,7 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
              "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger",
              "/proc/sysrq-trigger", "--size", size, "--tmpfs", SANDBOX_TMP]
     real = os.path.realpath(workspace)
-    _follow_host_mounts(real)
+    spawner.follow_host_mounts(real)
     for d, link in _read_dirs(policy.read_dirs):
         if d == real or d.startswith(real.rstrip("/") + "/"):
             continue  # under the workspace: its bind below covers this one
@@ -146,7 +147,7 @@ def _masks() -> list[str]:
         if stat.S_ISDIR(mode):
             args += ["--tmpfs", path]
         elif stat.S_ISCHR(mode) and os.stat(path).st_rdev == os.stat("/dev/null").st_rdev:
-            continue  # masked in this thread's namespace already (`prepare_spawning_thread`)
+            continue  # masked in this thread's namespace already (`spawner.prepare_spawning_thread`)
         elif os.access(path, os.R_OK):  # permission bits and ACLs, as the kernel checks them
             args += ["--ro-bind", "/dev/null", path]
     return args
@@ -173,65 +174,6 @@ def _mount_id(path: str) -> int | None:
         raise OSError(err, os.strerror(err), path)
     mask, = struct.unpack_from("I", buf, 0)
     return struct.unpack_from("Q", buf, 144)[0] if mask & _STATX_MNT_ID else None
-
-
-_CLONE_NEWNS, _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_SLAVE, _MNT_DETACH = (
-    0x20000, 1, 2, 4, 32, 4096, 0x4000, 0x80000, 2)
-#: Mount trees no sandbox binds from (`argv` never names them) and, on a usual host, the biggest
-#: ones (sysfs with its cgroup, bpf, security and trace file systems under it).
-UNBOUND_TREES = ("/sys",)
-
-
-def prepare_spawning_thread(policy: Policy) -> bool:
-    """In the calling thread only: a private copy of the mount namespace that bwrap starts faster
-    from, where it may (CAP_SYS_ADMIN; False and nothing changed elsewhere). The sandboxes it starts
-    see the same; what changes is what bwrap copies and reads again at each of its ~20 binds (its
-    whole mount table): no `UNBOUND_TREES` (those the policy reads from excepted; /sys held 13 of
-    the 20 mounts here), and the file masks made once here instead of as 4 binds per sandbox: the
-    recursive bind of /etc carries them, locked (a namespace made with a new user namespace cannot
-    take apart what it copied), so `_masks` leaves them out. A spawning thread calls this once,
-    before its first bwrap. Nothing flows back to the host: the copy is made a slave first, or
-    nothing is mounted or unmounted."""
-    trees = [t for t in UNBOUND_TREES if not any(d == t or d.startswith(t + "/") for d in policy.read_dirs)]
-    if _libc.unshare(_CLONE_NEWNS) != 0:  # this thread's own namespace (and cwd) from now on
-        return False
-    _spawner.policy = policy
-    if _libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None) != 0:
-        return False  # a copy still shared with the host's: a mount here would show there
-    for tree in trees:
-        _libc.umount2(tree.encode(), _MNT_DETACH)  # absent (not mounted here): nothing to hide
-    for path in MASKED:
-        if os.path.isfile(path) and not os.path.islink(path) and _libc.mount(
-                b"/dev/null", path.encode(), None, _MS_BIND, None) == 0:
-            _libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, None)
-    return True
-
-
-#: The policy a thread prepared its namespace for (`prepare_spawning_thread`).
-_spawner = threading.local()
-
-
-def _follow_host_mounts(workspace: str) -> None:
-    """A prepared thread's copy of the mount table does not follow the host's where the host's
-    mounts are private (no propagation): a workspace on a file system mounted since would be its
-    empty mount point here. Then the copy is made again, from the process's own (its first
-    thread's, as /proc/<pid>/ shows)."""
-    policy = getattr(_spawner, "policy", None)
-    if policy is None:
-        return
-    try:
-        if _identity(workspace, follow=True) == _identity(f"/proc/{os.getpid()}/root{workspace}", follow=True):
-            return
-        fd = os.open(f"/proc/{os.getpid()}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return  # gone on either side: bwrap says so
-    try:
-        if _libc.setns(fd, _CLONE_NEWNS) != 0:
-            raise OSError(ctypes.get_errno(), "setns to the host's mount namespace")
-    finally:
-        os.close(fd)
-    _spawner.policy = None
-    prepare_spawning_thread(policy)
 
 
 def _escape(path: str) -> str:

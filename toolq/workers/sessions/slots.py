@@ -37,7 +37,7 @@ class Slot:
                 "pids.max": str(lim.processes + SLOT_TASKS_SLACK)}).result()
             self.memory_cgroup = self._thread.submit(self._enter_cgroup, "memory", {
                 "memory.limit_in_bytes": str((lim.memory_mb + limits.OWN_MEMORY_SLACK_MB) * limits.MIB)}).result()
-        if prepare is not None:  # after the cgroups, which it may hide (bwrap.prepare_spawning_thread)
+        if prepare is not None:  # after the cgroups, which it may hide (isolation.spawner)
             self._thread.submit(prepare).result()
         self.busy = False
 
