@@ -17,9 +17,10 @@ workspace does not run.
 
 Started through a `Gate` (what `Sandbox.launch` does), bwrap holds its sandbox before the command
 runs (`--block-fd`) while the worker sets the call's rlimits on it and checks, from outside, that
-the `.git` in its final root is the workspace's own (the same device and inode): no `prlimit` or
+`.git` in its final root is a mount of the workspace's own `.git` (`GitMount`): no `prlimit` or
 shell runs before the command. Without a gate (or where the outside check cannot tell, see
-`argv`), a shell checks `.git`'s mount from inside first (`GIT_CHECK`).
+`argv`), a shell checks `.git`'s mount from inside first (`GIT_CHECK`). A session-host slot thread
+starts bwrap from a smaller mount table of its own (`spawner.py`).
 """
 
 from __future__ import annotations
