@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
 from toolq.workers import isolation
-from toolq.workers.isolation import bwrap, choose, landlock, limits
+from toolq.workers.isolation import bwrap, choose, landlock, limits, spawner
 from toolq.workers.isolation.policy import Limits, Policy
 from toolq.workers.sandbox import run_command
 
@@ -128,22 +129,124 @@ def test_a_read_dir_under_the_workspace_is_left_to_the_workspaces_bind(tmp_path)
     assert str(inner) in bwrap.argv("bwrap", policy(sandbox_read=[str(inner)]), "/w", "/w", ["true"])
 
 
-WS, GIT = "/w/ws", "/w/ws/.git"
-OWN = bwrap.GitMount(GIT, "254:0 /w/ws/.git", WS)
+def sandbox_root(tmp_path, stage: str):
+    """A tree shaped like what /proc/<pid>/root shows at each stage of bwrap's set-up."""
+    root = tmp_path / stage
+    if stage == "staging":  # bwrap's own tmpfs: only the new root being built and the old one
+        (root / "newroot" / "w" / "ws" / ".git").mkdir(parents=True)
+        (root / "oldroot").mkdir()
+    else:
+        (root / "w" / "ws" / ".git").mkdir(parents=True)
+    return root
 
 
-@pytest.mark.parametrize("table, verdict", [
-    # bwrap's staging root: the sandbox's mounts under /newroot, the host's under /oldroot
-    (f"1 0 0:60 / / rw\n2 1 254:0 /w/ws /newroot{WS} rw\n3 2 254:0 /w/ws/.git /newroot{GIT} ro\n", None),
-    ("1 0 0:61 / / rw\n", None),  # between the two pivots only the root shows
-    (f"1 0 0:61 / / ro\n2 1 254:0 /w/ws {WS} rw\n3 2 254:0 /w/ws/.git {GIT} ro\n", True),
-    # the race: bwrap bound the workspace's parent (a symlink to ..) as .git
-    (f"1 0 0:61 / / ro\n2 1 254:0 /w/ws {WS} rw\n3 2 254:0 /w {GIT} ro\n", False),
-    # the race the other way: the .git bind landed on the parent, .git itself stays writable
-    (f"1 0 0:61 / / ro\n2 1 254:0 /w/ws {WS} rw\n3 1 254:0 /w/ws/.git /w ro\n", False),
-])
-def test_the_gate_judges_git_only_in_the_final_mount_table(table, verdict):
-    assert OWN.judge(table.encode()) is verdict
+def own_git(root) -> bwrap.GitMount:
+    """What the gate expects: the final root's workspace and .git (the host's, when bound)."""
+    ws = root / "w" / "ws"
+    return bwrap.GitMount("/w/ws/.git", "/w/ws", bwrap._identity(str(ws / ".git")), bwrap._identity(str(ws)),
+                          bwrap._identity("/", follow=True))
+
+
+def test_the_gate_judges_git_only_in_the_final_root(tmp_path):
+    final = sandbox_root(tmp_path, "final")
+    expected = own_git(final)
+    assert expected.judge(str(sandbox_root(tmp_path, "staging"))) is None
+    assert expected.judge(str(tmp_path / "gone")) is None  # the sandbox ended: its caller asks bwrap
+    # the race the other way: the .git bind landed on the workspace's parent, .git is no mount
+    assert expected.judge(str(final)) is False
+    (final / "w" / "ws" / ".git").rmdir()  # nothing there at all
+    assert expected.judge(str(final)) is False
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="binds .git as bwrap does")
+def test_the_gate_takes_only_the_workspaces_own_git_bound_at_git(tmp_path):
+    final = sandbox_root(tmp_path, "final")
+    git = final / "w" / "ws" / ".git"
+    expected = own_git(final)
+    subprocess.run(["mount", "--bind", str(git), str(git)], check=True)
+    try:
+        assert expected.judge(str(final)) is True
+        # the race: bwrap bound the workspace's parent (a symlink to ..) as .git
+        raced = bwrap.GitMount(expected.path, expected.workspace, bwrap._identity(str(final / "w")),
+                               expected.workspace_id, expected.host_root)
+        assert raced.judge(str(final)) is False
+    finally:
+        subprocess.run(["umount", str(git)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes .git a mount point")
+def test_a_git_that_is_a_mount_point_here_is_checked_from_inside(tmp_path):
+    """The workspace's recursive bind would carry that mount to .git, writable, whatever the .git bind did."""
+    (tmp_path / ".git").mkdir()
+    subprocess.run(["mount", "--bind", str(tmp_path / ".git"), str(tmp_path / ".git")], check=True)
+    try:
+        args = gated_argv(tmp_path)
+    finally:
+        subprocess.run(["umount", str(tmp_path / ".git")], check=True)
+    assert "--file" not in args and args[args.index("--") + 1:][:3] == ["/bin/sh", "-c", bwrap.GIT_CHECK]
+    assert "--file" in gated_argv(tmp_path)  # the control
+
+
+def test_before_bwraps_first_pivot_the_hosts_own_git_is_not_taken_for_the_sandboxs(tmp_path):
+    """Until bwrap pivots, /proc/<pid>/root is the host's root, where .git is the workspace's own."""
+    (tmp_path / ".git").mkdir()
+    host = bwrap.GitMount(str(tmp_path / ".git"), str(tmp_path), bwrap._identity(str(tmp_path / ".git")),
+                          bwrap._identity(str(tmp_path)), bwrap._identity("/", follow=True))
+    assert host.judge("/") is None
+
+
+def test_bwrap_reports_its_sandboxs_pid_before_its_json_ends():
+    """bwrap 0.8 writes --info-fd a member at a time: the gate goes on at the first."""
+    r, w = os.pipe()
+    try:
+        os.write(w, b'{\n    "child-pid": 4242')
+        os.write(w, b',\n    "cgroup-namespace": 4026531835')  # the number above is complete now
+        assert bwrap._read_child_pid(r) == 4242
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_the_gate_reads_bwraps_json_to_its_end_before_the_release():
+    """bwrap may still be writing it (with no .git to wait for): a pipe closed under it is a SIGPIPE."""
+    gate = bwrap.Gate()
+    try:
+        os.write(gate.info_w, b'{\n    "child-pid": 4242,\n    "cgroup-namespace": 1')
+        os.write(gate.info_w, b',\n    "uts-namespace": 2\n}\n')
+        os.close(gate.info_w)  # bwrap's end, closed after its last member
+        gate.info_w = -1
+        gate.release(lambda pid: None, alive=lambda: True)
+        assert gate.child == 4242 and os.read(gate.block_r, 1) == b"1"
+        assert os.read(gate.info_r, 100) == b""  # nothing left for a close to cut off
+    finally:
+        gate.close()
+
+
+def test_bwrap_info_without_a_pid_is_an_error_and_none_means_bwrap_ended():
+    for data, outcome in ((b'{"error": "x"}', OSError), (b"", None)):
+        r, w = os.pipe()
+        os.write(w, data)
+        os.close(w)
+        try:
+            if outcome is None:
+                assert bwrap._read_child_pid(r) is None
+            else:
+                with pytest.raises(OSError, match="--info-fd said"):
+                    bwrap._read_child_pid(r)
+        finally:
+            os.close(r)
+
+
+def test_masks_only_what_the_command_could_read(tmp_path, monkeypatch):
+    """A bind costs bwrap a read of its whole mount table: a file this uid cannot read needs none."""
+    readable, unreadable, secrets_dir = tmp_path / "shadow", tmp_path / "gshadow", tmp_path / "ssh"
+    readable.write_text("x")
+    unreadable.write_text("x")
+    secrets_dir.mkdir()
+    monkeypatch.setattr(bwrap, "MASKED", (str(readable), str(unreadable), str(secrets_dir), str(tmp_path / "absent")))
+    real_access = os.access
+    monkeypatch.setattr(bwrap.os, "access", lambda p, mode: p != str(unreadable) and real_access(p, mode))
+    assert bwrap._masks() == ["--ro-bind", "/dev/null", str(readable), "--tmpfs", str(secrets_dir)]
 
 
 @needs_bwrap
@@ -162,19 +265,76 @@ def test_a_command_does_not_run_when_the_gate_finds_git_is_not_the_workspaces_ow
     gate kills the held sandbox; the tool says why."""
     (tmp_path / ".git").mkdir()
     sandbox = choose(policy(sandbox="bwrap"))  # its probe checks a .git too
-    real = bwrap._git_mount
+    real = bwrap._identity
 
-    def parents(git: str):
-        expected, own = real(git)
-        return expected.rpartition("/")[0], own  # the workspace's parent, as the race binds it
+    def parents(path: str, found=None, follow=False):
+        if path == str(tmp_path / ".git") and found is not None:  # what the command line expects
+            return real(str(tmp_path.parent))  # the workspace's parent, as the race binds it
+        return real(path, found, follow)
 
-    monkeypatch.setattr(bwrap, "_git_mount", parents)
+    monkeypatch.setattr(bwrap, "_identity", parents)
     with pytest.raises(isolation.SandboxRefused, match=".git changed while the sandbox was set up"):
         run_command("touch ran", cwd=tmp_path, sandbox=sandbox, env={"PATH": "/usr/bin:/bin"})
     assert not (tmp_path / "ran").exists()
-    monkeypatch.setattr(bwrap, "_git_mount", real)  # the control
+    monkeypatch.setattr(bwrap, "_identity", real)  # the control
     assert run_command("touch ran", cwd=tmp_path, sandbox=sandbox, env={"PATH": "/usr/bin:/bin"}).exit_code == 0
     assert (tmp_path / "ran").exists()
+
+
+@needs_bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="a private mount namespace needs CAP_SYS_ADMIN")
+def test_a_spawning_threads_own_mounts_hide_sys_and_mask_secrets_once(tmp_path):
+    """What bwrap copies from the spawning thread shrinks; the sandbox sees the same, the host too."""
+    seen = {}
+
+    def spawning_thread(read: list[str]) -> None:
+        assert spawner.prepare_spawning_thread(policy(sandbox_read=read), bwrap.MASKED)
+        seen["sys"] = os.path.ismount("/sys")
+        sandbox = choose(policy(sandbox="bwrap"))
+        seen["argv"] = bwrap.argv("bwrap", sandbox.policy, str(tmp_path), str(tmp_path), ["true"])
+        r = run_command("touch ran; cat /etc/shadow; ls /sys", cwd=tmp_path, sandbox=sandbox,
+                        env={"PATH": "/usr/bin:/bin"})
+        seen["exit"], seen["output"] = r.exit_code, r.output.decode()
+
+    for read in ([], ["/sys/kernel"]):  # a policy that reads under /sys keeps it
+        thread = threading.Thread(target=spawning_thread, args=(read,))
+        thread.start()
+        thread.join()
+        assert seen["sys"] is bool(read)
+        assert seen["exit"] != 0 and (tmp_path / "ran").exists()  # the sandbox never had /sys either way
+        (tmp_path / "ran").unlink()
+        if os.path.isfile("/etc/shadow"):  # masked in the thread, so not by bwrap, and still masked
+            assert "/etc/shadow" not in seen["argv"] and "root:" not in seen["output"], seen
+            assert os.stat("/etc/shadow").st_rdev != os.stat("/dev/null").st_rdev
+        assert os.path.ismount("/sys")  # the rest of the process keeps its mounts
+
+
+@needs_bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="a private mount namespace needs CAP_SYS_ADMIN")
+def test_a_spawning_thread_sees_a_workspace_mounted_after_it_prepared(tmp_path):
+    """Where the host's mounts do not propagate, the thread's copy is made again."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    ready, mounted, seen = threading.Event(), threading.Event(), {}
+
+    def spawning_thread() -> None:
+        assert spawner.prepare_spawning_thread(policy(), bwrap.MASKED)
+        ready.set()
+        mounted.wait(10)
+        r = run_command("cat marker", cwd=volume, sandbox=choose(policy(sandbox="bwrap")), env={"PATH": "/usr/bin:/bin"})
+        seen["output"] = r.output
+
+    thread = threading.Thread(target=spawning_thread)
+    thread.start()
+    ready.wait(10)
+    subprocess.run(["mount", "--make-private", "-t", "tmpfs", "toolq-test", str(volume)], check=True)
+    try:
+        (volume / "marker").write_text("on the new file system\n")
+        mounted.set()
+        thread.join()
+    finally:
+        subprocess.run(["umount", "-l", str(volume)], check=True)
+    assert seen["output"] == b"on the new file system\n"
 
 
 @needs_bwrap

@@ -16,32 +16,36 @@ sysctls' permission check, capabilities or not (it rewrote `vm.swappiness` of th
 workspace does not run.
 
 Started through a `Gate` (what `Sandbox.launch` does), bwrap holds its sandbox before the command
-runs (`--block-fd`) while the worker sets the call's rlimits on it and checks `.git`'s mount in
-its final mount table, from outside: no `prlimit` or shell runs before the command. Without a
-gate (or where the outside check cannot tell, see `argv`), a shell checks `.git` from inside
-first (`GIT_CHECK`).
+runs (`--block-fd`) while the worker sets the call's rlimits on it and checks, from outside, that
+`.git` in its final root is a mount of the workspace's own `.git` (`GitMount`): no `prlimit` or
+shell runs before the command. Without a gate (or where the outside check cannot tell, see
+`argv`), a shell checks `.git`'s mount from inside first (`GIT_CHECK`). A session-host slot thread
+starts bwrap from a smaller mount table of its own (`spawner.py`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
-import json
 import os
+import re
 import select
 import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import threading
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from toolq.workers.isolation import spawner
 from toolq.workers.isolation.policy import Policy
-from toolq.workers.isolation.reaper import has_exited
+from toolq.workers.isolation.reaper import _libc, has_exited
 
 #: Where the private /tmp is: HOME and TMPDIR point here inside the sandbox.
 SANDBOX_TMP = "/tmp"
@@ -67,31 +71,33 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
              "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger",
              "/proc/sysrq-trigger", "--size", size, "--tmpfs", SANDBOX_TMP]
     real = os.path.realpath(workspace)
+    spawner.follow_host_mounts(real)
     for d, link in _read_dirs(policy.read_dirs):
         if d == real or d.startswith(real.rstrip("/") + "/"):
             continue  # under the workspace: its bind below covers this one
         args += ["--symlink", link, d] if link is not None else ["--ro-bind-try", d, d]
-    for path in MASKED:
-        try:
-            mode = os.lstat(path).st_mode
-        except OSError:
-            continue
-        args += ["--tmpfs", path] if stat.S_ISDIR(mode) else ["--ro-bind", "/dev/null", path]
+    args += _masks()
     args += ["--bind", real, real]
     if real != workspace:  # reached through a symlink: the same path inside as outside
         args += ["--symlink", real, workspace]
     git = os.path.join(real, ".git")
-    mount = _git_mount(git) if os.path.lexists(git) and not os.path.islink(git) else None
-    if mount is not None:
-        # A symlinked .git is not bound: it resolves inside the sandbox only.
-        expected, own_mount = mount
+    try:
+        found = os.lstat(git)
+    except OSError:
+        found = None
+    if found is not None and stat.S_ISLNK(found.st_mode):
+        found = None  # a symlinked .git is not bound: it resolves inside the sandbox only
+    checkable = gate is not None and not (real + "/").startswith(_STAGING)
+    if found is not None and checkable and _git_is_a_mount(real, git) is False:
+        # bwrap closes the file op's fd when the op is done: the gate's sign that .git is bound.
+        args += ["--ro-bind", git, git, "--file", str(gate.bound_w), "/dev/null"]
+        gate.git = GitMount(git, real, _identity(git, found), _identity(real), _identity("/", follow=True))
+    elif found is not None and (mount := _git_mount(git)) is not None:
+        # Without a gate, or where the gate cannot tell (a workspace under bwrap's own staging
+        # paths, a .git that is a mount point here, a kernel without statx's mount id): checked
+        # from inside.
         args += ["--ro-bind", git, git]
-        if gate is not None and not own_mount and not (real + "/").startswith(_STAGING):
-            # bwrap closes the file op's fd when the op is done: the gate's sign that .git is bound.
-            args += ["--file", str(gate.bound_w), "/dev/null"]
-            gate.git = GitMount(_escape(git), expected, _escape(real))
-        else:  # the table could show the mount before it is final: checked from inside
-            command = ["/bin/sh", "-c", GIT_CHECK, "toolq-sandbox", _escape(git), expected, *command]
+        command = ["/bin/sh", "-c", GIT_CHECK, "toolq-sandbox", _escape(git), mount[0], *command]
     args += ["--remount-ro", "/", "--chdir", cwd, "--", *command]
     return args
 
@@ -115,6 +121,60 @@ def _read_dirs(dirs: tuple[str, ...]) -> tuple[tuple[str, str | None], ...]:
     """Each readable directory and, for a symlink (`/bin` -> `usr/bin`), its target: once per
     worker, as the system directories do not change under it."""
     return tuple((d, os.readlink(d) if os.path.islink(d) else None) for d in dirs)
+
+
+def _git_is_a_mount(workspace: str, git: str) -> bool | None:
+    """Whether `.git` is a mount point of its own here (the workspace's recursive bind would then
+    carry a writable mount of the same inode at .git, whatever the .git bind did); None where
+    statx does not tell."""
+    try:
+        ws, own = _mount_id(workspace), _mount_id(git)
+    except OSError:
+        return None
+    return None if ws is None or own is None else ws != own
+
+
+def _masks() -> list[str]:
+    """The masks of `MASKED` that exist: a directory under an empty tmpfs (no mount-table read
+    in bwrap), a file under /dev/null when this worker's uid can read it (each bind costs bwrap a
+    read of its whole mount table; a file the uid cannot read needs no mask, as the command runs
+    as that uid without capabilities). A root worker's command masks them all (root owns them)."""
+    args: list[str] = []
+    for path in MASKED:
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            continue
+        if stat.S_ISDIR(mode):
+            args += ["--tmpfs", path]
+        elif stat.S_ISCHR(mode) and os.stat(path).st_rdev == os.stat("/dev/null").st_rdev:
+            continue  # masked in this thread's namespace already (`spawner.prepare_spawning_thread`)
+        elif os.access(path, os.R_OK):  # permission bits and ACLs, as the kernel checks them
+            args += ["--ro-bind", "/dev/null", path]
+    return args
+
+
+Identity = tuple[int, int]
+
+
+def _identity(path: str, found: os.stat_result | None = None, follow: bool = False) -> Identity:
+    """(device, inode): what a bind mount shows at its mount point is its source's."""
+    st = found or os.stat(path, follow_symlinks=follow)
+    return st.st_dev, st.st_ino
+
+
+_AT_FDCWD, _AT_SYMLINK_NOFOLLOW, _STATX_INO, _STATX_MNT_ID = -100, 0x100, 0x100, 0x1000
+
+
+def _mount_id(path: str) -> int | None:
+    """The id of the mount `path` (not followed) is on, from statx(2); None where the kernel does
+    not tell (before Linux 5.8). Mount ids are unique across namespaces."""
+    buf = ctypes.create_string_buffer(256)  # struct statx
+    if _libc.statx(_AT_FDCWD, os.fsencode(path), _AT_SYMLINK_NOFOLLOW, _STATX_INO | _STATX_MNT_ID, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    mask, = struct.unpack_from("I", buf, 0)
+    return struct.unpack_from("Q", buf, 144)[0] if mask & _STATX_MNT_ID else None
 
 
 def _escape(path: str) -> str:
@@ -196,23 +256,35 @@ class GateRefused(Exception):
 
 @dataclass(frozen=True)
 class GitMount:
-    """What `.git`'s mount must look like in the sandbox's final mount table (mountinfo's text)."""
+    """What `.git` must be in the sandbox's final root: a mount of its own there, of the workspace's
+    own .git (the same device and inode as on the host when the command line was made). A `.git`
+    swapped for a symlink to `..` while bwrap resolves the bind's source gets the workspace's
+    parent bound (another inode); while it resolves the target, the bind lands on the parent and
+    .git is no mount."""
 
-    mount_point: str
-    dev_root: str
+    path: str
     workspace: str
+    expected: Identity
+    workspace_id: Identity
+    host_root: Identity
 
-    def judge(self, table: bytes) -> bool | None:
-        """True: .git is the workspace's own; False: the table is final and it is not; None: not final."""
-        final = False
-        for line in table.decode("utf-8", "surrogateescape").splitlines():
-            fields = line.split(" ", 5)
-            if len(fields) < 5:
-                continue
-            if fields[4] == self.mount_point and f"{fields[2]} {fields[3]}" == self.dev_root:
-                return True
-            final = final or fields[4] == self.workspace  # staging shows it under /newroot
-        return False if final else None
+    def judge(self, root: str) -> bool | None:
+        """`root`: the sandbox's root as this process reaches it (`/proc/<pid>/root`). True: `.git`
+        is the workspace's own; False: the root is final and it is not; None: not final yet (the
+        host's root before bwrap's first pivot, its staging root with only newroot/ and oldroot/
+        after it)."""
+        try:  # the workspace first: in the staging root its path ends at the first component
+            if _identity(root + self.workspace) != self.workspace_id or _identity(root, follow=True) == self.host_root:
+                return None
+            workspace_mount = _mount_id(root + self.workspace)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            # The bind landed at .git (not, through a symlink there, on the workspace's parent) and
+            # bound the workspace's own .git (not what a symlink at the source pointed to).
+            return _mount_id(root + self.path) != workspace_mount and _identity(root + self.path) == self.expected
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
 
 class Gate:
@@ -258,6 +330,7 @@ class Gate:
             if not own:
                 raise GateRefused(".git changed while the sandbox was set up (another command swapped it): "
                                   "the command did not run")
+        _read_to_end(self.info_r)  # the rest of bwrap's JSON: closing the pipe first would SIGPIPE bwrap
         os.write(self.block_w, b"1")
 
     def _git_is_own(self, alive: Callable[[], bool]) -> bool | None:
@@ -266,19 +339,19 @@ class Gate:
         self._bound.settimeout(GATE_TIMEOUT)
         if self._bound.recv(1) != b"":
             return False
-        path = f"/proc/{self.child}/mountinfo"
         try:
-            changes = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # Opened before the first look, never read: it polls POLLPRI on every later change of
+            # the sandbox's mount table (its remount of / and pivots), so no change is missed.
+            changes = os.open(f"/proc/{self.child}/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             if alive():
                 raise
             return None
         try:
             poller = select.poll()
-            poller.register(changes, select.POLLPRI)  # mountinfo polls on every change of the table
+            poller.register(changes, select.POLLPRI)
             deadline = time.monotonic() + GATE_TIMEOUT
-            # Opened anew each time: an open file shows the mounts under the root it was opened at.
-            while (verdict := self.git.judge(_read_all(path))) is None:
+            while (verdict := self.git.judge(f"/proc/{self.child}/root")) is None:
                 if not alive():
                     return None
                 if time.monotonic() > deadline:
@@ -336,9 +409,32 @@ def _read_all(path: str) -> bytes:
         return f.read()
 
 
+#: The first member of bwrap's `--info-fd` JSON, once its number is complete. bwrap writes the
+#: JSON a member at a time (nine writes in 0.8); waiting for its end would wake this thread for each.
+_CHILD_PID = re.compile(rb'^\s*\{\s*"child-pid"\s*:\s*(\d+)\s*[,}]')
+
+
 def _read_child_pid(fd: int) -> int | None:
-    """bwrap's `--info-fd` JSON (written before the sandbox starts); None if bwrap ended first."""
+    """The sandbox's pid from bwrap's `--info-fd` (written before the sandbox starts); None if
+    bwrap ended first. The rest of the JSON is left for `_read_to_end`."""
     data = b""
+    for chunk in _chunks(fd):
+        data += chunk
+        if found := _CHILD_PID.match(data):
+            return int(found.group(1))
+    if not data:
+        return None
+    raise OSError(f"bwrap's --info-fd said {data[:200]!r}")
+
+
+def _read_to_end(fd: int) -> None:
+    """Until bwrap closes its end (right after its JSON's last member)."""
+    for _ in _chunks(fd):
+        pass
+
+
+def _chunks(fd: int) -> Iterator[bytes]:
+    """What bwrap writes to `fd`, until it closes it; OSError past GATE_TIMEOUT."""
     deadline = time.monotonic() + GATE_TIMEOUT
     while True:
         left = deadline - time.monotonic()
@@ -346,14 +442,8 @@ def _read_child_pid(fd: int) -> int | None:
             raise OSError(f"bwrap did not start its sandbox within {GATE_TIMEOUT:g} s")
         chunk = os.read(fd, 4096)
         if not chunk:
-            break
-        data += chunk
-    if not data:
-        return None
-    try:
-        return int(json.loads(data)["child-pid"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise OSError(f"bwrap's --info-fd said {data[:200]!r}") from e
+            return
+        yield chunk
 
 
 def probe(policy: Policy) -> str | None:

@@ -27,7 +27,7 @@ SLOT_TASKS_SLACK = 1
 
 
 class Slot:
-    def __init__(self, index: int, lim: Limits | None) -> None:
+    def __init__(self, index: int, lim: Limits | None, prepare: Callable[[], object] | None = None) -> None:
         self.index = index
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"toolq-session-slot{index}")
         self.cgroup: Path | None = None
@@ -37,6 +37,8 @@ class Slot:
                 "pids.max": str(lim.processes + SLOT_TASKS_SLACK)}).result()
             self.memory_cgroup = self._thread.submit(self._enter_cgroup, "memory", {
                 "memory.limit_in_bytes": str((lim.memory_mb + limits.OWN_MEMORY_SLACK_MB) * limits.MIB)}).result()
+        if prepare is not None:  # after the cgroups, which it may hide (isolation.spawner)
+            self._thread.submit(prepare).result()
         self.busy = False
 
     def _enter_cgroup(self, controller: str, settings: dict[str, str]) -> Path | None:
@@ -57,8 +59,10 @@ class Slot:
 
 
 class Slots:
-    def __init__(self, lim: Limits | None, most: int) -> None:
+    def __init__(self, lim: Limits | None, most: int, prepare: Callable[[], object] | None = None) -> None:
         self.lim = lim
+        self.prepare = prepare
+        """Run once on each slot's thread before its first spawn."""
         self.most = most
         """Slots at most: commands running at once on this worker, sessions included. A command
         that reached the host's socket (Landlock leaves pathname unix sockets open) cannot use it
@@ -74,7 +78,7 @@ class Slots:
                     return slot
             if len(self._all) >= self.most:
                 raise OSError(errno.EAGAIN, f"this worker already runs {self.most} commands and sessions")
-            slot = Slot(len(self._all), self.lim)
+            slot = Slot(len(self._all), self.lim, self.prepare)
             slot.busy = True
             self._all.append(slot)
             return slot
