@@ -66,10 +66,19 @@ WATCH_LINGER = 30.0
 STOP_GRACE = 2.0
 
 
+#: How often a helper task that goes on is cancelled again.
+RECANCEL = 0.05
+
+
 async def stop(task: asyncio.Task) -> None:
-    """Cancel a helper task and let it finish (its Redis connection closes before ours does)."""
-    task.cancel()
-    await asyncio.wait({task}, timeout=STOP_GRACE)
+    """Cancel a helper task and let it finish (its Redis connection closes before ours does). A
+    cancel that lands inside a redis-py command can be swallowed there, and the task goes on to
+    its next await (a one-request `toolq run` waited out the whole grace at exit, every other run):
+    it is cancelled again until it ends."""
+    end = time.monotonic() + STOP_GRACE
+    while not task.done() and time.monotonic() < end:
+        task.cancel()
+        await asyncio.wait({task}, timeout=RECANCEL)
 
 
 class Fleet:
