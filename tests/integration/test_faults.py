@@ -93,18 +93,7 @@ def test_a_call_a_killed_worker_had_taken_but_not_started_runs_on_another_worker
     def taken() -> bool:  # in kombu's hash of messages a worker took and has not acked
         return any(b"call_stranded" in v for v in r.hvals("unacked"))
 
-    async def kill_once_taken(session, runtime):
-        assert await asyncio.to_thread(wait_until, taken, 20), "the doomed worker never took the call"
-        doomed.kill()
-        await asyncio.to_thread(worker, ["faults"], name="heir@test")
-
-    started = time.monotonic()
-    run = drive([[b.function_call("hang", {"seconds": 0.1}, "call_stranded")], final()], during=kill_once_taken,
-                timeout=60, turn_timeout=50)
-    assert run.outcome.status == "completed", run.outcome.error
-    (out,) = run.outputs_of(1)
-    assert out["output"] == "woke up", out["output"]
-    assert time.monotonic() - started < 30, "the call waited for the turn's deadline"
+    runs_once_on_the_heir(worker, drive, doomed, "call_stranded", taken)
 
 
 def test_a_call_whose_message_died_with_its_worker_is_sent_again(worker, drive, redis_server):
@@ -126,13 +115,19 @@ def test_a_call_whose_message_died_with_its_worker_is_sent_again(worker, drive, 
                     r.lrem(queue, 1, raw)
         return not any(b"call_lost" in v for v in r.hvals("unacked"))
 
-    async def take_then_kill(session, runtime):
-        assert await asyncio.to_thread(wait_until, take, 20), "the call was never sent"
+    runs_once_on_the_heir(worker, drive, doomed, "call_lost", take)
+
+
+def runs_once_on_the_heir(worker, drive, doomed, call_id: str, stranded) -> None:
+    """Once `stranded()` says the doomed worker has the call, SIGKILL it and start another: the
+    call runs once, there, well before the turn's deadline."""
+    async def kill_then_replace(session, runtime):
+        assert await asyncio.to_thread(wait_until, stranded, 20), f"{call_id} never reached the doomed worker"
         doomed.kill()
-        await asyncio.to_thread(worker, ["faults"], name="heir2@test")
+        await asyncio.to_thread(worker, ["faults"], name=f"heir-{call_id}@test")
 
     started = time.monotonic()
-    run = drive([[b.function_call("hang", {"seconds": 0.1}, "call_lost")], final()], during=take_then_kill,
+    run = drive([[b.function_call("hang", {"seconds": 0.1}, call_id)], final()], during=kill_then_replace,
                 timeout=60, turn_timeout=50)
     assert run.outcome.status == "completed", run.outcome.error
     (out,) = run.outputs_of(1)
