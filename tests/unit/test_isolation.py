@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -165,6 +166,10 @@ def test_the_gate_takes_only_the_workspaces_own_git_bound_at_git(tmp_path):
     expected = own_git(final)
     subprocess.run(["mount", "--bind", str(git), str(git)], check=True)
     try:
+        # the race at the remount: bwrap made another mount read-only (a symlink swapped in for
+        # the realpath it takes after the bind), .git stayed writable
+        assert expected.judge(str(final)) is False
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(git)], check=True)
         assert expected.judge(str(final)) is True
         # the race: bwrap bound the workspace's parent (a symlink to ..) as .git
         raced = bwrap.GitMount(expected.path, expected.workspace, bwrap._identity(str(final / "w")),
@@ -172,6 +177,21 @@ def test_the_gate_takes_only_the_workspaces_own_git_bound_at_git(tmp_path):
         assert raced.judge(str(final)) is False
     finally:
         subprocess.run(["umount", str(git)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="binds .git as bwrap does")
+def test_the_inside_check_takes_only_a_read_only_git(tmp_path):
+    """The inside check's side of the remount race: the workspace's own .git, bound writable."""
+    git = tmp_path / ".git"
+    git.mkdir()
+    mount = bwrap._git_mount(str(git))
+    assert mount is not None
+    bind = 'mount --bind "$1" "$1" && { [ "$2" = rw ] || mount -o remount,bind,ro "$1"; } && shift 2 && exec "$@"'
+    for mode, expected in (("rw", 125), ("ro", 0)):
+        r = subprocess.run(["unshare", "-m", "--propagation", "private", "/bin/sh", "-c", bind, "bind", str(git), mode,
+                            "/bin/sh", "-c", bwrap.GIT_CHECK, "toolq-sandbox", bwrap._escape(str(git)), mount[0], "true"],
+                           capture_output=True, text=True)
+        assert r.returncode == expected, (mode, r.stderr)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes .git a mount point")

@@ -1,0 +1,146 @@
+"""A third hostile model, against the sandbox start of the 'sbx' merge: the gate that checks `.git`
+through /proc/<pid>/root, masks made only for readable files, and the session host's spawn slot
+threads that start bwrap from a mount namespace of their own (no /sys, the masks made once).
+
+The workers are `test_hostile_redteam.py`'s (bwrap only: the rest is about bubblewrap's mounts).
+Commands run through the session host, so from its slot threads' namespaces.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.hostile import Exchanger
+from tests.integration.test_hostile_exec import attack, hostile_workers, locked_redis  # noqa: F401 - fixtures
+from toolq.orchestrator.fake_model import builders as b
+
+pytestmark = pytest.mark.integration
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the slot threads' namespaces and the masks need root")
+
+
+@pytest.fixture(scope="module")
+def sbx_worker(locked_redis, tmp_path_factory):  # noqa: F811 - the fixture above
+    class Param:
+        param = "bwrap"
+    yield from hostile_workers(Param.param, locked_redis, tmp_path_factory, TOOLQ_SANDBOX_MEMORY_MB="256")
+
+
+def session_hosts(worker) -> list[psutil.Process]:
+    return [p for p in psutil.Process(worker.proc.proc.pid).children(recursive=True)
+            if "toolq.workers.sessions.host" in " ".join(p.cmdline())]
+
+
+def mount_points(pid: int | str = "self") -> set[str]:
+    return {line.split()[4] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()}
+
+
+def shadow_lines() -> list[str]:
+    """The host's secret lines (those with a field past the name), for a root worker's command to miss."""
+    found = []
+    for path in ("/etc/shadow", "/etc/gshadow"):
+        try:
+            found += [line for line in Path(path).read_text().splitlines() if line.count(":") >= 2]
+        except OSError:
+            pass
+    return found
+
+
+@needs_root
+def test_masks_hold_against_nested_namespaces_and_sys_stays_out(drive, sbx_worker, tmp_path):
+    """uid 0 in the sandbox owns /etc/shadow: only the mask hides it. A nested user namespace gives
+    back capabilities over copies of the mounts, which must come locked."""
+    out = attack(drive, sbx_worker, tmp_path, {
+        "call_read": "cat /etc/shadow /etc/shadow- /etc/gshadow /etc/gshadow- 2>&1; ls /etc/ssl/private /etc/ssh",
+        "call_umount": "unshare -rm sh -c 'umount /etc/shadow; umount -l /etc/shadow; cat /etc/shadow' 2>&1",
+        "call_etc": "unshare -rm sh -c 'umount -l /etc; cat /etc/shadow' 2>&1",
+        "call_rebind": "mkdir -p /tmp/m; unshare -rm sh -c 'mount --bind /etc /tmp/m && cat /tmp/m/shadow' 2>&1",
+        "call_sys": "ls /sys 2>&1; mkdir -p /tmp/s; unshare -rmn sh -c 'mount -t sysfs none /tmp/s && ls /tmp/s' 2>&1",
+        "call_proc": "mkdir -p /tmp/p; unshare -rmpf --mount-proc=/tmp/p sh -c 'ls /tmp/p/1/root/etc/shadow && "
+                     "cat /tmp/p/1/root/etc/shadow' 2>&1",
+        "call_mounts": "cat /proc/self/mountinfo",
+    })
+    secrets = shadow_lines()
+    for call, (code, body) in out.items():
+        assert not [s for s in secrets if s in body], (call, body)
+    assert "devices" not in out["call_sys"][1] and "kernel" not in out["call_sys"][1], out["call_sys"]
+    mounts = {line.split()[4] for line in out["call_mounts"][1].splitlines()}
+    assert "/sys" not in mounts and not [m for m in mounts if m.startswith("/sys/")], mounts
+    assert str(sbx_worker.logdir) not in out["call_mounts"][1]
+
+
+@needs_root
+def test_the_slot_threads_namespaces_do_not_leak_into_the_hosts(drive, sbx_worker, tmp_path):
+    """The slot threads unmount /sys and mask /etc/shadow in their own namespaces: the worker's,
+    the session host's main thread and this process keep theirs."""
+    before = mount_points()
+    out = attack(drive, sbx_worker, tmp_path, {"call_a": "echo a", "call_b": "echo b"})
+    assert out == {"call_a": (0, "a\n"), "call_b": (0, "b\n")}
+    assert os.path.ismount("/sys") and "/sys" in mount_points() and "/etc/shadow" not in mount_points()
+    assert mount_points() == before
+    own = os.readlink("/proc/self/ns/mnt")
+    hosts = session_hosts(sbx_worker)
+    assert hosts, "no session host: the calls did not go through the slot threads"
+    slot_namespaces = set()
+    for host in hosts:
+        assert os.readlink(f"/proc/{host.pid}/ns/mnt") == own
+        assert "/sys" in mount_points(host.pid) and "/etc/shadow" not in mount_points(host.pid)
+        for tid in os.listdir(f"/proc/{host.pid}/task"):
+            if Path(f"/proc/{host.pid}/task/{tid}/comm").read_text().startswith("toolq-session"):
+                slot_namespaces.add(os.readlink(f"/proc/{host.pid}/task/{tid}/ns/mnt"))
+    assert slot_namespaces and own not in slot_namespaces  # the control: the slots' own namespaces ran them
+
+
+@needs_root
+def test_a_workspace_on_a_file_system_mounted_after_the_worker_started(drive, sbx_worker, tmp_path):
+    """The slot threads' copies of the mount table do not follow the host's private mounts. A tmpfs
+    mounted over a directory after the worker started: a workspace inside it (where the thread's
+    copy has nothing, or a decoy of the same path on the file system beneath) must be the host's."""
+    volume = tmp_path / "volume"
+    (volume / "decoyed").mkdir(parents=True)
+    (volume / "decoyed" / "marker").write_text("the decoy beneath\n")
+    attack(drive, sbx_worker, tmp_path, {"call_warm": "true", "call_warm2": "true"})  # slots prepared before
+    subprocess.run(["mount", "--make-private", "-t", "tmpfs", "toolq-redteam", str(volume)], check=True)
+    try:
+        outs = {}
+        for name in ("decoyed", "fresh"):
+            ws = volume / name
+            ws.mkdir()
+            (ws / "marker").write_text(f"the new file system's {name}\n")
+            outs[name] = attack(drive, sbx_worker, ws, {"call_cat": "cat marker && echo written > out"})["call_cat"]
+            outs[name + "_out"] = (ws / "out").read_text() if (ws / "out").exists() else None
+    finally:
+        subprocess.run(["umount", "-l", str(volume)], check=True)
+    assert outs["decoyed"] == (0, "the new file system's decoyed\n"), outs
+    assert outs["decoyed_out"] == "written\n"
+    assert outs["fresh"] == (0, "the new file system's fresh\n"), outs
+    assert outs["fresh_out"] == "written\n"
+    assert not (volume / "decoyed" / "out").exists()  # nothing landed on the file system beneath
+
+
+def test_git_flipped_to_a_symlink_at_another_mount_never_runs_a_command_with_a_writable_git(
+        drive, sbx_worker, tmp_path):
+    """bwrap binds `.git` (`mount(2)` follows the target's path), then finds the new mount again
+    by `realpath` of that path to make it read-only. A `.git` swapped for a symlink to another
+    mount point of the sandbox (`/newroot/dev/shm` as bwrap sees it while it builds the root) in
+    between makes bwrap remount that one read-only instead and leaves `.git` bound read-write."""
+    ws = tmp_path / "ws"
+    (ws / ".git").mkdir(parents=True)
+    # the mount of .git, wherever the swaps have moved its dentry since (.git or .git.link)
+    probe = ("awk -v ws=\"$PWD\" 'index($5, ws \"/.git\") == 1 && $6 ~ /^rw/ {print \"RW-GIT\", $5}' "
+             "/proc/self/mountinfo > /tmp/rw; cat /tmp/rw; while read -r _ m; do touch \"$m/pwned-$$\" && "
+             "echo WROTE; done < /tmp/rw; true")
+    calls = [b.function_call("exec_command", {"cmd": probe}, f"call_{i}") for i in range(200)]
+    responses = [calls[i:i + 20] for i in range(0, len(calls), 20)]
+    with Exchanger(ws, "/newroot/dev/shm", name=".git"):
+        run = drive([*responses, [b.message("done")]], redis_url=sbx_worker.redis.url, workspace=ws, timeout=300)
+    outputs = [o["output"] for o in run.outputs_of(len(responses))]
+    assert len(outputs) == 200
+    real = ws / ".git" if (ws / ".git").is_dir() and not (ws / ".git").is_symlink() else ws / ".git.link"
+    assert not [o for o in outputs if "RW-GIT" in o], [o for o in outputs if "RW-GIT" in o][:3]
+    assert not list(real.glob("pwned-*"))
