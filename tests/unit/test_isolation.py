@@ -331,10 +331,13 @@ def test_a_spawning_threads_own_mounts_hide_sys_and_mask_secrets_once(tmp_path):
 
 @needs_bwrap
 @pytest.mark.skipif(os.geteuid() != 0, reason="a private mount namespace needs CAP_SYS_ADMIN")
-def test_a_spawning_thread_sees_a_workspace_mounted_after_it_prepared(tmp_path):
-    """Where the host's mounts do not propagate, the thread's copy is made again."""
-    volume = tmp_path / "volume"
-    volume.mkdir()
+@pytest.mark.parametrize("inside", [False, True], ids=["at-the-mount", "made-inside-it-since"])
+def test_a_spawning_thread_sees_a_workspace_mounted_after_it_prepared(tmp_path, inside):
+    """Where the host's mounts do not propagate, the thread's copy is made again; also for a
+    workspace that its copy has no such directory for (made on the new file system)."""
+    mount = tmp_path / "volume"
+    mount.mkdir()
+    volume = mount / "ws" if inside else mount
     ready, mounted, seen = threading.Event(), threading.Event(), {}
 
     def spawning_thread() -> None:
@@ -347,13 +350,14 @@ def test_a_spawning_thread_sees_a_workspace_mounted_after_it_prepared(tmp_path):
     thread = threading.Thread(target=spawning_thread)
     thread.start()
     ready.wait(10)
-    subprocess.run(["mount", "--make-private", "-t", "tmpfs", "toolq-test", str(volume)], check=True)
+    subprocess.run(["mount", "--make-private", "-t", "tmpfs", "toolq-test", str(mount)], check=True)
     try:
+        volume.mkdir(exist_ok=True)
         (volume / "marker").write_text("on the new file system\n")
         mounted.set()
         thread.join()
     finally:
-        subprocess.run(["umount", "-l", str(volume)], check=True)
+        subprocess.run(["umount", "-l", str(mount)], check=True)
     assert seen["output"] == b"on the new file system\n"
 
 

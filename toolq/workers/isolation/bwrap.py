@@ -70,8 +70,8 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
     args += ["--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
              "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger",
              "/proc/sysrq-trigger", "--size", size, "--tmpfs", SANDBOX_TMP]
+    spawner.follow_host_mounts(workspace)  # first: the workspace's path may resolve only on the host's mounts
     real = os.path.realpath(workspace)
-    spawner.follow_host_mounts(real)
     for d, link in _read_dirs(policy.read_dirs):
         if d == real or d.startswith(real.rstrip("/") + "/"):
             continue  # under the workspace: its bind below covers this one
