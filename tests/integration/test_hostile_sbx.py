@@ -51,17 +51,26 @@ def shadow_lines() -> list[str]:
     return found
 
 
+#: mount(2) from a shell, given `source target fstype flags`: prints `mount <result> <errno>`.
+MOUNT = ("echo mount $(python3 -c \"import ctypes, sys; libc = ctypes.CDLL(None, use_errno=True); "
+         "print(libc.mount(*[a.encode() or None for a in sys.argv[1:4]], int(sys.argv[4]), None), "
+         "ctypes.get_errno())\" {})")
+REBIND = "; ".join(MOUNT.format(f'/etc /tmp/m "" {flags}') for flags in (4096, 4096 | 16384))  # MS_BIND, | MS_REC
+SYSFS = MOUNT.format("none /tmp/s sysfs 0")
+
+
 @needs_root
 def test_masks_hold_against_nested_namespaces_and_sys_stays_out(drive, sbx_worker, tmp_path):
     """uid 0 in the sandbox owns /etc/shadow: only the mask hides it. A nested user namespace gives
     back capabilities over copies of the mounts, which must come locked."""
     out = attack(drive, sbx_worker, tmp_path, {
         "call_read": "cat /etc/shadow /etc/shadow- /etc/gshadow /etc/gshadow- 2>&1; ls /etc/ssl/private /etc/ssh",
-        "call_umount": "unshare -rm sh -c 'umount /etc/shadow; umount -l /etc/shadow; cat /etc/shadow' 2>&1",
-        "call_etc": "unshare -rm sh -c 'umount -l /etc; cat /etc/shadow' 2>&1",
-        "call_rebind": "mkdir -p /tmp/m; unshare -rm sh -c 'mount --bind /etc /tmp/m && cat /tmp/m/shadow' 2>&1",
-        "call_sys": "ls /sys 2>&1; mkdir -p /tmp/s; unshare -rmn sh -c 'mount -t sysfs none /tmp/s && ls /tmp/s' 2>&1",
-        "call_proc": "mkdir -p /tmp/p; unshare -rmpf --mount-proc=/tmp/p sh -c 'ls /tmp/p/1/root/etc/shadow && "
+        "call_umount": "unshare -Um sh -c 'umount /etc/shadow; umount -l /etc/shadow; cat /etc/shadow' 2>&1",
+        "call_etc": "unshare -Um sh -c 'umount -l /etc; cat /etc/shadow' 2>&1",
+        # mount(2) itself: util-linux's mount refuses a uid with no mapping before it calls it
+        "call_rebind": f"mkdir -p /tmp/m; unshare -Um sh -c '{REBIND}; cat /tmp/m/shadow' 2>&1",
+        "call_sys": f"ls /sys 2>&1; mkdir -p /tmp/s; unshare -Umn sh -c '{SYSFS}; ls /tmp/s' 2>&1",
+        "call_proc": "mkdir -p /tmp/p; unshare -Umpf --mount-proc=/tmp/p sh -c 'ls /tmp/p/1/root/etc/shadow && "
                      "cat /tmp/p/1/root/etc/shadow' 2>&1",
         "call_mounts": "cat /proc/self/mountinfo",
     })
@@ -69,6 +78,8 @@ def test_masks_hold_against_nested_namespaces_and_sys_stays_out(drive, sbx_worke
     for call, (code, body) in out.items():
         assert not [s for s in secrets if s in body], (call, body)
     assert "devices" not in out["call_sys"][1] and "kernel" not in out["call_sys"][1], out["call_sys"]
+    for call in ("call_rebind", "call_sys"):  # EINVAL: /etc has locked mounts; EPERM: no sysfs to copy
+        assert "mount -1 " in out[call][1], (call, out[call])
     mounts = {line.split()[4] for line in out["call_mounts"][1].splitlines()}
     assert "/sys" not in mounts and not [m for m in mounts if m.startswith("/sys/")], mounts
     assert str(sbx_worker.logdir) not in out["call_mounts"][1]
@@ -122,24 +133,28 @@ def test_a_workspace_on_a_file_system_mounted_after_the_worker_started(drive, sb
     assert not (volume / "decoyed" / "out").exists()  # nothing landed on the file system beneath
 
 
-def test_git_flipped_to_a_symlink_at_another_mount_never_runs_a_command_with_a_writable_git(
-        drive, sbx_worker, tmp_path):
+@pytest.mark.parametrize("target", ["/newroot/dev/shm", ".."])
+def test_git_exchanged_with_a_symlink_never_runs_a_command_with_a_writable_git_or_the_parent(
+        drive, sbx_worker, tmp_path, target):
     """bwrap binds `.git` (`mount(2)` follows the target's path), then finds the new mount again
     by `realpath` of that path to make it read-only. A `.git` swapped for a symlink to another
     mount point of the sandbox (`/newroot/dev/shm` as bwrap sees it while it builds the root) in
-    between makes bwrap remount that one read-only instead and leaves `.git` bound read-write."""
+    between makes bwrap remount that one read-only instead and leaves `.git` bound read-write.
+    Swapped atomically (no moment without a `.git`) for `..`: the workspace's parent bound."""
     ws = tmp_path / "ws"
     (ws / ".git").mkdir(parents=True)
+    (tmp_path / "secret.txt").write_text("outside-the-workspace\n")
     # the mount of .git, wherever the swaps have moved its dentry since (.git or .git.link)
     probe = ("awk -v ws=\"$PWD\" 'index($5, ws \"/.git\") == 1 && $6 ~ /^rw/ {print \"RW-GIT\", $5}' "
              "/proc/self/mountinfo > /tmp/rw; cat /tmp/rw; while read -r _ m; do touch \"$m/pwned-$$\" && "
-             "echo WROTE; done < /tmp/rw; true")
+             "echo WROTE; done < /tmp/rw; cat ../secret.txt .git/secret.txt .git.link/secret.txt 2>/dev/null; true")
     calls = [b.function_call("exec_command", {"cmd": probe}, f"call_{i}") for i in range(200)]
     responses = [calls[i:i + 20] for i in range(0, len(calls), 20)]
-    with Exchanger(ws, "/newroot/dev/shm", name=".git"):
+    with Exchanger(ws, target, name=".git"):
         run = drive([*responses, [b.message("done")]], redis_url=sbx_worker.redis.url, workspace=ws, timeout=300)
     outputs = [o["output"] for o in run.outputs_of(len(responses))]
     assert len(outputs) == 200
     real = ws / ".git" if (ws / ".git").is_dir() and not (ws / ".git").is_symlink() else ws / ".git.link"
     assert not [o for o in outputs if "RW-GIT" in o], [o for o in outputs if "RW-GIT" in o][:3]
     assert not list(real.glob("pwned-*"))
+    assert not [o for o in outputs if "outside-the-workspace" in o], "a call read outside its workspace"
