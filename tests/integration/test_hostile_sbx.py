@@ -65,7 +65,8 @@ def test_masks_hold_against_nested_namespaces_and_sys_stays_out(drive, sbx_worke
     back capabilities over copies of the mounts, which must come locked."""
     out = attack(drive, sbx_worker, tmp_path, {
         "call_read": "cat /etc/shadow /etc/shadow- /etc/gshadow /etc/gshadow- 2>&1; ls /etc/ssl/private /etc/ssh",
-        "call_umount": "unshare -Um sh -c 'umount /etc/shadow; umount -l /etc/shadow; cat /etc/shadow' 2>&1",
+        "call_umount": "unshare -Um sh -c 'umount /etc/shadow; umount -l /etc/shadow; cat /etc/shadow; "
+                       "umount /etc/ssh; ls /etc/ssh' 2>&1",
         "call_etc": "unshare -Um sh -c 'umount -l /etc; cat /etc/shadow' 2>&1",
         # mount(2) itself: util-linux's mount refuses a uid with no mapping before it calls it
         "call_rebind": f"mkdir -p /tmp/m; unshare -Um sh -c '{REBIND}; cat /tmp/m/shadow' 2>&1",
@@ -77,6 +78,7 @@ def test_masks_hold_against_nested_namespaces_and_sys_stays_out(drive, sbx_worke
     secrets = shadow_lines()
     for call, (code, body) in out.items():
         assert not [s for s in secrets if s in body], (call, body)
+    assert "ssh_config" not in out["call_umount"][1] and "Invalid argument" in out["call_umount"][1]  # locked
     assert "devices" not in out["call_sys"][1] and "kernel" not in out["call_sys"][1], out["call_sys"]
     for call in ("call_rebind", "call_sys"):  # EINVAL: /etc has locked mounts; EPERM: no sysfs to copy
         assert "mount -1 " in out[call][1], (call, out[call])

@@ -331,6 +331,37 @@ def test_a_spawning_threads_own_mounts_hide_sys_and_mask_secrets_once(tmp_path):
 
 @needs_bwrap
 @pytest.mark.skipif(os.geteuid() != 0, reason="a private mount namespace needs CAP_SYS_ADMIN")
+def test_a_secret_replaced_on_the_host_since_the_thread_masked_it_stays_masked(tmp_path, monkeypatch):
+    """A rename over a mount point in another namespace detaches that mount there (`passwd`
+    rewrites /etc/shadow so): the thread's mask is gone, and bwrap's own mask must take over."""
+    secret, ws = tmp_path / "secret", tmp_path / "ws"
+    secret.write_text("before\n")
+    ws.mkdir()
+    monkeypatch.setattr(bwrap, "MASKED", (str(secret),))
+    ready, replaced, seen, masked_here = threading.Event(), threading.Event(), [], []
+
+    def spawning_thread() -> None:
+        sandbox = choose(policy(sandbox="bwrap", sandbox_read=[str(tmp_path)]))
+        assert spawner.prepare_spawning_thread(sandbox.policy, bwrap.MASKED)
+        for event in (ready, replaced):
+            masked_here.append(os.path.exists(secret) and os.stat(secret).st_rdev == os.stat("/dev/null").st_rdev)
+            seen.append(run_command(f"cat {secret}", cwd=ws, sandbox=sandbox, env={"PATH": "/usr/bin:/bin"}).output)
+            event.set()
+            replaced.wait(10)
+
+    thread = threading.Thread(target=spawning_thread)
+    thread.start()
+    ready.wait(10)
+    (tmp_path / "secret.new").write_text("after\n")
+    os.rename(tmp_path / "secret.new", secret)
+    replaced.set()
+    thread.join()
+    assert masked_here == [True, False]  # the thread's mask, then none: bwrap masks it
+    assert len(seen) == 2 and not [o for o in seen if b"before" in o or b"after" in o], seen
+
+
+@needs_bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="a private mount namespace needs CAP_SYS_ADMIN")
 @pytest.mark.parametrize("inside", [False, True], ids=["at-the-mount", "made-inside-it-since"])
 def test_a_spawning_thread_sees_a_workspace_mounted_after_it_prepared(tmp_path, inside):
     """Where the host's mounts do not propagate, the thread's copy is made again; also for a
