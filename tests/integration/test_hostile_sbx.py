@@ -160,3 +160,24 @@ def test_git_exchanged_with_a_symlink_never_runs_a_command_with_a_writable_git_o
     assert not [o for o in outputs if "RW-GIT" in o], [o for o in outputs if "RW-GIT" in o][:3]
     assert not list(real.glob("pwned-*"))
     assert not [o for o in outputs if "outside-the-workspace" in o], "a call read outside its workspace"
+
+
+def test_a_real_git_cannot_be_moved_exchanged_or_linked_from_inside(drive, sbx_worker, tmp_path):
+    """The races above need a `.git` that a parallel call can swap: the workspace's own, bound in
+    every sandbox, is a mount point there (EBUSY), and a hard link out of it crosses a mount (EXDEV)."""
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "config").write_text("[core]\n")
+    (tmp_path / "other").mkdir()
+    exchange = ("python3 -c \"import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+                "print('exchange', libc.renameat2(-100, b'.git', -100, b'other', 2), os.strerror(ctypes.get_errno()))\"")
+    out = attack(drive, sbx_worker, tmp_path, {
+        "call_mv": "mv .git moved 2>&1; mv other .git 2>&1",
+        "call_exchange": exchange,
+        "call_link": "ln .git/config cfg 2>&1 && echo '[core] fsmonitor = true' >> cfg && echo LINKED",
+        "call_rm": "rm -rf .git 2>&1; ls .git",
+    })
+    assert "exchange -1 Device or resource busy" in out["call_exchange"][1], out["call_exchange"]
+    assert "LINKED" not in out["call_link"][1], out["call_link"]
+    assert "busy" in out["call_mv"][1], out["call_mv"]  # (mv moves `other` into .git: read-only)
+    assert (tmp_path / ".git" / "config").read_text() == "[core]\n" and not (tmp_path / "moved").exists()
+    assert (tmp_path / "other").is_dir()
