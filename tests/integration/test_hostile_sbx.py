@@ -133,6 +133,9 @@ def test_a_workspace_on_a_file_system_mounted_after_the_worker_started(drive, sb
     assert outs["fresh"] == (0, "the new file system's fresh\n"), outs
     assert outs["fresh_out"] == "written\n"
     assert not (volume / "decoyed" / "out").exists()  # nothing landed on the file system beneath
+    for host in session_hosts(sbx_worker):  # the copies made again left the host's table alone too
+        assert "/sys" in mount_points(host.pid) and str(volume) not in mount_points(host.pid)
+    assert os.path.ismount("/sys") and str(volume) not in mount_points()
 
 
 @pytest.mark.parametrize("target", ["/newroot/dev/shm", ".."])
