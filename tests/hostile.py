@@ -51,6 +51,30 @@ class Flipper:
         self.proc.wait()
 
 
+_EXCHANGE = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+a, b = (os.fsencode(p) for p in sys.argv[1:])
+print("exchanging", flush=True)
+while libc.renameat2(-100, a, -100, b, 2) == 0:  # RENAME_EXCHANGE: never a moment without either
+    pass
+"""
+
+
+class Exchanger(Flipper):
+    """Swaps `ws/d` (a directory) with a symlink to `outside` atomically (renameat2's
+    RENAME_EXCHANGE), as fast as it can: each path is always either, and changes every few us."""
+
+    def __init__(self, ws: Path, outside: Path | str, name: str = "d") -> None:
+        os.symlink(outside, ws / f"{name}.link")
+        self.argv = [sys.executable, "-c", _EXCHANGE, str(ws / name), str(ws / f"{name}.link")]
+
+    def __enter__(self) -> Exchanger:
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline() == "exchanging\n"
+        return self
+
+
 def race_tree(root: Path) -> tuple[Path, Path]:
     """`root/ws/d/f.txt` ("inside") and `root/outside/f.txt` ("s3cret"), for a Flipper."""
     ws, outside = root / "ws", root / "outside"

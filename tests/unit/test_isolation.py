@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -165,6 +166,10 @@ def test_the_gate_takes_only_the_workspaces_own_git_bound_at_git(tmp_path):
     expected = own_git(final)
     subprocess.run(["mount", "--bind", str(git), str(git)], check=True)
     try:
+        # the race at the remount: bwrap made another mount read-only (a symlink swapped in for
+        # the realpath it takes after the bind), .git stayed writable
+        assert expected.judge(str(final)) is False
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(git)], check=True)
         assert expected.judge(str(final)) is True
         # the race: bwrap bound the workspace's parent (a symlink to ..) as .git
         raced = bwrap.GitMount(expected.path, expected.workspace, bwrap._identity(str(final / "w")),
@@ -172,6 +177,21 @@ def test_the_gate_takes_only_the_workspaces_own_git_bound_at_git(tmp_path):
         assert raced.judge(str(final)) is False
     finally:
         subprocess.run(["umount", str(git)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="binds .git as bwrap does")
+def test_the_inside_check_takes_only_a_read_only_git(tmp_path):
+    """The inside check's side of the remount race: the workspace's own .git, bound writable."""
+    git = tmp_path / ".git"
+    git.mkdir()
+    mount = bwrap._git_mount(str(git))
+    assert mount is not None
+    bind = 'mount --bind "$1" "$1" && { [ "$2" = rw ] || mount -o remount,bind,ro "$1"; } && shift 2 && exec "$@"'
+    for mode, expected in (("rw", 125), ("ro", 0)):
+        r = subprocess.run(["unshare", "-m", "--propagation", "private", "/bin/sh", "-c", bind, "bind", str(git), mode,
+                            "/bin/sh", "-c", bwrap.GIT_CHECK, "toolq-sandbox", bwrap._escape(str(git)), mount[0], "true"],
+                           capture_output=True, text=True)
+        assert r.returncode == expected, (mode, r.stderr)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes .git a mount point")
@@ -311,10 +331,44 @@ def test_a_spawning_threads_own_mounts_hide_sys_and_mask_secrets_once(tmp_path):
 
 @needs_bwrap
 @pytest.mark.skipif(os.geteuid() != 0, reason="a private mount namespace needs CAP_SYS_ADMIN")
-def test_a_spawning_thread_sees_a_workspace_mounted_after_it_prepared(tmp_path):
-    """Where the host's mounts do not propagate, the thread's copy is made again."""
-    volume = tmp_path / "volume"
-    volume.mkdir()
+def test_a_secret_replaced_on_the_host_since_the_thread_masked_it_stays_masked(tmp_path, monkeypatch):
+    """A rename over a mount point in another namespace detaches that mount there (`passwd`
+    rewrites /etc/shadow so): the thread's mask is gone, and bwrap's own mask must take over."""
+    secret, ws = tmp_path / "secret", tmp_path / "ws"
+    secret.write_text("before\n")
+    ws.mkdir()
+    monkeypatch.setattr(bwrap, "MASKED", (str(secret),))
+    ready, replaced, seen, masked_here = threading.Event(), threading.Event(), [], []
+
+    def spawning_thread() -> None:
+        sandbox = choose(policy(sandbox="bwrap", sandbox_read=[str(tmp_path)]))
+        assert spawner.prepare_spawning_thread(sandbox.policy, bwrap.MASKED)
+        for event in (ready, replaced):
+            masked_here.append(os.path.exists(secret) and os.stat(secret).st_rdev == os.stat("/dev/null").st_rdev)
+            seen.append(run_command(f"cat {secret}", cwd=ws, sandbox=sandbox, env={"PATH": "/usr/bin:/bin"}).output)
+            event.set()
+            replaced.wait(10)
+
+    thread = threading.Thread(target=spawning_thread)
+    thread.start()
+    ready.wait(10)
+    (tmp_path / "secret.new").write_text("after\n")
+    os.rename(tmp_path / "secret.new", secret)
+    replaced.set()
+    thread.join()
+    assert masked_here == [True, False]  # the thread's mask, then none: bwrap masks it
+    assert len(seen) == 2 and not [o for o in seen if b"before" in o or b"after" in o], seen
+
+
+@needs_bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="a private mount namespace needs CAP_SYS_ADMIN")
+@pytest.mark.parametrize("inside", [False, True], ids=["at-the-mount", "made-inside-it-since"])
+def test_a_spawning_thread_sees_a_workspace_mounted_after_it_prepared(tmp_path, inside):
+    """Where the host's mounts do not propagate, the thread's copy is made again; also for a
+    workspace that its copy has no such directory for (made on the new file system)."""
+    mount = tmp_path / "volume"
+    mount.mkdir()
+    volume = mount / "ws" if inside else mount
     ready, mounted, seen = threading.Event(), threading.Event(), {}
 
     def spawning_thread() -> None:
@@ -327,13 +381,14 @@ def test_a_spawning_thread_sees_a_workspace_mounted_after_it_prepared(tmp_path):
     thread = threading.Thread(target=spawning_thread)
     thread.start()
     ready.wait(10)
-    subprocess.run(["mount", "--make-private", "-t", "tmpfs", "toolq-test", str(volume)], check=True)
+    subprocess.run(["mount", "--make-private", "-t", "tmpfs", "toolq-test", str(mount)], check=True)
     try:
+        volume.mkdir(exist_ok=True)
         (volume / "marker").write_text("on the new file system\n")
         mounted.set()
         thread.join()
     finally:
-        subprocess.run(["umount", "-l", str(volume)], check=True)
+        subprocess.run(["umount", "-l", str(mount)], check=True)
     assert seen["output"] == b"on the new file system\n"
 
 

@@ -70,8 +70,8 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
     args += ["--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
              "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger",
              "/proc/sysrq-trigger", "--size", size, "--tmpfs", SANDBOX_TMP]
+    spawner.follow_host_mounts(workspace)  # first: the workspace's path may resolve only on the host's mounts
     real = os.path.realpath(workspace)
-    spawner.follow_host_mounts(real)
     for d, link in _read_dirs(policy.read_dirs):
         if d == real or d.startswith(real.rstrip("/") + "/"):
             continue  # under the workspace: its bind below covers this one
@@ -105,10 +105,12 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
 #: Runs first in the sandbox when `.git` is bound: bwrap resolves the bind's source and target by
 #: path (even with --ro-bind-fd), so a parallel call that swaps `.git` for a symlink (`..`) while
 #: bwrap starts gets the symlink's target (the host's directory) bound instead. The mount table
-#: is final here: the command runs only if `.git`'s mount is the workspace's own `.git`.
+#: is final here: the command runs only if `.git`'s mount is the workspace's own `.git`, and
+#: read-only (bwrap remounts a bind read-only by the target's realpath, taken after the bind: a
+#: symlink to another mount point swapped in between leaves the bind writable).
 GIT_CHECK = """ok=
-while read -r _ _ dev root mount _; do
-  [ "$mount" = "$1" ] && [ "$dev $root" = "$2" ] && ok=1
+while read -r _ _ dev root mount opts _; do
+  [ "$mount" = "$1" ] && [ "$dev $root" = "$2" ] && case "$opts" in ro|ro,*) ok=1;; esac
 done < /proc/self/mountinfo
 [ -n "$ok" ] || { echo "sandbox refused the command: .git changed while the sandbox was set up" >&2; exit 125; }
 shift 2
@@ -163,14 +165,15 @@ def _identity(path: str, found: os.stat_result | None = None, follow: bool = Fal
     return st.st_dev, st.st_ino
 
 
-_AT_FDCWD, _AT_SYMLINK_NOFOLLOW, _STATX_INO, _STATX_MNT_ID = -100, 0x100, 0x100, 0x1000
+_AT_FDCWD, _AT_SYMLINK_NOFOLLOW, _AT_EMPTY_PATH, _STATX_INO, _STATX_MNT_ID = -100, 0x100, 0x1000, 0x100, 0x1000
 
 
-def _mount_id(path: str) -> int | None:
-    """The id of the mount `path` (not followed) is on, from statx(2); None where the kernel does
-    not tell (before Linux 5.8). Mount ids are unique across namespaces."""
+def _mount_id(path: str, fd: int | None = None) -> int | None:
+    """The id of the mount `path` (not followed; or what `fd` is open on) is on, from statx(2);
+    None where the kernel does not tell (before Linux 5.8). Mount ids are unique across namespaces."""
     buf = ctypes.create_string_buffer(256)  # struct statx
-    if _libc.statx(_AT_FDCWD, os.fsencode(path), _AT_SYMLINK_NOFOLLOW, _STATX_INO | _STATX_MNT_ID, buf) != 0:
+    at, name, flags = (_AT_FDCWD, os.fsencode(path), _AT_SYMLINK_NOFOLLOW) if fd is None else (fd, b"", _AT_EMPTY_PATH)
+    if _libc.statx(at, name, flags, _STATX_INO | _STATX_MNT_ID, buf) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path)
     mask, = struct.unpack_from("I", buf, 0)
@@ -280,11 +283,20 @@ class GitMount:
         except (FileNotFoundError, NotADirectoryError):
             return None
         try:
-            # The bind landed at .git (not, through a symlink there, on the workspace's parent) and
-            # bound the workspace's own .git (not what a symlink at the source pointed to).
-            return _mount_id(root + self.path) != workspace_mount and _identity(root + self.path) == self.expected
+            git = os.open(root + self.path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
             return False
+        try:  # one object for the three looks: a parallel call may rename what is at the path
+            # The bind landed at .git (not, through a symlink there, on the workspace's parent),
+            # bound the workspace's own .git (not what a symlink at the source pointed to), and is
+            # read-only: bwrap finds its new mount again by the target's realpath to remount it
+            # read-only, so a symlink to another mount point swapped in between gets that one
+            # remounted and leaves .git writable.
+            found = os.fstat(git)
+            return (_mount_id("", git) != workspace_mount and (found.st_dev, found.st_ino) == self.expected
+                    and bool(os.fstatvfs(git).f_flag & os.ST_RDONLY))
+        finally:
+            os.close(git)
 
 
 class Gate:

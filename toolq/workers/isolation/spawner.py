@@ -51,18 +51,25 @@ def prepare_spawning_thread(policy: Policy, masked: tuple[str, ...]) -> bool:
 def follow_host_mounts(workspace: str) -> None:
     """A prepared thread's copy of the mount table does not follow the host's where the host's
     mounts are private (no propagation): a workspace on a file system mounted since would be its
-    empty mount point here. Then the copy is made again, from the process's own (its first
-    thread's, as /proc/<pid>/ shows)."""
+    empty mount point here (or, for a workspace made inside it since, no such directory). Then the
+    copy is made again, from the process's own (its first thread's, as /proc/<pid>/ shows)."""
     args = getattr(_spawner, "args", None)
     if args is None:
         return
     try:
-        here, own = os.stat(workspace), os.stat(f"/proc/{os.getpid()}/root{workspace}")
+        own = os.stat(f"/proc/{os.getpid()}/root{workspace}")
+    except OSError:
+        return  # gone on the host: bwrap says so
+    try:
+        here = os.stat(workspace)
         if (here.st_dev, here.st_ino) == (own.st_dev, own.st_ino):
             return
+    except OSError:
+        pass  # only on a file system this copy does not have
+    try:
         fd = os.open(f"/proc/{os.getpid()}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return  # gone on either side: bwrap says so
+        return
     try:
         if _libc.setns(fd, _CLONE_NEWNS) != 0:
             raise OSError(ctypes.get_errno(), "setns to the host's mount namespace")
