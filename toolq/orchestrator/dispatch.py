@@ -239,7 +239,7 @@ class Dispatcher:
         for tag, value in (await self.ledger.r.hgetall(UNACKED_KEY)).items():
             try:
                 task_id = task_id_of(json.loads(value)[0])  # [message, exchange, routing key]
-            except (ValueError, KeyError, IndexError):
+            except (ValueError, KeyError, IndexError, TypeError):  # not a kombu entry
                 continue
             if task_id is not None:
                 out[task_id] = tag.decode()

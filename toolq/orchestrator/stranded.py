@@ -100,7 +100,7 @@ class StrandedCalls:
         # Only calls not started since: a running one is the lost-worker watchdog's.
         due = {t: w for t, w in self._waiting.items() if now - w.queued_at >= self.after and w.unstarted}
         self._end_orphaned_writes(due, {w.instance for w in snapshot.workers})
-        due = {t: w for t, w in due.items() if w.unstarted and w.watch.session is None}
+        due = {t: w for t, w in due.items() if w.watch.session is None}  # writes: only their session's worker
         taken = {t: tag for t, tag in (await self.dispatcher.taken()).items() if t in due}
         # Sent before a worker died, and not taken: on its queue still, or lost with that worker.
         missing = {t for t, w in due.items() if t not in taken and w.queued_at < fleet.departed_at}

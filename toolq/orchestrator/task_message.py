@@ -80,9 +80,6 @@ def queue_key(queue: str) -> str:
     return queue
 
 
-__all__ = ["TaskMessage", "anon_nodename", "queue_key"]
-
-
 #: kombu's Redis hash of the messages workers have taken and not acked (its transport's default
 #: `unacked_key`, which toolq's config keeps): delivery tag -> [message, exchange, routing key].
 UNACKED_KEY = "unacked"
@@ -102,3 +99,6 @@ def message_task_id(raw: bytes | str) -> str | None:
         return task_id_of(json.loads(raw))
     except ValueError:
         return None
+
+
+__all__ = ["UNACKED_KEY", "TaskMessage", "anon_nodename", "message_task_id", "queue_key", "task_id_of"]
