@@ -58,6 +58,7 @@ ENV = {
     "sandbox_processes": ("TOOLQ_SANDBOX_PROCESSES",),
     "sandbox_cpu_seconds": ("TOOLQ_SANDBOX_CPU_SECONDS",),
     "sandbox_file_mb": ("TOOLQ_SANDBOX_FILE_MB",),
+    "sandbox_cells": ("TOOLQ_SANDBOX_CELLS",),
     # exec_command sessions (toolq/workers/sessions)
     "sessions": ("TOOLQ_SESSIONS",),
     "session_limit": ("TOOLQ_SESSION_LIMIT",),
@@ -155,6 +156,9 @@ class Settings(BaseModel):
     sandbox_processes: int = Field(default=256, ge=8)
     sandbox_cpu_seconds: int = Field(default=300, ge=1)
     sandbox_file_mb: int = Field(default=1024, ge=1)
+    sandbox_cells: bool = True
+    """bubblewrap: a session host's slot keeps one sandbox per workspace and forks each command in
+    it, in new namespaces of its own (toolq/workers/isolation/cell.py); off, bwrap starts per command."""
     mcp: list[str] = Field(default_factory=list)
     """MCP servers a worker hosts, each `NAME=COMMAND ARGS...` (`toolq worker --mcp`; toolq/workers/mcp/);
     in `TOOLQ_MCP`, one per line (a command may hold commas)."""

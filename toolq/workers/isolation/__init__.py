@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
-from toolq.workers.isolation import bwrap, landlock, limits, reaper
+from toolq.workers.isolation import bwrap, cell, landlock, limits, reaper
 from toolq.workers.isolation.policy import Backend, Policy
 
 INSTALL_HINT = ("no sandbox works here for shell tools: install bubblewrap (apt-get install bubblewrap) with "
@@ -107,6 +107,33 @@ class GatedLaunch(Launch):
             raise SandboxRefused(str(e)) from None
 
 
+class CellLaunch(Launch):
+    """A command forked in the spawning slot thread's bubblewrap cell (`cell.py`): the cell's root
+    was built and checked once; the command's own namespaces end with it, so nothing is left in
+    the slot's cgroup to kill but the cell, which stays."""
+
+    def __init__(self, bwrap_path: str, policy: Policy, workspace: str, cwd: str, argv: list[str],
+                 env: dict[str, str], call_limits: limits.CallLimits) -> None:
+        super().__init__(argv, env, None, call_limits)
+        self.bwrap_path, self.policy, self.workspace, self.cwd = bwrap_path, policy, workspace, cwd
+
+    def spawn(self, **popen: Any) -> Any:
+        assert self.call_limits is not None
+        try:
+            return cell.spawn(self.bwrap_path, self.policy, self.workspace, self.argv, self.env, self.cwd,
+                              self.call_limits.apply_to, **popen)
+        except bwrap.GateRefused as e:
+            raise SandboxRefused(str(e)) from None
+
+    def kill(self, spare: frozenset[int]) -> None:
+        pass  # the command's pid namespace died with its pid 1; the cell must live on
+
+    def close(self) -> None:
+        if self.call_limits is not None:
+            self.process_limit_hit = self.call_limits.close(kill=False)
+            self.memory_limit_hit = self.call_limits.memory_limit_hit
+
+
 @dataclass
 class Sandbox:
     backend: Backend
@@ -123,13 +150,15 @@ class Sandbox:
         if self.backend == "none":
             return "sandbox: none (TOOLQ_SANDBOX=none): commands run UNCONFINED with this worker's rights"
         lim = self.policy.limits
-        return (f"sandbox: {self.detail} (network {self.policy.network}; per call: memory {lim.memory_mb} MiB "
+        cells = ", a cell per workspace and slot" if self.backend == "bwrap" and self.policy.cells else ""
+        return (f"sandbox: {self.detail}{cells} (network {self.policy.network}; per call: memory {lim.memory_mb} MiB "
                 f"[{limits.memory_limit_mode()}], "
                 f"{lim.processes} processes [{limits.process_limit_mode()}], CPU {lim.cpu_seconds} s, "
                 f"files {lim.file_mb} MiB)")
 
-    def launch(self, argv: list[str], *, workspace: str, cwd: str, env: dict[str, str]) -> Launch:
-        """Raises SandboxUnavailable, or FileNotFoundError for a program that is not there."""
+    def launch(self, argv: list[str], *, workspace: str, cwd: str, env: dict[str, str], in_slot: bool = False) -> Launch:
+        """Raises SandboxUnavailable, or FileNotFoundError for a program that is not there. `in_slot`:
+        spawned from a session-host slot's thread, where bubblewrap keeps a cell per workspace."""
         if self.unavailable:
             raise SandboxUnavailable(self.unavailable)
         if self.backend == "none":
@@ -141,6 +170,8 @@ class Sandbox:
             command_env = self.policy.command_env(env, home=bwrap.SANDBOX_TMP)
             _require_program(argv[0], command_env)
             path, ws = self.bwrap_path or "bwrap", os.path.abspath(workspace)
+            if in_slot and self.policy.cells:
+                return CellLaunch(path, self.policy, ws, cwd, argv, command_env, call_limits)
             return GatedLaunch(lambda gate: bwrap.argv(path, self.policy, ws, cwd, argv, gate), command_env,
                                call_limits)
         prefix = call_limits.prlimit_prefix()  # None: the limits are set by a pre-exec function

@@ -59,9 +59,13 @@ def executable() -> str | None:
     return shutil.which("bwrap")
 
 
-def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str], gate: Gate | None = None) -> list[str]:
-    """The command line; with a `gate`, bwrap waits at it before the command runs (`Gate.release`)."""
-    args = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str], gate: Gate | None = None,
+         keep_caps: bool = False) -> list[str]:
+    """The command line; with a `gate`, bwrap waits at it before the command runs (`Gate.release`).
+    `keep_caps`: for a cell's own program (`cell.py`), which drops them before each command it runs."""
+    args = [bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
+    if not keep_caps:
+        args += ["--cap-drop", "ALL"]
     if gate is not None:
         args += ["--info-fd", str(gate.info_w), "--block-fd", str(gate.block_r)]
     if policy.network == "host":
@@ -391,7 +395,8 @@ def spawn(build: Callable[[Gate], list[str]], set_limits: Callable[[int], None],
     left running."""
     gate = Gate()
     try:
-        proc = subprocess.Popen(build(gate), pass_fds=gate.child_fds, **popen)
+        pass_fds = (*gate.child_fds, *popen.pop("pass_fds", ()))
+        proc = subprocess.Popen(build(gate), pass_fds=pass_fds, **popen)
         gate.opened()
         try:
             gate.release(set_limits, alive=lambda: not has_exited(proc.pid))

@@ -238,13 +238,14 @@ class CallLimits:
         if self.cgroup is not None:
             _kill_members(self.cgroup)
 
-    def close(self) -> bool:
+    def close(self, kill: bool = True) -> bool:
         """True if a fork failed on the process limit during the call (`memory_limit_hit`: the
-        OOM killer killed one of its processes)."""
+        OOM killer killed one of its processes). `kill`: what is left in the cgroup dies first."""
         self.memory_limit_hit = _oom_kills(self.memory_cgroup) > self._oom_kills_before
         if self.cgroup is None:
             return False
-        self.kill_all()
+        if kill:
+            self.kill_all()
         return _limit_failures(self.cgroup) > self._failures_before
 
 

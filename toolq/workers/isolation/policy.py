@@ -54,6 +54,8 @@ class Policy:
     network: Literal["none", "host"]
     limits: Limits
     extra_env: tuple[str, ...] = ()
+    cells: bool = True
+    """bubblewrap: commands a session-host slot starts fork in a cell (`cell.py`)."""
     read_dirs: tuple[str, ...] = field(default_factory=tuple)
     """Readable besides the workspace: the system directories, this interpreter's prefix, and
     what the operator adds. The worker's home, logs and other workspaces are not among them."""
@@ -68,7 +70,7 @@ class Policy:
         read = [d for d in SYSTEM_DIRS if os.path.lexists(d)]
         read += sorted(p for p in prefixes if not any(p == d or p.startswith(d + "/") for d in read))
         read += [os.path.abspath(p) for p in s.sandbox_read]
-        return cls(requested=s.sandbox, network=s.sandbox_network, extra_env=tuple(s.sandbox_env),
+        return cls(requested=s.sandbox, network=s.sandbox_network, extra_env=tuple(s.sandbox_env), cells=s.sandbox_cells,
                    read_dirs=tuple(dict.fromkeys(read)),
                    limits=Limits(s.sandbox_memory_mb, s.sandbox_processes, s.sandbox_cpu_seconds, s.sandbox_file_mb))
 

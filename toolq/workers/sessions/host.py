@@ -32,6 +32,7 @@ import redis
 from toolq.orchestrator.settings import Settings
 from toolq.workers import isolation
 from toolq.workers.isolation import bwrap, reaper, spawner
+from toolq.workers.isolation.cell import CellProcess
 from toolq.workers.sandbox import DEFAULT_OUTPUT_CAP, DRAIN_TIMEOUT, POLL_INTERVAL, HeadTailBuffer, _killpg, flooded
 from toolq.workers.sessions.slots import Slot, Slots
 from toolq.workers.sessions.protocol import ExecRequest, OutputFrame, Reply, WriteRequest, parse_request
@@ -66,7 +67,7 @@ class Watcher:
 
 @dataclass(eq=False)  # hashed by identity: held in sets
 class Process:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | CellProcess
     fd: int
     """Read end: the pipe, or the pty's master (which is also where stdin is written)."""
     tty: bool
@@ -96,7 +97,7 @@ class Process:
             return data
 
     def kill(self) -> None:
-        _killpg(self.proc.pid)
+        _kill_group(self.proc)
         if self.launch is not None:
             self.launch.kill(frozenset())
 
@@ -141,7 +142,7 @@ class Host:
         sandbox = isolation.current(self.settings)
         slot = self.slots.take()
         try:
-            launch = sandbox.launch(argv, workspace=req.workspace, cwd=req.cwd, env=req.env)
+            launch = sandbox.launch(argv, workspace=req.workspace, cwd=req.cwd, env=req.env, in_slot=True)
         except BaseException:
             self.slots.give_back(slot)
             raise
@@ -179,9 +180,9 @@ class Host:
         """Read the process's output until it exits (and its output is drained), then finish it."""
         exited_at: float | None = None
         while True:
-            if exited_at is None and reaper.has_exited(p.proc.pid):
+            if exited_at is None and _has_exited(p.proc):
                 exited_at = time.monotonic()
-                _killpg(p.proc.pid)  # leftovers of the group (background children) go with it
+                _kill_group(p.proc)  # leftovers of the group (background children) go with it
             timeout = STEP if exited_at is None else max(0.0, min(STEP, exited_at + DRAIN_TIMEOUT - time.monotonic()))
             if exited_at is None and flooded(p.pending):
                 time.sleep(POLL_INTERVAL)  # nobody polls the flood: let it block on the full pipe
@@ -405,6 +406,20 @@ class Host:
             procs = list(self.running) + list(self.live.values())
         for p in procs:
             p.kill()
+
+
+def _has_exited(proc: subprocess.Popen | CellProcess) -> bool:
+    if isinstance(proc, CellProcess):
+        return proc.poll() is not None
+    return reaper.has_exited(proc.pid)
+
+
+def _kill_group(proc: subprocess.Popen | CellProcess) -> None:
+    """The command and what it started: its process group, or a cell command's pid namespace."""
+    if isinstance(proc, CellProcess):
+        proc.kill()
+    else:
+        _killpg(proc.pid)
 
 
 def _b64(data: bytes) -> str:

@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from toolq.workers.isolation import limits
+from toolq.workers.isolation import cell, limits
 from toolq.workers.isolation.policy import Limits
 
-#: The slot's own thread, besides the command's processes.
-SLOT_TASKS_SLACK = 1
+#: The slot's own thread and its bubblewrap cell (`isolation/cell.py`), besides the command's processes.
+SLOT_TASKS_SLACK = 1 + cell.CELL_TASKS
 
 
 class Slot:

@@ -1,0 +1,257 @@
+"""The program inside a bubblewrap cell: it starts each command in a sandbox of its own, by fork.
+
+A cell is one bwrap sandbox per session-host slot and workspace (`cell.py`), built once: the
+system directories read-only, the workspace read-write with `.git` read-only, no network, its
+`.git` checked by the start gate. This program is its first process, with the capabilities of
+its own user namespace and nothing else of toolq: it imports only the standard library, and its
+source reaches it as `python -I -S -c` (the toolq package need not be readable in the sandbox).
+
+Per command (`serve`), one fork is pid 1 of a new pid namespace (`_init`). It takes new mount
+and IPC namespaces, mounts a fresh `/tmp`, `/dev/shm` and `/proc` (so the command sees only its
+own processes), tells the worker its pid (SCM_CREDENTIALS: the kernel translates it into the
+worker's namespace) and waits there while the worker sets its rlimits. Released, it drops every
+capability, sets no_new_privs and starts the command as pid 2 (by vfork: no second copy of this
+interpreter), then reaps until the command exits and exits with its status. When pid 1 of a
+namespace exits the kernel kills all that is left in it, so nothing a command starts outlives
+it (`setsid -f`, double forks). The cell reaps pid 1 and sends the worker its wait status.
+
+Everything here runs before the command and trusts nothing the command can touch: the request
+comes from the worker over a socket only this process holds.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import json
+import os
+import signal
+import socket
+import gc
+import select
+import shutil
+import struct
+import sys
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWIPC = 0x20000, 0x20000000, 0x8000000
+_PR_SET_DUMPABLE = 4
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = (
+    1, 2, 4, 8, 32, 4096, 0x4000, 1 << 18)
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT = 428, 429
+_OPEN_TREE_CLONE, _AT_RECURSIVE, _O_CLOEXEC, _MOVE_MOUNT_F_EMPTY_PATH = 1, 0x8000, 0o2000000, 4
+_PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+#: What a fresh /proc hides again, as bwrap's --proc does (uid 0 here passes a sysctl's check).
+PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus")
+#: Fresh per command: each gets a private, empty /tmp (its HOME) and /dev/shm.
+FRESH = ("/tmp", "/dev/shm")
+#: The largest request (argv and environment) a command may have.
+MAX_REQUEST = 64 << 20
+#: The status sent when the command could not be started (what a shell says of a missing program).
+NOT_STARTED = 127
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return result
+
+
+def _mount(source: bytes | None, target: str, fstype: bytes | None, flags: int, data: bytes | None = None) -> None:
+    _check(_libc.mount(source, target.encode(), fstype, flags, data), f"mount {target}")
+
+
+def _mounts() -> list[str]:
+    """The mount points of this namespace, unescaped."""
+    with open("/proc/self/mountinfo", "rb") as f:
+        points = [line.split(b" ")[4] for line in f.read().splitlines()]
+    return [p.decode("unicode_escape") if b"\\" in p else p.decode() for p in points]
+
+
+def survivors() -> tuple[list[str], list[tuple[str, str]]]:
+    """What bwrap put under the fresh directories (a workspace or a read directory under /tmp, a
+    symlink to one): mount points, outermost first, and symlinks. Found once, at the cell's start;
+    carried over the fresh mount by each command (`_carry`)."""
+    points = sorted({p for p in _mounts() if any(p.startswith(f + "/") for f in FRESH)}, key=len)
+    outer = [p for i, p in enumerate(points) if not any(p.startswith(q + "/") for q in points[:i])]
+    links: list[tuple[str, str]] = []
+    for top in FRESH:
+        for where, dirs, files in os.walk(top):
+            dirs[:] = [d for d in dirs if os.path.join(where, d) not in outer]
+            for name in dirs + files:
+                path = os.path.join(where, name)
+                if os.path.islink(path):
+                    links.append((path, os.readlink(path)))
+    return outer, links
+
+
+def _carry(outer: list[str]) -> list[tuple[str, int]]:
+    """A detached copy of each mount under a fresh directory, made before the fresh mount hides it."""
+    return [(p, _check(_libc.syscall(_SYS_OPEN_TREE, -100, p.encode(), _OPEN_TREE_CLONE | _AT_RECURSIVE | _O_CLOEXEC),
+                       f"open_tree {p}")) for p in outer]
+
+
+def _mount_fresh(size: int, carried: list[tuple[str, int]], links: list[tuple[str, str]]) -> None:
+    for path in FRESH:
+        _mount(b"tmpfs", path, b"tmpfs", _MS_NOSUID | _MS_NODEV, f"size={size},mode=0755".encode())
+    for path, tree in carried:
+        os.makedirs(path, exist_ok=True)
+        _check(_libc.syscall(_SYS_MOVE_MOUNT, tree, b"", -100, path.encode(), _MOVE_MOUNT_F_EMPTY_PATH),
+               f"move_mount {path}")
+        os.close(tree)
+    for path, target in links:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.symlink(target, path)
+
+
+def _mount_proc() -> None:
+    _mount(b"proc", "/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    for name in PROC_COVERS:
+        path = f"/proc/{name}"
+        if os.path.lexists(path):
+            _mount(path.encode(), path, None, _MS_BIND | _MS_REC)
+            _mount(None, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+
+
+def _drop_capabilities(last_cap: int) -> None:
+    """No capability is left, in any set, none can come back (no_new_privs), and this process
+    cannot be traced or read by the command it starts (not dumpable)."""
+    prctl = _libc.prctl
+    for cap in range(last_cap + 1):
+        _check(prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0), "PR_CAPBSET_DROP")
+    prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0)
+    _check(_libc.capset(header, bytes(24)), "capset")
+    _check(prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
+    _check(prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "PR_SET_DUMPABLE")
+
+
+def _last_cap() -> int:
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        return int(f.read())
+
+
+def _init(stdio: list[int], gate: socket.socket, outer: list[str], links: list[tuple[str, str]], last_cap: int) -> None:
+    """pid 1 of the command's namespaces: set up, report, wait for the release, then start the
+    command as pid 2 (pid 1 gets no signal it has no handler for: SIGXCPU at the CPU limit, a
+    `kill` from inside) and reap until it exits. Exits with its status, as a shell reports one;
+    the kernel then kills whatever the command left in the namespace. Never returns."""
+    status = NOT_STARTED
+    try:
+        req = _request(gate)
+        # IPC too: a System V segment outlives its processes, and must not outlive the call.
+        _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWIPC), "unshare")
+        _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing mounted for the command shows in the cell
+        _mount_fresh(req["tmp_size"], _carry(outer), links)
+        _mount_proc()
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # in a full memory cgroup the kernel kills the command, not the cell
+        creds = struct.pack("iII", os.getpid(), os.getuid(), os.getgid())
+        gate.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)])
+        if gate.recv(1) != b"1":
+            os._exit(NOT_STARTED)  # the worker let go of the call before it started
+        gate.close()
+        _drop_capabilities(last_cap)
+        os.chdir(req["cwd"])
+        argv, env = req["argv"], req["env"]
+        program = shutil.which(argv[0], path=env.get("PATH")) or argv[0]
+        # vfork and exec (no copy of this interpreter); every other descriptor here is close-on-exec.
+        command = os.posix_spawn(program, argv, env, setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+                                 file_actions=[(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(stdio)])
+    except BaseException as e:  # before the command: its output says why
+        _say(stdio, e)
+        os._exit(status)
+    for fd in stdio:
+        os.close(fd)
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except InterruptedError:
+            continue
+        if pid == command:
+            os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def _say(stdio: list[int], error: BaseException) -> None:
+    try:
+        os.write(stdio[2], f"toolq cell: the command could not start: {error}\n".encode(errors="replace"))
+    except OSError:
+        pass
+
+
+def _request(gate: socket.socket) -> dict:
+    """The command's request, as the worker writes it on the gate: its length, then JSON."""
+    data = b""
+    while len(data) < 4 or len(data) < 4 + struct.unpack("I", data[:4])[0]:
+        if len(data) >= 4 and struct.unpack("I", data[:4])[0] > MAX_REQUEST:
+            raise ValueError("request too large")
+        chunk = gate.recv(1 << 16)
+        if not chunk:
+            raise EOFError("the worker hung up")
+        data += chunk
+    return json.loads(data[4:])
+
+
+def _receive(control: socket.socket) -> tuple[list[int], socket.socket] | None:
+    """A command's descriptors (stdin, stdout, stderr, gate); None when the worker closed the cell."""
+    msg, ancillary, _, _ = control.recvmsg(16, socket.CMSG_SPACE(4 * array.array("i").itemsize),
+                                           socket.MSG_CMSG_CLOEXEC)
+    if not msg:
+        return None
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    if len(fds) != 4:
+        for fd in fds:
+            os.close(fd)
+        return [], control
+    *stdio, gate = fds
+    return stdio, socket.socket(fileno=gate)
+
+
+def serve(control: socket.socket) -> None:
+    """Commands as the worker sends them: each forked as pid 1 of a new pid namespace, and its
+    wait status sent back on its gate once it is reaped."""
+    outer, links = survivors()
+    last_cap = _last_cap()
+    gc.freeze()  # a fork then copies fewer pages (the collector no longer writes to the old objects)
+    own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    running: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, gate)
+    control.sendall(b"ready")
+    while True:
+        ready, _, _ = select.select([control, *running], [], [])
+        for pidfd in [fd for fd in ready if fd in running]:
+            pid, gate = running.pop(pidfd)
+            _, status = os.waitpid(pid, 0)
+            os.close(pidfd)
+            try:
+                gate.sendall(struct.pack("i", status))
+            except OSError:
+                pass  # the worker let go of the call
+            gate.close()
+        if control not in ready:
+            continue
+        received = _receive(control)
+        if received is None:
+            return  # the worker closed the cell
+        stdio, gate = received
+        if not stdio:
+            continue
+        # The next fork is pid 1 of a new pid namespace; then back, so the one after is not in it.
+        _check(_libc.unshare(_CLONE_NEWPID), "unshare")
+        pid = os.fork()
+        if pid == 0:
+            gc.disable()
+            control.close()
+            _init(stdio, gate, outer, links, last_cap)
+        _check(_libc.setns(own_pid_ns, _CLONE_NEWPID), "setns")
+        running[os.pidfd_open(pid)] = (pid, gate)
+        for fd in stdio:
+            os.close(fd)
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=int(sys.argv[1])))
