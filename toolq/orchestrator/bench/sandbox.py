@@ -1,8 +1,10 @@
 """Benchmark: what the sandbox costs a model step, with N = 1, 8, 32 parallel `exec_command true`.
 
 Both sides in the same run, on the same embedded stack shape: workers with TOOLQ_SANDBOX=none
-(the baseline: the command runs unconfined), then workers with each sandbox that works here.
-Goal (issue 12): at most 3 ms added per call at 8 parallel calls.
+(the baseline: the command runs unconfined), then workers with each sandbox that works here;
+bubblewrap twice, with its cells (the default) and with a bwrap start per command
+(TOOLQ_SANDBOX_CELLS=0), which shows what the cells save. Goal (issue 12): at most 3 ms added per
+call at 8 parallel calls.
 """
 
 from __future__ import annotations
@@ -21,18 +23,26 @@ from toolq.workers.isolation.policy import Policy
 GOAL_MS_PER_CALL_AT_8 = 3.0
 
 
+#: Each mode's settings, as the workers read them from the environment.
+MODES = {"none": {"TOOLQ_SANDBOX": "none"},
+         "bwrap": {"TOOLQ_SANDBOX": "bwrap", "TOOLQ_SANDBOX_CELLS": "1"},
+         "bwrap, a start per command": {"TOOLQ_SANDBOX": "bwrap", "TOOLQ_SANDBOX_CELLS": "0"},
+         "landlock": {"TOOLQ_SANDBOX": "landlock"}}
+
+
 @contextmanager
-def _sandbox_setting(value: str) -> Iterator[None]:
+def _settings(values: dict[str, str]) -> Iterator[None]:
     """The embedded workers inherit this process's environment."""
-    before = os.environ.get("TOOLQ_SANDBOX")
-    os.environ["TOOLQ_SANDBOX"] = value
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("TOOLQ_SANDBOX", None)
-        else:
-            os.environ["TOOLQ_SANDBOX"] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: int = 6,
@@ -42,12 +52,12 @@ def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: i
     if not backends:
         print(f"no sandbox to measure: {isolation.current().describe()}", file=out)
         return {}
-    modes = ("none", *backends)
+    modes = ["none", *(m for m in MODES if MODES[m]["TOOLQ_SANDBOX"] in backends)]
     samples: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in sizes}
     with ExitStack() as stacks:
         fleets = {}
         for mode in modes:
-            with _sandbox_setting(mode):  # read by the workers when they start
+            with _settings(MODES[mode]):  # read by the workers when they start
                 fleets[mode] = stacks.enter_context(stack(workers=2, concurrency=8))
         # Interleaved rounds: load from elsewhere on the machine falls on every mode alike.
         for _ in range(rounds):
@@ -55,7 +65,7 @@ def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: i
                 for mode in modes:
                     samples[mode, n] += step_times(fleets[mode], n, steps)["samples"]
     results: dict[str, Any] = {}
-    for backend in backends:
+    for backend in modes[1:]:
         print(f"time per model step, sandbox off (none) vs {backend}, p50 of {rounds}x{steps} interleaved steps:",
               file=out)
         for n in sizes:

@@ -1,0 +1,113 @@
+"""Bubblewrap cells (toolq/workers/isolation/cell.py): one sandbox per slot thread and workspace,
+a fork per command in namespaces of its own. Real bwrap, real namespaces; each test's "slot" is a
+thread of its own, as a session-host slot is."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from toolq.orchestrator.settings import Settings
+from toolq.workers import isolation
+from toolq.workers.isolation import cell, limits
+from toolq.workers.isolation.policy import Policy
+
+SANDBOX = isolation.choose(Policy.from_settings(Settings(sandbox="bwrap", sandbox_cpu_seconds=1)))
+pytestmark = pytest.mark.skipif(SANDBOX.unavailable is not None, reason=f"bwrap does not work here: {SANDBOX.unavailable}")
+
+
+@pytest.fixture
+def slot():
+    thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-slot")
+    yield thread
+    thread.submit(cell.close_slot_cell).result()
+    thread.shutdown()
+
+
+def start(slot: ThreadPoolExecutor, workspace, script: str) -> cell.CellProcess:
+    env = SANDBOX.policy.command_env({"PATH": os.environ["PATH"]}, home="/tmp")
+    call_limits = limits.CallLimits(SANDBOX.policy.limits)
+    return slot.submit(cell.spawn, SANDBOX.bwrap_path, SANDBOX.policy, str(workspace), ["/bin/sh", "-c", script],
+                       env, str(workspace), call_limits.apply_to, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT).result()
+
+
+def run(slot: ThreadPoolExecutor, workspace, script: str) -> tuple[int, str]:
+    process = start(slot, workspace, script)
+    assert process.stdout is not None
+    out = process.stdout.read().decode()
+    process.stdout.close()
+    return process.wait(timeout=30), out
+
+
+def the_cell(slot: ThreadPoolExecutor) -> cell.Cell:
+    return slot.submit(lambda: cell._slot_cell.cell).result()
+
+
+def test_commands_of_one_workspace_share_a_cell_but_not_their_tmp_processes_or_ipc(slot, tmp_path):
+    code, out = run(slot, tmp_path, "ipcmk -M 4096 >/dev/null && ipcs -m | grep -q '^0x' || echo NO-IPC; echo kept > /tmp/left; echo x > /dev/shm/left; "
+                                     "setsid -f sleep 300; (sleep 300 &); echo $$ ok")
+    assert (code, out.split()) == (0, ["2", "ok"])  # pid 2: the cell's init is pid 1
+    first = the_cell(slot)
+    code, out = run(slot, tmp_path, "ls -A /tmp /dev/shm; echo segments $(ipcs -m | grep -c '^0x'); ps -e -o comm=")
+    assert code == 0 and the_cell(slot) is first
+    assert "left" not in out and "sleep" not in out and "segments 0" in out, out
+    assert subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True).returncode == 1  # gone on the host too
+
+
+def test_a_command_has_no_capabilities_and_cannot_read_its_init(slot, tmp_path):
+    code, out = run(slot, tmp_path, "grep -E '^Cap(Prm|Eff|Bnd|Amb)' /proc/self/status; grep NoNewPrivs /proc/self/status;"
+                                     " cat /proc/1/environ >/dev/null 2>&1 && echo READ-INIT; cat /proc/1/mem 2>&1 | head -c 0;"
+                                     " kill -9 1 && echo KILLED-INIT")
+    assert code == 0 and "READ-INIT" not in out, out
+    caps = dict(line.split(":\t") for line in out.splitlines() if line.startswith(("Cap", "NoNewPrivs")))
+    assert set(caps.values()) == {"0000000000000000", "1"} and caps["NoNewPrivs"] == "1", out
+
+
+def test_a_git_made_by_one_command_is_read_only_for_the_next(slot, tmp_path):
+    code, _ = run(slot, tmp_path, "mkdir .git && echo '[core]' > .git/config")
+    first = the_cell(slot)
+    code, out = run(slot, tmp_path, "echo '[core] fsmonitor = evil' >> .git/config; echo $?")
+    assert the_cell(slot) is not first  # a new cell, which binds .git read-only
+    assert "Read-only file system" in out and (tmp_path / ".git" / "config").read_text() == "[core]\n"
+
+
+def test_another_workspace_gets_another_cell_which_cannot_see_the_first(slot, tmp_path_factory):
+    one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
+    (one / "secret").write_text("s")
+    run(slot, one, "true")
+    first = the_cell(slot)
+    code, out = run(slot, two, f"cat {one}/secret 2>&1; echo done")
+    assert the_cell(slot) is not first and first.proc.poll() is not None  # the old one is gone
+    assert "done" in out and "s\n" not in out.split("done")[0].replace("No such", ""), out
+
+
+def test_the_cpu_limit_is_named_by_its_signal_and_a_kill_takes_the_whole_namespace(slot, tmp_path):
+    code, _ = run(slot, tmp_path, "exec python3 -c 'while True: pass'")
+    assert code == 128 + signal.SIGXCPU  # the command is not pid 1, which would ignore SIGXCPU
+    process = start(slot, tmp_path, "sleep 300 & sleep 300 & wait")
+    time.sleep(0.3)
+    process.kill()
+    assert process.wait(timeout=10) == -signal.SIGKILL
+    process.stdout.close()
+    assert subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True).returncode == 1
+
+
+def test_a_dead_cell_is_replaced_and_a_missing_program_says_why(slot, tmp_path):
+    run(slot, tmp_path, "true")
+    first = the_cell(slot)
+    first.proc.kill()
+    first.proc.wait()
+    code, out = run(slot, tmp_path, "echo again")
+    assert (code, out) == (0, "again\n") and the_cell(slot) is not first
+    env = SANDBOX.policy.command_env({"PATH": os.environ["PATH"]}, home="/tmp")
+    process = slot.submit(cell.spawn, SANDBOX.bwrap_path, SANDBOX.policy, str(tmp_path), ["no-such-program"], env,
+                          str(tmp_path), lambda pid: None, stdout=subprocess.PIPE, stderr=subprocess.STDOUT).result()
+    out = process.stdout.read().decode()
+    process.stdout.close()
+    assert process.wait(timeout=10) == 127 and "could not start" in out and "no-such-program" in out
