@@ -60,6 +60,12 @@ def test_commands_of_one_workspace_share_a_cell_but_not_their_tmp_processes_or_i
     assert subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True).returncode == 1  # gone on the host too
 
 
+def test_each_command_has_pseudo_terminals_of_its_own(slot, tmp_path):
+    script = "python3 -c 'import os, pty; m, s = pty.openpty(); print(os.ttyname(s))'; ls /dev/pts"
+    first, second = run(slot, tmp_path, script), run(slot, tmp_path, script)
+    assert first == second == (0, "/dev/pts/0\nptmx\n")  # a fresh devpts instance each
+
+
 def test_a_command_has_no_capabilities_and_cannot_read_its_init(slot, tmp_path):
     code, out = run(slot, tmp_path, "grep -E '^Cap(Prm|Eff|Bnd|Amb)' /proc/self/status; grep NoNewPrivs /proc/self/status;"
                                      " cat /proc/1/environ >/dev/null 2>&1 && echo READ-INIT; cat /proc/1/mem 2>&1 | head -c 0;"
@@ -111,3 +117,6 @@ def test_a_dead_cell_is_replaced_and_a_missing_program_says_why(slot, tmp_path):
     out = process.stdout.read().decode()
     process.stdout.close()
     assert process.wait(timeout=10) == 127 and "could not start" in out and "no-such-program" in out
+    with pytest.raises(FileNotFoundError):  # as Popen raises it: the worker reports a spawn error
+        slot.submit(cell.spawn, SANDBOX.bwrap_path, SANDBOX.policy, str(tmp_path), ["true"], env,
+                    str(tmp_path / "missing"), lambda pid: None, stdout=subprocess.PIPE).result()

@@ -55,23 +55,36 @@ MASKED = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/
           "/etc/sudoers", "/etc/sudoers.d")
 
 
+#: A cell's /dev: what bwrap's --dev makes but the devpts instance. With --dev, an unprivileged
+#: bwrap maps the uid to 0 to mount devpts and then enters a second user namespace, in which its
+#: covers of /proc are locked: a command's own /proc could not be mounted (`cell_init.py`).
+CELL_DEV = ("--tmpfs", "/dev",
+            *(arg for node in ("null", "zero", "full", "random", "urandom", "tty")
+              for arg in ("--dev-bind", f"/dev/{node}", f"/dev/{node}")),
+            *(arg for link, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                                       ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"),
+                                       ("core", "/proc/kcore"), ("ptmx", "pts/ptmx"))
+              for arg in ("--symlink", target, f"/dev/{link}")),
+            "--dir", "/dev/pts")
+
+
 def executable() -> str | None:
     return shutil.which("bwrap")
 
 
 def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str], gate: Gate | None = None,
-         keep_caps: bool = False) -> list[str]:
+         cell: bool = False) -> list[str]:
     """The command line; with a `gate`, bwrap waits at it before the command runs (`Gate.release`).
-    `keep_caps`: for a cell's own program (`cell.py`), which drops them before each command it runs."""
-    args = [bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
-    if not keep_caps:
-        args += ["--cap-drop", "ALL"]
+    `cell`: for a cell's own program (`cell.py`), which keeps the capabilities of its user namespace
+    (an unprivileged bwrap would drop them all), drops them before each command it runs and mounts
+    each one a `/dev/pts` of its own."""
+    args = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-add" if cell else "--cap-drop", "ALL"]
     if gate is not None:
         args += ["--info-fd", str(gate.info_w), "--block-fd", str(gate.block_r)]
     if policy.network == "host":
         args.append("--share-net")
     size = str(policy.limits.memory_mb * 1024 * 1024)
-    args += ["--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+    args += [*(CELL_DEV if cell else ("--dev", "/dev")), "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
              "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger",
              "/proc/sysrq-trigger", "--size", size, "--tmpfs", SANDBOX_TMP]
     spawner.follow_host_mounts(workspace)  # first: the workspace's path may resolve only on the host's mounts

@@ -31,7 +31,7 @@ from typing import Any, Callable
 from toolq.workers.isolation import bwrap, cell_init
 from toolq.workers.isolation.policy import Policy
 
-#: Processes of a cell besides its commands: bwrap, its pid 1, the cell's program, the fork in between.
+#: Processes of a cell besides its commands: bwrap, its pid 1, the cell's program, a command's pid 1.
 CELL_TASKS = 4
 #: How long the worker waits for a cell to start, or a command to reach its gate.
 START_TIMEOUT = 10.0
@@ -40,6 +40,8 @@ _SOURCE: str | None = None
 BOOTSTRAP = ("import sys; source = sys.stdin.read(); "
              "exec(compile(source, 'toolq-cell', 'exec'), {'__name__': '__main__'})")
 _slot_cell = threading.local()
+#: `s` and the wait status, as the cell sends it on a command's gate.
+STATUS_BYTES = 5
 
 
 def _source() -> str:
@@ -70,7 +72,7 @@ class Cell:
         source_r, source_w = os.pipe2(os.O_CLOEXEC)
         try:
             self.proc = bwrap.spawn(
-                lambda gate: bwrap.argv(bwrap_path, policy, workspace, workspace, command, gate, keep_caps=True),
+                lambda gate: bwrap.argv(bwrap_path, policy, workspace, workspace, command, gate, cell=True),
                 lambda pid: None, pass_fds=(child_end.fileno(),), env={"PATH": "/usr/bin:/bin"}, stdin=source_r,
                 stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True)
             os.close(source_r)
@@ -121,10 +123,13 @@ class Cell:
         finally:
             theirs.close()
         try:
-            data, ancillary, _, _ = mine.recvmsg(4, socket.CMSG_SPACE(struct.calcsize("iII")))
+            data, ancillary, _, _ = mine.recvmsg(4096, socket.CMSG_SPACE(struct.calcsize("iII")))
             pid = next((struct.unpack("iII", d[:12])[0] for level, kind, d in ancillary
                         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS), None)
-            if pid is None:  # it ended before its gate: what it sent is its status
+            if data.startswith(b"e"):  # it could not set up (a missing working directory)
+                errno, strerror = json.loads(data[1:])
+                raise OSError(errno, strerror)
+            if not data.startswith(b"p") or pid is None:  # it ended before its gate (or the cell did)
                 return CellProcess(None, mine, data)
             process = CellProcess(pid, mine)
             try:
@@ -162,12 +167,12 @@ class CellProcess:
         if pid is not None:
             self._pidfd = os.pidfd_open(pid)  # held at its gate: it cannot have exited yet
         self._lock = threading.Lock()
-        if len(self._data) >= 4:
+        if len(self._data) >= STATUS_BYTES:
             self._finish()
 
     def _finish(self) -> None:
-        if len(self._data) >= 4:
-            self.returncode = os.waitstatus_to_exitcode(struct.unpack("i", self._data[:4])[0])
+        if len(self._data) >= STATUS_BYTES and self._data.startswith(b"s"):
+            self.returncode = os.waitstatus_to_exitcode(struct.unpack("i", self._data[1:STATUS_BYTES])[0])
         else:  # the cell went away without a word: it was killed, and the command with it
             self.returncode = -signal.SIGKILL
         self._gate.close()
@@ -181,8 +186,8 @@ class CellProcess:
                 return
             self._gate.settimeout(timeout)
             try:
-                while len(self._data) < 4:
-                    chunk = self._gate.recv(4 - len(self._data))
+                while len(self._data) < STATUS_BYTES:
+                    chunk = self._gate.recv(STATUS_BYTES - len(self._data))
                     if not chunk:
                         break
                     self._data += chunk

@@ -7,8 +7,8 @@ its own user namespace and nothing else of toolq: it imports only the standard l
 source reaches it as `python -I -S -c` (the toolq package need not be readable in the sandbox).
 
 Per command (`serve`), one fork is pid 1 of a new pid namespace (`_init`). It takes new mount
-and IPC namespaces, mounts a fresh `/tmp`, `/dev/shm` and `/proc` (so the command sees only its
-own processes), tells the worker its pid (SCM_CREDENTIALS: the kernel translates it into the
+and IPC namespaces, mounts a fresh `/tmp`, `/dev/shm`, `/dev/pts` and `/proc` (so the command
+sees only its own processes), tells the worker its pid (SCM_CREDENTIALS: the kernel translates it into the
 worker's namespace) and waits there while the worker sets its rlimits. Released, it drops every
 capability, sets no_new_privs and starts the command as pid 2 (by vfork: no second copy of this
 interpreter), then reaps until the command exits and exits with its status. When pid 1 of a
@@ -106,6 +106,11 @@ def _mount_fresh(size: int, carried: list[tuple[str, int]], links: list[tuple[st
         os.symlink(target, path)
 
 
+def _mount_devpts() -> None:
+    """Its own pseudo-terminals (`script`, `tmux`, `ssh -t`), as bwrap's --dev gives each sandbox."""
+    _mount(b"devpts", "/dev/pts", b"devpts", _MS_NOSUID | _MS_NOEXEC, b"newinstance,ptmxmode=0666,mode=620")
+
+
 def _mount_proc() -> None:
     _mount(b"proc", "/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     for name in PROC_COVERS:
@@ -138,7 +143,6 @@ def _init(stdio: list[int], gate: socket.socket, outer: list[str], links: list[t
     command as pid 2 (pid 1 gets no signal it has no handler for: SIGXCPU at the CPU limit, a
     `kill` from inside) and reap until it exits. Exits with its status, as a shell reports one;
     the kernel then kills whatever the command left in the namespace. Never returns."""
-    status = NOT_STARTED
     try:
         req = _request(gate)
         # IPC too: a System V segment outlives its processes, and must not outlive the call.
@@ -146,23 +150,28 @@ def _init(stdio: list[int], gate: socket.socket, outer: list[str], links: list[t
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing mounted for the command shows in the cell
         _mount_fresh(req["tmp_size"], _carry(outer), links)
         _mount_proc()
+        _mount_devpts()
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")  # in a full memory cgroup the kernel kills the command, not the cell
-        creds = struct.pack("iII", os.getpid(), os.getuid(), os.getgid())
-        gate.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)])
-        if gate.recv(1) != b"1":
-            os._exit(NOT_STARTED)  # the worker let go of the call before it started
-        gate.close()
+        os.chdir(req["cwd"])  # a missing working directory is the worker's spawn error, as in Popen
+    except OSError as e:
+        gate.sendall(b"e" + json.dumps([e.errno or 0, e.strerror or str(e)]).encode())
+        os._exit(NOT_STARTED)
+    creds = struct.pack("iII", os.getpid(), os.getuid(), os.getgid())
+    gate.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)])
+    if gate.recv(1) != b"1":
+        os._exit(NOT_STARTED)  # the worker let go of the call before it started
+    gate.close()
+    try:
         _drop_capabilities(last_cap)
-        os.chdir(req["cwd"])
         argv, env = req["argv"], req["env"]
         program = shutil.which(argv[0], path=env.get("PATH")) or argv[0]
         # vfork and exec (no copy of this interpreter); every other descriptor here is close-on-exec.
         command = os.posix_spawn(program, argv, env, setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
                                  file_actions=[(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(stdio)])
-    except BaseException as e:  # before the command: its output says why
+    except BaseException as e:  # after the worker's check that the program is there: a shell's 127
         _say(stdio, e)
-        os._exit(status)
+        os._exit(NOT_STARTED)
     for fd in stdio:
         os.close(fd)
     while True:
@@ -214,7 +223,11 @@ def _receive(control: socket.socket) -> tuple[list[int], socket.socket] | None:
 
 def serve(control: socket.socket) -> None:
     """Commands as the worker sends them: each forked as pid 1 of a new pid namespace, and its
-    wait status sent back on its gate once it is reaped."""
+    wait status sent back on its gate once it is reaped.
+
+    The gate, one socket per command: the worker writes the request; pid 1 answers `p` with its
+    credentials (or `e` and `[errno, strerror]` when it cannot set up: the command never starts);
+    the worker writes `1` to release it; the cell writes `s` and the wait status at the end."""
     outer, links = survivors()
     last_cap = _last_cap()
     gc.freeze()  # a fork then copies fewer pages (the collector no longer writes to the old objects)
@@ -228,7 +241,7 @@ def serve(control: socket.socket) -> None:
             _, status = os.waitpid(pid, 0)
             os.close(pidfd)
             try:
-                gate.sendall(struct.pack("i", status))
+                gate.sendall(b"s" + struct.pack("i", status))
             except OSError:
                 pass  # the worker let go of the call
             gate.close()
