@@ -120,3 +120,21 @@ def test_a_dead_cell_is_replaced_and_a_missing_program_says_why(slot, tmp_path):
     with pytest.raises(FileNotFoundError):  # as Popen raises it: the worker reports a spawn error
         slot.submit(cell.spawn, SANDBOX.bwrap_path, SANDBOX.policy, str(tmp_path), ["true"], env,
                     str(tmp_path / "missing"), lambda pid: None, stdout=subprocess.PIPE).result()
+
+
+def test_a_slot_idle_long_enough_stops_its_cell(tmp_path):
+    from toolq.workers.sessions.slots import Slots
+
+    slots = Slots(None, most=2)
+    slot = slots.take()
+    env = SANDBOX.policy.command_env({"PATH": os.environ["PATH"]}, home="/tmp")
+    process = slot.run(cell.spawn, SANDBOX.bwrap_path, SANDBOX.policy, str(tmp_path), ["true"], env, str(tmp_path),
+                       lambda pid: None, stdout=subprocess.DEVNULL)
+    assert process.wait(timeout=10) == 0
+    held = slot.run(lambda: cell._slot_cell.cell)
+    slots.close_idle_cells(60)  # busy: kept
+    slots.give_back(slot)
+    slots.close_idle_cells(60)  # idle, but not long enough: kept
+    assert held.proc.poll() is None
+    slots.close_idle_cells(0)
+    assert held.proc.wait(timeout=10) is not None and slot.run(lambda: cell._slot_cell.cell) is None

@@ -48,6 +48,8 @@ STDIN_CLOSED = ("write_stdin failed: stdin is closed for this session; rerun exe
 STEP = 0.05
 REAP_INTERVAL = 1.0
 TAIL_BYTES = 4096
+#: Seconds a spawn slot keeps its bubblewrap cell without running a command.
+CELL_IDLE = 60.0
 #: Conversations a worker may hold sessions of at their limit, at once.
 SLOTS_PER_SESSION_LIMIT = 4
 
@@ -481,6 +483,7 @@ def main() -> None:
             try:
                 host.reap_once()
                 host._reap_orphans()
+                host.slots.close_idle_cells(CELL_IDLE)
             except Exception:  # the reaper must outlive any one bad session
                 log.exception("session reaper failed")
 

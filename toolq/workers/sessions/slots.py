@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -40,12 +41,16 @@ class Slot:
         if prepare is not None:  # after the cgroups, which it may hide (isolation.spawner)
             self._thread.submit(prepare).result()
         self.busy = False
+        self.idle_since = time.monotonic()
+        self.may_hold_cell = False
+        """Its thread may keep a bubblewrap cell (`isolation/cell.py`) since it last ran a command."""
 
     def _enter_cgroup(self, controller: str, settings: dict[str, str]) -> Path | None:
         """Runs on the slot's thread: move it alone into a new cgroup of `controller`."""
         return limits.enter_cgroup(controller, settings, name=f"toolq-pool-s{self.index}-{os.getpid()}", thread=True)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self.may_hold_cell = True
         return self._thread.submit(fn, *args, **kwargs).result()
 
     def remove(self) -> None:
@@ -86,6 +91,17 @@ class Slots:
     def give_back(self, slot: Slot) -> None:
         with self._lock:
             slot.busy = False
+            slot.idle_since = time.monotonic()
+
+    def close_idle_cells(self, idle: float) -> None:
+        """Stop the cells of slots idle this long (each holds a sandbox, ~12 MB, and its workspace's
+        bind). On the slot's own thread, queued: a command taken meanwhile runs after, in a new cell."""
+        now = time.monotonic()
+        with self._lock:
+            for slot in self._all:
+                if slot.may_hold_cell and not slot.busy and now - slot.idle_since >= idle:
+                    slot.may_hold_cell = False
+                    slot._thread.submit(cell.close_slot_cell)
 
     def remove_all(self) -> None:
         with self._lock:
