@@ -138,3 +138,15 @@ def test_a_slot_idle_long_enough_stops_its_cell(tmp_path):
     assert held.proc.poll() is None
     slots.close_idle_cells(0)
     assert held.proc.wait(timeout=10) is not None and slot.run(lambda: cell._slot_cell.cell) is None
+
+
+def test_a_workspace_reached_through_a_symlink_follows_it_when_it_is_pointed_elsewhere(slot, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "only-in-b").write_text("")
+    link = tmp_path / "ws"
+    link.symlink_to(tmp_path / "a")
+    assert run(slot, link, "ls -A") == (0, "")
+    link.unlink()
+    link.symlink_to(tmp_path / "b")
+    assert run(slot, link, "ls -A; touch made") == (0, "only-in-b\n") and (tmp_path / "b" / "made").exists()

@@ -51,12 +51,16 @@ def _source() -> str:
     return _SOURCE
 
 
-def _identity(path: str) -> tuple[int, int] | None:
+Identity = tuple[int, int, int]
+
+
+def _identity(path: str) -> Identity | None:
+    """(device, inode, type) of `path` itself (a symlink is not followed)."""
     try:
         found = os.lstat(path)
     except OSError:
         return None
-    return found.st_dev, found.st_ino, stat.S_IFMT(found.st_mode)  # type: ignore[return-value]
+    return found.st_dev, found.st_ino, stat.S_IFMT(found.st_mode)
 
 
 class Cell:
@@ -99,9 +103,10 @@ class Cell:
             raise OSError(f"the sandbox cell did not start (bwrap exit {self.proc.poll()})")
         control.settimeout(None)
 
-    def _state(self) -> tuple[object, object]:
-        """What the cell's binds depend on: the workspace directory and its `.git`."""
-        return _identity(self.workspace), _identity(os.path.join(self.workspace, ".git"))
+    def _state(self) -> tuple[str, Identity | None, Identity | None]:
+        """What the cell's binds depend on: where the workspace's path leads, that directory, and its `.git`."""
+        real = os.path.realpath(self.workspace)
+        return real, _identity(real), _identity(os.path.join(real, ".git"))
 
     def serves(self, workspace: str) -> bool:
         return workspace == self.workspace and self.proc.poll() is None and self._state() == self.bound
