@@ -2,7 +2,8 @@
 
 Wall time on a shared machine says little; CPU time per process says where a call's cost is:
 the orchestrator (this process), each worker's main process and pool children, the session
-host (and, apart, the sandboxed commands it reaps), the Redis server. Read from /proc before and
+host (and, apart, the sandboxed commands it reaps), its bubblewrap cells (their processes and
+the commands they reap: `toolq/workers/isolation/cell.py`), the Redis server. Read from /proc before and
 after the steps (Linux only), on the same embedded stack as `toolq bench steps`.
 """
 
@@ -17,7 +18,7 @@ from typing import IO
 from toolq.orchestrator.bench.harness import stack
 from toolq.orchestrator.bench.steps import step_times
 
-KINDS = ("orchestrator", "worker main", "pool child", "session host", "redis")
+KINDS = ("orchestrator", "worker main", "pool child", "session host", "cells", "redis")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -54,16 +55,19 @@ def snapshot() -> dict[int, tuple[str, float, float]]:
     me = os.getpid()
     stats = {pid: s for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if (s := _stat(pid))}
 
-    def below_me(pid: int) -> bool:
+    def ancestors(pid: int) -> list[int]:
+        found = []
         while pid > 1 and pid in stats:
             pid = stats[pid][0]
-            if pid == me:
-                return True
-        return False
+            found.append(pid)
+        return found
 
     out: dict[int, tuple[str, float, float]] = {}
     for pid, (ppid, own, reaped) in stats.items():
-        kind = "orchestrator" if pid == me else (_kind(pid, _cmdline(ppid)) if below_me(pid) else None)
+        above = ancestors(pid)
+        kind = "orchestrator" if pid == me else (_kind(pid, _cmdline(ppid)) if me in above else None)
+        if kind is None and me in above and any("sessions.host" in _cmdline(a) for a in above):
+            kind = "cells"  # bwrap, its init, the cell's program: what they reaped is the commands'
         if kind:
             out[pid] = (kind, own, reaped)
     return out
@@ -95,7 +99,8 @@ def run(out: IO[str] = sys.stdout, n: int = 32, steps: int = 10, repeats: int = 
 
 
 def report(results: list[dict], n: int) -> list[str]:
-    lines = [f"CPU per `exec_command true` call, {n} in parallel per step (ms; own + sandboxed commands reaped):"]
+    lines = [f"CPU per `exec_command true` call, {n} in parallel per step (ms; own + sandboxed commands reaped; "
+             "a cell's commands are in its own figure):"]
     for kind in KINDS:
         own = " / ".join(f"{r[kind][0]:.2f}" for r in results)
         reaped = sum(r[kind][1] for r in results) / len(results)
