@@ -150,3 +150,16 @@ def test_a_workspace_reached_through_a_symlink_follows_it_when_it_is_pointed_els
     link.unlink()
     link.symlink_to(tmp_path / "b")
     assert run(slot, link, "ls -A; touch made") == (0, "only-in-b\n") and (tmp_path / "b" / "made").exists()
+
+
+def test_a_cell_that_stops_answering_is_replaced_and_the_command_is_a_spawn_error(slot, tmp_path, monkeypatch):
+    run(slot, tmp_path, "true")
+    stuck = the_cell(slot)
+    bwrap_init = int(subprocess.run(["pgrep", "-P", str(stuck.proc.pid)], capture_output=True, text=True).stdout)
+    program = int(subprocess.run(["pgrep", "-P", str(bwrap_init)], capture_output=True, text=True).stdout)
+    os.kill(program, signal.SIGSTOP)
+    monkeypatch.setattr(cell, "START_TIMEOUT", 0.5)
+    with pytest.raises(TimeoutError, match="did not start the command in time"):
+        run(slot, tmp_path, "true")
+    assert stuck.proc.wait(timeout=10) is not None  # killed, not left stopped
+    assert run(slot, tmp_path, "echo fresh") == (0, "fresh\n") and the_cell(slot) is not stuck

@@ -16,6 +16,7 @@ long as its slot's thread (bwrap's --die-with-parent) or until replaced.
 from __future__ import annotations
 
 import array
+import errno
 import json
 import os
 import signal
@@ -278,6 +279,9 @@ def spawn(bwrap_path: str, policy: Policy, workspace: str, argv: list[str], env:
             cell = slot_cell(bwrap_path, policy, workspace)
             process = cell.run(argv, env, workdir, policy.limits.memory_mb * 1024 * 1024, (stdin, stdout, stderr),
                                set_limits)
+        except socket.timeout:
+            close_slot_cell()  # a cell that does not answer serves no later command either
+            raise OSError(errno.ETIMEDOUT, "the sandbox cell did not start the command in time") from None
     except BaseException:
         if reader is not None:
             os.close(reader)
