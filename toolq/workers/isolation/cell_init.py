@@ -133,12 +133,48 @@ def _drop_capabilities(last_cap: int) -> None:
     _check(prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "PR_SET_DUMPABLE")
 
 
+#: Kernel keyrings are checked by uid, not by namespace: a root worker's command (uid 0) could
+#: read the host root's keys, and a cell's commands share its user namespace's keyrings.
+_KEYRING_SYSCALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # add_key, request_key, keyctl
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO, _SECCOMP_RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
+_ENOSYS = 38
+
+
+def _seccomp_program() -> bytes | None:
+    """A BPF filter that fails the keyring syscalls with ENOSYS (and kills a foreign-ABI syscall,
+    which could reach them by other numbers); None on an architecture not listed."""
+    machine = os.uname().machine
+    if machine not in _KEYRING_SYSCALLS:
+        return None
+    ld_arch, ld_nr, jeq, ret = 0x20, 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+    numbers = _KEYRING_SYSCALLS[machine]
+    program = [(ld_arch, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH[machine]), (ret, 0, 0, _SECCOMP_RET_KILL_PROCESS),
+               (ld_nr, 0, 0, 0)]
+    if machine == "x86_64":  # x32 syscalls share the arch: refuse them all
+        program += [(0x35, 0, 1, 0x40000000), (ret, 0, 0, _SECCOMP_RET_ERRNO | _ENOSYS)]  # BPF_JGE
+    for i, number in enumerate(numbers):
+        program.append((jeq, len(numbers) - i, 0, number))
+    program += [(ret, 0, 0, _SECCOMP_RET_ALLOW), (ret, 0, 0, _SECCOMP_RET_ERRNO | _ENOSYS)]
+    return b"".join(struct.pack("HBBI", *op) for op in program)
+
+
+def _install_seccomp(program: bytes | None) -> None:
+    if program is None:
+        return
+    filters = ctypes.create_string_buffer(program)
+    fprog = struct.pack("HxxxxxxQ", len(program) // 8, ctypes.addressof(filters))
+    _check(_libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "seccomp")
+
+
 def _last_cap() -> int:
     with open("/proc/sys/kernel/cap_last_cap") as f:
         return int(f.read())
 
 
-def _init(stdio: list[int], gate: socket.socket, outer: list[str], links: list[tuple[str, str]], last_cap: int) -> None:
+def _init(stdio: list[int], gate: socket.socket, outer: list[str], links: list[tuple[str, str]], last_cap: int,
+          seccomp: bytes | None) -> None:
     """pid 1 of the command's namespaces: set up, report, wait for the release, then start the
     command as pid 2 (pid 1 gets no signal it has no handler for: SIGXCPU at the CPU limit, a
     `kill` from inside) and reap until it exits. Exits with its status, as a shell reports one;
@@ -162,12 +198,19 @@ def _init(stdio: list[int], gate: socket.socket, outer: list[str], links: list[t
     if gate.recv(1) != b"1":
         os._exit(NOT_STARTED)  # the worker let go of the call before it started
     gate.close()
+    for sig in range(1, signal.NSIG):  # a command's `kill -INT 1` must not run any handler of this interpreter's
+        if sig not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            try:
+                signal.signal(sig, signal.SIG_IGN)
+            except (OSError, ValueError):
+                pass
     try:
         _drop_capabilities(last_cap)
+        _install_seccomp(seccomp)
         argv, env = req["argv"], req["env"]
         program = shutil.which(argv[0], path=env.get("PATH")) or argv[0]
         # vfork and exec (no copy of this interpreter); every other descriptor here is close-on-exec.
-        command = os.posix_spawn(program, argv, env, setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+        command = os.posix_spawn(program, argv, env, setsid=True, setsigdef=_DEFAULTED,
                                  file_actions=[(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(stdio)])
     except BaseException as e:  # after the worker's check that the program is there: a shell's 127
         _say(stdio, e)
@@ -181,6 +224,10 @@ def _init(stdio: list[int], gate: socket.socket, outer: list[str], links: list[t
             continue
         if pid == command:
             os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+#: Every signal a command starts with at its default (pid 1 ignores them; Python ignored SIGPIPE, SIGXFSZ).
+_DEFAULTED = tuple(sig for sig in range(1, signal.NSIG) if sig not in (signal.SIGKILL, signal.SIGSTOP, 32, 33))
 
 
 def _say(stdio: list[int], error: BaseException) -> None:
@@ -228,8 +275,12 @@ def serve(control: socket.socket) -> None:
     The gate, one socket per command: the worker writes the request; pid 1 answers `p` with its
     credentials (or `e` and `[errno, strerror]` when it cannot set up: the command never starts);
     the worker writes `1` to release it; the cell writes `s` and the wait status at the end."""
+    # Nothing bwrap handed down (its gate's descriptors) may reach a command: only the control socket stays.
+    os.closerange(3, control.fileno())
+    os.closerange(control.fileno() + 1, 1 << 16)
     outer, links = survivors()
     last_cap = _last_cap()
+    seccomp = _seccomp_program()
     gc.freeze()  # a fork then copies fewer pages (the collector no longer writes to the old objects)
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     running: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, gate)
@@ -259,7 +310,7 @@ def serve(control: socket.socket) -> None:
         if pid == 0:
             gc.disable()
             control.close()
-            _init(stdio, gate, outer, links, last_cap)
+            _init(stdio, gate, outer, links, last_cap, seccomp)
         _check(_libc.setns(own_pid_ns, _CLONE_NEWPID), "setns")
         running[os.pidfd_open(pid)] = (pid, gate)
         for fd in stdio:
