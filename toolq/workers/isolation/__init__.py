@@ -9,6 +9,7 @@ without a pid namespace: `reaper.py`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -16,7 +17,7 @@ import subprocess
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
@@ -90,6 +91,15 @@ class Launch:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _refusal() -> Iterator[None]:
+    """bwrap's gate refused the sandbox (its `.git` was swapped): the tool's SandboxRefused."""
+    try:
+        yield
+    except bwrap.GateRefused as e:
+        raise SandboxRefused(str(e)) from None
+
+
 class GatedLaunch(Launch):
     """A bubblewrap spawn through its start gate (`bwrap.Gate`): the rlimits are set on the held
     sandbox and `.git` checked before the command runs, with no process in between."""
@@ -101,10 +111,8 @@ class GatedLaunch(Launch):
 
     def spawn(self, **popen: Any) -> subprocess.Popen:
         assert self.call_limits is not None
-        try:
+        with _refusal():
             return bwrap.spawn(self.build, self.call_limits.apply_to, env=self.env, **popen)
-        except bwrap.GateRefused as e:
-            raise SandboxRefused(str(e)) from None
 
 
 class CellLaunch(Launch):
@@ -119,11 +127,9 @@ class CellLaunch(Launch):
 
     def spawn(self, **popen: Any) -> Any:
         assert self.call_limits is not None
-        try:
+        with _refusal():
             return cell.spawn(self.bwrap_path, self.policy, self.workspace, self.argv, self.env, self.cwd,
                               self.call_limits.apply_to, **popen)
-        except bwrap.GateRefused as e:
-            raise SandboxRefused(str(e)) from None
 
     def kill(self, spare: frozenset[int]) -> None:
         pass  # the command's pid namespace died with its pid 1; the cell must live on

@@ -270,15 +270,17 @@ def spawn(bwrap_path: str, policy: Policy, workspace: str, argv: list[str], env:
             stdout = fd_for(out, 1)
         err = popen.get("stderr")
         stderr = stdout if err == subprocess.STDOUT else (fd_for(err, 2) if err != subprocess.PIPE else 2)
-        cell = slot_cell(bwrap_path, policy, workspace)
+
+        def start() -> CellProcess:
+            return slot_cell(bwrap_path, policy, workspace).run(
+                argv, env, workdir, policy.limits.memory_mb * 1024 * 1024, (stdin, stdout, stderr), set_limits)
+
         try:
-            process = cell.run(argv, env, workdir, policy.limits.memory_mb * 1024 * 1024, (stdin, stdout, stderr),
-                               set_limits)
-        except (BrokenPipeError, ConnectionResetError):
-            close_slot_cell()  # the cell died since it was last checked: once more with a new one
-            cell = slot_cell(bwrap_path, policy, workspace)
-            process = cell.run(argv, env, workdir, policy.limits.memory_mb * 1024 * 1024, (stdin, stdout, stderr),
-                               set_limits)
+            try:
+                process = start()
+            except (BrokenPipeError, ConnectionResetError):
+                close_slot_cell()  # the cell died since it was last checked: once more with a new one
+                process = start()
         except socket.timeout:
             close_slot_cell()  # a cell that does not answer serves no later command either
             raise OSError(errno.ETIMEDOUT, "the sandbox cell did not start the command in time") from None

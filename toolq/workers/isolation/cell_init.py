@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import array
 import ctypes
+import gc
 import json
 import os
-import signal
-import socket
-import gc
 import select
 import shutil
+import signal
+import socket
 import struct
 import sys
 
@@ -226,8 +226,10 @@ def _init(stdio: list[int], gate: socket.socket, outer: list[str], links: list[t
             os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 
 
-#: Every signal a command starts with at its default (pid 1 ignores them; Python ignored SIGPIPE, SIGXFSZ).
-_DEFAULTED = tuple(sig for sig in range(1, signal.NSIG) if sig not in (signal.SIGKILL, signal.SIGSTOP, 32, 33))
+#: Every signal a command starts with at its default (pid 1 ignores them; Python ignored SIGPIPE,
+#: SIGXFSZ), but those no process may set and the C library's own (between 31 and SIGRTMIN).
+_DEFAULTED = tuple(sig for sig in range(1, signal.NSIG)
+                   if sig not in (signal.SIGKILL, signal.SIGSTOP) and not signal.SIGSYS < sig < signal.SIGRTMIN)
 
 
 def _say(stdio: list[int], error: BaseException) -> None:
