@@ -9,10 +9,10 @@ turn land on the same slot, so in the same cell: each attack below plants with o
 with the next. The worker runs with the fleet's secrets in its environment, as in
 `test_hostile_exec.py`, and its stderr (which the cells inherit) goes to a file we can read.
 
-The tests that fail are holes still open (see each docstring): the host root's keyrings are
-readable and writable from a command (both designs), a cell's commands share keyrings (new with
-cells), and stray descriptors reach every command (both designs, low). The others are regression
-tests of attacks that held.
+Three tests were holes when written, each fixed since (see their docstrings): the host root's
+keyrings were readable and writable from a command (both designs), a cell's commands shared
+keyrings (new with cells), and stray descriptors reached every command (both designs, low). The
+others are regression tests of attacks that held.
 """
 
 from __future__ import annotations
@@ -131,14 +131,14 @@ def _keyctl(*args: int) -> int:
 
 @needs_root
 def test_the_host_roots_keyrings_are_out_of_reach(drive, cell_worker, tmp_path):
-    """HOLE (both bwrap designs, not only cells): the sandbox's uid 0 is the host's kuid 0, and
+    """Was a hole (both bwrap designs, not only cells), closed by cell_init's seccomp filter: the sandbox's uid 0 is the host's kuid 0, and
     keys are checked by kuid, not by namespace. /proc/keys lists the host root's user keyring
     (`_uid.0`, perm 1f3f0000: its owner may link it); the command links it into its own keyring,
     so possesses every key in it and reads them. Also a channel between any two sandboxes (any
     workspace, any conversation): write a key there, read it from elsewhere. The deploy seccomp
-    profile denies keyctl/add_key/request_key, but the sandbox itself does not (a bare or
-    systemd root worker, these tests). Fix: a seccomp filter in the sandbox (bwrap --seccomp, or
-    set by cell_init before the command) that fails add_key, keyctl and request_key with ENOSYS."""
+    profile denies keyctl/add_key/request_key, but the sandbox itself did not (a bare or systemd
+    root worker, these tests). Now every command of a cell runs under a seccomp filter that fails
+    add_key, keyctl and request_key with ENOSYS (the per-command bwrap path has none yet)."""
     secret = "host-root-key-" + secrets.token_hex(6)
     libc = ctypes.CDLL(None, use_errno=True)
     key = libc.syscall(248, b"user", b"toolq-host-secret", secret.encode(), len(secret), -4)  # this process's @u
@@ -152,11 +152,11 @@ def test_the_host_roots_keyrings_are_out_of_reach(drive, cell_worker, tmp_path):
 
 
 def test_keyrings_do_not_carry_from_one_command_of_a_cell_to_the_next(drive, cell_worker, tmp_path):
-    """HOLE (new with cells): a command's user keyring and user-session keyring belong to the uid
+    """Was a hole (new with cells), closed by the same filter: a command's user keyring and user-session keyring belong to the uid
     in its user namespace (Linux >= 5.3), and a cell's commands share the cell's user namespace:
     a key planted by one call is there for every later call of the cell (another turn's too),
-    where each call used to have a user namespace of its own. Fix: the seccomp filter above (no
-    keyring syscalls at all), or a user namespace per command."""
+    where each call used to have a user namespace of its own. The filter above allows no keyring
+    syscall at all."""
     (tmp_path / "keys.py").write_text(KEYS)
     planted = "cell-key-" + secrets.token_hex(6)
     out = in_turn(drive, cell_worker, tmp_path, [IN_A_CELL, f"python3 keys.py plant {planted}", "python3 keys.py look"])
@@ -168,16 +168,15 @@ POISONED_LINES = "\n".join(f"ERROR toolq: forged log line {i} TOOLQ-FORGED-LOG" 
 
 
 def test_a_command_cannot_write_into_the_workers_log_through_pid_1(drive, cell_worker, tmp_path):
-    """Held, but only by inheritance: pid 1 of a command is a fork of the cell's Python. Had that
+    """Held, first only by inheritance, now by design (pid 1 ignores every signal): pid 1 of a command is a fork of the cell's Python. Had that
     Python its default SIGINT handler, `kill -INT 1` from the command would raise
     KeyboardInterrupt in pid 1's waitpid loop, uncaught: the interpreter would print a traceback
     to the cell's fd 2, the worker's stderr (the container log), with source lines that linecache
     reads from `toolq-cell` relative to pid 1's cwd, the workspace, so chosen by the command (it
     did, driving `cell.spawn` from a thread of a process that does not ignore SIGINT). It holds here
     because the session host sets SIGINT to SIG_IGN (host.py), which the cell's Python inherits
-    across exec and then installs no handler. Hardening: in `_init`, SIG_DFL for every signal
-    before the command starts, pid 1's loop under a `BaseException` catch that `os._exit`s, and
-    a cell stderr of /dev/null."""
+    across exec and then installs no handler. Now `_init` ignores every signal it can before the
+    command starts (which starts with all at their default)."""
     (tmp_path / "toolq-cell").write_text(POISONED_LINES)
     out = in_turn(drive, cell_worker, tmp_path, [IN_A_CELL, "kill -INT 1; sleep 1; echo survived"])
     assert out[0] == (0, "IN-A-CELL\n")
@@ -187,11 +186,11 @@ def test_a_command_cannot_write_into_the_workers_log_through_pid_1(drive, cell_w
 
 
 def test_a_command_holds_no_descriptor_but_its_stdio(drive, cell_worker, tmp_path):
-    """HOLE (hygiene, low): the gate's descriptors that the worker passes to bwrap (the write end of
+    """Was a hole (hygiene, low), closed by the cell closing what it inherited: the gate's descriptors that the worker passes to bwrap (the write end of
     --block-fd, the socket of --file) reach the cell's program without close-on-exec, and from it
     every command (posix_spawn keeps them); the per-command bwrap passed them on too. Their peers are closed today, so writing gets EPIPE;
-    but any descriptor added to that path later reaches the model's commands. Fix: the cell closes
-    every descriptor but its control socket at start (os.closerange), or marks them close-on-exec."""
+    but any descriptor added to that path later would reach the model's commands. The cell now
+    closes every descriptor but its control socket at start."""
     (code, body), = in_turn(drive, cell_worker, tmp_path, [
         "python3 -c \"import os; print(sorted(int(f) for f in os.listdir('/proc/self/fd')))\""])
     fds = eval(body)  # noqa: S307 - our own python's list of ints
