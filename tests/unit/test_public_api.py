@@ -60,6 +60,24 @@ def test_the_toolq_run_path_loads_no_celery_until_a_call_is_sent():
     assert loaded == [], loaded
 
 
+def test_the_toolq_run_path_loads_no_jsonschema_nor_the_mcp_worker_side():
+    """The orchestrator follows the fleet's MCP tools from its catalog: the MCP host's client,
+    its config and jsonschema (45 ms of a one-request `toolq run`) are the worker's alone."""
+    after = _imported_after("import toolq.orchestrator.cli as cli\ncli.import_quietly('toolq.orchestrator.runner')\n"
+                            "import toolq.orchestrator.fleet, toolq.workers.mcp.fleet\n"
+                            "from toolq.workers.loader import load_catalog\nload_catalog([])")
+    loaded = [m for m in after["modules"] if m.split(".")[0] in ("jsonschema", "referencing", "mcp")
+              or m.startswith(("toolq.workers.mcp.worker", "toolq.workers.mcp.client", "toolq.workers.mcp.config"))]
+    assert loaded == [], loaded
+
+
+def test_the_command_line_imports_its_runtime_with_the_gc_on_again_and_no_httpx_command_line():
+    after = _imported_after("import gc, toolq.orchestrator.cli as cli\ncli.import_quietly('toolq.orchestrator.runner')\n"
+                            "assert gc.isenabled() and gc.get_freeze_count() > 0")
+    assert "toolq.orchestrator.runner" in after["modules"]
+    assert not {"click", "pygments", "rich"} & {m.split(".")[0] for m in after["modules"]}
+
+
 def _imports(path: Path) -> set[str]:
     """Every module a file imports, at any level (function-level imports included)."""
     found: set[str] = set()

@@ -15,11 +15,7 @@ from typing import Any
 from toolq.orchestrator.catalog_reader import FleetCatalog
 from toolq.orchestrator.registry import Registry
 from toolq.orchestrator.settings import Settings
-from toolq.workers import presence
 from toolq.workers.catalog import Catalog, ToolSpec
-from toolq.workers.mcp import worker
-from toolq.workers.mcp.config import load_servers
-from toolq.workers.mcp.follow import Follower
 from toolq.workers.mcp.specs import MCP_QUEUE_PREFIX
 
 log = logging.getLogger("toolq.worker")
@@ -32,6 +28,12 @@ def start_with_worker(settings: Settings, catalog: Catalog, logfile: str | None 
     """`toolq worker`'s hook, before Celery forks: start the configured servers, add their tools to
     the catalog, follow their changes from the heartbeat, and return the queues their calls
     arrive on (none when no server is configured)."""
+    # here, not at the top: the orchestrator imports this module for `FleetMcpTools` on every start
+    from toolq.workers import presence
+    from toolq.workers.mcp import worker
+    from toolq.workers.mcp.config import load_servers
+    from toolq.workers.mcp.follow import Follower
+
     servers = load_servers(settings.mcp, settings.mcp_config)
     if not servers:
         return []

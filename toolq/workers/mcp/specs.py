@@ -12,8 +12,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field
 
 from toolq.workers.catalog import Handler, ToolSpec, map_subschemas
@@ -73,6 +71,10 @@ def unusable(name: str, schema: Any) -> str | None:
         return "its name is not a valid function name (letters, digits, _ and -, at most 64)"
     if not isinstance(schema, dict) or schema.get("type", "object") != "object":
         return "its inputSchema is not an object schema"
+    # here: the orchestrator reads this module for MCP_QUEUE_PREFIX, and never checks a listing
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as e:
