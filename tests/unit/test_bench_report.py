@@ -22,10 +22,20 @@ def test_pipeline_printout_marks_a_missed_ratio():
 def test_steps_printout_marks_each_size_met_or_missed():
     results = {1: {"p50": 0.030, "p90": 0.04}, 32: {"p50": 0.200, "p90": 0.25}, 2: {"p50": 0.02, "p90": 0.03}}
     lines = steps.report(results, 10)
-    assert lines[1].endswith("= 0.51x Codex's 59 ms (goal <= 1x: met)")
-    assert lines[2].endswith("= 0.62x Codex's 322 ms (goal <= 0.5x: MISSED)")
+    assert "Codex is not installed (npm install -g @openai/codex@0.171.0)" in lines[0]
+    assert lines[1].endswith("= 0.51x Codex's fixed 59 ms (goal <= 1x: met)")
+    assert lines[2].endswith("= 0.62x Codex's fixed 322 ms (goal <= 0.35x: MISSED)")
     assert "goal" not in lines[3]  # Codex was not measured at 2 calls: no goal to miss
     assert (results[1]["goal_met"], results[32]["goal_met"]) == (True, False)
+
+
+def test_steps_printout_compares_with_codex_measured_in_the_same_run_both_ways():
+    toolq, codex = {"p50": 0.100, "p90": 0.12}, {"p50": 0.400, "p90": 0.45}
+    results = {32: {**toolq, "codex": codex, "unsandboxed": {"toolq": {"p50": 0.090}, "codex": {"p50": 0.200}}}}
+    line = steps.report(results, 10, "/opt/codex")[1]
+    assert "= 0.25x Codex in its sandbox 400 ms (goal <= 0.35x: met)" in line
+    assert line.endswith("unsandboxed 90.00 ms  = 0.45x Codex unsandboxed 200 ms (goal <= 0.35x: MISSED)")
+    assert results[32]["goal_met"] and not results[32]["unsandboxed"]["goal_met"]
 
 
 def test_a_fleet_without_bench_workers_is_told_what_to_start():
@@ -58,7 +68,7 @@ def test_coldstart_printout_marks_each_goal():
            "embedded": {"first_request": 0.25, "exit": 0.8, "cpu": 0.5},
            "embedded_call": {"first_request": 0.25, "exit": 1.8, "after_last_request": 0.7, "cpu": 0.9}}
     lines = coldstart.report(res)
-    assert "1.11x Codex's 0.27 s (goal <= 1x: MISSED)" in lines[1]
+    assert "1.11x Codex's fixed 0.27 s (npm install -g @openai/codex@0.171.0 to measure it here) (goal <= 1x: MISSED)" in lines[1]
     assert "(goal < 1 s: met)" in lines[2] and "0.700 s from the last request to exit" in lines[3] and "no Celery" in lines[4]
     assert res["goal_met"] is False
 

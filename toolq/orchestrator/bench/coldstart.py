@@ -6,21 +6,26 @@ Each run is a fresh process (`python -m toolq.orchestrator.cli run`); the fake m
 this process and notes each request's arrival on the monotonic clock, which every process on
 Linux shares. The CPU column is `toolq run` and the children it waited for (the embedded stack's
 server and workers). A third row runs one `exec_command true` on the embedded default, so the
-workers are up when the turn ends: its exit includes their (parallel) warm shutdown. Codex 0.171 took 0.27 s, launch to exit, for the same turn in the issue's
-run; it is not installed here, so that figure is the baseline.
+workers are up when the turn ends: its exit includes their (parallel) warm shutdown. With Codex
+installed (`bench/codex.py`), `codex exec` runs the same turn in each round, and is the baseline;
+without it, the 0.27 s Codex 0.171 took in the issue's run.
 """
 
 from __future__ import annotations
 
+import compileall
 import os
 import resource
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import IO, Any, Iterator
 
+import toolq
+from toolq.orchestrator.bench import codex as reference
 from toolq.orchestrator.bench.harness import goal, median
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
@@ -30,7 +35,8 @@ CODEX_S = 0.27
 #: Goals: external Redis no slower than Codex; the embedded default under a second.
 EXTERNAL_GOAL = 1.0
 EMBEDDED_GOAL_S = 1.0
-IMPORT_PROBE = ("import sys, time; t = time.perf_counter(); import toolq.orchestrator.cli, toolq.orchestrator.runner; "
+IMPORT_PROBE = ("import sys, time; t = time.perf_counter(); import toolq.orchestrator.cli as cli; "
+                "cli.import_quietly('toolq.orchestrator.runner'); "
                 "print(time.perf_counter() - t, any(m.split('.')[0] in ('celery', 'kombu') for m in sys.modules))")
 
 
@@ -48,6 +54,16 @@ def one_run(env: dict[str, str], fake: FakeModel, workspace: str) -> dict[str, f
     ended = time.monotonic()
     if proc.returncode != 0 or len(fake.request_times) == seen:
         raise RuntimeError(f"toolq run exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return {"first_request": fake.request_times[seen] - started, "exit": ended - started,
+            "after_last_request": ended - fake.request_times[-1], "cpu": _children_cpu() - cpu}
+
+
+def codex_run(cx: reference.Codex, fake: FakeModel, workspace: str) -> dict[str, float]:
+    """The same turn through `codex exec`, timed as `one_run` times ours."""
+    seen, cpu = len(fake.request_times), _children_cpu()
+    started = time.monotonic()
+    cx.exec(workspace, "hi", timeout=120)
+    ended = time.monotonic()
     return {"first_request": fake.request_times[seen] - started, "exit": ended - started,
             "after_last_request": ended - fake.request_times[-1], "cpu": _children_cpu() - cpu}
 
@@ -83,15 +99,27 @@ def run(out: IO[str] = sys.stdout, runs: int = 5) -> dict[str, Any]:
     base = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL", "TOOLQ_SIGNING_KEY")}
     base.update(OPENAI_API_KEY="bench", TOOLQ_REQUEST_MAX_RETRIES="0", TOOLQ_STREAM_MAX_RETRIES="0")
     res: dict[str, Any] = {"runs": runs}
+    # As installed: pip compiles a package's bytecode; an editable checkout under
+    # PYTHONDONTWRITEBYTECODE would compile every module from source at every start.
+    compileall.compile_dir(str(Path(toolq.__file__).parent), quiet=1)
     one_call = [[b.function_call("exec_command", {"cmd": "true"}, "call_1")], [b.message("done")]]
-    with FakeModel([[b.message("done")]], loop=True) as fake, FakeModel(one_call, loop=True) as calling, \
-            tempfile.TemporaryDirectory() as ws, external_redis() as external:
+    res["codex_path"] = path = reference.binary()
+    with ExitStack() as stack:
+        fake = stack.enter_context(FakeModel([[b.message("done")]], loop=True))
+        calling = stack.enter_context(FakeModel(one_call, loop=True))
+        ws = stack.enter_context(tempfile.TemporaryDirectory())
+        external = stack.enter_context(external_redis())
+        cx = stack.enter_context(reference.codex(path, fake.base_url, sandboxed=False)) if path else None
         base["OPENAI_BASE_URL"] = fake.base_url
         samples: dict[str, list[dict[str, float]]] = {"external": [], "embedded": [], "embedded_call": []}
+        if cx:
+            samples["codex"] = []
         for _ in range(runs):  # interleaved, so all see the same load
             samples["external"].append(one_run({**base, **external}, fake, ws))
             samples["embedded"].append(one_run(base, fake, ws))
             samples["embedded_call"].append(one_run({**base, "OPENAI_BASE_URL": calling.base_url}, calling, ws))
+            if cx:
+                samples["codex"].append(codex_run(cx, fake, ws))
     for where, rows in samples.items():
         res[where] = {k: median([r[k] for r in rows]) for k in ("first_request", "exit", "after_last_request", "cpu")}
     res["imports"], res["imports_load_celery"] = import_time(runs)
@@ -101,7 +129,8 @@ def run(out: IO[str] = sys.stdout, runs: int = 5) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> list[str]:
     ext, emb = res["external"], res["embedded"]
-    res["ratio_vs_codex"] = ext["exit"] / CODEX_S
+    codex_s = res["codex"]["exit"] if "codex" in res else CODEX_S
+    res["ratio_vs_codex"] = ext["exit"] / codex_s
     res["external_goal_met"], ext_note = goal(res["ratio_vs_codex"], EXTERNAL_GOAL)
     res["embedded_goal_met"] = emb["exit"] < EMBEDDED_GOAL_S
     emb_note = f"goal < {EMBEDDED_GOAL_S:g} s: {'met' if res['embedded_goal_met'] else 'MISSED'}"
@@ -111,16 +140,21 @@ def report(res: dict[str, Any]) -> list[str]:
         return (f"  {label:<15}: first request {r['first_request']:.3f} s  exit {r['exit']:.3f} s  "
                 f"CPU {r['cpu']:.3f} s")
 
-    return [
+    codex = (f"Codex {codex_s:.3f} s in the same runs" if "codex" in res
+             else f"Codex's fixed {CODEX_S} s ({reference.INSTALL} to measure it here)")
+    lines = [
         f"cold start of a one-request `toolq run`, median of {res['runs']} runs (launch -> first model request, "
         "-> exit; CPU of toolq run and its children):",
-        line("external Redis", ext) + f"  = {res['ratio_vs_codex']:.2f}x Codex's {CODEX_S} s ({ext_note})",
+        line("external Redis", ext) + f"  = {res['ratio_vs_codex']:.2f}x {codex} ({ext_note})",
         line("embedded", emb) + f"  ({emb_note})",
         line("embedded, 1 call", res["embedded_call"])
         + f"  (workers up: {res['embedded_call']['after_last_request']:.3f} s from the last request to exit)",
         f"  imports of the toolq run path: {res['imports'] * 1000:.0f} ms "
         f"({'Celery loaded' if res['imports_load_celery'] else 'no Celery'})",
     ]
+    if "codex" in res:
+        lines.append(line("codex exec", res["codex"]) + f"  ({res['codex_path']})")
+    return lines
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 from contextlib import contextmanager
 from typing import IO, Any, Awaitable, Callable, Iterator
@@ -17,6 +18,21 @@ START_BENCH_WORKER = f"toolq worker --tools {BENCH_TOOLS}"
 
 class FleetNotReady(Exception):
     """The user's fleet (REDIS_URL) cannot run this benchmark; the message says what to start."""
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Settings for the embedded workers started inside the block: they inherit this process's environment."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @contextmanager

@@ -9,12 +9,11 @@ call at 8 parallel calls.
 
 from __future__ import annotations
 
-import os
 import sys
-from contextlib import ExitStack, contextmanager
-from typing import IO, Any, Iterator
+from contextlib import ExitStack
+from typing import IO, Any
 
-from toolq.orchestrator.bench.harness import median, ms, stack
+from toolq.orchestrator.bench.harness import environment, median, ms, stack
 from toolq.orchestrator.bench.steps import step_times
 from toolq.orchestrator.settings import Settings
 from toolq.workers import isolation
@@ -30,21 +29,6 @@ MODES = {"none": {"TOOLQ_SANDBOX": "none"},
          "landlock": {"TOOLQ_SANDBOX": "landlock"}}
 
 
-@contextmanager
-def _settings(values: dict[str, str]) -> Iterator[None]:
-    """The embedded workers inherit this process's environment."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: int = 6,
         rounds: int = 6) -> dict[str, Any]:
     backends = [b for b in ("bwrap", "landlock")
@@ -57,7 +41,7 @@ def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: i
     with ExitStack() as stacks:
         fleets = {}
         for mode in modes:
-            with _settings(MODES[mode]):  # read by the workers when they start
+            with environment(MODES[mode]):  # read by the workers when they start
                 fleets[mode] = stacks.enter_context(stack(workers=2, concurrency=8))
         # Interleaved rounds: load from elsewhere on the machine falls on every mode alike.
         for _ in range(rounds):

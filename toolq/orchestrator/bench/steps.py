@@ -2,9 +2,12 @@
 `exec_command` calls of `true`, the figure the reference Codex CLI was measured on.
 
 Steady state, as for Codex (codex-reference.md §4): a warm-up step first, then the median of
-the following steps. Codex measured 59 / 111 / 322 ms for N = 1 / 8 / 32 on this kind of machine,
-with its fake server in another process; ours runs in its own process too (`toolq fake-model`),
-and reports each request's arrival on the system-wide monotonic clock.
+the following steps. Our fake server runs in its own process (`toolq fake-model`) and reports each
+request's arrival on the system-wide monotonic clock. With Codex installed (`bench/codex.py`) it
+runs the same steps in the same run, twice: in its own sandbox, against toolq's default sandbox,
+and unsandboxed (`--dangerously-bypass-approvals-and-sandbox`, as the reference measured it),
+against toolq's workers with TOOLQ_SANDBOX=none. Without it, the reference's fixed figures (59 /
+111 / 322 ms for N = 1 / 8 / 32, unsandboxed, on this kind of machine) stand in.
 """
 
 from __future__ import annotations
@@ -15,17 +18,22 @@ import re
 import subprocess
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import IO, Any
 
-from toolq.orchestrator.bench.harness import goal, median, ms, pct, stack
+from toolq.orchestrator.bench import codex as reference
+from toolq.orchestrator.bench.harness import environment, goal, median, ms, pct, stack
 from toolq.orchestrator.fake_model import builders as b
+from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime, Session
 from toolq.orchestrator.turn_events import Emit, ignore
 from toolq.workers.loader import load_catalog
 
 CODEX_MS = {1: 59, 8: 111, 32: 322}
-GOAL = {1: 1.0, 8: 0.5, 32: 0.5}
+#: 32: issue 14's fan-out goal (DESIGN.md's was 0.5x).
+GOAL = {1: 1.0, 8: 0.5, 32: 0.35}
 
 
 def script(n: int, steps: int) -> list[Any]:
@@ -65,31 +73,75 @@ def _request_times(settings: Any, responses: list[Any], emit: Emit = ignore) -> 
 def step_times(settings: Any, n: int, steps: int, emit: Emit = ignore) -> dict[str, float]:
     """p50 and p90 of the time per step with `n` parallel `exec_command true`, after a warm-up step
     (`emit`: who watches the turn; nobody by default)."""
-    t = _request_times(settings, script(n, steps), emit)
+    return _per_step(_request_times(settings, script(n, steps), emit))
+
+
+def _per_step(t: list[float]) -> dict[str, Any]:
     per_step = [t[k + 1] - t[k] for k in range(1, len(t) - 1)]  # skip the warm-up step
     return {"p50": median(per_step), "p90": pct(per_step, 0.9), "samples": per_step}
 
 
+def codex_step_times(path: str, n: int, steps: int, *, sandboxed: bool) -> dict[str, Any]:
+    """The same steps through `codex exec`, after the reference's warm-up step; every call must
+    have run (a sandbox that cannot start would make the baseline meaningless)."""
+    warm_up = [b.function_call("exec_command", {"cmd": reference.WARM_UP_CMD}, "warm_up")]
+    with FakeModel([warm_up, *script(n, steps)[1:]]) as fake, tempfile.TemporaryDirectory() as ws, \
+            reference.codex(path, fake.base_url, sandboxed=sandboxed) as cx:
+        cx.exec(ws, "bench")
+        outputs = [i.get("output", "") for i in fake.requests[-1]["input"] if i.get("type") == "function_call_output"]
+    failed = [o for o in outputs if "Process exited with code 0" not in o]
+    if len(outputs) != 1 + n * steps or failed:
+        raise RuntimeError(f"codex ran {len(outputs) - len(failed)} of {1 + n * steps} calls: {failed[:1]}")
+    return _per_step(fake.request_times)
+
+
 def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: int = 10) -> dict[int, Any]:
     results: dict[int, Any] = {}
-    with stack(workers=2, concurrency=8) as settings:
+    path = reference.binary()
+    with ExitStack() as stacks:
+        settings = stacks.enter_context(stack(workers=2, concurrency=8))
+        unsandboxed = None
+        if path and not Settings.load().redis_url:  # an embedded stack: ours to start unsandboxed too
+            with environment({"TOOLQ_SANDBOX": "none"}):  # read by the workers when they start
+                unsandboxed = stacks.enter_context(stack(workers=2, concurrency=8))
         for n in sizes:
             results[n] = step_times(settings, n, steps)
-    print("\n".join(report(results, steps)), file=out)
+            if path:
+                results[n]["codex"] = codex_step_times(path, n, steps, sandboxed=True)
+            if path and unsandboxed is not None:
+                results[n]["unsandboxed"] = {"toolq": step_times(unsandboxed, n, steps),
+                                             "codex": codex_step_times(path, n, steps, sandboxed=False)}
+    print("\n".join(report(results, steps, path)), file=out)
     return results
 
 
-def report(results: dict[int, Any], steps: int) -> list[str]:
-    """The printout; sizes Codex was measured at get their ratio, and whether it met its goal."""
-    lines = [f"time per model step, {steps} steps after a warm-up (2 workers x 8 pool processes):"]
+def report(results: dict[int, Any], steps: int, codex_path: str | None = None) -> list[str]:
+    """The printout: each size's ratio to Codex (measured in the same run if installed, else its
+    fixed figures at the sizes the reference measured), and whether it met its goal."""
+    lines = [f"time per model step, {steps} steps after a warm-up (2 workers x 8 pool processes), "
+             f"against {reference.describe(codex_path)}:"]
     for n, r in results.items():
         line = f"  {n:>2} parallel exec_command: p50 {ms(r['p50'])}  p90 {ms(r['p90'])}"
-        if n in CODEX_MS:
-            r["ratio_vs_codex"] = r["p50"] * 1000 / CODEX_MS[n]
-            r["goal_met"], note = goal(r["ratio_vs_codex"], GOAL[n])
-            line += f"  = {r['ratio_vs_codex']:.2f}x Codex's {CODEX_MS[n]} ms ({note})"
+        if "codex" in r:
+            line += _versus(r, r["codex"]["p50"], GOAL.get(n), "Codex in its sandbox")
+            if "unsandboxed" in r:
+                pair = r["unsandboxed"]
+                line += (f"; unsandboxed {ms(pair['toolq']['p50'])}"
+                         + _versus(pair, pair["codex"]["p50"], GOAL.get(n), "Codex unsandboxed", toolq=pair["toolq"]))
+        elif n in CODEX_MS:
+            line += _versus(r, CODEX_MS[n] / 1000, GOAL[n], "Codex's fixed")
         lines.append(line)
     return lines
+
+
+def _versus(r: dict[str, Any], codex_s: float, limit: float | None, label: str,
+            toolq: dict[str, Any] | None = None) -> str:
+    r["ratio_vs_codex"] = (toolq or r)["p50"] / codex_s
+    text = f"  = {r['ratio_vs_codex']:.2f}x {label} {codex_s * 1000:.0f} ms"
+    if limit is None:
+        return text
+    r["goal_met"], note = goal(r["ratio_vs_codex"], limit)
+    return f"{text} ({note})"
 
 
 if __name__ == "__main__":

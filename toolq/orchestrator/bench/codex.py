@@ -1,0 +1,77 @@
+"""The reference, measured in the same run: the real Codex CLI (`codex exec` 0.171.0, the version the
+reference notes measured) against the same kind of fake model, when it is installed here.
+
+Found through TOOLQ_BENCH_CODEX (a path) or `codex` on PATH; `npm install -g @openai/codex@0.171.0`
+installs it (the npm wrapper is skipped for the native binary it would start, so node's start-up
+is not counted against Codex). Without it the benchmarks compare with the reference's fixed
+figures and say so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+VERSION = "0.171.0"
+INSTALL = f"npm install -g @openai/codex@{VERSION}"
+#: The slug that gets Codex's classic `tools` (exec_command); its default model runs in code mode.
+MODEL = "gpt-5.5"
+#: Codex's shell snapshot is ready about 0.8 s into a session: the reference's warm-up step.
+WARM_UP_CMD = "sleep 1.5"
+
+
+def binary() -> str | None:
+    """The native `codex` executable, or None."""
+    found = os.environ.get("TOOLQ_BENCH_CODEX") or shutil.which("codex")
+    if not found:
+        return None
+    path = Path(found).resolve()
+    if path.read_bytes()[:2] == b"#!":  # npm's node wrapper: the binary is in a platform package beside it
+        natives = sorted(path.parents[2].glob("codex-linux-*/vendor/*/bin/codex"))
+        natives += sorted(path.parents[1].glob("vendor/*/codex/codex"))
+        path = natives[0] if natives else path
+    return str(path) if os.access(path, os.X_OK) else None
+
+
+def describe(path: str | None) -> str:
+    return f"Codex {VERSION} ({path})" if path else f"Codex is not installed ({INSTALL}); its fixed figures"
+
+
+class Codex:
+    """`codex exec` on one fake model, with its own fresh CODEX_HOME, sandboxed as the flag says:
+    `workspace-write` (Codex's own bubblewrap sandbox) or none (`--dangerously-bypass-...`, how
+    the reference notes measured it)."""
+
+    def __init__(self, path: str, home: Path, *, sandboxed: bool) -> None:
+        self.path, self.home, self.sandboxed = path, home, sandboxed
+
+    def exec(self, workspace: str, prompt: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+        env.update(CODEX_HOME=str(self.home), FAKE_OPENAI_KEY="bench")
+        bypass = [] if self.sandboxed else ["--dangerously-bypass-approvals-and-sandbox"]
+        proc = subprocess.run([self.path, "exec", "--skip-git-repo-check", *bypass, "--json", "-C", workspace, prompt],
+                              env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"codex exec exited {proc.returncode}: {proc.stderr[-2000:]}")
+        return proc
+
+
+@contextmanager
+def codex(path: str, base_url: str, *, sandboxed: bool) -> Iterator[Codex]:
+    """A Codex on `base_url` (the fake model's `/v1`). Its CODEX_HOME is not under the temp dir:
+    there Codex refuses to make the helper its sandbox starts (`codex-linux-sandbox`)."""
+    parent = Path.home() / ".cache" / "toolq-bench"
+    parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=parent) as home:
+        (Path(home) / "config.toml").write_text(
+            f'model = "{MODEL}"\nmodel_provider = "fake"\napproval_policy = "never"\n'
+            f'sandbox_mode = "{"workspace-write" if sandboxed else "danger-full-access"}"\n'
+            "check_for_update_on_startup = false\n\n"
+            f'[model_providers.fake]\nname = "Fake Responses"\nbase_url = "{base_url}"\n'
+            'env_key = "FAKE_OPENAI_KEY"\nwire_api = "responses"\n')
+        yield Codex(path, Path(home), sandboxed=sandboxed)
