@@ -92,3 +92,22 @@ def test_callcpu_counts_each_process_kind_per_call_and_reads_this_process():
     assert "session host  1.00   + 2.00 commands" in lines[4] and lines[-1].endswith("4.00")
     mine = callcpu.snapshot()
     assert [k for k, *_ in mine.values()].count("orchestrator") == 1  # /proc, this process included
+
+
+def test_the_codex_baseline_is_its_native_binary_not_the_npm_wrapper(tmp_path, monkeypatch):
+    from toolq.orchestrator.bench import codex
+
+    scope = tmp_path / "node_modules" / "@openai"
+    wrapper = scope / "codex" / "bin" / "codex.js"
+    native = scope / "codex-linux-x64" / "vendor" / "x86_64-unknown-linux-musl" / "bin" / "codex"
+    for path, text in ((wrapper, "#!/usr/bin/env node\n"), (native, "\x7fELF")):
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+        path.chmod(0o755)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "codex").symlink_to(wrapper)
+    monkeypatch.delenv("TOOLQ_BENCH_CODEX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert codex.binary() == str(native)  # node's start-up is not counted against Codex
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert codex.binary() is None and "npm install -g @openai/codex@0.171.0" in codex.describe(None)
