@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import random
 import re
+import signal
 import subprocess
 import time
 
@@ -299,3 +301,28 @@ def test_a_worker_without_sessions_runs_each_command_to_completion(worker, own_r
     out = conv.outputs()
     assert parts(out["slow"]) == (None, 0, "done\n")
     assert out["w"] == "write_stdin failed: Unknown process id 1"
+
+
+def _stop_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines()
+            if "starting a new one" in line or "exited with 'exitcode" in line or "Traceback" in line]
+
+
+@pytest.mark.parametrize("signalled", ["the main process", "the whole process group"])
+def test_a_stopping_worker_neither_restarts_its_session_host_nor_reports_its_pool_as_crashed(
+        worker, own_redis, tmp_path, signalled):
+    """Celery's warm shutdown is a SIGTERM to the main process (`WorkerProcess.stop`); systemd's
+    default sends it to the whole group, session host and pool children included. Either way the
+    host that exits on it is not started again by a worker on its way out (it was, once: the host
+    exits before the worker's own shutdown notice), and no pool child reads as crashed."""
+    w = worker(["toolq"], concurrency=2, redis_url=own_redis.url)
+    conv = Conversation(own_redis.url, tmp_path, [[exec_call("one", "true")], final()])
+    assert conv.outputs()["one"].startswith("Chunk ID:")
+    if signalled == "the main process":
+        w.stop()
+    else:
+        os.killpg(w.proc.pid, signal.SIGTERM)
+        w.proc.wait(15)
+        w.stop()
+    log = w.log.read_text()
+    assert "the session host exited" not in log and _stop_lines(log) == [], _stop_lines(log)

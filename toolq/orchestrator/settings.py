@@ -71,6 +71,8 @@ ENV = {
     "mcp_config": ("TOOLQ_MCP_CONFIG",),
     # an orchestrator's Redis pool (toolq/orchestrator/redis_pool.py)
     "redis_connections": ("TOOLQ_REDIS_CONNECTIONS",),
+    # how often an idle worker polls its queues (toolq/workers/config.py)
+    "worker_poll": ("TOOLQ_WORKER_POLL",),
 }
 
 SECRETS = {"openai_api_key", "flower_password", "signing_key"}
@@ -167,6 +169,9 @@ class Settings(BaseModel):
     redis_connections: int = Field(default=64, ge=2, le=10_000)
     """Connections an orchestrator process opens for its ledger at most; more commands at once wait
     for one (never fail). Bounds commands in flight, not turns: no turn holds a connection."""
+    worker_poll: float = Field(default=1.0, ge=0.05, le=30.0)
+    """Seconds a worker's BRPOP on its queues waits for a message before it is sent again. A warm
+    shutdown waits for the one in flight; the embedded stack's workers poll every 0.1 s."""
 
     @field_validator("redis_url", "result_url")
     @classmethod

@@ -15,8 +15,8 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
-from celery.signals import (celeryd_after_setup, worker_process_init, worker_ready, worker_shutdown,
-                            worker_shutting_down)
+from celery.signals import (celeryd_after_setup, worker_process_init, worker_process_shutdown, worker_ready,
+                            worker_shutdown, worker_shutting_down)
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.settings import Settings
@@ -25,7 +25,7 @@ from toolq.workers.catalog import Catalog
 from toolq.workers.config import configure_app, longest_timeout, make_app
 from toolq.workers.contracts import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, ToolCallFailed
 from toolq.workers.loader import load_catalog
-from toolq.workers import isolation, kombu_acks, pool_exits, presence, signing
+from toolq.workers import isolation, kombu_acks, pool_exits, presence, signing, stopping
 from toolq.workers.execute import StillRunning, execute
 from toolq.workers.mcp.worker import sync as sync_mcp_tools
 from toolq.workers.sandbox import install_sigterm_handler
@@ -48,6 +48,8 @@ def catalog() -> Catalog:
 app = make_app(Settings.load(), longest_timeout(catalog()))
 kombu_acks.install()  # a call finishing after a Redis restart must not take the worker down
 pool_exits.install()  # nor a consumer restart just after a pool child died
+app.steps["consumer"].add(stopping.Wakeup)  # a warm shutdown starts when asked, not at the next poll
+worker_shutting_down.connect(stopping.wake, weak=False)
 
 
 def configure(settings: Settings) -> Celery:
@@ -68,6 +70,7 @@ def _child_init(**_: Any) -> None:
     global _redis
     _redis = None  # never share a socket across fork
     isolation.pool_child_started()
+    worker_process_shutdown.connect(stopping.exit_without_lingering, weak=False)  # after the user's receivers
 
 
 @celeryd_after_setup.connect
@@ -125,6 +128,7 @@ def _session_host(sender: Any = None, instance: Any = None, **_: Any) -> None:
     session_host.start(instance=me, hostname=str(sender), redis_url=app.conf.broker_url)
 
 
+worker_shutting_down.connect(lambda **_: session_host.stopping(), weak=False)
 worker_shutdown.connect(lambda **_: session_host.stop(), weak=False)
 # --- end of the session hooks
 

@@ -54,6 +54,8 @@ def celery_config(settings: Settings, longest: float) -> dict[str, Any]:
             # toolq sends no message priorities: one list per queue, not four, so each BRPOP of a
             # worker's many queues (one per tool declaration) names a quarter of the keys.
             "priority_steps": [0],
+            # The BRPOP's timeout: a warm shutdown waits for the one in flight to return.
+            "polling_interval": settings.worker_poll,
         },
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,

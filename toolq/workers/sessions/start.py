@@ -26,6 +26,8 @@ _PR_SET_PDEATHSIG = 1
 _host: subprocess.Popen | None = None
 _dir: str | None = None
 _stopping = threading.Event()
+#: How long a host that exited 0 waits for the worker's own shutdown notice before it is restarted.
+STOP_NOTICE = 2.0
 
 
 def _die_with_parent() -> None:
@@ -66,7 +68,10 @@ def _watch(path: str, env: dict[str, str]) -> None:
     global _host
     while _host is not None:
         code = _host.wait()
-        if _stopping.is_set():
+        # Exit 0 is a host stopped on request (SIGTERM): when it came to the worker's whole process
+        # group, the worker's shutdown notice follows at once; restarting the host meanwhile made a
+        # stopping worker start a new one.
+        if _stopping.wait(STOP_NOTICE if code == 0 else 0):
             return
         log.warning("the session host exited (%s): its sessions are lost; starting a new one", code)
         limits.remove_stale_pool_cgroups()
@@ -75,6 +80,11 @@ def _watch(path: str, env: dict[str, str]) -> None:
         except (OSError, RuntimeError) as e:
             log.error("could not restart the session host: %s", e)
             return
+
+
+def stopping() -> None:
+    """The worker's warm shutdown began: a host that exits from now on is not restarted."""
+    _stopping.set()
 
 
 def stop() -> None:

@@ -1,0 +1,48 @@
+"""A worker that stops promptly (toolq/workers/stopping.py): the shutdown notice wakes the event
+loop's poll, a pool child closed with its pool exits without billiard's one-second linger, and the
+queues' poll interval comes from the settings."""
+
+from __future__ import annotations
+
+import os
+
+from kombu.asynchronous import Hub
+
+from toolq.orchestrator.settings import Settings
+from toolq.workers import stopping
+from toolq.workers.config import celery_config
+
+
+def test_the_shutdown_notice_makes_the_event_loops_poll_return():
+    hub = Hub()
+    try:
+        stopping.Wakeup.register_with_event_loop(None, None, hub)  # what the consumer does at each (re)start
+        hub.fire_timers()
+        poller = hub.poller
+        assert poller.poll(0) == []  # nothing to read: a poll would wait its whole timeout
+        stopping.wake()
+        ready = poller.poll(0)
+        assert [fd for fd, _ in ready] == [stopping._pipe()[0]]
+        callback, args = hub.readers[stopping._pipe()[0]]
+        callback(*args)  # the loop drains it, and sleeps again
+        assert hub.poller.poll(0) == []
+    finally:
+        hub.close()
+
+
+def test_a_pool_child_closed_with_its_pool_exits_at_once_one_signalled_alone_goes_billiards_way():
+    for exitcode, expected in ((0, 0), (15, 99)):
+        pid = os.fork()
+        if pid == 0:  # the child, at billiard's `_do_exit`: the receiver, then (if it returns) the rest
+            try:
+                stopping.exit_without_lingering(exitcode=exitcode, pid=os.getpid())
+            finally:
+                os._exit(99)  # billiard's own path: DEATH to the parent, a second's sleep, exit
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == expected
+
+
+def test_the_queues_are_polled_as_often_as_the_settings_say():
+    assert celery_config(Settings(), 60)["broker_transport_options"]["polling_interval"] == 1.0
+    fast = Settings(worker_poll=0.1)
+    assert celery_config(fast, 60)["broker_transport_options"]["polling_interval"] == 0.1
