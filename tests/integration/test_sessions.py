@@ -15,6 +15,7 @@ import random
 import re
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -326,3 +327,29 @@ def test_a_stopping_worker_neither_restarts_its_session_host_nor_reports_its_poo
         w.stop()
     log = w.log.read_text()
     assert "the session host exited" not in log and _stop_lines(log) == [], _stop_lines(log)
+
+
+@pytest.mark.parametrize("sessions", ["1", "0"])
+def test_a_worker_stopped_mid_call_leaves_no_command_running(worker, own_redis, tmp_path, sessions):
+    """Past the warm shutdown's grace the worker's whole group is told to stop, so the command of
+    the call still running is killed (it runs in a session of its own, out of the worker's group),
+    unsandboxed too; a SIGKILL of the group alone left it running."""
+    w = worker(["toolq"], concurrency=2, redis_url=own_redis.url,
+               env={"TOOLQ_SANDBOX": "none", "TOOLQ_SESSIONS": sessions})
+    sleep = marker()
+    stopped: list[bool] = []
+
+    def stop_mid_call() -> None:
+        end = time.monotonic() + 20
+        while not running(sleep) and time.monotonic() < end:
+            time.sleep(0.05)
+        w.stop(grace=1)
+        stopped.append(gone_within(sleep, 5))
+
+    stopper = threading.Thread(target=stop_mid_call)
+    stopper.start()
+    try:
+        Conversation(own_redis.url, tmp_path, [[exec_call("long", sleep, yield_time_ms=30000)], final()], timeout=60)
+    finally:
+        stopper.join(30)
+    assert stopped == [True], "the command of a call running at the stop outlived its worker"

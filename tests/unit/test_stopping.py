@@ -13,21 +13,26 @@ from toolq.workers import stopping
 from toolq.workers.config import celery_config
 
 
-def test_the_shutdown_notice_makes_the_event_loops_poll_return():
+def test_the_shutdown_notice_makes_the_event_loops_poll_return(monkeypatch):
+    monkeypatch.setattr(stopping, "_wake", None)
+    stopping.wake()  # a notice before the loop runs: no poll to wake, no pipe made
+    assert stopping._wake is None
     hub = Hub()
     try:
         stopping.Wakeup.register_with_event_loop(None, None, hub)  # what the consumer does at each (re)start
-        hub.fire_timers()
+        stopping.Wakeup.register_with_event_loop(None, None, hub)  # a consumer restart: the same pipe
+        read = stopping._wake[0]
         poller = hub.poller
         assert poller.poll(0) == []  # nothing to read: a poll would wait its whole timeout
         stopping.wake()
-        ready = poller.poll(0)
-        assert [fd for fd, _ in ready] == [stopping._pipe()[0]]
-        callback, args = hub.readers[stopping._pipe()[0]]
+        assert [fd for fd, _ in poller.poll(0)] == [read]
+        callback, args = hub.readers[read]
         callback(*args)  # the loop drains it, and sleeps again
-        assert hub.poller.poll(0) == []
+        assert poller.poll(0) == []
     finally:
         hub.close()
+        for fd in stopping._wake or ():
+            os.close(fd)
 
 
 def test_a_pool_child_closed_with_its_pool_exits_at_once_one_signalled_alone_goes_billiards_way():
@@ -42,7 +47,11 @@ def test_a_pool_child_closed_with_its_pool_exits_at_once_one_signalled_alone_goe
         assert os.waitstatus_to_exitcode(status) == expected
 
 
-def test_the_queues_are_polled_as_often_as_the_settings_say():
-    assert celery_config(Settings(), 60)["broker_transport_options"]["polling_interval"] == 1.0
+def test_a_worker_polls_its_queues_as_often_as_the_settings_say_and_a_client_never_sleeps_between_polls():
+    def options(settings: Settings, worker: bool) -> dict:
+        return celery_config(settings, 60, worker=worker)["broker_transport_options"]
+
+    assert "polling_interval" not in options(Settings(), worker=True)  # kombu's own: a 1 s BRPOP
     fast = Settings(worker_poll=0.1)
-    assert celery_config(fast, 60)["broker_transport_options"]["polling_interval"] == 0.1
+    assert options(fast, worker=True)["polling_interval"] == 0.1
+    assert "polling_interval" not in options(fast, worker=False)  # kombu would sleep it between empty polls

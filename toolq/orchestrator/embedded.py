@@ -63,14 +63,23 @@ def redis_server_binary() -> str:
     )
 
 
+#: Seconds the group has, once SIGTERMed, before SIGKILL: a pool child's handler kills the process
+#: group of the command it runs (commands run in sessions of their own, out of the worker's group).
+LAST_WORDS = 1.0
+
+
 def _kill_group(proc: subprocess.Popen, grace: float) -> None:
-    """Wait up to `grace` for a process told to stop, then SIGKILL whatever is left of its group
-    (workers fork pool children)."""
+    """Wait up to `grace` for a process told to stop; past it, SIGTERM its whole group, then
+    SIGKILL whatever is left (workers fork pool children)."""
     if proc.poll() is None:
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
-            pass
+            _terminate_group(proc)
+            try:
+                proc.wait(LAST_WORDS)
+            except subprocess.TimeoutExpired:
+                pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -261,8 +270,9 @@ class WorkerProcess(ChildProcess):
 
     def _ask_to_stop(self, proc: subprocess.Popen) -> None:
         """Celery's warm shutdown: SIGTERM to the main process alone, which stops its pool children
-        and session host itself. Sent to the whole group, it made each child exit at once, which
-        the main process logged as a crash, and the session host be started again."""
+        and session host itself. Sent to the whole group at once, it made each child exit at once,
+        which the main process logged as a crash, and the session host be started again; the group
+        gets it only when the grace has passed (`_kill_group`)."""
         try:
             proc.send_signal(signal.SIGTERM)
         except ProcessLookupError:
@@ -312,6 +322,10 @@ class WorkerProcess(ChildProcess):
 UNIX_PATH_MAX = 107
 UNIX_SOCKET_NAME_ROOM = 40
 
+
+#: Seconds an embedded worker's warm shutdown has at the end of the run: its calls are answered by
+#: then, and one still running (a cancel's kill in flight) is what its group's SIGTERM is for.
+RUN_END_GRACE = 2.0
 
 #: Seconds between an embedded worker's polls of its queues (TOOLQ_WORKER_POLL): 10 BRPOPs a second
 #: while idle, for a warm shutdown 0.5 s shorter at the end of each run that made a call.
@@ -420,7 +434,7 @@ class EmbeddedStack:
                 w.terminate()
         for w in self.workers:
             if w not in idle:
-                w.stop()
+                w.stop(grace=RUN_END_GRACE)
         if idle:  # a killed worker leaves its pool children's cgroups (a warm shutdown removes them)
             from toolq.workers.isolation.limits import remove_stale_pool_cgroups
 

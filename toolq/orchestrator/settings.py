@@ -169,9 +169,10 @@ class Settings(BaseModel):
     redis_connections: int = Field(default=64, ge=2, le=10_000)
     """Connections an orchestrator process opens for its ledger at most; more commands at once wait
     for one (never fail). Bounds commands in flight, not turns: no turn holds a connection."""
-    worker_poll: float = Field(default=1.0, ge=0.05, le=30.0)
-    """Seconds a worker's BRPOP on its queues waits for a message before it is sent again. A warm
-    shutdown waits for the one in flight; the embedded stack's workers poll every 0.1 s."""
+    worker_poll: float | None = Field(default=None, ge=0.05, le=30.0)
+    """Seconds a worker's BRPOP on its queues waits for a message before it is sent again (None:
+    kombu's 1 s). A warm shutdown waits for the one in flight; the embedded stack's workers poll
+    every 0.1 s. Only workers read it: kombu also sleeps this long between a client's empty polls."""
 
     @field_validator("redis_url", "result_url")
     @classmethod

@@ -45,16 +45,18 @@ def catalog() -> Catalog:
     return _catalog
 
 
-app = make_app(Settings.load(), longest_timeout(catalog()))
+app = make_app(Settings.load(), longest_timeout(catalog()), worker=True)
 kombu_acks.install()  # a call finishing after a Redis restart must not take the worker down
 pool_exits.install()  # nor a consumer restart just after a pool child died
 app.steps["consumer"].add(stopping.Wakeup)  # a warm shutdown starts when asked, not at the next poll
+# First among the shutdown notice's receivers: the others may wait on Redis.
 worker_shutting_down.connect(stopping.wake, weak=False)
+worker_shutting_down.connect(lambda **_: session_host.stopping(), weak=False)  # sessions hook
 
 
 def configure(settings: Settings) -> Celery:
     """Re-point the worker app (before the worker starts) at the given settings."""
-    return configure_app(app, settings, longest_timeout(catalog()))
+    return configure_app(app, settings, longest_timeout(catalog()), worker=True)
 
 
 def redis_client() -> redis.Redis:
@@ -128,7 +130,6 @@ def _session_host(sender: Any = None, instance: Any = None, **_: Any) -> None:
     session_host.start(instance=me, hostname=str(sender), redis_url=app.conf.broker_url)
 
 
-worker_shutting_down.connect(lambda **_: session_host.stopping(), weak=False)
 worker_shutdown.connect(lambda **_: session_host.stop(), weak=False)
 # --- end of the session hooks
 

@@ -23,10 +23,12 @@ def longest_timeout(specs: Iterable[ToolSpec]) -> float:
     return max((s.timeout for s in specs), default=60.0)
 
 
-def celery_config(settings: Settings, longest: float) -> dict[str, Any]:
-    """`longest`: the longest tool timeout, which the visibility timeout must stay above."""
+def celery_config(settings: Settings, longest: float, *, worker: bool = False) -> dict[str, Any]:
+    """`longest`: the longest tool timeout, which the visibility timeout must stay above.
+    `worker`: the worker's own app (its queues' poll interval), not a client's."""
     broker = settings.redis_url or "redis://127.0.0.1:6379/0"
     backend = settings.result_backend_url() or broker
+    poll = {"polling_interval": settings.worker_poll} if worker and settings.worker_poll is not None else {}
     return dict(
         broker_url=broker,
         result_backend=f"toolq.workers.backend:NoSubscribeRedisBackend+{backend}",
@@ -54,8 +56,9 @@ def celery_config(settings: Settings, longest: float) -> dict[str, Any]:
             # toolq sends no message priorities: one list per queue, not four, so each BRPOP of a
             # worker's many queues (one per tool declaration) names a quarter of the keys.
             "priority_steps": [0],
-            # The BRPOP's timeout: a warm shutdown waits for the one in flight to return.
-            "polling_interval": settings.worker_poll,
+            # The BRPOP's timeout, which a warm shutdown waits out. Never a client's: kombu also
+            # sleeps that long between a client's empty polls (pings, inspect).
+            **poll,
         },
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
@@ -65,15 +68,15 @@ def celery_config(settings: Settings, longest: float) -> dict[str, Any]:
     )
 
 
-def configure_app(app: Celery, settings: Settings, longest: float) -> Celery:
+def configure_app(app: Celery, settings: Settings, longest: float, *, worker: bool = False) -> Celery:
     kombu_clients.install()  # a Redis client per kombu pool, not per command (both sides)
-    app.conf.update(celery_config(settings, longest))
+    app.conf.update(celery_config(settings, longest, worker=worker))
     return app
 
 
-def make_app(settings: Settings, longest: float = 60.0) -> Celery:
+def make_app(settings: Settings, longest: float = 60.0, *, worker: bool = False) -> Celery:
     """A Celery app on the settings' Redis. Workers use `toolq.workers.app.app`; each orchestrator
     runtime makes its own, so one process can talk to several brokers (tests do)."""
     from celery import Celery
 
-    return configure_app(Celery("toolq", set_as_current=False), settings, longest)
+    return configure_app(Celery("toolq", set_as_current=False), settings, longest, worker=worker)

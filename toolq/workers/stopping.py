@@ -20,22 +20,15 @@ from typing import Any
 from celery import bootsteps
 
 _wake: tuple[int, int] | None = None
-
-
-def _pipe() -> tuple[int, int]:
-    global _wake
-    if _wake is None:
-        _wake = os.pipe()
-        for fd in _wake:
-            os.set_blocking(fd, False)
-    return _wake
+"""The pipe's (read, write) ends, made when the loop first takes it (in the main process)."""
 
 
 def _drain() -> None:
-    try:
-        os.read(_pipe()[0], 512)
-    except BlockingIOError:
-        pass
+    if _wake is not None:
+        try:
+            os.read(_wake[0], 512)
+        except BlockingIOError:
+            pass
 
 
 class Wakeup(bootsteps.StartStopStep):
@@ -43,13 +36,22 @@ class Wakeup(bootsteps.StartStopStep):
     consumer restarts (a Redis restart resets the loop)."""
 
     def register_with_event_loop(self, parent: Any, hub: Any) -> None:
-        hub.add_reader(_pipe()[0], _drain)
+        global _wake
+        if _wake is None:
+            read, write = os.pipe()
+            for fd in (read, write):
+                os.set_blocking(fd, False)
+            _wake = read, write
+        hub.add_reader(_wake[0], _drain)
 
 
 def wake(**_: Any) -> None:
-    """`worker_shutting_down`'s receiver: the poll returns, and the loop sees the flag."""
+    """`worker_shutting_down`'s receiver (in the signal handler): the poll returns, and the loop
+    sees the flag. Before the loop runs there is no poll to wake."""
+    if _wake is None:
+        return
     try:
-        os.write(_pipe()[1], b"\0")
+        os.write(_wake[1], b"\0")
     except BlockingIOError:  # already full: the loop wakes anyway
         pass
 

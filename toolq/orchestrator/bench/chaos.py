@@ -242,7 +242,7 @@ class Campaign:
         calls may finish) and start a new one meanwhile, so later calls have somewhere to run."""
         old = self.worker
         if warm:
-            os.kill(old.proc.pid, signal.SIGTERM)
+            old.terminate()  # `WorkerProcess`: a SIGTERM to its main process alone
             self.retired.append(old)
             self.generation += 1
             base, _, host = old.name.partition("@")
@@ -256,12 +256,8 @@ class Campaign:
             old.log.replace(old.log.with_suffix(f".killed-{self.generation}.log"))
         self.worker.start(wait=False)  # from the loop's thread: the parent-death signal is tied to it
         await asyncio.to_thread(self.worker.wait_ready)
-        if warm:  # `stop()` would SIGTERM the whole group, pool children too: no longer warm
-            try:
-                await asyncio.to_thread(old.proc.wait, WARM_GRACE)
-            except subprocess.TimeoutExpired:
-                pass
-            old.stop(grace=0)
+        if warm:
+            await asyncio.to_thread(old.stop, WARM_GRACE)
 
     def _dir(self, name: str) -> Path:
         d = self.workdir / name
