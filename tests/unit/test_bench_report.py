@@ -32,10 +32,20 @@ def test_steps_printout_marks_each_size_met_or_missed():
 def test_steps_printout_compares_with_codex_measured_in_the_same_run_both_ways():
     toolq, codex = {"p50": 0.100, "p90": 0.12}, {"p50": 0.400, "p90": 0.45}
     results = {32: {**toolq, "codex": codex, "unsandboxed": {"toolq": {"p50": 0.090}, "codex": {"p50": 0.200}}}}
-    line = steps.report(results, 10, "/opt/codex")[1]
-    assert "= 0.25x Codex in its sandbox 400 ms (goal <= 0.35x: met)" in line
-    assert line.endswith("unsandboxed 90.00 ms  = 0.45x Codex unsandboxed 200 ms (goal <= 0.35x: MISSED)")
+    lines = steps.report(results, 10, "/opt/codex", "bwrap")
+    assert "sandbox bwrap" in lines[0] and "Codex 0.171.0 (/opt/codex)" in lines[0]
+    assert "= 0.25x Codex in its sandbox 400 ms (goal <= 0.35x: met)" in lines[1]
+    assert lines[1].endswith("unsandboxed 90.00 ms  = 0.45x Codex unsandboxed 200 ms (goal <= 0.35x: MISSED)")
     assert results[32]["goal_met"] and not results[32]["unsandboxed"]["goal_met"]
+
+
+def test_steps_printout_says_when_codex_could_not_run_and_judges_nothing():
+    results = {32: {"p50": 0.100, "p90": 0.12, "codex": {"failed": "codex exec exited 1: bwrap: no permission"}}}
+    line = steps.report(results, 10, "/opt/codex", "landlock")[1]
+    assert line.endswith("(Codex in its sandbox: could not run here: codex exec exited 1: bwrap: no permission)")
+    assert "goal_met" not in results[32]
+    unsandboxed = {32: {"p50": 0.100, "p90": 0.12, "codex": {"p50": 0.3}}}  # toolq itself ran unsandboxed
+    assert "= 0.33x Codex unsandboxed 300 ms" in steps.report(unsandboxed, 10, "/opt/codex", "none")[1]
 
 
 def test_a_fleet_without_bench_workers_is_told_what_to_start():
@@ -111,3 +121,8 @@ def test_the_codex_baseline_is_its_native_binary_not_the_npm_wrapper(tmp_path, m
     assert codex.binary() == str(native)  # node's start-up is not counted against Codex
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert codex.binary() is None and "npm install -g @openai/codex@0.171.0" in codex.describe(None)
+    monkeypatch.setenv("TOOLQ_BENCH_CODEX", str(tmp_path / "missing"))
+    assert codex.binary() is None
+    native.unlink()  # the wrapper alone would count node's start-up against Codex
+    monkeypatch.setenv("TOOLQ_BENCH_CODEX", str(wrapper))
+    assert codex.binary() is None

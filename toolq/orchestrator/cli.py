@@ -216,8 +216,6 @@ CAMPAIGNS = ("chaos",)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    import importlib
-
     known = (*BENCHMARKS, *CAMPAIGNS)
     unknown = set(args.which) - set(known)
     if unknown:
@@ -412,12 +410,14 @@ def import_quietly(module: str) -> None:
     collection scans them again. httpx's own command line (click and pygments, 11 ms) is kept
     out: toolq never calls it. Only for the command line: a library caller's process is its own."""
     sys.modules.setdefault("httpx._main", None)  # `from ._main import main` fails; httpx stubs it
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         importlib.import_module(module)
     finally:
         gc.freeze()
-        gc.enable()
+        if was_enabled:
+            gc.enable()
 
 
 #: Commands that have closed everything they opened (servers, workers, files) when they return.

@@ -26,16 +26,24 @@ WARM_UP_CMD = "sleep 1.5"
 
 
 def binary() -> str | None:
-    """The native `codex` executable, or None."""
+    """The native `codex` executable, or None (none installed, or only npm's wrapper)."""
     found = os.environ.get("TOOLQ_BENCH_CODEX") or shutil.which("codex")
-    if not found:
+    if not found or not os.access(found, os.X_OK):
         return None
     path = Path(found).resolve()
-    if path.read_bytes()[:2] == b"#!":  # npm's node wrapper: the binary is in a platform package beside it
-        natives = sorted(path.parents[2].glob("codex-linux-*/vendor/*/bin/codex"))
-        natives += sorted(path.parents[1].glob("vendor/*/codex/codex"))
-        path = natives[0] if natives else path
+    with path.open("rb") as f:
+        script = f.read(2) == b"#!"
+    if script:  # npm's node wrapper: the binary is in a platform package beside it
+        natives = [*sorted(path.parents[2].glob("codex-linux-*/vendor/*/bin/codex")),
+                   *sorted(path.parents[1].glob("vendor/*/codex/codex"))]
+        if not natives:
+            return None
+        path = natives[0]
     return str(path) if os.access(path, os.X_OK) else None
+
+
+class CodexFailed(Exception):
+    """Codex could not run the benchmark's turn here (its sandbox, say); the message says why."""
 
 
 def describe(path: str | None) -> str:
@@ -51,13 +59,14 @@ class Codex:
         self.path, self.home, self.sandboxed = path, home, sandboxed
 
     def exec(self, workspace: str, prompt: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """Raises `CodexFailed` if it does not exit 0."""
         env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
         env.update(CODEX_HOME=str(self.home), FAKE_OPENAI_KEY="bench")
         bypass = [] if self.sandboxed else ["--dangerously-bypass-approvals-and-sandbox"]
         proc = subprocess.run([self.path, "exec", "--skip-git-repo-check", *bypass, "--json", "-C", workspace, prompt],
                               env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
-            raise RuntimeError(f"codex exec exited {proc.returncode}: {proc.stderr[-2000:]}")
+            raise CodexFailed(f"codex exec exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
         return proc
 
 
