@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -23,6 +24,7 @@ from toolq.workers.tools.write_stdin import WriteStdinArgs
 def host(tmp_path, monkeypatch):
     monkeypatch.delenv("TOOLQ_SESSION_SOCKET", raising=False)
     start.start(instance="test", hostname="test@host", redis_url="")
+    start.wait_ready()
     yield tmp_path
     start.stop()
 
@@ -124,6 +126,7 @@ def test_the_socket_is_private_to_the_worker_user(host):
 def test_stopping_the_host_kills_every_session(tmp_path, monkeypatch):
     monkeypatch.delenv("TOOLQ_SESSION_SOCKET", raising=False)
     start.start(instance="test", hostname="test@host", redis_url="")
+    start.wait_ready()
     mark = "sleep 4343.25"
     assert run(tmp_path, mark).session_id is not None
     start.stop()
@@ -206,3 +209,34 @@ def test_a_streaming_write_hears_the_sessions_output_while_it_waits(host):
     client.call(WriteRequest(conversation="c1", session_id=cat.session_id, chars="x\n", yield_ms=400),
                 lambda: False, timeout=20, output=quiet)
     assert quiet.chunks == []
+
+
+def test_a_host_that_did_not_start_is_replaced_and_the_worker_goes_on(tmp_path, monkeypatch):
+    """The worker launches its host at setup and waits for it only before its first call: one that
+    died booting is said in the log, and the watcher's replacement takes the calls."""
+    monkeypatch.delenv("TOOLQ_SESSION_SOCKET", raising=False)
+    launched = []
+    real = start._launch
+
+    def first_dies(path, env):
+        launched.append(path)
+        if len(launched) == 1:
+            return subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        return real(path, env)
+
+    monkeypatch.setattr(start, "_launch", first_dies)
+    start.start(instance="test", hostname="test@host", redis_url="")
+    try:
+        start.wait_ready()  # logs, does not raise
+        deadline = time.monotonic() + 15
+        while len(launched) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(100):  # the replacement listens once it has booted
+            try:
+                done = run(tmp_path, "echo back")
+                break
+            except client.HostUnavailable:
+                time.sleep(0.1)
+        assert client.output_text(done) == "back\n" and len(launched) == 2
+    finally:
+        start.stop()

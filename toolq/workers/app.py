@@ -52,6 +52,9 @@ app.steps["consumer"].add(stopping.Wakeup)  # a warm shutdown starts when asked,
 # First among the shutdown notice's receivers: the others may wait on Redis.
 worker_shutting_down.connect(stopping.wake, weak=False)
 worker_shutting_down.connect(lambda **_: session_host.stopping(), weak=False)  # sessions hook
+# The session host boots beside the pool (launched at setup, below): the worker is ready, and
+# advertises its tools (`_advertise`), once the host listens. Calls are taken only after this.
+worker_ready.connect(lambda **_: session_host.wait_ready(), weak=False)  # sessions hook
 
 
 def configure(settings: Settings) -> Celery:

@@ -26,6 +26,8 @@ _PR_SET_PDEATHSIG = 1
 _host: subprocess.Popen | None = None
 _dir: str | None = None
 _stopping = threading.Event()
+_booting: tuple[subprocess.Popen, str] | None = None
+"""A launched host and its socket path, until `wait_ready` has seen it listen."""
 #: How long a host that exited 0 waits for the worker's own shutdown notice before it is restarted.
 STOP_NOTICE = 2.0
 
@@ -35,11 +37,14 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
-def _spawn(path: str, env: dict[str, str]) -> subprocess.Popen:
+def _launch(path: str, env: dict[str, str]) -> subprocess.Popen:
     if os.path.exists(path):
         os.unlink(path)
-    host = subprocess.Popen([sys.executable, "-m", "toolq.workers.sessions.host"], env=env,
+    return subprocess.Popen([sys.executable, "-m", "toolq.workers.sessions.host"], env=env,
                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+
+def _wait_ready(host: subprocess.Popen, path: str) -> subprocess.Popen:
     assert host.stdout is not None
     line = host.stdout.readline()
     if not line or json.loads(line).get("ready") != path:
@@ -48,18 +53,38 @@ def _spawn(path: str, env: dict[str, str]) -> subprocess.Popen:
     return host
 
 
+def _spawn(path: str, env: dict[str, str]) -> subprocess.Popen:
+    return _wait_ready(_launch(path, env), path)
+
+
 def start(*, instance: str, hostname: str, redis_url: str) -> str:
-    """Start the host before the pool forks; its pool children find it through the environment."""
-    global _host, _dir
+    """Launch the host before the pool forks (its pool children find it through the environment);
+    `wait_ready` waits for it, so it boots while the pool does (a quarter of a worker's start)."""
+    global _host, _dir, _booting
     _dir = tempfile.mkdtemp(prefix="toolq-sessions-")  # 0700: only this uid reaches the socket
     path = os.path.join(_dir, "host.sock")
     env = dict(os.environ, TOOLQ_SESSION_SOCKET=path, TOOLQ_SESSION_REDIS=redis_url,
                TOOLQ_SESSION_INSTANCE=instance, TOOLQ_SESSION_HOSTNAME=hostname)
     _stopping.clear()
-    _host = _spawn(path, env)
+    _host = _launch(path, env)
+    _booting = _host, path
     os.environ[SOCKET_ENV] = path
     threading.Thread(target=_watch, args=(path, env), name="toolq-session-watch", daemon=True).start()
     return path
+
+
+def wait_ready() -> None:
+    """Before the worker takes its first call: the host it launched listens. One that did not
+    start is killed, and the watcher starts another (its calls meanwhile say the host does not
+    answer)."""
+    global _booting
+    if _booting is None:
+        return
+    (host, path), _booting = _booting, None
+    try:
+        _wait_ready(host, path)
+    except (OSError, ValueError, RuntimeError) as e:
+        log.error("the session host did not start (%s); starting another", e)
 
 
 def _watch(path: str, env: dict[str, str]) -> None:
@@ -89,9 +114,9 @@ def stopping() -> None:
 
 def stop() -> None:
     """At the worker's shutdown: the host kills every session, then exits."""
-    global _host
+    global _host, _booting
     _stopping.set()
-    host, _host = _host, None
+    host, _host, _booting = _host, None, None
     if host is None:
         return
     host.send_signal(signal.SIGTERM)
