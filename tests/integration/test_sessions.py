@@ -218,6 +218,35 @@ def test_the_end_of_the_conversation_kills_every_session(fleet, redis_server, tm
     assert gone_within(a, 5) and gone_within(b_, 5), "a session outlived its conversation"
 
 
+def test_two_conversations_on_one_worker_each_keep_their_session_1(worker, own_redis, tmp_path):
+    """Each conversation numbers its sessions from 1. On one worker, a second conversation's session
+    1 (started, then exited) once took the first's place in the host: its write_stdin found no
+    session, and its process outlived its conversation (found by a red-team helper)."""
+    worker(["toolq"], concurrency=2, redis_url=own_redis.url)
+    kept = marker()
+    done: dict[str, Conversation] = {}
+
+    def run(name: str, script: list) -> None:
+        (tmp_path / name).mkdir()
+        done[name] = Conversation(own_redis.url, tmp_path / name, script)
+
+    first = threading.Thread(target=run, args=("x", [
+        [exec_call("x-start", kept, yield_time_ms=250)],
+        [exec_call("x-wait", "sleep 3")],  # the other conversation's session starts and ends meanwhile
+        [write("x-poll", 1, yield_time_ms=250)],
+        final(),
+    ]))
+    first.start()
+    time.sleep(0.5)
+    run("y", [[exec_call("y-start", "sleep 1; echo y", yield_time_ms=250)], [write("y-poll", 1)], final()])
+    first.join(60)
+    x, y = done["x"].outputs(), done["y"].outputs()
+    assert parts(x["x-start"])[0] == 1 and parts(y["y-start"])[0] == 1
+    assert parts(y["y-poll"])[1] == 0  # the other's session 1 ran to its end
+    assert parts(x["x-poll"])[0] == 1, x["x-poll"]  # and this one's is still there, still running
+    assert gone_within(kept, 5), "a session outlived its conversation"
+
+
 def test_a_killed_worker_loses_its_sessions_with_a_clear_output(worker, own_redis, tmp_path):
     w = worker(["toolq"], concurrency=2, redis_url=own_redis.url)
     sleep = marker()

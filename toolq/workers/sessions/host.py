@@ -109,8 +109,9 @@ class Host:
         self.settings = settings
         self.instance, self.hostname, self.r = instance, hostname, r
         self.lock = threading.Lock()
-        self.live: dict[int, Process] = {}
-        """Sessions (processes that outlived their exec_command) by session id."""
+        self.live: dict[tuple[str, int], Process] = {}
+        """Sessions (processes that outlived their exec_command) by (conversation, session id): each
+        conversation counts its ids from 1, and one host serves every conversation on its worker."""
         self.running: set[Process] = set()
         self._spawning = 0
         """Commands being started, not yet in `running` (see _reap_orphans)."""
@@ -296,14 +297,14 @@ class Host:
                 pipe.expire(next_id_key(p.conversation), int(self.settings.session_lifetime) + 86400)
                 pipe.execute()
         with self.lock:
-            self.live[session_id] = p
+            self.live[(p.conversation, session_id)] = p
         return session_id
 
     def _forget(self, p: Process) -> None:
         if p.session_id is None:
             return
         with self.lock:
-            self.live.pop(p.session_id, None)
+            self.live.pop((p.conversation, p.session_id), None)
         if self.r is not None:
             try:
                 self.r.hdel(sessions_key(p.conversation), str(p.session_id))
@@ -328,8 +329,8 @@ class Host:
     def handle_write(self, req: WriteRequest, conn: socket.socket) -> Reply | None:
         started = time.monotonic()
         with self.lock:
-            p = self.live.get(req.session_id)
-        if p is None or p.conversation != req.conversation:
+            p = self.live.get((req.conversation, req.session_id))
+        if p is None:
             return Reply(error=f"write_stdin failed: Unknown process id {req.session_id}")
         if req.chars:
             if not p.tty:
