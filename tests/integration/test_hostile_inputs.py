@@ -136,6 +136,18 @@ def test_a_cut_response_completed_still_completes_the_response(fleet, drive):
     assert json.loads(run.outputs_of(1)[0]["output"])["text"] == "kept"
 
 
+def test_calls_repeating_an_output_index_and_call_id_each_run_and_answer_for_themselves(fleet, drive):
+    """A server that repeats both: the task id is toolq's own count, so each call is its own task."""
+    def done_at(index: int, text: str) -> dict:
+        call = {"type": "function_call", "call_id": "dup", "name": "sleep_echo", "arguments": json.dumps({"text": text})}
+        event = {"type": "response.output_item.done", "output_index": index, "item": call}
+        return b.raw_frame(f"event: response.output_item.done\ndata: {json.dumps(event)}\n\n")
+
+    run = drive([[done_at(0, "A"), done_at(0, "B"), done_at(0, "C")], final()])
+    assert run.outcome.status == "completed", run.outcome.error
+    assert [json.loads(o["output"])["text"] for o in run.outputs_of(1)] == ["A", "B", "C"]
+
+
 def test_a_deeply_nested_sse_frame_is_skipped_and_counted(fleet, drive):
     deep = '{"type": "response.output_item.done", "item": ' + "[" * DEPTH + "]" * DEPTH + "}"
     run = drive([

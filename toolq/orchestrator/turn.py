@@ -396,7 +396,10 @@ class Session:
         async for event in self.rt.client.stream(body):
             if event.kind == "item_done":
                 item: ResponseItem = event.item
-                output_index = event.output_index if event.output_index is not None else index
+                # toolq's own count, not the server's output_index, names the call's task: a server
+                # that repeats an index and a call_id gave two calls one task id, and the second
+                # answered with the first's output (found by a red-team helper).
+                output_index = index
                 index += 1
                 if not is_api_item(item):
                     self.unknown_items += 1
