@@ -20,6 +20,18 @@ def test_each_line_is_a_turn_or_one_line_naming_every_problem(tmp_path):
     assert entries[5].turn.workspace == tmp_path and entries[5].turn.instructions == "be brief"
 
 
+def test_a_line_may_not_name_a_system_or_shared_folder_as_its_workspace(tmp_path, monkeypatch):
+    """A red-team helper's batch line with "/etc" got /etc mounted read-write for its commands."""
+    (tmp_path / "project").mkdir()
+    monkeypatch.chdir(tmp_path)
+    lines = [json.dumps({"prompt": "p", "workspace": w}) for w in ("/etc", "/", "/usr/share", "/tmp", "project")]
+    entries = read_entries(lines)
+    for entry, where in zip(entries, ("/etc", "/", "/usr/share", "/tmp")):
+        assert entry.problem == (f"line {entry.number}: workspace {where} is a system or shared directory, and the "
+                                 "model's commands may write in their workspace: give a project's folder")
+    assert entries[4].turn.workspace == tmp_path / "project"  # relative: against the current folder
+
+
 def test_a_line_is_known_by_its_number_and_text():
     assert line_key(3, '{"prompt": "a"}\n') == line_key(3, '{"prompt": "a"}')
     assert line_key(3, '{"prompt": "a"}') != line_key(4, '{"prompt": "a"}')

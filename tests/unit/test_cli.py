@@ -5,10 +5,12 @@ import io
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from toolq.orchestrator import cli
+from toolq.orchestrator.settings import Settings
 
 
 @pytest.mark.parametrize(
@@ -136,6 +138,16 @@ def test_toolq_run_without_a_key_for_a_remote_url_fails_in_one_line_before_start
 def test_demo_refuses_a_workspace_that_is_not_a_directory(tmp_path, capsys):
     assert cli.main(["demo", "--workspace", str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err == f"toolq: workspace {tmp_path / 'missing'} is not a directory\n"
+
+
+def test_toolq_run_refuses_a_system_folder_and_makes_a_relative_workspace_absolute(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")  # no key needed: the refusal comes first
+    assert cli.main(["run", "--workspace", "/etc", "hi"]) == 2
+    assert capsys.readouterr().err == ("toolq: workspace /etc is a system or shared directory, and the model's "
+                                       "commands may write in their workspace: give a project's folder\n")
+    # Workers resolve a relative path against their own folder (exec_command failed to spawn there).
+    monkeypatch.chdir(tmp_path)
+    assert Settings(workspace=Path("ws")).workspace == tmp_path / "ws"
 
 
 def test_the_live_view_shows_the_final_error_once():

@@ -30,7 +30,7 @@ from toolq.orchestrator.catalog_reader import WorkersStarting
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.redis_faults import REDIS_FAULTS, RedisUnreachable
 from toolq.orchestrator.runner import CANCEL_SIGNALS, default_instructions, with_redis
-from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.settings import Settings, workspace_problem
 from toolq.orchestrator.turn import EXIT_CANCELLED, EXIT_FAILED, Runtime, Session, TurnOutcome, new_turn_id
 
 Status = Literal["completed", "failed", "cancelled", "invalid"]
@@ -93,8 +93,8 @@ def parse_line(number: int, raw: str) -> Entry:
         return Entry(number=number, key=key, problem=f"line {number}: {said}")
     if turn.workspace is not None:
         turn.workspace = turn.workspace.expanduser().resolve()
-        if not turn.workspace.is_dir():
-            return Entry(number=number, key=key, problem=f"line {number}: workspace {turn.workspace} is not a directory")
+        if problem := workspace_problem(turn.workspace):
+            return Entry(number=number, key=key, problem=f"line {number}: {problem}")
     return Entry(number=number, key=key, turn=turn)
 
 
@@ -212,8 +212,8 @@ def run_batch(settings: Settings, path: Path, out: Path, *, concurrency: int, re
     invalid, 130 when interrupted, 2 when nothing could start (bad file, Redis unreachable)."""
     if not path.is_file():
         raise ConfigurationError(f"batch file {path} is not a file")
-    if not settings.workspace.is_dir():
-        raise ConfigurationError(f"workspace {settings.workspace} is not a directory")
+    if problem := workspace_problem(settings.workspace):
+        raise ConfigurationError(problem)
     if not out.parent.is_dir():
         raise ConfigurationError(f"the folder of --out {out} does not exist")
     entries = read_entries(path.read_text().splitlines())

@@ -22,14 +22,14 @@ from toolq.orchestrator.durable import TurnSettings, TurnStore
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.history import History, pairing_problems
 from toolq.orchestrator.redis_faults import reaching
-from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.settings import Settings, workspace_problem
 from toolq.orchestrator.turn import Runtime, Session, TurnOutcome, new_turn_id
 from toolq.orchestrator.view import JsonView, LiveView
 
 
 def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, session_file: Path | None = None) -> int:
-    if not settings.workspace.is_dir():
-        raise ConfigurationError(f"workspace {settings.workspace} is not a directory")
+    if problem := workspace_problem(settings.workspace):
+        raise ConfigurationError(problem)
     history = load_session(session_file) if session_file else None
     with ExitStack() as stack:
         settings, starting = with_redis(settings, stack, json_events)
@@ -64,8 +64,8 @@ def save_session(path: Path, history: History) -> None:
 def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path | None = None) -> int:
     from toolq.orchestrator.fake_model.server import FakeModel
 
-    if workspace is not None and not workspace.is_dir():
-        raise ConfigurationError(f"workspace {workspace} is not a directory")
+    if workspace is not None and (problem := workspace_problem(workspace.expanduser().resolve())):
+        raise ConfigurationError(problem)
     with ExitStack() as stack:
         if workspace is None:
             workspace = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="toolq-demo-")))

@@ -19,6 +19,23 @@ from toolq.orchestrator.tool_limits import ToolLimit, parse_tool_limits
 
 DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
 
+#: A workspace is where the model's commands may write: never in the system the sandbox mounts
+#: read-only or the kernel's trees, nor a folder that holds other users' and turns' files.
+SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/dev", "/proc",
+                "/sys", "/run", "/nix/store")
+TOO_WIDE = ("/", "/home", "/opt", "/srv", "/tmp", "/var", "/var/tmp", "/mnt", "/media")
+
+
+def workspace_problem(path: Path, *, must_exist: bool = True) -> str | None:
+    """Why `path` (absolute, resolved) cannot be a turn's workspace, if it cannot."""
+    where = str(path)
+    if where in TOO_WIDE or any(where == t or where.startswith(t + "/") for t in SYSTEM_TREES):
+        return (f"workspace {path} is a system or shared directory, and the model's commands may write in "
+                "their workspace: give a project's folder")
+    if must_exist and not path.is_dir():
+        return f"workspace {path} is not a directory"
+    return None
+
 # setting name -> environment variables, first set wins
 ENV = {
     "redis_url": ("REDIS_URL", "CELERY_BROKER_URL"),
@@ -186,6 +203,12 @@ class Settings(BaseModel):
             # Celery's Redis result backend refuses a TLS URL without it (at first use, not here).
             raise ValueError("a rediss:// URL needs ?ssl_cert_reqs=required (or optional, none)")
         return v
+
+    @field_validator("workspace")
+    @classmethod
+    def _absolute_workspace(cls, v: Path) -> Path:
+        # Workers resolve a relative path against their own folder, not the orchestrator's.
+        return v.expanduser().resolve()
 
     @field_validator("signing_key")
     @classmethod

@@ -41,7 +41,7 @@ from toolq.orchestrator.protocol.reasoning import reasoning_for
 from toolq.orchestrator.redis_faults import REDIS_FAULTS, RedisUnreachable
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.results import ResultRouter
-from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.settings import Settings, workspace_problem
 from toolq.orchestrator.turn_events import (
     AgentMessageView,
     Emit,
@@ -135,7 +135,10 @@ class Session:
     def __init__(self, runtime: Runtime, *, instructions: str | None = None,
                  reasoning: dict[str, Any] | None = None, workspace: str | Path | None = None) -> None:
         self.rt = runtime
-        self.workspace = str(workspace or runtime.settings.workspace)
+        where = Path(workspace).expanduser().resolve() if workspace else runtime.settings.workspace
+        if problem := workspace_problem(where, must_exist=False):  # a missing one: each call says so
+            raise ConfigurationError(problem)
+        self.workspace = str(where)
         """Where its tools work; many sessions on one runtime may each have their own (`toolq batch`)."""
         self.instructions = instructions
         # None: from TOOLQ_REASONING_EFFORT and the model (on by default for reasoning models)
