@@ -81,6 +81,21 @@ def test_coldstart_printout_marks_each_goal():
     assert "1.11x Codex's fixed 0.27 s (npm install -g @openai/codex@0.171.0 to measure it here) (goal <= 1x: MISSED)" in lines[1]
     assert "(goal < 1 s: met)" in lines[2] and "0.700 s from the last request to exit" in lines[3] and "no Celery" in lines[4]
     assert res["goal_met"] is False
+    assert not any("floor" in line for line in lines)  # not measured: not printed
+
+
+def test_coldstart_printout_sets_the_floor_beside_codex():
+    from toolq.orchestrator.bench import coldstart
+
+    res = {"runs": 3, "imports": 0.25, "imports_load_celery": False,
+           "external": {"first_request": 0.34, "exit": 0.36, "cpu": 0.35},
+           "embedded": {"first_request": 0.6, "exit": 0.75, "cpu": 0.9},
+           "embedded_call": {"first_request": 0.6, "exit": 3.1, "after_last_request": 0.9, "cpu": 3.4},
+           "codex": {"first_request": 0.17, "exit": 0.24, "after_last_request": 0.07, "cpu": 0.33},
+           "codex_path": "/bin/codex", "floor": {"interpreter": 0.02, "libraries": 0.16}}
+    floor = next(line for line in coldstart.report(res) if "floor" in line)
+    assert floor.endswith("python -c pass 20 ms + the core libraries' imports (asyncio, redis-py, pydantic, httpx) "
+                          "160 ms = 180 ms, 0.75x of Codex's whole turn")
 
 
 def test_history_printout_compares_the_last_step_with_the_first():

@@ -8,7 +8,8 @@ Linux shares. The CPU column is `toolq run` and the children it waited for (the 
 server and workers). A third row runs one `exec_command true` on the embedded default, so the
 workers are up when the turn ends: its exit includes their (parallel) warm shutdown. With Codex
 installed (`bench/codex.py`), `codex exec` runs the same turn in each round, and is the baseline;
-without it, the 0.27 s Codex 0.171 took in the issue's run.
+without it, the 0.27 s Codex 0.171 took in the issue's run. Its last line is the floor no
+change to toolq can cut: a bare interpreter's launch and the core libraries' imports.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ EMBEDDED_GOAL_S = 1.0
 IMPORT_PROBE = ("import sys, time; t = time.perf_counter(); import toolq.orchestrator.cli as cli; "
                 "cli.import_quietly('toolq.orchestrator.runner'); "
                 "print(time.perf_counter() - t, any(m.split('.')[0] in ('celery', 'kombu') for m in sys.modules))")
+#: The floor under any Python orchestrator on toolq's core set: its libraries' imports alone.
+FLOOR_PROBE = ("import time; t = time.perf_counter(); import asyncio, json, redis.asyncio, pydantic, httpx, httpcore; "
+               "print(time.perf_counter() - t)")
 
 
 def _children_cpu() -> float:
@@ -92,11 +96,27 @@ def import_time(runs: int) -> tuple[float, bool]:
     """Median seconds to import `toolq run`'s modules in a fresh interpreter, and whether Celery came too."""
     samples, celery = [], False
     for _ in range(runs):
-        out = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, check=True).stdout
-        seconds, loaded = out.split()
+        seconds, loaded = _probe(IMPORT_PROBE).split()
         samples.append(float(seconds))
         celery = celery or loaded == "True"
     return median(samples), celery
+
+
+def floor(runs: int) -> dict[str, float]:
+    """Median seconds of what no change to toolq can cut: a bare interpreter's launch to exit
+    (`python -c pass`), and the imports of the core libraries a turn uses (asyncio, redis-py,
+    pydantic, httpx and httpcore)."""
+    launches, imports = [], []
+    for _ in range(runs):
+        started = time.monotonic()
+        _probe("pass")
+        launches.append(time.monotonic() - started)
+        imports.append(float(_probe(FLOOR_PROBE)))
+    return {"interpreter": median(launches), "libraries": median(imports)}
+
+
+def _probe(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
 
 
 def run(out: IO[str] = sys.stdout, runs: int = 5) -> dict[str, Any]:
@@ -131,6 +151,7 @@ def run(out: IO[str] = sys.stdout, runs: int = 5) -> dict[str, Any]:
     for where, rows in samples.items():
         res[where] = {k: median([r[k] for r in rows]) for k in ("first_request", "exit", "after_last_request", "cpu")}
     res["imports"], res["imports_load_celery"] = import_time(runs)
+    res["floor"] = floor(runs)
     print("\n".join(report(res)), file=out)
     return res
 
@@ -161,6 +182,11 @@ def report(res: dict[str, Any]) -> list[str]:
         f"  imports of the toolq run path: {res['imports'] * 1000:.0f} ms "
         f"({'Celery loaded' if res['imports_load_celery'] else 'no Celery'})",
     ]
+    if "floor" in res:  # what any Python orchestrator on these libraries pays before its own code
+        bare = res["floor"]["interpreter"] + res["floor"]["libraries"]
+        lines.append(f"  floor: python -c pass {res['floor']['interpreter'] * 1000:.0f} ms + the core libraries' "
+                     f"imports (asyncio, redis-py, pydantic, httpx) {res['floor']['libraries'] * 1000:.0f} ms "
+                     f"= {bare * 1000:.0f} ms, {bare / codex_s:.2f}x of Codex's whole turn")
     if "codex" in res:
         lines.append(line("codex exec", res["codex"]) + f"  ({res['codex_path']})")
     return lines
