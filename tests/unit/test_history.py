@@ -83,6 +83,16 @@ def test_two_calls_with_the_same_call_id_are_both_kept_and_both_answered():
     assert pairing_problems(out) == []
 
 
+def test_calls_with_an_empty_call_id_are_calls_and_keep_their_outputs():
+    """A red-team helper's two calls with call_id "": both ran, both outputs were dropped as
+    orphans, and the next request carried two unanswered calls."""
+    h = History([fc(""), fc(""), fco("", "E1"), fco("", "E2")])
+    out = h.for_prompt()
+    assert out == [fc(""), fc(""), fco("", "E1"), fco("", "E2")] and not h.repairs
+    assert pairing_problems([fc("")]) == ["call without output: "]
+    assert History([fc("")]).for_prompt()[1] == fco("", "aborted")
+
+
 def test_pairing_problems_names_both_directions():
     problems = pairing_problems([fc("a"), fco("b")])
     assert problems == ["call without output: a", "output without call: b"]

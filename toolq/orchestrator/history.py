@@ -45,10 +45,12 @@ def _role(obj: dict[str, Any]) -> tuple[str, str] | None:
     """("call"|"output", pairing key) for a paired item as wire JSON, else None."""
     t = obj.get("type")
     if t in _OUTPUT_FOR:
-        call_id = obj.get("call_id") or (obj.get("id") if t == "local_shell_call" else None)
+        call_id = _call_id(obj)
         if t == "tool_search_call" and (obj.get("execution") != "client" or not call_id):
             return None
-        return ("call", f"{_OUTPUT_FOR[t]}:{call_id}") if call_id else None
+        # An empty call_id is still a call (its command runs, and its output says ""): taken for
+        # none, its output was dropped as an orphan and the call went to the model unanswered.
+        return ("call", f"{_OUTPUT_FOR[t]}:{call_id}") if call_id is not None else None
     if t in _CALLS_FOR:
         if t == "tool_search_output" and (obj.get("execution") == "server" or obj.get("call_id") is None):
             return None  # the provider answered its own search
@@ -90,8 +92,15 @@ def pairing_problems(input_items: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def _call_id(call: dict[str, Any]) -> str | None:
+    """The id a call's output names: its call_id, or a local shell call's item id when it has none."""
+    if call.get("type") == "local_shell_call":
+        return call.get("call_id") or call.get("id")
+    return call.get("call_id")
+
+
 def _aborted_output(call: dict[str, Any]) -> ResponseItem:
-    call_id = call.get("call_id") or call.get("id")
+    call_id = _call_id(call)
     if call["type"] == "tool_search_call":
         return ToolSearchOutputItem(call_id=call_id)
     if call["type"] == "custom_tool_call":
