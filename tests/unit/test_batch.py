@@ -3,7 +3,7 @@ tests/integration/test_batch.py)."""
 
 import json
 
-from toolq.orchestrator.batch import BatchResult, Results, latest_statuses, line_key, read_entries
+from toolq.orchestrator.batch import BatchResult, Results, latest_statuses, line_key, read_entries, read_lines
 
 
 def test_each_line_is_a_turn_or_one_line_naming_every_problem(tmp_path):
@@ -49,3 +49,28 @@ def test_the_latest_result_of_a_key_counts_and_a_cut_line_is_ignored_and_ended(t
     assert latest_statuses(out) == {"1:a": "completed"}
     assert out.read_text().splitlines()[-1].startswith('{"key":"1:a"')
     assert latest_statuses(tmp_path / "none.jsonl") == {}
+
+
+def test_bytes_that_are_not_utf8_make_their_line_invalid_and_a_cut_character_is_a_cut_line(tmp_path):
+    """A red-team helper's \\xff in an input line, and --out cut inside or after an "é": each made
+    every run (and every re-run) a traceback."""
+    batch = tmp_path / "batch.jsonl"
+    batch.write_bytes(b'{"prompt": "caf\xc3\xa9"}\n{"prompt": "\xff"}\n')
+    entries = read_entries(read_lines(batch))
+    assert entries[0].turn.prompt == "caf\u00e9" and entries[1].problem == "line 2: not UTF-8 text (at character 13)"
+    done = BatchResult(key="1:a", line=1, status="completed", final_message="caf\u00e9").model_dump_json().encode()
+    for cut in (done[:-3], done[:done.index(b"\xc3") + 1], done[:done.index(b"\xa9") + 1]):
+        out = tmp_path / "out.jsonl"
+        out.write_bytes(done + b"\n" + cut)
+        assert latest_statuses(out) == {"1:a": "completed"}
+        Results(out).close()  # the cut line is ended, not swallowed
+        assert out.read_bytes() == done + b"\n" + cut + b"\n"
+
+
+def test_a_turn_that_never_reached_the_fleet_is_run_again(tmp_path):
+    out = tmp_path / "out.jsonl"
+    results = Results(out)
+    results.write(BatchResult(key="1:a", line=1, status="failed"))
+    results.write(BatchResult(key="2:b", line=2, status="failed", error="cannot reach Redis", started=False))
+    results.close()
+    assert latest_statuses(out) == {"1:a": "failed"}

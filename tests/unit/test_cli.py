@@ -150,6 +150,24 @@ def test_toolq_run_refuses_a_system_folder_and_makes_a_relative_workspace_absolu
     assert Settings(workspace=Path("ws")).workspace == tmp_path / "ws"
 
 
+def test_workers_and_batch_on_an_unreachable_redis_say_so_in_one_line_and_write_nothing(tmp_path):
+    """`toolq workers` printed a traceback; `toolq batch` wrote every line `failed`, so a re-run skipped them."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    env = {"PATH": "/usr/bin:/bin", "REDIS_URL": url, "TOOLQ_SIGNING_KEY": "k" * 32,
+           "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+    (tmp_path / "b.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    for argv in (["workers"], ["batch", "b.jsonl", "--out", "r.jsonl"]):
+        out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", *argv], capture_output=True, text=True,
+                             env=env, cwd=tmp_path, timeout=60)
+        assert out.returncode == 2, out.stderr
+        assert re.fullmatch(rf"toolq: cannot reach Redis at {url}: .*\n", out.stderr), out.stderr
+    assert not (tmp_path / "r.jsonl").exists() or not (tmp_path / "r.jsonl").read_text()
+
+
 def test_the_live_view_shows_the_final_error_once():
     from pydantic import TypeAdapter
 

@@ -60,6 +60,8 @@ class BatchResult(BaseModel):
     error: str | None = None
     calls: int = 0
     failed_calls: int = 0
+    started: bool = True
+    """False: the turn never reached the fleet (Redis away), so a re-run runs it again."""
 
 
 class Entry(BaseModel):
@@ -71,7 +73,12 @@ class Entry(BaseModel):
 
 
 def line_key(number: int, raw: str) -> str:
-    return f"{number}:{hashlib.sha256(raw.strip().encode()).hexdigest()[:16]}"
+    return f"{number}:{hashlib.sha256(raw.strip().encode(errors='surrogateescape')).hexdigest()[:16]}"
+
+
+def read_lines(path: Path) -> list[str]:
+    """The file's lines; bytes that are not UTF-8 are kept (as surrogates) for `parse_line` to refuse."""
+    return path.read_bytes().decode(errors="surrogateescape").splitlines()
 
 
 def read_entries(lines: Iterable[str]) -> list[Entry]:
@@ -86,6 +93,10 @@ def read_entries(lines: Iterable[str]) -> list[Entry]:
 
 def parse_line(number: int, raw: str) -> Entry:
     key = line_key(number, raw)
+    try:
+        raw.encode()
+    except UnicodeEncodeError as e:
+        return Entry(number=number, key=key, problem=f"line {number}: not UTF-8 text (at character {e.start + 1})")
     try:
         turn = BatchLine.model_validate_json(raw)
     except ValidationError as e:
@@ -103,12 +114,15 @@ def latest_statuses(out: Path) -> dict[str, str]:
     latest: dict[str, str] = {}
     if not out.exists():
         return latest
-    for raw in out.read_text().splitlines():
+    for raw in out.read_text(errors="replace").splitlines():
         try:
             r = BatchResult.model_validate_json(raw)
         except ValidationError:
             continue
-        latest[r.key] = r.status
+        if r.started:
+            latest[r.key] = r.status
+        else:  # not done: the next run runs it
+            latest.pop(r.key, None)
     return latest
 
 
@@ -116,12 +130,10 @@ class Results:
     """RESULTS, appended to one line per turn as it ends, flushed, so a killed batch keeps them."""
 
     def __init__(self, path: Path) -> None:
-        self.file: IO[str] = path.open("a+")
-        self.file.seek(0, 2)
-        if self.file.tell():  # a line cut by a killed batch must not swallow the next one
-            self.file.seek(self.file.tell() - 1)
-            if self.file.read(1) != "\n":
-                self.file.write("\n")
+        with path.open("ab+") as f:  # a line cut by a killed batch must not swallow the next one
+            if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":
+                f.write(b"\n")
+        self.file: IO[str] = path.open("a", encoding="utf-8")
         self.statuses: dict[str, str] = {}
         """This run's status per key."""
 
@@ -184,7 +196,7 @@ class Batch:
             await session.close()
         return BatchResult(key=entry.key, line=entry.number, turn_id=turn_id, status=outcome.status,
                            final_message=outcome.final_message, usage=outcome.usage.model_dump(),
-                           error=outcome.error, **counted)
+                           error=outcome.error, started=not outcome.could_not_start, **counted)
 
     def _done(self, result: BatchResult) -> None:
         self.results.write(result)
@@ -216,7 +228,7 @@ def run_batch(settings: Settings, path: Path, out: Path, *, concurrency: int, re
         raise ConfigurationError(problem)
     if not out.parent.is_dir():
         raise ConfigurationError(f"the folder of --out {out} does not exist")
-    entries = read_entries(path.read_text().splitlines())
+    entries = read_entries(read_lines(path))
     latest = latest_statuses(out)
     done = ("completed",) if retry_failed else ("completed", "failed")
     todo = [e for e in entries if latest.get(e.key) not in done]
@@ -245,6 +257,11 @@ async def _run(settings: Settings, todo: list[Entry], out: Path, concurrency: in
     try:
         runtime = await Runtime.create(settings)
     except REDIS_FAULTS as e:
+        raise RedisUnreachable(settings.redis_url, e) from None
+    try:  # not one failed result per line for a Redis that is not there
+        await runtime.ledger.r.ping()
+    except REDIS_FAULTS as e:
+        await runtime.aclose()
         raise RedisUnreachable(settings.redis_url, e) from None
     runtime.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
     results = Results(out)

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 import redis.asyncio as aioredis
 
 from toolq.orchestrator.catalog_reader import FleetCatalog
+from toolq.orchestrator.redis_faults import reaching
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.status import render_json_lines, render_table
 from toolq.workers.advert import WorkerAdvert
@@ -61,5 +62,7 @@ def workers_cmd(settings: Settings, *, as_json: bool = False, out: TextIO = sys.
         finally:
             await r.aclose()
 
-    out.write(render_workers(asyncio.run(read()), time.time(), as_json))
+    with reaching(url):  # one line, exit 2 (the CLI's ConfigurationError), as `toolq status`
+        workers = asyncio.run(read())
+    out.write(render_workers(workers, time.time(), as_json))
     return 0
