@@ -74,3 +74,20 @@ def test_a_turn_that_never_reached_the_fleet_is_run_again(tmp_path):
     results.write(BatchResult(key="2:b", line=2, status="failed", error="cannot reach Redis", started=False))
     results.close()
     assert latest_statuses(out) == {"1:a": "failed"}
+
+
+def test_progress_counts_invalid_lines_apart_and_fits_the_terminal():
+    """A new user's 4 invalid lines read "4 failed", and a 93-column line wrapped on an 80-column
+    terminal, where a carriage return no longer redraws it in place."""
+    import io
+
+    from toolq.orchestrator.batch_progress import Progress
+
+    progress = Progress(total=4, out=io.StringIO())
+    for status in ("invalid", "invalid", "failed", "completed"):
+        progress.turn_ended(status)
+    assert progress.line().startswith("[####################] 4/4 turns, 0 running, 1 failed, 0 cancelled, "
+                                      "2 invalid; 0 calls, 0 failed; ")
+    assert len(progress.line()) > 80 and not progress.line(80).startswith("[")
+    assert progress.line(80).startswith("4/4 turns") and len(progress.line(80)) < 80
+    assert len(progress.line(40)) == 39

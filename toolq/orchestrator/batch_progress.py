@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ class Progress:
     done: int = 0
     failed: int = 0
     cancelled: int = 0
+    invalid: int = 0
     running: int = 0
     calls: int = 0
     failed_calls: int = 0
@@ -47,22 +49,35 @@ class Progress:
 
     def turn_ended(self, status: str) -> None:
         self.done += 1
-        self.failed += status in ("failed", "invalid")
+        self.failed += status == "failed"
         self.cancelled += status == "cancelled"
+        self.invalid += status == "invalid"
         self.show()
 
-    def line(self) -> str:
+    def line(self, width: int | None = None) -> str:
+        """The progress, cut to `width` columns if given (the bar goes first)."""
         filled = BAR * self.done // self.total if self.total else BAR
-        return (f"[{'#' * filled}{'.' * (BAR - filled)}] {self.done}/{self.total} turns, {self.running} running, "
-                f"{self.failed} failed, {self.cancelled} cancelled; {self.calls} calls, {self.failed_calls} failed; "
-                f"{time.monotonic() - self.started:.1f}s")
+        bar = f"[{'#' * filled}{'.' * (BAR - filled)}] "
+        counts = (f"{self.done}/{self.total} turns, {self.running} running, {self.failed} failed, "
+                  f"{self.cancelled} cancelled{f', {self.invalid} invalid' if self.invalid else ''}; "
+                  f"{self.calls} calls, {self.failed_calls} failed; {time.monotonic() - self.started:.1f}s")
+        if width is None or len(bar) + len(counts) < width:
+            return bar + counts
+        return counts[:width - 1]
+
+    def _width(self) -> int:
+        """The terminal's columns: a line that wraps is not redrawn in place by a carriage return."""
+        try:
+            return os.get_terminal_size(self.out.fileno()).columns
+        except (AttributeError, OSError, ValueError):
+            return 80
 
     def show(self, *, final: bool = False) -> None:
         """Redraw (a terminal), or print a line when one is due (else)."""
         now = time.monotonic()
         try:
             if self.tty:
-                self.out.write("\r" + self.line() + "\x1b[K" + ("\n" if final else ""))
+                self.out.write("\r" + self.line(self._width()) + "\x1b[K" + ("\n" if final else ""))
             elif final or now - self._last >= PLAIN_EVERY:
                 self.out.write(self.line() + "\n")
             else:
