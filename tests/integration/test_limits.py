@@ -124,6 +124,31 @@ def test_the_per_turn_cap_holds_and_throttled_calls_show_in_toolq_status(redis_s
     assert throttled and "TOOLQ_MAX_PARALLEL_CALLS" in throttled[0]["reason"]
 
 
+def test_cancelling_one_throttled_call_answers_it_at_once_and_it_never_runs(redis_server, fleet, drive):
+    """A new user's `toolq cancel TURN --call CALL` on a throttled call took effect only once the
+    limit let the call go (then the worker refused it): here it ends before the call ahead of it."""
+    from toolq.orchestrator.cancel import cancel
+
+    async def during(session, runtime):
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            calls = await runtime.ledger.calls(session.turn_id) if session.turn_id else []
+            if any(c.get("call_id") == "call_c2" and c.get("state") == "throttled" for c in calls):
+                break
+        await cancel(Settings(redis_url=redis_server.url), session.turn_id, "call_c2")
+
+    calls = [b.function_call("sleep_echo", {"ms": 1500, "text": f"c{k}"}, f"call_c{k}") for k in range(3)]
+    run = drive([calls, [b.message("done")]], during=during, max_parallel_calls=1)
+    assert run.outcome.status == "completed", run.outcome.error
+    ended = [e["item"]["id"] for e in run.events if e["type"] == "item.completed" and e["item"].get("id", "")
+             .startswith("call_c")]
+    assert sorted(ended) == ["call_c0", "call_c1", "call_c2"] and ended.index("call_c2") < ended.index("call_c1"), ended
+    outputs = [o["output"] for o in run.outputs_of(1)]
+    assert json.loads(outputs[1])["text"] == "c1" and outputs[2].startswith("aborted by user after ")
+    record = {c["call_id"]: c for c in ledger_calls(redis_server.url, [run.outcome.turn_id])}["call_c2"]
+    assert record["state"] == "cancelled" and not record.get("started_at"), record
+
+
 def test_a_worker_sigkilled_while_holding_a_permit_does_not_keep_it(redis_server, worker, drive, tmp_path):
     doomed = worker(["faults"], name="doomed@test")
     spare: list = []

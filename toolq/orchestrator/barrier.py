@@ -44,6 +44,8 @@ FAULT_SETTLE = 10.0
 RECONNECT_GRACE = 2.0
 #: The live view and `--json` show this much of a call's output.
 VIEW_OUTPUT_CHARS = 2000
+#: Held by this process, never sent: nothing to revoke, and a cancel answers them here.
+UNSENT = (CallState.PENDING, CallState.THROTTLED)
 
 
 def startable(calls: list[tuple[CallState, bool]]) -> list[int]:
@@ -365,8 +367,7 @@ class Step:
         unfinished = [e for e in self.entries if not e.done.is_set()]
         # Pending and throttled calls were never sent: nothing to revoke (a permit a throttled call
         # already took goes back as its task is cancelled; one it waits for was never its own).
-        revoke = [e.task_id for e in unfinished
-                  if e.task_id and e.state not in (CallState.PENDING, CallState.THROTTLED)]
+        revoke = [e.task_id for e in unfinished if e.task_id and e.state not in UNSENT]
         for entry in unfinished:
             entry.result = ToolResult(call_id=entry.call_id,
                                       output=aborted_text(entry.call.shell_like, now - entry.added_at),
@@ -381,6 +382,23 @@ class Step:
                 self._background(self.records.set_state(e.inv.task_id, CallState.CANCELLED.value,
                                                         finished_at=time.time()))
         return [e.output() for e in self.entries]
+
+    def cancel_unsent(self, task_id: str) -> None:
+        """One call cancelled (`toolq cancel --call`) while it is still held here, pending or
+        throttled: it is never sent, and its aborted output is given now, not once a limit lets it
+        go. A permit its task took goes back as the task is cancelled, as in `abort`."""
+        for entry in self.entries:
+            if entry.task_id != task_id or entry.done.is_set() or entry.state not in UNSENT:
+                continue
+            entry.result = ToolResult(call_id=entry.call_id,
+                                      output=aborted_text(entry.call.shell_like, time.time() - entry.added_at),
+                                      status=CallState.CANCELLED, success=False)
+            if entry.task is not None:
+                entry.task.cancel()
+            self._finish(entry)
+            self._background(self.records.set_state(task_id, CallState.CANCELLED.value, finished_at=time.time()))
+            log.info("⊘ %s %s cancelled before it was sent", entry.call_id, entry.tool)
+        self._pump()
 
     def detach(self) -> None:
         """Stop tracking the calls and leave them running: another orchestrator drives the turn now

@@ -44,8 +44,22 @@ class CancelListener:
         """Turns whose cancel was published while this subscription was up."""
         self._checked: OrderedDict[str, None] = OrderedDict()
         """Turns whose durable record was read (not cancelled) since the subscription was taken."""
+        self._calls: dict[str, Callable[[str], None]] = {}
+        """Per turn, told the task id of each call cancelled alone (`toolq cancel --call`)."""
         self._subscribed = asyncio.Event()
         self._reader: asyncio.Task | None = None
+
+    def on_call(self, turn_id: str, heard: Callable[[str], None]) -> Callable[[], None]:
+        """Tell `heard` the task id of each of the turn's calls cancelled alone, while the turn's
+        cancel is waited for (`wait` keeps the subscription); returns what stops it. A call still
+        queued when a cancel was missed is stopped by the worker, which reads its durable record."""
+        self._calls[turn_id] = heard
+
+        def stop() -> None:
+            if self._calls.get(turn_id) is heard:
+                del self._calls[turn_id]
+
+        return stop
 
     async def wait(self, turn_id: str) -> None:
         """Return once the turn is cancelled from any process. While Redis is away it waits for
@@ -97,8 +111,8 @@ class CancelListener:
                             log.warning("cancel channel back")
                         first, connected, delay = False, True, 0.1
                         self._subscribed.set()
-                    elif msg["type"] == "pmessage" and _scope(msg["data"]) == "turn":
-                        self._hear(msg["channel"].decode()[len(_PREFIX):])
+                    elif msg["type"] == "pmessage":
+                        self._dispatch(msg["channel"].decode()[len(_PREFIX):], _message(msg["data"]))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # redis-py's connection errors, and whatever a half-open pubsub raises
@@ -114,6 +128,14 @@ class CancelListener:
                     await pubsub.aclose()
                 except Exception:
                     pass
+
+    def _dispatch(self, turn_id: str, message: dict) -> None:
+        if message.get("scope") == "turn":
+            self._hear(turn_id)
+        elif message.get("scope") == "call" and isinstance(message.get("task_id"), str):
+            heard = self._calls.get(turn_id)
+            if heard is not None:
+                heard(message["task_id"])
 
     async def _check_records(self) -> None:
         for turn_id in list(self._waiters):
@@ -134,8 +156,9 @@ def _remember(seen: OrderedDict[str, None], turn_id: str) -> str | None:
     return seen.popitem(last=False)[0] if len(seen) > REMEMBERED else None
 
 
-def _scope(data: bytes | str) -> str | None:
+def _message(data: bytes | str) -> dict:
     try:
-        return json.loads(data).get("scope")
-    except (TypeError, ValueError, AttributeError):
-        return None
+        message = json.loads(data)
+    except (TypeError, ValueError):
+        return {}
+    return message if isinstance(message, dict) else {}

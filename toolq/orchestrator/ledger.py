@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from enum import IntEnum
-from typing import Any
+from typing import Any, Callable
 
 import redis.asyncio as aioredis
 
@@ -233,9 +233,17 @@ class Ledger:
 
         One subscription for all the turns of this ledger (cancel_listener.py); the durable record
         is checked once it is confirmed, so a cancel sent earlier counts too."""
+        await self._cancel_listener().wait(turn_id)
+
+    def on_call_cancel(self, turn_id: str, heard: Callable[[str], None]) -> Callable[[], None]:
+        """Tell `heard` the task id of each call of the turn cancelled alone while the turn's cancel
+        is waited for; returns what stops it."""
+        return self._cancel_listener().on_call(turn_id, heard)
+
+    def _cancel_listener(self) -> CancelListener:
         if self._cancels is None:
             self._cancels = CancelListener(self.r, self.is_cancelled)
-        await self._cancels.wait(turn_id)
+        return self._cancels
 
     async def next_step(self, turn_id: str) -> int:
         """A step number no other caller of this turn gets (successive `Fleet.run_calls` never collide).

@@ -230,6 +230,7 @@ class Session:
         """Run the loop under the lease, hear cancels, and end with exactly one terminal event."""
         heartbeat = asyncio.create_task(self.rt.turns.heartbeat(turn_id, self._lease)) if self._lease else None
         listener = asyncio.create_task(self._listen_for_cancel(turn_id))
+        stop_hearing_calls = self.rt.ledger.on_call_cancel(turn_id, self._call_cancelled)
         inner = asyncio.create_task(loop)
         cancelled = asyncio.create_task(self._cancel.wait())
         started = time.monotonic()
@@ -252,6 +253,7 @@ class Session:
             outcome.status, outcome.error = "failed", f"toolq failed: {type(e).__name__}: {e}"
         finally:
             cancelled.cancel()
+            stop_hearing_calls()
             await stop(listener)
             await self.rt.router.unwatch_turn(turn_id)
         outcome = await self._end(turn_id, outcome, emit)
@@ -327,6 +329,12 @@ class Session:
         outcome.status = "cancelled"
         outcome.error = f"turn cancelled after {time.monotonic() - started:.1f}s"
         emit(TurnAborted(turn_id=turn_id, reason="interrupted"))
+
+    def _call_cancelled(self, task_id: str) -> None:
+        """`toolq cancel --call`: a call this process still holds (throttled, or waiting for its
+        turn in call order) is answered now; a sent one is stopped by its worker."""
+        if self._step is not None:
+            self._step.cancel_unsent(task_id)
 
     async def _listen_for_cancel(self, turn_id: str) -> None:
         """Hear `toolq cancel` from any process; the durable record covers a cancel sent earlier."""
