@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from toolq.orchestrator import keys
 from toolq.workers.advert import ToolAdvert, WorkerAdvert
-from toolq.workers.catalog import ToolSpec
+from toolq.workers.catalog import DEFAULT_QUEUE, ToolSpec
 
 log = logging.getLogger("toolq.fleet")
 
@@ -87,11 +87,13 @@ def unserved_message(spec: ToolSpec, snapshot: FleetSnapshot) -> str:
     if others:
         text += (f"; {len(others)} live worker(s) serve another declaration of it (another version of its module), "
                  "and a call only goes to a worker whose declaration is the caller's")
+    # A worker consumes only its --queues: one with the module loaded may still not take the tool's.
+    queues = f" --queues {spec.queue}" if spec.queue != DEFAULT_QUEUE else ""
     if builtin:
-        return text + ": start one with `toolq worker`"
+        return text + f": start one with `toolq worker{queues}`"
     if module:
-        return text + f": start one with `toolq worker --tools {module}`"
-    return text + ": start a worker that serves it"
+        return text + f": start one with `toolq worker --tools {module}{queues}`"
+    return text + (f": start a worker that serves it on queue `{spec.queue}`" if queues else ": start a worker that serves it")
 
 
 class FleetCatalog:
@@ -106,6 +108,8 @@ class FleetCatalog:
         self._snapshot: FleetSnapshot | None = None
         self._lock = asyncio.Lock()
         self._serving: set[str] = set()
+        self._noticed: set[str] = set()
+        """Tools whose wait for a worker was said: once for all the calls waiting, not once each."""
         self.departed_at = float("-inf")
         """`time.time()` when a read last found an instance gone that was serving (not draining) at
         the read before: a worker that died without a clean exit (`stranded.py` looks for its calls)."""
@@ -167,27 +171,33 @@ class FleetCatalog:
     async def unserved(self, spec: ToolSpec) -> str | None:
         """None as soon as a live worker serves the call's declaration; otherwise, after the grace
         (counted from the end of the boot of workers this process is starting), the output that
-        tells the model which worker to start. A wait past `NOTICE_AFTER` is said once."""
+        tells the model which worker to start. A wait past `NOTICE_AFTER` is said once per tool, however
+        many of its calls wait."""
         began = time.monotonic()
         end = began + self.grace
         noticed = False
-        snapshot = await self.snapshot()
-        while not snapshot.servers(spec):
-            now = time.monotonic()
-            starting = self.starting
-            booting = starting is not None and starting.booting
-            if booting:
-                end = now + self.grace
-            elif starting is not None and starting.error:
-                return (f"no worker could run tool `{spec.tool_name}`: the workers toolq started for this run "
-                        f"failed to start ({starting.error})")
-            if now >= end:
-                return unserved_message(spec, snapshot)
-            if not noticed and now - began >= NOTICE_AFTER:
-                noticed = True
-                log.warning("waiting for a worker to serve %s%s", spec.tool_name,
-                            f" ({starting.what})" if booting and starting is not None else "")
-            poll = BOOT_POLL if booting else POLL
-            await asyncio.sleep(poll)
-            snapshot = await self.snapshot(max_age=poll)
-        return None
+        try:
+            snapshot = await self.snapshot()
+            while not snapshot.servers(spec):
+                now = time.monotonic()
+                starting = self.starting
+                booting = starting is not None and starting.booting
+                if booting:
+                    end = now + self.grace
+                elif starting is not None and starting.error:
+                    return (f"no worker could run tool `{spec.tool_name}`: the workers toolq started for this run "
+                            f"failed to start ({starting.error})")
+                if now >= end:
+                    return unserved_message(spec, snapshot)
+                if not noticed and now - began >= NOTICE_AFTER and str(spec.tool_name) not in self._noticed:
+                    noticed = True
+                    self._noticed.add(str(spec.tool_name))
+                    log.warning("waiting for a worker to serve %s%s", spec.tool_name,
+                                f" ({starting.what})" if booting and starting is not None else "")
+                poll = BOOT_POLL if booting else POLL
+                await asyncio.sleep(poll)
+                snapshot = await self.snapshot(max_age=poll)
+            return None
+        finally:
+            if noticed:  # over: a later wait for the tool is news again
+                self._noticed.discard(str(spec.tool_name))
