@@ -32,7 +32,7 @@ async def session_for(r, inv: ToolInvocation) -> SessionRecord:
     try:
         assert isinstance(inv.payload, FunctionPayload)
         session_id = int(json.loads(inv.payload.arguments)["session_id"])
-    except (AssertionError, ValueError, KeyError, TypeError):
+    except (AssertionError, ValueError, KeyError, TypeError, OverflowError):  # 1e400 parses as inf
         raise unknown("?") from None
     raw = await r.hget(sessions_key(inv.conversation or ""), str(session_id)) if inv.conversation else None
     if raw is None:

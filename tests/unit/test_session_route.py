@@ -1,0 +1,19 @@
+"""Where a write_stdin goes: the model's session_id is parsed before any Redis read."""
+
+import asyncio
+
+import pytest
+
+from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.orchestrator.transport import DispatchError
+from toolq.orchestrator.session_route import session_for
+
+
+@pytest.mark.parametrize("arguments", ['{"session_id": 1e400}', '{"session_id": "x"}', '{}', "[1]", "{"])
+def test_a_session_id_that_is_no_integer_is_an_unknown_session_not_a_crash(arguments):
+    """A red-team helper's 1e400 (inf) raised OverflowError past the route: the ledger kept the call queued."""
+    inv = ToolInvocation(turn_id="t", step=0, output_index=0, call_id="c", tool_name=ToolName.plain("write_stdin"),
+                         payload=FunctionPayload(arguments=arguments), deadline=0.0, conversation="conv")
+    with pytest.raises(DispatchError) as e:
+        asyncio.run(session_for(None, inv))  # no Redis is needed to refuse it
+    assert e.value.output == "write_stdin failed: Unknown process id ?"
