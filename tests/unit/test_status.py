@@ -58,6 +58,18 @@ def test_status_table_has_one_aligned_row_per_call_and_dashes_for_missing_fields
     assert all(line == line.rstrip() for line in text.splitlines())
 
 
+def test_calls_are_listed_in_call_order_and_the_models_long_names_are_cut():
+    """A new user's rows came as the ledger claimed them (_0,_1,_2,_5,_4,_3); a red-team helper's
+    300 KB call_id made the table as wide."""
+    calls = [{**DONE, "call_id": f"call_{i}", "step": str(step), "output_index": str(i)}
+             for step, i in ((0, 0), (0, 1), (0, 5), (0, 4), (1, 0), (0, 3))]
+    calls[-1]["call_id"] = "x" * 300_000
+    rows = render_status("turn-1", TURN, calls, NOW).splitlines()[2:]
+    assert [r.split()[1] for r in rows] == ["call_0", "call_1", "x" * 47 + "…", "call_4", "call_5", "call_0"]
+    assert max(map(len, rows)) < 200
+    assert json.loads(render_status("turn-1", TURN, calls, NOW, as_json=True).splitlines()[2])["call_id"] == "x" * 300_000
+
+
 def test_status_shows_the_turns_error():
     text = render_status("turn-1", {**TURN, "state": "failed", "error": "model said no"}, [], NOW)
     assert text.splitlines()[1:] == ["error: model said no", "no calls"]

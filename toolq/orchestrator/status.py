@@ -27,6 +27,8 @@ SESSION_COLUMNS = ("session_id", "worker", "tty", "age", "command")
 TURN_COLUMNS = ("turn_id", "state", "started", "duration", "calls", "prompt")
 #: A turn's prompt is cut to this many characters in the table (JSON keeps the ledger's 500).
 PROMPT_WIDTH = 48
+#: The model names a call's id and tool: the table cuts them here (JSON keeps them whole).
+MODEL_TEXT_COLUMNS = ("prompt", "tool", "call_id")
 
 
 def _float(v: str | None) -> float | None:
@@ -61,6 +63,12 @@ def call_row(call: dict[str, str], now: float) -> dict[str, Any]:
             "worker": call.get("worker") or None, "queue_wait": wait, "run_time": None if d is None else round(d, 3)}
 
 
+def _call_order(call: dict[str, str]) -> tuple[float, float]:
+    """Step, then place in the response: the ledger lists calls as they were claimed, which a
+    limit or a serial tool reorders."""
+    return _float(call.get("step")) or 0.0, _float(call.get("output_index")) or 0.0
+
+
 def turn_row(turn_id: str, turn: dict[str, str], calls: int, now: float) -> dict[str, Any]:
     d = elapsed(turn, now)
     return {"turn_id": turn_id, "state": turn.get("state") or None, "started_at": _float(turn.get("started_at")),
@@ -77,7 +85,7 @@ def _cell(column: str, row: dict[str, Any]) -> str:
         return "-"
     if column in ("duration", "queue_wait", "run_time", "age"):  # calls are often milliseconds: keep them visible
         return f"{value:.1f}s" if value >= 10 else f"{value:.2f}s" if value >= 1 else f"{value * 1000:.0f}ms"
-    if column == "prompt":
+    if column in MODEL_TEXT_COLUMNS:  # a 300 KB call_id made a 300 KB wide table
         text = " ".join(str(value).split())
         return text if len(text) <= PROMPT_WIDTH else text[:PROMPT_WIDTH - 1] + "…"
     return str(value)
@@ -101,7 +109,7 @@ def session_row(s: SessionRecord, now: float) -> dict[str, Any]:
 
 def render_status(turn_id: str, turn: dict[str, str], calls: list[dict[str, str]], now: float,
                   as_json: bool = False, sessions: list[SessionRecord] = ()) -> str:
-    rows = [call_row(c, now) for c in calls]
+    rows = [call_row(c, now) for c in sorted(calls, key=_call_order)]
     live = [session_row(s, now) for s in sessions]
     if as_json:  # sessions as lines of their own, marked, after the calls
         return render_json_lines(rows, turn_id=turn_id) + render_json_lines(live, turn_id=turn_id, type="session")
