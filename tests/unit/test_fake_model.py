@@ -136,8 +136,16 @@ def test_loop_does_not_restart_a_retry_within_a_run():
 
 def test_loop_wraps_around_when_a_run_outlasts_the_script():
     with FakeModel([[message("one")], [message("two")]], loop=True) as fake:
-        got = [texts(post(fake, {"input": [user("a")]})) for _ in range(3)]
+        got = [texts(post(fake, {"input": [user("a"), *CALL_ITEMS * k]})) for k in range(3)]  # one run, growing
     assert got == [["one"], ["two"], ["one"]]
+
+
+def test_loop_restarts_when_a_run_cancelled_after_its_first_response_is_run_again():
+    """A new user's second `toolq run` with the same prompt, after one cancelled mid-call, was taken
+    for a retry of the first and got the script's second response."""
+    with FakeModel(CALL_THEN_ANSWER, loop=True) as fake:
+        runs = [post(fake, {"input": [user("a")]}) for _ in range(2)]
+    assert names(runs[0]) == names(runs[1]) == ["exec_command"]
 
 
 def test_an_empty_script_is_exhausted_even_with_loop():

@@ -3,7 +3,8 @@
 Request k to `POST /v1/responses` gets scripted response k. When the script runs out, every
 further request gets HTTP 400 with error code `script_exhausted` (a client ends the turn and
 shows it; it is never mistaken for the model speaking). With `loop=True` the script starts
-again instead, both when it runs out and when a new run begins (see `_starts_run`), so one
+again instead, both when it runs out and when a new run begins (see `_starts_run`; and the
+same request after a response that completed cleanly, from a run cancelled midway), so one
 server can answer `toolq run` after `toolq run`. Every request body is recorded (`requests`,
 with `request_times` and `request_headers`) so tests can assert what was sent.
 
@@ -90,6 +91,8 @@ class FakeModel:
         self._next = 0
         """Index of the script entry the next request gets."""
         self._last_input: list[Any] | None = None
+        self._last_ended_cleanly = False
+        """The last response served ended in `response.completed` (see `_ends_cleanly`)."""
         self.requests: list[dict[str, Any]] = []
         self.request_times: list[float] = []
         self.request_headers: list[dict[str, str]] = []
@@ -139,10 +142,12 @@ class FakeModel:
             if self.by_prompt is not None:
                 script, index = _conversation_script(self.by_prompt, inputs)
             else:
-                if self.loop and (self._next >= len(self.script) or _starts_run(self._last_input, inputs)):
+                again = inputs == self._last_input and self._last_ended_cleanly
+                if self.loop and (self._next >= len(self.script) or _starts_run(self._last_input, inputs) or again):
                     self._next = 0
                 self._last_input = inputs
                 script, index = self.script, self._next
+                self._last_ended_cleanly = index < len(script) and _ends_cleanly(script[index])
                 self._next += 1
         exhausted = index >= len(script)
         if self._log is not None:
@@ -156,6 +161,21 @@ class FakeModel:
         fix = "the script is empty" if not script else "restart `toolq fake-model`, or start it with --loop"
         message = f"fake model: script exhausted: all {len(script)} scripted responses were served; {fix}"
         return HttpError(400, _error_json(message, SCRIPT_EXHAUSTED))
+
+
+#: Directives after which a client may send the same request again (a retry, not a new run).
+_RETRIED_AFTER = frozenset({"http_error", "failed", "incomplete", "error_event", "cut", "stall", "gate", "raw",
+                            "replay"})
+
+
+def _ends_cleanly(response: Any) -> bool:
+    """Whether the response ends in `response.completed` with nothing a client would retry: then
+    the same request again is a new run (a run cancelled after it never asked again), not a retry."""
+    steps = response.get("output", []) if isinstance(response, dict) else response
+    if isinstance(response, dict) and response.get("gate"):
+        return False
+    return not isinstance(steps, list) or not any(
+        isinstance(s, dict) and s.get("directive") in _RETRIED_AFTER for s in steps)
 
 
 def _starts_run(previous: list[Any] | None, inputs: list[Any]) -> bool:
