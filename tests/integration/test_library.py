@@ -23,6 +23,7 @@ from tests.integration.conftest import ROOT, SIGNING_KEY, TEST_TOOLS
 pytestmark = pytest.mark.integration
 
 EXAMPLE = ROOT / "examples" / "openai_sdk_loop.py"
+MANY_SESSIONS = ROOT / "examples" / "many_sessions.py"
 
 
 def fleet_on(redis_url: str, workspace) -> Fleet:
@@ -50,6 +51,23 @@ def test_the_readme_example_drives_the_openai_sdk_and_runs_every_call_on_the_fle
         outputs = [i for i in second["input"] if i.get("type") == "function_call_output"]
         assert [o["call_id"] for o in outputs] == ["call_demo_uname", "call_demo_ls"]
         assert {t.get("name") for t in second["tools"]} >= {"exec_command", "apply_patch"}
+
+
+def test_the_many_sessions_example_runs_concurrent_turns_on_an_embedded_runtime(tmp_path):
+    """As the README runs it, with no REDIS_URL: `Runtime.connect()` starts the embedded stack (the
+    example said "needs REDIS_URL", and without one it was a traceback; found by a new user)."""
+    script = {"by_prompt": {"*": [[{"type": "function_call", "name": "exec_command",
+                                     "arguments": {"cmd": "echo ran > \"$(mktemp -p .)\""}}], "done"]}}
+    with FakeModel(script) as fake:
+        env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL", "TOOLQ_TOOLS")}
+        env.update(OPENAI_BASE_URL=fake.base_url, OPENAI_API_KEY="fake", TOOLQ_WORKSPACE=str(tmp_path))
+        proc = subprocess.run([sys.executable, str(MANY_SESSIONS), "one", "two", "three"], env=env,
+                              capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 3 and all(line.endswith(" completed: done") for line in lines), proc.stdout
+    assert len(list(tmp_path.iterdir())) == 3  # each turn's command ran once, in the workspace
+    assert len(fake.requests) == 6
 
 
 def test_run_calls_takes_sdk_objects_and_dicts_and_answers_every_call_in_call_order(fleet, redis_server, tmp_path):

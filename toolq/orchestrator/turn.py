@@ -117,6 +117,12 @@ class Runtime(Fleet):
         catalog, ledger, dispatcher, router = await cls._parts(settings, catalog)
         return cls(settings, catalog, ModelClient(model), ledger, dispatcher, router)
 
+    @classmethod
+    async def open(cls, settings: Settings, *, catalog: Catalog | None = None) -> Runtime:
+        """What `Fleet.connect` opens: so `async with Runtime.connect() as runtime` starts the
+        embedded stack when no REDIS_URL is set, as `toolq run` does."""
+        return await cls.create(settings, catalog=catalog)
+
     async def aclose(self) -> None:
         await flush_background()
         await self.client.aclose()
