@@ -92,7 +92,10 @@ def test_a_rate_limit_of_4_per_second_holds_across_the_fleet(redis_server, fleet
     assert run.outcome.status == "completed", run.outcome.error
     assert len(run.outputs_of(1)) == 12 and all('"start"' in o["output"] for o in run.outputs_of(1))
     # The limit applies when a call is sent (the ledger's queued_at); a worker starts it a queue hop later.
-    sent = sorted(float(c["queued_at"]) for c in ledger_calls(redis_server.url, [run.outcome.turn_id]))
+    records = ledger_calls(redis_server.url, [run.outcome.turn_id])
+    by_time = [c["call_id"] for c in sorted(records, key=lambda c: float(c["queued_at"]))]
+    assert by_time == [f"call_r{k}" for k in range(12)], by_time  # sent in call order (a new user saw 1,6,0,3,...)
+    sent = sorted(float(c["queued_at"]) for c in records)
     assert len(sent) == 12
     assert max(sum(1 for t in sent if s <= t < s + 0.99) for s in sent) <= 4, sent
     assert sent[-1] - sent[0] >= 1.9, "12 calls at 4/s take two windows past the first"

@@ -18,7 +18,7 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import redis.asyncio as aioredis
 
@@ -78,7 +78,8 @@ class FleetLimits(Limits):
         """Per tool (and per tool's rate): this process's waiters, first come first served."""
         self._released: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._waiting: set[str] = set()
-        """Tools a caller here waits for (holding the tool's lock) because the fleet's permits are taken."""
+        """Limits (a tool, or `rate:` and a tool) a caller here waits for, holding their lock: the
+        fleet's permits are taken, or the rate window is full."""
         self._behind: defaultdict[str, list[OnWait]] = defaultdict(list)
         """Per tool, callers queued behind a try still under way: told if that try fails."""
         self._held: dict[str, Permit] = {}
@@ -116,13 +117,19 @@ class FleetLimits(Limits):
     # --- max_concurrency ---------------------------------------------------------------------------
 
     async def _take(self, permit: Permit, task_id: str, deadline: float, on_wait: OnWait) -> bool:
-        # This process's callers try in arrival order (a step's calls in call order): two tries at
-        # once could reach Redis in either order and let a later call take the permit first. One
-        # that finds a waiter ahead is held back at once; one behind a quick try, if that try fails.
-        tool, why = permit.tool, f"max_concurrency={permit.limit} of {permit.tool}"
-        queue, behind = self._queues[tool], self._behind[tool]
+        return await self._in_order(permit.tool, f"max_concurrency={permit.limit} of {permit.tool}", on_wait,
+                                    lambda: self._try(permit, task_id),
+                                    lambda: self._wait_for_permit(permit, task_id, deadline))
+
+    async def _in_order(self, key: str, why: str, on_wait: OnWait, first: Callable[[], Awaitable[bool]],
+                        wait: Callable[[], Awaitable[bool]]) -> bool:
+        """This process's callers of one limit go one at a time, in arrival order (a step's calls in
+        call order): tries made at once could reach Redis in either order and let a later call go
+        first. `first` is the quick try; when it fails the caller is throttled and `wait` decides.
+        One that finds a waiter ahead is held back at once; one behind a quick try, if that try fails."""
+        queue, behind = self._queues[key], self._behind[key]
         if queue.locked():
-            if tool in self._waiting:
+            if key in self._waiting:
                 on_wait(why)
             else:
                 behind.append(on_wait)
@@ -130,17 +137,17 @@ class FleetLimits(Limits):
             async with queue:
                 if on_wait in behind:
                     behind.remove(on_wait)
-                if await self._try(permit, task_id):
+                if await first():
                     return True
                 on_wait(why)
                 for held_back in behind:
                     held_back(why)
                 behind.clear()
-                self._waiting.add(tool)
+                self._waiting.add(key)
                 try:
-                    return await self._wait_for_permit(permit, task_id, deadline)
+                    return await wait()
                 finally:
-                    self._waiting.discard(tool)
+                    self._waiting.discard(key)
         finally:
             if on_wait in behind:
                 behind.remove(on_wait)
@@ -234,19 +241,19 @@ class FleetLimits(Limits):
 
     async def _start(self, tool: str, rate: Rate, task_id: str, deadline: float, on_wait: OnWait) -> bool:
         """Record the call's start in the tool's window, waiting as long as the window says."""
-        queue = self._queues["rate:" + tool]
-        wait_ms = 1 if queue.locked() else await self._count(tool, rate, task_id)  # others here wait before it
-        if not wait_ms:
-            return True
-        on_wait(f"rate_limit={rate} of {tool}")
-        async with queue:
+        async def started() -> bool:
+            return not await self._count(tool, rate, task_id)
+
+        async def wait() -> bool:
             while wait_ms := await self._count(tool, rate, task_id):
                 remaining = deadline - time.time()
                 if remaining <= wait_ms / 1000:
                     await asyncio.sleep(max(remaining, 0.0))
                     return False
                 await asyncio.sleep(wait_ms / 1000)
-        return True
+            return True
+
+        return await self._in_order("rate:" + tool, f"rate_limit={rate} of {tool}", on_wait, started, wait)
 
     async def _count(self, tool: str, rate: Rate, task_id: str) -> int:
         """0: the start is recorded in the window; else milliseconds until the window has room."""
