@@ -235,3 +235,24 @@ def test_a_built_in_tool_gets_its_limit_from_settings(redis_server, fleet, drive
     assert all("ran" in o["output"] for o in run.outputs_of(1))
     intervals = ran(ledger_calls(redis_server.url, [run.outcome.turn_id]))
     assert len(intervals) == 3 and max_running(intervals) == 1, sorted(intervals)
+
+
+def test_a_limit_override_for_a_tool_not_loaded_is_said_once(redis_server, caplog):
+    """A new user's `{"slwo": ...}` (a typo) was accepted and applied to nothing, silently."""
+    from toolq import Fleet
+
+    limits = {"slwo": {"max_concurrency": 1}, "sleep_echo": {"max_concurrency": 2}, "srv.tool": {"rate_limit": "1/s"}}
+
+    async def two_turns_start():
+        fleet = await Fleet.open(Settings(redis_url=redis_server.url, signing_key=SIGNING_KEY, tools=[TEST_TOOLS],
+                                          tool_limits=limits))
+        try:
+            await fleet.follow_fleet_tools()  # each turn's start does this
+        finally:
+            await fleet.aclose()
+
+    with caplog.at_level("WARNING", logger="toolq.fleet"):
+        asyncio.run(two_turns_start())
+    assert [r.getMessage() for r in caplog.records if "TOOLQ_TOOL_LIMITS" in r.getMessage()] == [
+        "TOOLQ_TOOL_LIMITS names tool slwo, which is not loaded here: its limits apply to nothing"]
+
