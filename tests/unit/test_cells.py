@@ -17,6 +17,8 @@ from toolq.workers import isolation
 from toolq.workers.isolation import cell, limits
 from toolq.workers.isolation.policy import Policy
 
+#: A sleep no other process on the machine runs, so pgrep finds (or misses) only ours.
+SLEEP = f"sleep 300.{os.getpid()}"
 SANDBOX = isolation.choose(Policy.from_settings(Settings(sandbox="bwrap", sandbox_cpu_seconds=1)))
 pytestmark = pytest.mark.skipif(SANDBOX.unavailable is not None, reason=f"bwrap does not work here: {SANDBOX.unavailable}")
 
@@ -51,13 +53,13 @@ def the_cell(slot: ThreadPoolExecutor) -> cell.Cell:
 
 def test_commands_of_one_workspace_share_a_cell_but_not_their_tmp_processes_or_ipc(slot, tmp_path):
     code, out = run(slot, tmp_path, "ipcmk -M 4096 >/dev/null && ipcs -m | grep -q '^0x' || echo NO-IPC; echo kept > /tmp/left; echo x > /dev/shm/left; "
-                                     "setsid -f sleep 300; (sleep 300 &); echo $$ ok")
+                                     f"setsid -f {SLEEP}; ({SLEEP} &); echo $$ ok")
     assert (code, out.split()) == (0, ["2", "ok"])  # pid 2: the cell's init is pid 1
     first = the_cell(slot)
     code, out = run(slot, tmp_path, "ls -A /tmp /dev/shm; echo segments $(ipcs -m | grep -c '^0x'); ps -e -o comm=")
     assert code == 0 and the_cell(slot) is first
     assert "left" not in out and "sleep" not in out and "segments 0" in out, out
-    assert subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True).returncode == 1  # gone on the host too
+    assert subprocess.run(["pgrep", "-f", SLEEP], capture_output=True).returncode == 1  # gone on the host too
 
 
 def test_each_command_has_pseudo_terminals_of_its_own(slot, tmp_path):
@@ -96,12 +98,12 @@ def test_another_workspace_gets_another_cell_which_cannot_see_the_first(slot, tm
 def test_the_cpu_limit_is_named_by_its_signal_and_a_kill_takes_the_whole_namespace(slot, tmp_path):
     code, _ = run(slot, tmp_path, "exec python3 -c 'while True: pass'")
     assert code == 128 + signal.SIGXCPU  # the command is not pid 1, which would ignore SIGXCPU
-    process = start(slot, tmp_path, "sleep 300 & sleep 300 & wait")
+    process = start(slot, tmp_path, f"{SLEEP} & {SLEEP} & wait")
     time.sleep(0.3)
     process.kill()
     assert process.wait(timeout=10) == -signal.SIGKILL
     process.stdout.close()
-    assert subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True).returncode == 1
+    assert subprocess.run(["pgrep", "-f", SLEEP], capture_output=True).returncode == 1
 
 
 def test_a_dead_cell_is_replaced_and_a_missing_program_says_why(slot, tmp_path):
