@@ -126,7 +126,8 @@ def test_a_tool_declared_differently_on_its_only_worker_is_not_sent_to_it(redis_
         "touch_marker was not run: no live worker serves tool `touch_marker` (declared in module "
         "`tests.integration.mismatch_tools`); 1 live worker(s) serve another declaration of it "
         "(another version of its module), and a call only goes to a worker whose declaration is the caller's: start one with "
-        "`toolq worker --tools tests.integration.mismatch_tools`")
+        f"`toolq worker --tools tests.integration.mismatch_tools` (its queue is `{mismatch_tools.QUEUE}`, which a "
+        "worker started with --queues must list)")
     assert not (workspace / "marker.txt").exists(), "the call ran on a worker with another declaration"
     item = completed_items(run)["call_mm"]
     assert (item["status"], item["state"], item["success"]) == ("failed", "rejected", False) and "worker" not in item
@@ -152,7 +153,8 @@ def test_a_worker_restricted_by_queues_does_not_serve_the_tools_of_other_queues(
     outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
     assert outputs["call_stranded"] == (
         f"search was not run: no live worker serves tool `search` (declared in module `{SEARCH_TOOLS}`): "
-        f"start one with `toolq worker --tools {SEARCH_TOOLS}`")
+        f"start one with `toolq worker --tools {SEARCH_TOOLS}` (its queue is `search`, which a worker started with "
+        "--queues must list)")
     assert json.loads(outputs["call_alive"])["text"] == "alive"
     items = completed_items(run)
     assert items["call_stranded"]["state"] == "rejected" and "worker" not in items["call_stranded"]

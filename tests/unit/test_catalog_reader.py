@@ -40,7 +40,8 @@ def test_an_unserved_tool_on_its_own_queue_names_the_queue_to_consume():
     spec = only(declared(queue="gpu"))
     assert unserved_message(spec, FleetSnapshot((), 0.0)) == (
         "no live worker serves tool `echo` (declared in module `tests.unit.test_advert`): "
-        "start one with `toolq worker --tools tests.unit.test_advert --queues gpu`")
+        "start one with `toolq worker --tools tests.unit.test_advert` (its queue is `gpu`, which a worker started "
+        "with --queues must list)")
 
 
 def test_an_unserved_builtin_asks_for_any_worker():

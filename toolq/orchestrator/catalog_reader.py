@@ -87,13 +87,15 @@ def unserved_message(spec: ToolSpec, snapshot: FleetSnapshot) -> str:
     if others:
         text += (f"; {len(others)} live worker(s) serve another declaration of it (another version of its module), "
                  "and a call only goes to a worker whose declaration is the caller's")
-    # A worker consumes only its --queues: one with the module loaded may still not take the tool's.
-    queues = f" --queues {spec.queue}" if spec.queue != DEFAULT_QUEUE else ""
+    # A worker consumes its tools' queues, or only its --queues: one with the module loaded may
+    # still not take this one's.
+    queue = (f" (its queue is `{spec.queue}`, which a worker started with --queues must list)"
+             if spec.queue != DEFAULT_QUEUE else "")
     if builtin:
-        return text + f": start one with `toolq worker{queues}`"
+        return text + f": start one with `toolq worker`{queue}"
     if module:
-        return text + f": start one with `toolq worker --tools {module}{queues}`"
-    return text + (f": start a worker that serves it on queue `{spec.queue}`" if queues else ": start a worker that serves it")
+        return text + f": start one with `toolq worker --tools {module}`{queue}"
+    return text + f": start a worker that serves it{queue}"
 
 
 class FleetCatalog:
