@@ -20,7 +20,7 @@ from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.states import CallState
 from toolq.orchestrator.tool_limits import Rate, ToolLimit, parse_tool_limits
-from toolq.orchestrator.turn_events import ItemUpdated
+from toolq.orchestrator.turn_events import ItemCompleted, ItemUpdated
 from toolq.workers.catalog import Catalog, ToolContext, ToolSpec, tool
 from tests.unit.test_barrier import sync
 
@@ -173,6 +173,39 @@ async def test_cancelling_a_throttled_call_gives_the_aborted_output_and_revokes_
     assert [o.output.startswith("aborted by user after") for o in outputs] == [True, True]
     assert h.transport.revoked == [h.step.entries[0].task_id]  # the throttled one was never sent
     assert h.transport.sent == [h.step.entries[0].task_id]
+
+
+@sync
+async def test_cancelling_one_throttled_call_answers_it_now_and_the_next_takes_its_place(tmp_path):
+    h = CapHarness(tmp_path, cap=1)
+    for call_id, seconds in (("call_a", 0.3), ("call_b", 0.0), ("call_c", 0.0)):
+        h.add(call_id, seconds)
+    await asyncio.sleep(0.05)
+    h.step.cancel_unsent(h.step.entries[1].task_id)
+    assert h.step.entries[1].done.is_set() and h.step.entries[1].state is CallState.CANCELLED  # not after call_a
+    outputs = await h.step.wait()
+    assert [o.output for o in outputs[::2]] == ["ok", "ok"] and outputs[1].output.startswith("aborted by user after")
+    assert h.starts == ["call_a", "call_c"] and h.records.calls[h.step.entries[1].task_id]["state"] == "cancelled"
+
+
+@sync
+async def test_a_cancel_as_the_slot_frees_is_not_lost_and_nothing_hangs(tmp_path):
+    """A reviewer's race: the cancel lands in the tick the turn's slot passes to the call; 3.11's
+    wait_for then returns the slot over the cancel, and the call was sent anyway (or, with a serial
+    call after it, the step never ended)."""
+    h = CapHarness(tmp_path, cap=1)
+
+    def cancel_b_as_a_ends(event) -> None:
+        h.events.append(event)
+        if isinstance(event, ItemCompleted) and event.item.id == "call_a":
+            h.step.cancel_unsent(h.step.entries[1].task_id)  # call_b's wait has just been granted
+
+    h.step._emit = cancel_b_as_a_ends
+    for call_id in ("call_a", "call_b", "call_c"):
+        h.add(call_id, 0.05)
+    outputs = await asyncio.wait_for(h.step.wait(), 5)
+    assert outputs[1].output.startswith("aborted by user after") and h.step.entries[1].state is CallState.CANCELLED
+    assert h.starts == ["call_a", "call_c"]  # never sent, and its slot went on to call_c
 
 
 @sync

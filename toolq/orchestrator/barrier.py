@@ -173,7 +173,9 @@ class Step:
 
     async def _run(self, entry: CallEntry) -> None:
         try:
-            entry.result = await self._admit_and_run(entry)
+            result = await self._admit_and_run(entry)
+            if not entry.done.is_set():  # a cancel may have answered it meanwhile (`cancel_unsent`)
+                entry.result = result
         except asyncio.CancelledError:
             if entry.result is None:  # abort() fills it; anything else is a bug worth seeing
                 raise
@@ -201,10 +203,14 @@ class Step:
         if not await self._turn_slot(entry):
             return self._expired_throttled(entry)
         try:
+            if entry.done.is_set():  # cancelled as its wait ended: 3.11's wait_for keeps a result over a cancel
+                return entry.result  # type: ignore[return-value]
             admission = await self.limits.admit(inv, spec, inv.deadline, lambda why: self._throttle(entry, why))
             if admission is None:
                 return self._expired_throttled(entry)
             try:
+                if entry.done.is_set():  # the same, at the permit's or the rate window's wait
+                    return entry.result  # type: ignore[return-value]
                 if entry.state is CallState.THROTTLED:
                     entry.state = CallState.QUEUED
                     self.emit(ItemUpdated(item=self._view(entry)))
@@ -233,8 +239,8 @@ class Step:
         return True
 
     def _throttle(self, entry: CallEntry, why: str) -> None:
-        if entry.state is CallState.THROTTLED and entry.throttled_by == why:
-            return
+        if entry.done.is_set() or (entry.state is CallState.THROTTLED and entry.throttled_by == why):
+            return  # a call answered already (cancelled) is not held back again by a late notice
         entry.state, entry.throttled_by = CallState.THROTTLED, why
         log.info("‖ %s %s throttled: %s", entry.call_id, entry.tool, why)
         self.emit(ItemUpdated(item=self._view(entry)))
