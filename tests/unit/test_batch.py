@@ -91,3 +91,16 @@ def test_progress_counts_invalid_lines_apart_and_fits_the_terminal():
     assert len(progress.line()) > 80 and not progress.line(80).startswith("[")
     assert progress.line(80).startswith("4/4 turns") and len(progress.line(80)) < 80
     assert len(progress.line(40)) == 39
+
+
+def test_a_line_separator_inside_a_json_string_does_not_split_the_line(tmp_path):
+    """A reviewer's final message with U+2028: `splitlines` cut its result in two, and every re-run ran it again."""
+    out = tmp_path / "out.jsonl"
+    results = Results(out)
+    results.write(BatchResult(key="1:a", line=1, status="completed", final_message="a\u2028b\x85c\x0cd"))
+    results.close()
+    assert latest_statuses(out) == {"1:a": "completed"}
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text('{"prompt": "one\u2028two"}\r\n{"prompt": "three"}', encoding="utf-8")
+    entries = read_entries(read_lines(batch))
+    assert [e.turn.prompt for e in entries] == ["one\u2028two", "three"]

@@ -76,9 +76,12 @@ def line_key(number: int, raw: str) -> str:
     return f"{number}:{hashlib.sha256(raw.strip().encode(errors='surrogateescape')).hexdigest()[:16]}"
 
 
-def read_lines(path: Path) -> list[str]:
-    """The file's lines; bytes that are not UTF-8 are kept (as surrogates) for `parse_line` to refuse."""
-    return path.read_bytes().decode(errors="surrogateescape").splitlines()
+def read_lines(path: Path, errors: str = "surrogateescape") -> list[str]:
+    """The file's lines, split at newlines only: `str.splitlines` also splits at U+2028, NEL and
+    friends, which JSON strings hold unescaped (a final message with one lost its result). Bytes
+    that are not UTF-8 are kept as surrogates for `parse_line` to refuse (or `errors` says)."""
+    lines = path.read_bytes().split(b"\n")
+    return [line.decode(errors=errors) for line in (lines[:-1] if lines[-1] == b"" else lines)]
 
 
 def read_entries(lines: Iterable[str]) -> list[Entry]:
@@ -114,7 +117,7 @@ def latest_statuses(out: Path) -> dict[str, str]:
     latest: dict[str, str] = {}
     if not out.exists():
         return latest
-    for raw in out.read_text(errors="replace").splitlines():
+    for raw in read_lines(out, errors="replace"):
         try:
             r = BatchResult.model_validate_json(raw)
         except ValidationError:
