@@ -16,6 +16,7 @@ from toolq import Fleet, Settings
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.turn_events import ItemCompleted
 from toolq.workers.loader import load_catalog
 
 from tests.integration.conftest import ROOT, SIGNING_KEY, TEST_TOOLS
@@ -142,3 +143,40 @@ def test_toolq_cancel_from_another_process_aborts_the_unfinished_calls(fleet, re
     assert '"text": "q"' in outputs[0]["output"]
     assert outputs[1]["output"].startswith("aborted by user after")
     assert took < 5
+
+
+def test_cancelling_one_throttled_call_of_run_calls_answers_it_at_once(fleet, redis_server, tmp_path):
+    """`toolq cancel TURN --call CALL` reaches `Fleet.run_calls` too (a reviewer found only `Session` heard it)."""
+    turn_id = "turn-lib-cancel-call" + str(time.time_ns())
+    ended: list = []
+
+    async def go():
+        f = await Fleet.open(Settings(redis_url=redis_server.url, workspace=tmp_path, tools=[TEST_TOOLS],
+                                      signing_key=SIGNING_KEY, max_parallel_calls=1), catalog=load_catalog([TEST_TOOLS]))
+        other = Ledger.from_url(redis_server.url)  # stands for `toolq cancel TURN --call CALL` elsewhere
+        try:
+            calls = asyncio.create_task(f.run_calls([
+                {"type": "function_call", "call_id": f"call_{k}", "name": "sleep_echo",
+                 "arguments": '{"ms": 1500, "text": "ran"}'} for k in range(3)], turn_id=turn_id, emit=ended.append))
+            deadline = time.monotonic() + 20
+            while not (held := [c for c in await other.calls(turn_id)
+                                if c.get("call_id") == "call_2" and c.get("state") == "throttled"]):
+                assert time.monotonic() < deadline, "call_2 was never throttled"
+                await asyncio.sleep(0.05)
+            await other.cancel_call(turn_id, held[0]["task_id"])
+            cancelled_at = time.monotonic()
+            outputs = await calls
+            return outputs, await other.calls(turn_id), cancelled_at
+        finally:
+            await other.aclose()
+            await f.aclose()
+
+    outputs, records, _ = asyncio.run(go())
+    assert [o["call_id"] for o in outputs] == ["call_0", "call_1", "call_2"]
+    assert '"ran"' in outputs[0]["output"] and '"ran"' in outputs[1]["output"]
+    assert outputs[2]["output"].startswith("aborted by user after ")
+    record = next(c for c in records if c["call_id"] == "call_2")
+    assert record["state"] == "cancelled" and not record.get("started_at"), record
+    order = [e.item.id for e in ended if isinstance(e, ItemCompleted)]
+    assert order.index("call_2") < order.index("call_1"), order  # at once, not once call_1 let it go
+

@@ -44,8 +44,8 @@ class CancelListener:
         """Turns whose cancel was published while this subscription was up."""
         self._checked: OrderedDict[str, None] = OrderedDict()
         """Turns whose durable record was read (not cancelled) since the subscription was taken."""
-        self._calls: dict[str, Callable[[str], None]] = {}
-        """Per turn, told the task id of each call cancelled alone (`toolq cancel --call`)."""
+        self._calls: dict[str, list[Callable[[str], None]]] = {}
+        """Per turn, who is told the task id of each call cancelled alone (`toolq cancel --call`)."""
         self._subscribed = asyncio.Event()
         self._reader: asyncio.Task | None = None
 
@@ -53,11 +53,14 @@ class CancelListener:
         """Tell `heard` the task id of each of the turn's calls cancelled alone, while the turn's
         cancel is waited for (`wait` keeps the subscription); returns what stops it. A call still
         queued when a cancel was missed is stopped by the worker, which reads its durable record."""
-        self._calls[turn_id] = heard
+        self._calls.setdefault(turn_id, []).append(heard)
 
         def stop() -> None:
-            if self._calls.get(turn_id) is heard:
-                del self._calls[turn_id]
+            hearing = self._calls.get(turn_id, [])
+            if heard in hearing:
+                hearing.remove(heard)
+            if not hearing:
+                self._calls.pop(turn_id, None)
 
         return stop
 
@@ -133,9 +136,11 @@ class CancelListener:
         if message.get("scope") == "turn":
             self._hear(turn_id)
         elif message.get("scope") == "call" and isinstance(message.get("task_id"), str):
-            heard = self._calls.get(turn_id)
-            if heard is not None:
-                heard(message["task_id"])
+            for heard in list(self._calls.get(turn_id, ())):
+                try:
+                    heard(message["task_id"])
+                except Exception:  # the turn's bug, not a lost channel: the subscription goes on
+                    log.exception("handling the cancel of call %s of %s failed", message["task_id"], turn_id)
 
     async def _check_records(self) -> None:
         for turn_id in list(self._waiters):

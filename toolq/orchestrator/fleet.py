@@ -210,6 +210,7 @@ class Fleet:
         step = self.step(ctx, emit)
         await self.router.watch_turn(turn_id)
         cancel = asyncio.create_task(cancel_requested(self.ledger, turn_id))
+        stop_hearing_calls = self.ledger.on_call_cancel(turn_id, step.cancel_unsent)  # `toolq cancel --call`
         try:
             for index, item in enumerate(decoded):
                 bound = self.bind(item, ctx, index)
@@ -222,6 +223,7 @@ class Fleet:
             outputs = waiter.result() if waiter.done() else await step.abort()
             waiter.cancel()
         finally:
+            stop_hearing_calls()
             await stop(cancel)
             await self.router.unwatch_turn(turn_id, linger=WATCH_LINGER)
         self.note_outputs(outputs)
