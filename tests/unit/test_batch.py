@@ -23,13 +23,17 @@ def test_each_line_is_a_turn_or_one_line_naming_every_problem(tmp_path):
 def test_a_line_may_not_name_a_system_or_shared_folder_as_its_workspace(tmp_path, monkeypatch):
     """A red-team helper's batch line with "/etc" got /etc mounted read-write for its commands."""
     (tmp_path / "project").mkdir()
+    (tmp_path / "etc-link").symlink_to("/etc")
+    (tmp_path / "linked").symlink_to(tmp_path / "project")
     monkeypatch.chdir(tmp_path)
-    lines = [json.dumps({"prompt": "p", "workspace": w}) for w in ("/etc", "/", "/usr/share", "/tmp", "project")]
-    entries = read_entries(lines)
-    for entry, where in zip(entries, ("/etc", "/", "/usr/share", "/tmp")):
-        assert entry.problem == (f"line {entry.number}: workspace {where} is a system or shared directory, and the "
-                                 "model's commands may write in their workspace: give a project's folder")
-    assert entries[4].turn.workspace == tmp_path / "project"  # relative: against the current folder
+    refused = ("/etc", "/", "/usr/share", "/tmp", "//etc/.", "/tmp/../etc", "etc-link")
+    entries = read_entries([json.dumps({"prompt": "p", "workspace": w}) for w in (*refused, "project", "linked")])
+    for entry, where in zip(entries, ("/etc", "/", "/usr/share", "/tmp", "//etc", "/etc", f"{tmp_path}/etc-link")):
+        assert entry.problem == (
+            f"line {entry.number}: workspace {where} is a system or shared directory, and the model's commands may "
+            "write in their workspace: give a project's folder (--workspace, TOOLQ_WORKSPACE, or Session(workspace=))")
+    assert entries[-2].turn.workspace == tmp_path / "project"  # relative: against the current folder
+    assert entries[-1].turn.workspace == tmp_path / "linked"  # a link is kept: workers must see the same path
 
 
 def test_a_line_is_known_by_its_number_and_text():

@@ -144,7 +144,8 @@ def test_toolq_run_refuses_a_system_folder_and_makes_a_relative_workspace_absolu
     monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")  # no key needed: the refusal comes first
     assert cli.main(["run", "--workspace", "/etc", "hi"]) == 2
     assert capsys.readouterr().err == ("toolq: workspace /etc is a system or shared directory, and the model's "
-                                       "commands may write in their workspace: give a project's folder\n")
+                                       "commands may write in their workspace: give a project's folder (--workspace, TOOLQ_WORKSPACE, or "
+                                       "Session(workspace=))\n")
     # Workers resolve a relative path against their own folder (exec_command failed to spawn there).
     monkeypatch.chdir(tmp_path)
     assert Settings(workspace=Path("ws")).workspace == tmp_path / "ws"

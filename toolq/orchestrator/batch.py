@@ -30,7 +30,7 @@ from toolq.orchestrator.catalog_reader import WorkersStarting
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.redis_faults import REDIS_FAULTS, RedisUnreachable
 from toolq.orchestrator.runner import CANCEL_SIGNALS, default_instructions, with_redis
-from toolq.orchestrator.settings import Settings, workspace_problem
+from toolq.orchestrator.settings import Settings, absolute_workspace, workspace_problem
 from toolq.orchestrator.turn import EXIT_CANCELLED, EXIT_FAILED, Runtime, Session, TurnOutcome, new_turn_id
 
 Status = Literal["completed", "failed", "cancelled", "invalid"]
@@ -106,7 +106,7 @@ def parse_line(number: int, raw: str) -> Entry:
         said = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'the line'}: {err['msg']}" for err in e.errors())
         return Entry(number=number, key=key, problem=f"line {number}: {said}")
     if turn.workspace is not None:
-        turn.workspace = turn.workspace.expanduser().resolve()
+        turn.workspace = absolute_workspace(turn.workspace)
         if problem := workspace_problem(turn.workspace):
             return Entry(number=number, key=key, problem=f"line {number}: {problem}")
     return Entry(number=number, key=key, turn=turn)

@@ -22,7 +22,7 @@ from toolq.orchestrator.durable import TurnSettings, TurnStore
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.history import History, pairing_problems
 from toolq.orchestrator.redis_faults import reaching
-from toolq.orchestrator.settings import Settings, workspace_problem
+from toolq.orchestrator.settings import Settings, absolute_workspace, workspace_problem
 from toolq.orchestrator.turn import Runtime, Session, TurnOutcome, new_turn_id
 from toolq.orchestrator.view import JsonView, LiveView
 
@@ -64,12 +64,13 @@ def save_session(path: Path, history: History) -> None:
 def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path | None = None) -> int:
     from toolq.orchestrator.fake_model.server import FakeModel
 
-    if workspace is not None and (problem := workspace_problem(workspace.expanduser().resolve())):
-        raise ConfigurationError(problem)
+    if workspace is not None:
+        workspace = absolute_workspace(workspace)
+        if problem := workspace_problem(workspace):
+            raise ConfigurationError(problem)
     with ExitStack() as stack:
         if workspace is None:
             workspace = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="toolq-demo-")))
-        workspace = workspace.resolve()
         fake = stack.enter_context(FakeModel())
         settings = settings.model_copy(update={"openai_base_url": fake.base_url, "openai_api_key": "demo",
                                                "workspace": workspace})

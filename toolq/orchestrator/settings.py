@@ -26,12 +26,20 @@ SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/l
 TOO_WIDE = ("/", "/home", "/opt", "/srv", "/tmp", "/var", "/var/tmp", "/mnt", "/media")
 
 
+def absolute_workspace(path: str | Path) -> Path:
+    """The path workers are sent: absolute from where toolq starts (a worker resolves a relative
+    one against its own folder), `..` folded, symlinks kept (workers must see the same path,
+    which may reach a shared volume through a link only this host has resolved)."""
+    return Path(os.path.normpath(Path(path).expanduser().absolute()))
+
+
 def workspace_problem(path: Path, *, must_exist: bool = True) -> str | None:
-    """Why `path` (absolute, resolved) cannot be a turn's workspace, if it cannot."""
-    where = str(path)
-    if where in TOO_WIDE or any(where == t or where.startswith(t + "/") for t in SYSTEM_TREES):
-        return (f"workspace {path} is a system or shared directory, and the model's commands may write in "
-                "their workspace: give a project's folder")
+    """Why `path` (from `absolute_workspace`) cannot be a turn's workspace, if it cannot. A link
+    is judged by where it leads too."""
+    for where in dict.fromkeys((str(path), str(path.resolve()))):
+        if where in TOO_WIDE or any(where == t or where.startswith(t + "/") for t in SYSTEM_TREES):
+            return (f"workspace {path} is a system or shared directory, and the model's commands may write in "
+                    "their workspace: give a project's folder (--workspace, TOOLQ_WORKSPACE, or Session(workspace=))")
     if must_exist and not path.is_dir():
         return f"workspace {path} is not a directory"
     return None
@@ -207,8 +215,7 @@ class Settings(BaseModel):
     @field_validator("workspace")
     @classmethod
     def _absolute_workspace(cls, v: Path) -> Path:
-        # Workers resolve a relative path against their own folder, not the orchestrator's.
-        return v.expanduser().resolve()
+        return absolute_workspace(v)
 
     @field_validator("signing_key")
     @classmethod

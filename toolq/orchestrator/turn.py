@@ -41,7 +41,7 @@ from toolq.orchestrator.protocol.reasoning import reasoning_for
 from toolq.orchestrator.redis_faults import REDIS_FAULTS, RedisUnreachable
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.results import ResultRouter
-from toolq.orchestrator.settings import Settings, workspace_problem
+from toolq.orchestrator.settings import Settings, absolute_workspace, workspace_problem
 from toolq.orchestrator.turn_events import (
     AgentMessageView,
     Emit,
@@ -141,7 +141,7 @@ class Session:
     def __init__(self, runtime: Runtime, *, instructions: str | None = None,
                  reasoning: dict[str, Any] | None = None, workspace: str | Path | None = None) -> None:
         self.rt = runtime
-        where = Path(workspace).expanduser().resolve() if workspace else runtime.settings.workspace
+        where = absolute_workspace(workspace) if workspace else runtime.settings.workspace
         if problem := workspace_problem(where, must_exist=False):  # a missing one: each call says so
             raise ConfigurationError(problem)
         self.workspace = str(where)
