@@ -243,16 +243,16 @@ def test_a_limit_override_for_a_tool_not_loaded_is_said_once(redis_server, caplo
 
     limits = {"slwo": {"max_concurrency": 1}, "sleep_echo": {"max_concurrency": 2}, "srv.tool": {"rate_limit": "1/s"}}
 
-    async def two_turns_start():
+    async def a_turn_starts():
         fleet = await Fleet.open(Settings(redis_url=redis_server.url, signing_key=SIGNING_KEY, tools=[TEST_TOOLS],
                                           tool_limits=limits))
         try:
-            await fleet.follow_fleet_tools()  # each turn's start does this
+            await fleet.follow_fleet_tools()  # each turn's start does this: no second warning
         finally:
             await fleet.aclose()
 
     with caplog.at_level("WARNING", logger="toolq.fleet"):
-        asyncio.run(two_turns_start())
+        asyncio.run(a_turn_starts())
     assert [r.getMessage() for r in caplog.records if "TOOLQ_TOOL_LIMITS" in r.getMessage()] == [
         "TOOLQ_TOOL_LIMITS names tool slwo, which is not loaded here: its limits apply to nothing"]
 

@@ -78,15 +78,14 @@ class ScriptedCatalog(FleetCatalog):
 def test_a_call_waits_past_the_grace_for_workers_still_booting_and_says_so_once(monkeypatch, caplog):
     monkeypatch.setattr(catalog_reader, "NOTICE_AFTER", 0.05)
     spec = only(declared())
-    fleet = ScriptedCatalog(spec, serve_after=8, grace=0.01)
+    fleet = ScriptedCatalog(spec, serve_after=16, grace=0.01)  # two calls read in turn
     fleet.starting = WorkersStarting()
-    fleet.serve_after = 16  # two calls read in turn
 
     async def two_calls():
         return await asyncio.gather(fleet.unserved(spec), fleet.unserved(spec))
 
     with caplog.at_level("WARNING", logger="toolq.fleet"):
-        assert asyncio.run(two_calls()) == [None, None]  # 8 reads x 50 ms each: far past the 10 ms grace
+        assert asyncio.run(two_calls()) == [None, None]  # 8 reads each, 50 ms apart: far past the 10 ms grace
     # Once for both calls (the demo said it once per call).
     assert [r.getMessage() for r in caplog.records] == ["waiting for a worker to serve echo (embedded workers starting)"]
 

@@ -17,8 +17,9 @@ from toolq.workers import isolation
 from toolq.workers.isolation import cell, limits
 from toolq.workers.isolation.policy import Policy
 
-#: A sleep no other process on the machine runs, so pgrep finds (or misses) only ours.
+#: A sleep no other process on the machine runs, so pgrep (with `MINE`) finds or misses only ours.
 SLEEP = f"sleep 300.{os.getpid()}"
+MINE = rf"^sleep 300\.{os.getpid()}$"
 SANDBOX = isolation.choose(Policy.from_settings(Settings(sandbox="bwrap", sandbox_cpu_seconds=1)))
 pytestmark = pytest.mark.skipif(SANDBOX.unavailable is not None, reason=f"bwrap does not work here: {SANDBOX.unavailable}")
 
@@ -59,7 +60,7 @@ def test_commands_of_one_workspace_share_a_cell_but_not_their_tmp_processes_or_i
     code, out = run(slot, tmp_path, "ls -A /tmp /dev/shm; echo segments $(ipcs -m | grep -c '^0x'); ps -e -o comm=")
     assert code == 0 and the_cell(slot) is first
     assert "left" not in out and "sleep" not in out and "segments 0" in out, out
-    assert subprocess.run(["pgrep", "-f", SLEEP], capture_output=True).returncode == 1  # gone on the host too
+    assert subprocess.run(["pgrep", "-f", MINE], capture_output=True).returncode == 1  # gone on the host too
 
 
 def test_each_command_has_pseudo_terminals_of_its_own(slot, tmp_path):
@@ -103,7 +104,7 @@ def test_the_cpu_limit_is_named_by_its_signal_and_a_kill_takes_the_whole_namespa
     process.kill()
     assert process.wait(timeout=10) == -signal.SIGKILL
     process.stdout.close()
-    assert subprocess.run(["pgrep", "-f", SLEEP], capture_output=True).returncode == 1
+    assert subprocess.run(["pgrep", "-f", MINE], capture_output=True).returncode == 1
 
 
 def test_a_dead_cell_is_replaced_and_a_missing_program_says_why(slot, tmp_path):

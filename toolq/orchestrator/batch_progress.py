@@ -68,9 +68,10 @@ class Progress:
     def _width(self) -> int:
         """The terminal's columns: a line that wraps is not redrawn in place by a carriage return."""
         try:
-            return os.get_terminal_size(self.out.fileno()).columns
+            columns = os.get_terminal_size(self.out.fileno()).columns
         except (AttributeError, OSError, ValueError):
-            return 80
+            columns = 0
+        return columns if columns > 0 else 80  # a pty with no size set says 0
 
     def show(self, *, final: bool = False) -> None:
         """Redraw (a terminal), or print a line when one is due (else)."""

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -112,6 +113,8 @@ class FleetCatalog:
         self._serving: set[str] = set()
         self._noticed: set[str] = set()
         """Tools whose wait for a worker was said: once for all the calls waiting, not once each."""
+        self._waiting: Counter[str] = Counter()
+        """Calls waiting for a worker, per tool: the notice is news again once none waits."""
         self.departed_at = float("-inf")
         """`time.time()` when a read last found an instance gone that was serving (not draining) at
         the read before: a worker that died without a clean exit (`stranded.py` looks for its calls)."""
@@ -177,7 +180,8 @@ class FleetCatalog:
         many of its calls wait."""
         began = time.monotonic()
         end = began + self.grace
-        noticed = False
+        tool = str(spec.tool_name)
+        self._waiting[tool] += 1
         try:
             snapshot = await self.snapshot()
             while not snapshot.servers(spec):
@@ -191,9 +195,8 @@ class FleetCatalog:
                             f"failed to start ({starting.error})")
                 if now >= end:
                     return unserved_message(spec, snapshot)
-                if not noticed and now - began >= NOTICE_AFTER and str(spec.tool_name) not in self._noticed:
-                    noticed = True
-                    self._noticed.add(str(spec.tool_name))
+                if now - began >= NOTICE_AFTER and tool not in self._noticed:
+                    self._noticed.add(tool)
                     log.warning("waiting for a worker to serve %s%s", spec.tool_name,
                                 f" ({starting.what})" if booting and starting is not None else "")
                 poll = BOOT_POLL if booting else POLL
@@ -201,5 +204,7 @@ class FleetCatalog:
                 snapshot = await self.snapshot(max_age=poll)
             return None
         finally:
-            if noticed:  # over: a later wait for the tool is news again
-                self._noticed.discard(str(spec.tool_name))
+            self._waiting[tool] -= 1
+            if not self._waiting[tool]:  # no call waits for it any more: a later wait is news again
+                del self._waiting[tool]
+                self._noticed.discard(tool)

@@ -100,12 +100,12 @@ class Fleet:
         self.limits = FleetLimits(ledger.r, max_parallel_calls=settings.max_parallel_calls,
                                   overrides=settings.tool_limits, lease=settings.limit_lease)
         """Fleet-wide max_concurrency and rate limits, and the per-turn cap, for every step of this process."""
+        self._check_limit_overrides()
         self.loaded_tools: set[ToolName] = set()
         """Deferred tools a `tool_search` made visible; `tool_specs()` includes them."""
         self.turn_id = new_turn_id()
         """The turn `run_calls` uses when given none: `toolq cancel` it, `toolq status` it."""
         self._started_turns: set[str] = set()
-        self._limits_checked = False
         # --- MCP hook (toolq/workers/mcp/fleet.py): the MCP servers' namespaces follow the fleet catalog
         from toolq.workers.mcp.fleet import FleetMcpTools
 
@@ -114,17 +114,12 @@ class Fleet:
     async def follow_fleet_tools(self) -> int:
         """Make the registry's MCP namespaces what live workers offer now (at a turn's start; `open`
         does it once). Returns how many MCP tools it holds."""
-        held = await self.mcp_tools.follow()
-        self._check_limit_overrides()
-        return held
+        return await self.mcp_tools.follow()
         # --- end of the MCP hook
 
     def _check_limit_overrides(self) -> None:
-        """Say once that TOOLQ_TOOL_LIMITS names a plain tool nobody loaded (a typo applies to
-        nothing, silently). Namespaced names may be MCP tools a worker still booting will offer."""
-        if self._limits_checked:
-            return
-        self._limits_checked = True
+        """Say that TOOLQ_TOOL_LIMITS names a plain tool nobody loaded (a typo applies to nothing,
+        silently). Namespaced names may be MCP tools that live workers will offer."""
         known = {str(spec.tool_name) for spec in self.catalog}
         for name in sorted(n for n in self.settings.tool_limits if n not in known and "." not in n):
             log.warning("TOOLQ_TOOL_LIMITS names tool %s, which is not loaded here: its limits apply to nothing", name)

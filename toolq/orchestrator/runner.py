@@ -143,7 +143,11 @@ async def _run(settings: Settings, prompt: str, json_events: bool, history: Hist
     view: Any = JsonView() if json_events else LiveView()
     runtime = await Runtime.create(settings)
     runtime.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
-    session = Session(runtime, instructions=settings.instructions or default_instructions(settings))
+    try:
+        session = Session(runtime, instructions=settings.instructions or default_instructions(settings))
+    except BaseException:  # a refused workspace (a resumed turn's): the one line, and nothing left open
+        await runtime.aclose()
+        raise
     if history is not None:
         session.history = history
     turn_id = turn_id or new_turn_id()

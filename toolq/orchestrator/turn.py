@@ -414,8 +414,8 @@ class Session:
             if event.kind == "item_done":
                 item: ResponseItem = event.item
                 # toolq's own count, not the server's output_index, names the call's task: a server
-                # that repeats an index and a call_id gave two calls one task id, and the second
-                # answered with the first's output (found by a red-team helper).
+                # that repeats an index and a call_id gave its calls one task id, and each answered
+                # with one command's output (found by a red-team helper).
                 output_index = index
                 index += 1
                 if not is_api_item(item):

@@ -8,8 +8,8 @@ Linux shares. The CPU column is `toolq run` and the children it waited for (the 
 server and workers). A third row runs one `exec_command true` on the embedded default, so the
 workers are up when the turn ends: its exit includes their (parallel) warm shutdown. With Codex
 installed (`bench/codex.py`), `codex exec` runs the same turn in each round, and is the baseline;
-without it, the 0.27 s Codex 0.171 took in the issue's run. Its last line is the floor no
-change to toolq can cut: a bare interpreter's launch and the core libraries' imports.
+without it, the 0.27 s Codex 0.171 took in the issue's run. The `floor` line is what no change
+to toolq can cut: a bare interpreter's launch and the core libraries' imports.
 """
 
 from __future__ import annotations
