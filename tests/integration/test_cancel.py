@@ -259,3 +259,40 @@ def test_a_cancel_while_the_model_is_still_streaming_stops_the_stream_at_once(fl
     outputs = [i for i in history if i["type"] == "function_call_output"]
     assert json.loads(outputs[0]["output"])["text"] == "done early"
     assert all(i.get("content") != [{"type": "output_text", "text": "never seen"}] for i in history)
+
+
+def test_a_call_cancel_is_acted_on_only_with_its_durable_record_and_junk_keeps_the_channel(redis_server, caplog):
+    """A red-team helper's forged publish (no record) answered a held call, and a channel name that
+    was not UTF-8 knocked the runtime's cancel subscription offline."""
+    import redis as sync_redis
+
+    from toolq.orchestrator import keys
+
+    heard: list[str] = []
+
+    async def go():
+        ledger = Ledger.from_url(redis_server.url)
+        publisher = sync_redis.Redis.from_url(redis_server.url)
+        stop_hearing = ledger.on_call_cancel("turn-x", heard.append)
+        waiting = asyncio.create_task(ledger.wait_for_cancel("turn-x"))  # as a running turn does
+        try:
+            await asyncio.sleep(0.3)
+            publisher.publish(keys.cancel_channel("turn-x").encode() + b"\xff\xfe", b"{}")
+            publisher.publish(keys.cancel_channel("turn-x"), json.dumps({"scope": "call", "task_id": "forged"}))
+            await ledger.cancel_call("turn-x", "turn-x:0:1:abc")
+            for _ in range(50):
+                if heard:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+        finally:
+            stop_hearing()
+            waiting.cancel()
+            publisher.close()
+            await ledger.aclose()
+
+    with caplog.at_level("WARNING", logger="toolq.cancels"):
+        asyncio.run(go())
+    assert heard == ["turn-x:0:1:abc"]
+    assert not any("lost the cancel channel" in r.getMessage() for r in caplog.records), caplog.text
+    assert any("ignored a cancel of call forged" in r.getMessage() for r in caplog.records)

@@ -180,3 +180,19 @@ def test_cancelling_one_throttled_call_of_run_calls_answers_it_at_once(fleet, re
     order = [e.item.id for e in ended if isinstance(e, ItemCompleted)]
     assert order.index("call_2") < order.index("call_1"), order  # at once, not once call_1 let it go
 
+
+
+def test_run_calls_refuses_a_system_folder_as_its_workspace(redis_server):
+    """A red-team helper's `Fleet.connect(workspace="/etc")`: its commands wrote in /etc."""
+    from toolq.orchestrator.errors import ConfigurationError
+
+    async def go():
+        f = await Fleet.open(Settings(redis_url=redis_server.url, workspace="/etc", tools=[TEST_TOOLS],
+                                      signing_key=SIGNING_KEY), catalog=load_catalog([TEST_TOOLS]))
+        try:
+            await f.run_calls([{"type": "function_call", "call_id": "c", "name": "sleep_echo", "arguments": "{}"}])
+        finally:
+            await f.aclose()
+
+    with pytest.raises(ConfigurationError, match="^workspace /etc is a system or shared directory"):
+        asyncio.run(go())

@@ -33,12 +33,17 @@ REMEMBERED = 10_000
 
 
 class CancelListener:
-    def __init__(self, r: aioredis.Redis, is_cancelled: Callable[[str], Awaitable[bool]]) -> None:
+    def __init__(self, r: aioredis.Redis, is_cancelled: Callable[[str], Awaitable[bool]],
+                 is_call_cancelled: Callable[[str], Awaitable[bool]] | None = None) -> None:
         pool = r.connection_pool
         # Its own connection, under its own name: never one the ledger's commands wait for.
         self._pool = aioredis.ConnectionPool(connection_class=pool.connection_class, max_connections=1,
                                              **{**pool.connection_kwargs, "client_name": CLIENT_NAME})
         self._is_cancelled = is_cancelled
+        self._is_call_cancelled = is_call_cancelled
+        """A call's cancel is acted on once its durable record is read: a message alone is only a
+        publish, which anyone who reaches Redis can send."""
+        self._confirming: set[asyncio.Task] = set()
         self._waiters: dict[str, set[asyncio.Future]] = {}
         self._heard: OrderedDict[str, None] = OrderedDict()
         """Turns whose cancel was published while this subscription was up."""
@@ -115,7 +120,10 @@ class CancelListener:
                         first, connected, delay = False, True, 0.1
                         self._subscribed.set()
                     elif msg["type"] == "pmessage":
-                        self._dispatch(msg["channel"].decode()[len(_PREFIX):], _message(msg["data"]))
+                        # Whatever a publisher sent, the subscription goes on (a channel name that
+                        # was not UTF-8 was taken for a lost connection).
+                        turn_id = msg["channel"].decode(errors="replace")[len(_PREFIX):]
+                        self._dispatch(turn_id, _message(msg["data"]))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # redis-py's connection errors, and whatever a half-open pubsub raises
@@ -135,12 +143,20 @@ class CancelListener:
     def _dispatch(self, turn_id: str, message: dict) -> None:
         if message.get("scope") == "turn":
             self._hear(turn_id)
-        elif message.get("scope") == "call" and isinstance(message.get("task_id"), str):
+        elif message.get("scope") == "call" and isinstance(message.get("task_id"), str) and turn_id in self._calls:
+            task = asyncio.create_task(self._call_cancelled(turn_id, message["task_id"]))
+            self._confirming.add(task)
+            task.add_done_callback(self._confirming.discard)
+
+    async def _call_cancelled(self, turn_id: str, task_id: str) -> None:
+        try:
+            if self._is_call_cancelled is not None and not await self._is_call_cancelled(task_id):
+                log.warning("ignored a cancel of call %s of %s with no durable record", task_id, turn_id)
+                return
             for heard in list(self._calls.get(turn_id, ())):
-                try:
-                    heard(message["task_id"])
-                except Exception:  # the turn's bug, not a lost channel: the subscription goes on
-                    log.exception("handling the cancel of call %s of %s failed", message["task_id"], turn_id)
+                heard(task_id)
+        except Exception:  # the turn's bug or Redis away: the call goes on, its worker reads the record
+            log.exception("handling the cancel of call %s of %s failed", task_id, turn_id)
 
     async def _check_records(self) -> None:
         for turn_id in list(self._waiters):
@@ -148,6 +164,8 @@ class CancelListener:
                 self._hear(turn_id)
 
     async def aclose(self) -> None:
+        for task in list(self._confirming):
+            task.cancel()
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.wait({self._reader}, timeout=2.0)

@@ -23,13 +23,13 @@ from toolq.orchestrator.binding import BoundCall, bind_item
 from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.celery_transport import CeleryTransport
 from toolq.orchestrator.dispatch import Dispatcher
-from toolq.orchestrator.errors import Fatal
+from toolq.orchestrator.errors import ConfigurationError, Fatal
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.limits import FleetLimits
 from toolq.orchestrator.protocol.items import OutputItem, ResponseItem, ToolSearchOutputItem, decode_item
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.results import ResultRouter
-from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.settings import Settings, workspace_problem
 from toolq.orchestrator.turn_events import Emit, ignore
 from toolq.workers.catalog import Catalog
 from toolq.workers.config import longest_timeout
@@ -196,6 +196,8 @@ class Fleet:
         Raises `Fatal` (with `.outputs`) after every call has its output if the runtime broke a
         contract (a tool invoked with a payload kind it does not take)."""
         turn_id = turn_id or self.turn_id
+        if problem := workspace_problem(self.settings.workspace, must_exist=False):  # as `Session` refuses it
+            raise ConfigurationError(problem)
         decoded = [decode_item(_as_wire(i)) for i in items]
         if turn_id not in self._started_turns:
             self._started_turns.add(turn_id)

@@ -242,8 +242,11 @@ class Ledger:
 
     def _cancel_listener(self) -> CancelListener:
         if self._cancels is None:
-            self._cancels = CancelListener(self.r, self.is_cancelled)
+            self._cancels = CancelListener(self.r, self.is_cancelled, self.is_call_cancelled)
         return self._cancels
+
+    async def is_call_cancelled(self, task_id: str) -> bool:
+        return bool(await self.r.exists(keys.cancel_call(task_id)))
 
     async def next_step(self, turn_id: str) -> int:
         """A step number no other caller of this turn gets (successive `Fleet.run_calls` never collide).

@@ -22,8 +22,12 @@ DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
 #: A workspace is where the model's commands may write: never in the system the sandbox mounts
 #: read-only or the kernel's trees, nor a folder that holds other users' and turns' files.
 SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/dev", "/proc",
-                "/sys", "/run", "/nix/store")
-TOO_WIDE = ("/", "/home", "/opt", "/srv", "/tmp", "/var", "/var/tmp", "/mnt", "/media")
+                "/sys", "/run", "/nix/store", "/snap", "/lost+found", "/var/log", "/var/spool", "/var/mail",
+                "/var/cache", "/var/backups")
+#: Folders too wide to be one (their own files are other users' and turns', or a home's dotfiles,
+#: which run outside any sandbox at the next login); what is inside them may be.
+TOO_WIDE = ("/", "/home", "/root", "/opt", "/srv", "/tmp", "/var", "/var/lib", "/var/tmp", "/var/www", "/mnt",
+            "/media")
 
 
 def absolute_workspace(path: str | Path) -> Path:
@@ -36,8 +40,13 @@ def absolute_workspace(path: str | Path) -> Path:
 def workspace_problem(path: Path, *, must_exist: bool = True) -> str | None:
     """Why `path` (from `absolute_workspace`) cannot be a turn's workspace, if it cannot. A link
     is judged by where it leads too."""
-    for where in dict.fromkeys((str(path), str(path.resolve()))):
-        if where in TOO_WIDE or any(where == t or where.startswith(t + "/") for t in SYSTEM_TREES):
+    try:
+        leads_to = path.resolve()
+    except (OSError, RuntimeError) as e:  # a link loop, a folder we may not read
+        return f"workspace {path} cannot be resolved: {e}"
+    for where in dict.fromkeys((str(path), str(leads_to))):
+        home = where.startswith("/home/") and where.count("/") == 2  # a user's home itself
+        if home or where in TOO_WIDE or any(where == t or where.startswith(t + "/") for t in SYSTEM_TREES):
             return (f"workspace {path} is a system or shared directory, and the model's commands may write in "
                     "their workspace: give a project's folder (--workspace, TOOLQ_WORKSPACE, or Session(workspace=))")
     if must_exist and not path.is_dir():

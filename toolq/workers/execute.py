@@ -22,6 +22,7 @@ from toolq.orchestrator import keys
 from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult, aborted_text
 from toolq.orchestrator.errors import RespondToModel, ToolTimedOut
 from toolq.orchestrator.protocol.items import ToolOutputBody
+from toolq.orchestrator.settings import workspace_problem
 from toolq.orchestrator.states import TERMINAL, CallState, parse_state
 from toolq.orchestrator.truncate import bound_output
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
@@ -246,6 +247,12 @@ def refusal(inv: ToolInvocation, spec: ToolSpec | None, hostname: str) -> Outcom
             f"(declaration {spec.digest()} != {inv.spec_digest}); not run. Load the same tool modules on both sides."
         ), {"success": False}
     workspace = Path(inv.workspace or os.getcwd())
+    # Checked here too, where the call runs: the orchestrator checked the path when the turn began,
+    # and a symlink put there since (or a forged resumed turn) led the commands into /etc.
+    problem = (f"workspace {workspace} is not an absolute path" if not workspace.is_absolute()
+               else workspace_problem(workspace, must_exist=False))
+    if problem:
+        return CallState.REJECTED, f"{problem}; not run on worker {hostname}", {"success": False}
     if not workspace.is_dir():
         return CallState.REJECTED, (
             f"workspace {workspace} is not visible on worker {hostname}; not run. "

@@ -1,0 +1,63 @@
+"""Which folders may be a turn's workspace, checked where the turn starts and again on the worker
+where each call runs (toolq/orchestrator/settings.py `workspace_problem`, toolq/workers/execute.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.orchestrator.settings import workspace_problem
+from toolq.orchestrator.states import CallState
+from toolq.workers.catalog import Catalog, ToolContext, tool
+from toolq.workers.execute import refusal
+
+
+@pytest.mark.parametrize("where", ["/", "/etc", "/etc/cron.d", "/tmp", "/var", "/var/log/app", "/var/spool/cron",
+                                   "/var/lib", "/root", "/home", "/home/alice", "/usr/local/src", "/proc/self"])
+def test_system_shared_and_home_folders_are_refused(where):
+    assert "is a system or shared directory" in workspace_problem(Path(where), must_exist=False)
+
+
+@pytest.mark.parametrize("where", ["/home/alice/project", "/var/lib/jenkins/workspace/job", "/srv/app",
+                                   "/tmp/pytest-of-x/test0", "/opt/project"])
+def test_a_project_folder_is_fine(where):
+    assert workspace_problem(Path(where), must_exist=False) is None
+
+
+def call_in(workspace: str) -> tuple[ToolInvocation, object]:
+    catalog = Catalog()
+
+    @tool(catalog=catalog, name="noop")
+    def noop(args: FunctionPayload, ctx: ToolContext) -> str:
+        """Nothing."""
+        return "ran"
+
+    spec = catalog.get(ToolName.plain("noop"))
+    inv = ToolInvocation(turn_id="t", step=0, output_index=0, call_id="c", tool_name=ToolName.plain("noop"),
+                         payload=FunctionPayload(arguments="{}"), deadline=time.time() + 30, workspace=workspace,
+                         spec_digest=spec.digest())
+    return inv, spec
+
+
+def test_the_worker_refuses_a_workspace_that_became_a_link_to_etc_after_the_turn_began(tmp_path):
+    """A red-team helper's `Session(workspace=X)`, then X made a symlink to /etc: the commands wrote there."""
+    inv, spec = call_in(str(tmp_path / "late"))
+    (tmp_path / "late").symlink_to("/etc")
+    state, output, _ = refusal(inv, spec, "w1")
+    assert state is CallState.REJECTED and output.startswith(f"workspace {tmp_path / 'late'} is a system or shared")
+    assert output.endswith("; not run on worker w1")
+
+
+def test_the_worker_refuses_a_relative_workspace_and_runs_a_project_folder(tmp_path):
+    inv, spec = call_in("tmp")  # a forged resumed turn's: the worker would read it against its own folder
+    assert refusal(inv, spec, "w1")[1] == "workspace tmp is not an absolute path; not run on worker w1"
+    inv, spec = call_in(str(tmp_path))
+    assert refusal(inv, spec, "w1") is None
+
+
+def test_a_link_loop_is_refused_not_raised(tmp_path):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    assert workspace_problem(tmp_path / "loop").startswith(f"workspace {tmp_path / 'loop'} cannot be resolved")
