@@ -191,3 +191,19 @@ def test_the_live_view_shows_the_final_error_once():
                                            f"  ! {final}", "turn failed"]
     view({"type": "turn.failed", "turn_id": "turn-1", "error": {"message": "turn stopped after 100 responses"}})
     assert out.getvalue().splitlines()[-1] == "turn failed: turn stopped after 100 responses"
+
+
+def test_a_redis_that_refuses_the_database_is_one_line_exit_2(tmp_path):
+    """A red-team helper's REDIS_URL=.../99: `DB index is out of range` was a traceback."""
+    from toolq.orchestrator.embedded import RedisServer
+
+    (tmp_path / "b.jsonl").write_text('{"prompt": "a"}\n')
+    with RedisServer() as server:
+        env = {"PATH": "/usr/bin:/bin", "REDIS_URL": server.url.rsplit("/", 1)[0] + "/99",
+               "TOOLQ_SIGNING_KEY": "k" * 32, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+        for argv in (["workers"], ["batch", "b.jsonl", "--out", "r.jsonl"], ["status", "turn-x"]):
+            out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", *argv], capture_output=True,
+                                 text=True, env=env, cwd=tmp_path, timeout=60)
+            assert (out.returncode, out.stderr.splitlines()[-1:]) == (2, [
+                "toolq: Redis refused: DB index is out of range (check REDIS_URL: its database number, user and "
+                "password)"]), out.stderr

@@ -261,11 +261,13 @@ async def _run(settings: Settings, todo: list[Entry], out: Path, concurrency: in
         runtime = await Runtime.create(settings)
     except REDIS_FAULTS as e:
         raise RedisUnreachable(settings.redis_url, e) from None
-    try:  # not one failed result per line for a Redis that is not there
+    try:  # not one failed result per line for a Redis that is not there (or refuses us)
         await runtime.ledger.r.ping()
-    except REDIS_FAULTS as e:
+    except BaseException as e:
         await runtime.aclose()
-        raise RedisUnreachable(settings.redis_url, e) from None
+        if isinstance(e, REDIS_FAULTS):
+            raise RedisUnreachable(settings.redis_url, e) from None
+        raise
     runtime.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
     results = Results(out)
     progress = Progress(total=len(todo), out=progress_to)
