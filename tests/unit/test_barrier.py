@@ -176,6 +176,19 @@ async def test_abort_keeps_finished_outputs_and_cancels_the_rest(tmp_path):
 
 
 @sync
+async def test_abort_with_the_broker_away_still_aborts_every_unfinished_call(tmp_path):
+    """A red-team helper's batch, interrupted while Redis was down: the revoke raised, and the turn
+    ended `failed` ("toolq failed: BrokerUnavailable") instead of cancelled."""
+    h = Harness(tmp_path)
+    h.add("call_long", seconds=30)
+    while h.step.entries[0].state is not CallState.RUNNING:
+        await asyncio.sleep(0.01)
+    h.transport.probe_error = ConnectionError("broker away")
+    outputs = await h.step.abort()
+    assert outputs[0].output.startswith("aborted by user after") and h.step.entries[0].state is CallState.CANCELLED
+
+
+@sync
 async def test_a_call_past_its_deadline_is_stopped_and_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(barrier, "TIME_LIMIT_MARGIN", 0.0)
     h = Harness(tmp_path)

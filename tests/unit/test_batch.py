@@ -94,7 +94,8 @@ def test_progress_counts_invalid_lines_apart_and_fits_the_terminal():
                                       "2 invalid; 0 calls, 0 failed; ")
     assert len(progress.line()) > 80 and not progress.line(80).startswith("[")
     assert progress.line(80).startswith("4/4 turns") and len(progress.line(80)) < 80
-    assert len(progress.line(40)) == 39
+    assert progress.line(48).startswith("4/4 turns 0 run 1 fail 0 canc 2 inv ") and len(progress.line(48)) < 48
+    assert len(progress.line(20)) == 19
 
 
 def test_a_line_separator_inside_a_json_string_does_not_split_the_line(tmp_path):

@@ -382,7 +382,11 @@ class Step:
                 entry.task.cancel()
             self._finish(entry)
         if revoke:
-            await self.transport.revoke(revoke)
+            try:
+                await self.transport.revoke(revoke)
+            except Exception as e:  # the broker away: the calls are aborted here all the same, and a
+                # worker finds the turn's durable cancel (or its deadline) before it starts one
+                log.warning("could not revoke %d cancelled call(s): %s", len(revoke), e)
         for e in unfinished:
             if e.inv is not None:
                 self._background(self.records.set_state(e.inv.task_id, CallState.CANCELLED.value,

@@ -168,7 +168,8 @@ class Batch:
             if self.stopping is not None:
                 return
             if entry.turn is None:
-                self._done(BatchResult(key=entry.key, line=entry.number, status="invalid", error=entry.problem))
+                self._done(BatchResult(key=entry.key, line=entry.number, status="invalid", error=entry.problem,
+                                       started=False))
                 continue
             self._done(await self._run_one(entry, entry.turn))
 

@@ -55,7 +55,7 @@ class Progress:
         self.show()
 
     def line(self, width: int | None = None) -> str:
-        """The progress, cut to `width` columns if given (the bar goes first)."""
+        """The progress, fitted to `width` columns if given (the bar goes first, then the calls)."""
         filled = BAR * self.done // self.total if self.total else BAR
         bar = f"[{'#' * filled}{'.' * (BAR - filled)}] "
         counts = (f"{self.done}/{self.total} turns, {self.running} running, {self.failed} failed, "
@@ -63,7 +63,11 @@ class Progress:
                   f"{self.calls} calls, {self.failed_calls} failed; {time.monotonic() - self.started:.1f}s")
         if width is None or len(bar) + len(counts) < width:
             return bar + counts
-        return counts[:width - 1]
+        if len(counts) < width:
+            return counts
+        brief = (f"{self.done}/{self.total} turns {self.running} run {self.failed} fail {self.cancelled} canc"
+                 f"{f' {self.invalid} inv' if self.invalid else ''} {time.monotonic() - self.started:.0f}s")
+        return brief[:width - 1]  # the turns' counts first: a narrow terminal loses the calls
 
     def _width(self) -> int:
         """The terminal's columns: a line that wraps is not redrawn in place by a carriage return."""
