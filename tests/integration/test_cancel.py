@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import tests.integration.conftest as c
-from toolq.orchestrator.cancel import cancel
+from toolq.orchestrator.cancel import UnknownTarget, cancel
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
@@ -135,6 +135,9 @@ def test_cancelling_one_call_aborts_it_and_the_turn_goes_on(fleet, drive):
         while not await started():
             assert time.monotonic() < end
             await asyncio.sleep(0.02)
+        with pytest.raises(UnknownTarget, match=r"^no call call_nope in turn .* \(a call pending behind a serial one "
+                                                r"is listed once it may start; `toolq cancel turn-\w+` stops the whole"):
+            await cancel(runtime.settings, session.turn_id, "call_nope")
         await cancel(runtime.settings, session.turn_id, "call_long")
 
     run = drive([

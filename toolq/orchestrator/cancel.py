@@ -54,7 +54,8 @@ async def _cancel(settings: Settings, ledger: Ledger, turn_id: str, calls: list[
         else:
             targets = [c["task_id"] for c in calls if c.get("call_id") == call_id and c.get("task_id")]
             if not targets:
-                raise UnknownTarget(f"no call {call_id} in turn {turn_id}")
+                raise UnknownTarget(f"no call {call_id} in turn {turn_id} (a call pending behind a serial one "
+                                    f"is listed once it may start; `toolq cancel {turn_id}` stops the whole turn)")
             for task_id in targets:
                 await ledger.cancel_call(turn_id, task_id)
         await dispatcher.revoke(targets, terminate=True)
