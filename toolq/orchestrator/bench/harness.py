@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
 import os
+import shutil
 import statistics
+import tempfile
 from contextlib import contextmanager
 from typing import IO, Any, Awaitable, Callable, Iterator
 
@@ -18,6 +22,14 @@ START_BENCH_WORKER = f"toolq worker --tools {BENCH_TOOLS}"
 
 class FleetNotReady(Exception):
     """The user's fleet (REDIS_URL) cannot run this benchmark; the message says what to start."""
+
+
+@functools.cache
+def workspace() -> str:
+    """The benches' calls' workspace: a folder of their own (workers refuse `/tmp` itself)."""
+    path = tempfile.mkdtemp(prefix="toolq-bench-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 @contextmanager

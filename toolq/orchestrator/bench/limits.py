@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import IO, Any
 
-from toolq.orchestrator.bench.harness import BENCH_QUEUE, BENCH_TOOLS, goal, median, stack
+from toolq.orchestrator.bench.harness import BENCH_QUEUE, BENCH_TOOLS, goal, median, stack, workspace
 from toolq.orchestrator.protocol.items import FunctionCallItem
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.turn import Runtime
@@ -38,7 +38,7 @@ def max_running(intervals: list[tuple[float, float]]) -> int:
 
 
 async def _step(rt: Runtime, turn_id: str, step: int, name: str, n: int, arguments: str = "{}") -> None:
-    s = rt.step(StepContext(turn_id, step, time.time() + 120, "/tmp"))
+    s = rt.step(StepContext(turn_id, step, time.time() + 120, workspace()))
     for i in range(n):
         s.add(rt.bind(FunctionCallItem(call_id=f"call_{step}_{i}", name=name, arguments=arguments), s.ctx, i))
     outputs = await s.wait()

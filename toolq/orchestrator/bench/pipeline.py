@@ -17,7 +17,8 @@ from typing import IO, Any
 
 from celery import Celery
 
-from toolq.orchestrator.bench.harness import BENCH_QUEUE, BENCH_TOOLS, measured, median, pct, stack, two_paths_report
+from toolq.orchestrator.bench.harness import (BENCH_QUEUE, BENCH_TOOLS, measured, median, pct, stack, two_paths_report,
+                                             workspace)
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from toolq.orchestrator.protocol.items import FunctionCallItem
 from toolq.orchestrator.registry import StepContext
@@ -33,7 +34,7 @@ async def _toolq_calls(rt: Runtime, turn_id: str, n: int, step0: int, *, name: s
     for i in range(n):
         item = FunctionCallItem(call_id=f"call_{i}", name=name, namespace=namespace, arguments="{}")
         t0 = time.perf_counter()
-        step = rt.step(StepContext(turn_id, step0 + i, time.time() + 60, "/tmp"))
+        step = rt.step(StepContext(turn_id, step0 + i, time.time() + 60, workspace()))
         step.add(rt.bind(item, step.ctx, 0))
         (out,) = await step.wait()
         times.append(time.perf_counter() - t0)
@@ -45,7 +46,7 @@ def _baseline_calls(client: Celery, rt: Runtime, n: int) -> list[float]:
     call = ToolCall(tool_name=ToolName.plain("bench_noop"), call_id="call_b", payload=FunctionPayload(arguments="{}"))
     times = []
     for _ in range(n):
-        inv = rt.registry.bind(call, StepContext(f"base-{uuid.uuid4().hex[:8]}", 0, time.time() + 60, "/tmp"), 0)
+        inv = rt.registry.bind(call, StepContext(f"base-{uuid.uuid4().hex[:8]}", 0, time.time() + 60, workspace()), 0)
         invocation = inv.model_dump(mode="json")
         signature = rt.dispatcher.signer.sign_invocation(TASK, inv.task_id, invocation)  # workers run signed calls only
         t0 = time.perf_counter()

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from toolq.orchestrator.bench.harness import BENCH_QUEUE, BENCH_TOOLS, goal, median, ms, pct, stack
+from toolq.orchestrator.bench.harness import BENCH_QUEUE, BENCH_TOOLS, goal, median, ms, pct, stack, workspace
 from toolq.orchestrator.bench.pipeline import baseline_client
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from toolq.orchestrator.fleet import Fleet, new_turn_id
@@ -118,7 +118,7 @@ def _bare_calls(fleet: Fleet, n: int) -> list[tuple[str, dict[str, Any]]]:
     call = ToolCall(tool_name=ToolName.plain("bench_noop"), call_id="call_b", payload=FunctionPayload(arguments="{}"))
     out = []
     for _ in range(n):
-        inv = fleet.registry.bind(call, StepContext(f"base-{uuid.uuid4().hex[:10]}", 0, time.time() + 300, "/tmp"), 0)
+        inv = fleet.registry.bind(call, StepContext(f"base-{uuid.uuid4().hex[:10]}", 0, time.time() + 300, workspace()), 0)
         out.append((inv.task_id, inv.model_dump(mode="json")))
     return out
 
