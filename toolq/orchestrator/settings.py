@@ -39,7 +39,10 @@ def absolute_workspace(path: str | Path) -> Path:
 
 def workspace_problem(path: Path, *, must_exist: bool = True) -> str | None:
     """Why `path` (from `absolute_workspace`) cannot be a turn's workspace, if it cannot. A link
-    is judged by where it leads too."""
+    is judged by where it leads too. A relative one (a forged record's) would be read against the
+    reader's own folder."""
+    if not path.is_absolute():
+        return f"workspace {path} is not an absolute path"
     try:
         leads_to = path.resolve()
     except (OSError, RuntimeError) as e:  # a link loop, a folder we may not read

@@ -212,9 +212,8 @@ class Session:
                                f"`toolq cancel {turn_id}` stops it")
         self.turn_id = turn_id
         self.instructions, self.reasoning = saved.instructions, saved.reasoning
-        where = Path(saved.workspace)  # the ledger is unsigned: whoever reaches Redis could have written it
-        if problem := ("its workspace is not an absolute path" if not where.is_absolute()
-                       else workspace_problem(where, must_exist=False)):
+        # The ledger is unsigned: whoever reaches Redis could have written the saved workspace.
+        if problem := workspace_problem(Path(saved.workspace), must_exist=False):
             raise CannotResume(f"turn {turn_id} cannot be resumed: {problem}")
         self.workspace = saved.workspace
         self.loaded_tools = set(saved.loaded_tools)

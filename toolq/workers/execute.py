@@ -249,9 +249,7 @@ def refusal(inv: ToolInvocation, spec: ToolSpec | None, hostname: str) -> Outcom
     workspace = Path(inv.workspace or os.getcwd())
     # Checked here too, where the call runs: the orchestrator checked the path when the turn began,
     # and a symlink put there since (or a forged resumed turn) led the commands into /etc.
-    problem = (f"workspace {workspace} is not an absolute path" if not workspace.is_absolute()
-               else workspace_problem(workspace, must_exist=False))
-    if problem:
+    if problem := workspace_problem(workspace, must_exist=False):
         return CallState.REJECTED, f"{problem}; not run on worker {hostname}", {"success": False}
     if not workspace.is_dir():
         return CallState.REJECTED, (
