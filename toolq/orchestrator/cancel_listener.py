@@ -34,7 +34,7 @@ REMEMBERED = 10_000
 
 class CancelListener:
     def __init__(self, r: aioredis.Redis, is_cancelled: Callable[[str], Awaitable[bool]],
-                 is_call_cancelled: Callable[[str], Awaitable[bool]] | None = None) -> None:
+                 is_call_cancelled: Callable[[str], Awaitable[bool]]) -> None:
         pool = r.connection_pool
         # Its own connection, under its own name: never one the ledger's commands wait for.
         self._pool = aioredis.ConnectionPool(connection_class=pool.connection_class, max_connections=1,
@@ -150,7 +150,7 @@ class CancelListener:
 
     async def _call_cancelled(self, turn_id: str, task_id: str) -> None:
         try:
-            if self._is_call_cancelled is not None and not await self._is_call_cancelled(task_id):
+            if not await self._is_call_cancelled(task_id):
                 log.warning("ignored a cancel of call %s of %s with no durable record", task_id, turn_id)
                 return
             for heard in list(self._calls.get(turn_id, ())):

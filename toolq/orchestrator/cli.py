@@ -394,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"toolq: {e}", file=sys.stderr)
         return 2
     except Exception as e:
+        from toolq.orchestrator.redis_faults import redis_refusal  # only now: its imports are Redis's
+
         refused = redis_refusal(e)
         if refused is None:
             raise
@@ -402,16 +404,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and args.command in ENDS_CLEANLY:
         exit_now(code)
     return code
-
-
-def redis_refusal(e: Exception) -> str | None:
-    """Redis answered with an error before any work (a database number it does not have, an ACL
-    that denies a command): one line, not a traceback."""
-    from redis.exceptions import ResponseError  # here, not at start: most commands never get here
-
-    if isinstance(e, ResponseError):
-        return f"Redis refused: {e} (check REDIS_URL: its database number, user and password)"
-    return None
 
 
 #: The module whose imports are most of each turn-running command's start-up.

@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from toolq.orchestrator.dispatch import BROKER_ERRORS
@@ -31,3 +32,11 @@ def reaching(url: str | None) -> Iterator[None]:
         yield
     except REDIS_FAULTS as e:
         raise RedisUnreachable(url, e) from None
+
+
+def redis_refusal(e: BaseException) -> str | None:
+    """Redis answered with an error before any work (a database number it does not have, an ACL
+    that denies a command): the one line the command line prints instead of a traceback."""
+    if isinstance(e, ResponseError):
+        return f"Redis refused: {e} (check REDIS_URL: its database number, user and password)"
+    return None
