@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import time
@@ -22,6 +23,7 @@ import pytest
 import redis
 
 import tests.integration.conftest as c
+from tests.integration import unprivileged
 from tests.integration.test_builtin_tools import exec_parts, outputs
 from tests.integration.test_cancel import pids_matching, wait_until
 from toolq.orchestrator.embedded import WorkerProcess, free_port, redis_server_binary, wait_for
@@ -60,22 +62,39 @@ def locked_redis(tmp_path_factory):
     proc.wait()
 
 
-def hostile_workers(backend: str, locked_redis, tmp_path_factory, **limits: str):
+def hostile_workers(backend: str, locked_redis, tmp_path_factory, *, user: bool = False, **limits: str):
     """A worker with the fleet's secrets in its environment, sandboxed by `backend` (skipped
-    where it cannot run), with LIMITS and `limits` (more TOOLQ_SANDBOX_* settings)."""
+    where it cannot run), with LIMITS and `limits` (more TOOLQ_SANDBOX_* settings). `user`: run
+    it as an unprivileged user (`unprivileged.py`; skipped where that cannot be done); its
+    `workspace()` then makes workspaces that user owns."""
     why = choose(Policy.from_settings(Settings(sandbox=backend))).unavailable
     if why:
         pytest.skip(f"the {backend} sandbox cannot run on this machine: {why}")
-    logdir = tmp_path_factory.mktemp(f"worker-{backend}")
+    if user and (why := unprivileged.unavailable()):
+        pytest.skip(f"no unprivileged worker here: {why}")
+    # The user's log folder must be one it can reach (pytest's folders are root's, mode 0700).
+    logdir = unprivileged.owned_dir("toolq-worker-") if user else tmp_path_factory.mktemp(f"worker-{backend}")
     (logdir / "worker-secret.txt").write_text("worker-private\n")
     env = {**c.WORKER_ENV, **LIMITS, **limits, "TOOLQ_SANDBOX": backend, "OPENAI_API_KEY": OPENAI_KEY,
            "FLOWER_PASSWORD": FLOWER_PASSWORD}
-    w = WorkerProcess(locked_redis.url, queues=["toolq"], concurrency=2, tools=[c.TEST_TOOLS], env=env,
-                      logdir=logdir, name=f"hostile-{backend}@test")
+    kind = unprivileged.UserWorkerProcess if user else WorkerProcess
+    w = kind(locked_redis.url, queues=["toolq"], concurrency=2, tools=[c.TEST_TOOLS], env=env,
+             logdir=logdir, name=f"hostile-{backend}{'-user' if user else ''}@test")
     w.start()
     assert f"sandbox: {backend}" in w.log.read_text()  # the banner names the chosen sandbox
-    yield SimpleNamespace(proc=w, backend=backend, logdir=logdir, redis=locked_redis)
+    made: list[Path] = []
+
+    def workspace(tmp_path: Path) -> Path:
+        """A workspace this worker may write: `tmp_path` for a root worker, else one the user owns."""
+        if not user:
+            return tmp_path
+        made.append(unprivileged.owned_dir("toolq-ws-"))
+        return made[-1]
+
+    yield SimpleNamespace(proc=w, backend=backend, logdir=logdir, redis=locked_redis, user=user, workspace=workspace)
     w.stop()
+    for d in made + ([logdir] if user else []):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", params=["bwrap", "landlock"])
