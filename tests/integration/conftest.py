@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TEST_TOOLS = "tests.integration.testtools"
 #: The test fleet's key: every worker and orchestrator of the suite signs and checks with it.
 SIGNING_KEY = secrets.token_hex(32)
-WORKER_ENV = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "TOOLQ_SIGNING_KEY": SIGNING_KEY}
+WORKER_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+              "TOOLQ_SIGNING_KEY": SIGNING_KEY}
 
 pytestmark = pytest.mark.integration
 

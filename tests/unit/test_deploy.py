@@ -630,3 +630,9 @@ def test_k8s_roles_log_in_as_their_own_redis_users():
 def test_readme_kubectl_apply_line_says_what_must_exist_first():
     (line,) = [x for x in README.read_text().splitlines() if "kubectl apply -k" in x]
     assert "Secret" in line and "deploy/README.md" in line
+
+
+def test_the_images_working_directory_is_not_the_workspace():
+    """Issue 24: every toolq process would start where the model's commands write."""
+    workdir = [rest for word, rest in dockerfile_instructions() if word == "WORKDIR"][-1]
+    assert workdir.strip() != dockerfile_env()["TOOLQ_WORKSPACE"]

@@ -9,6 +9,8 @@ import os
 import sys
 from typing import IO
 
+from toolq.orchestrator import import_path
+
 
 def _cmd_decode(args: argparse.Namespace) -> int:
     from toolq.orchestrator.decode_cmd import decode_file
@@ -103,7 +105,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if args.name:
         argv += ["--hostname", args.name]
     if args.logfile:
-        argv += ["--logfile", args.logfile]
+        argv += ["--logfile", os.path.abspath(args.logfile)]
+    # Celery imports its app and modules with the current directory on sys.path (import_from_cwd),
+    # and a worker is often started in the workspace (a container's WORKDIR): start from nowhere.
+    os.chdir(import_path.NEUTRAL_CWD)
     app.worker_main(argv)
     return 0
 
@@ -379,12 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from toolq.orchestrator.errors import ConfigurationError
 
+    if argv is None:  # the command line's process: nothing is imported from where it was started
+        import_path.isolate()
     args = build_parser().parse_args(argv)
     if argv is None and args.command in RUNTIME_MODULES:
         import_quietly(RUNTIME_MODULES[args.command])
-    # Like `celery -A`: tool modules (--tools) may live in the current directory.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
         code = args.func(args)
     except UsageError as e:

@@ -29,7 +29,7 @@ from typing import Any
 
 import redis
 
-from toolq.orchestrator import keys, runtime_dir
+from toolq.orchestrator import import_path, keys, runtime_dir
 from toolq.orchestrator.catalog_reader import WorkersStarting
 from toolq.orchestrator.errors import ConfigurationError
 
@@ -279,7 +279,7 @@ class WorkerProcess(ChildProcess):
             pass
 
     def argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "toolq.orchestrator.cli", "worker", "--concurrency", str(self.concurrency),
+        argv = [*import_path.python_argv("-m", "toolq.orchestrator.cli"), "worker", "--concurrency", str(self.concurrency),
                 "--name", self.name, "--logfile", str(self.log)]
         if self.queues:
             argv += ["--queues", ",".join(self.queues)]
@@ -292,8 +292,8 @@ class WorkerProcess(ChildProcess):
         env.pop("CELERY_BROKER_URL", None)
         self.log.write_text("")
         # Its pool children get the same from Celery's prefork pool, which sets their parent-death signal.
-        self.proc = subprocess.Popen(self.argv(), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=self._preexec())
+        self.proc = subprocess.Popen(self.argv(), env=env, cwd=import_path.NEUTRAL_CWD, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=self._preexec())
         if wait:
             self.wait_ready()
         return self

@@ -25,6 +25,7 @@ from typing import Iterable, TextIO
 import httpx
 import redis
 
+from toolq.orchestrator import import_path
 from toolq.orchestrator.embedded import ChildProcess, free_port, wait_for
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings, mask_url_password
@@ -109,7 +110,7 @@ def flower_launch(settings: Settings, *, port: int | None = None, address: str |
         warnings.append(f"Flower listens on {address or 'every interface'}: /metrics and /healthcheck answer without auth, and "
                         "basic auth travels in clear text over plain HTTP; put it behind TLS or a firewall")
 
-    argv = [sys.executable, "-m", "celery", "--app", "toolq.workers.app", "flower",
+    argv = [*import_path.python_argv("-m", "celery"), "--app", "toolq.workers.app", "flower",
             f"--address={address}", f"--port={port}"]
     return FlowerLaunch(argv, env, address, port, warnings)
 
@@ -129,6 +130,7 @@ def run_flower(settings: Settings, *, port: int | None = None, address: str | No
         print(f"toolq flower: warning: could not ask the workers for task events yet: {e}", file=err)
     err.flush()
     sys.stdout.flush()
+    os.chdir(import_path.NEUTRAL_CWD)  # Celery imports the app with the current directory on sys.path
     os.execve(launch.argv[0], launch.argv, launch.env)
     return 1  # not reached: execve only returns by raising
 
@@ -173,7 +175,7 @@ class FlowerProcess(ChildProcess):
     def start(self, timeout: float = 30) -> FlowerProcess:
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(self.launch.argv, env=self.launch.env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         cwd=import_path.NEUTRAL_CWD, start_new_session=True)
         wait_for(self._healthy, timeout, f"flower on {self.url}", self.log)
         return self
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
+from toolq.orchestrator import import_path
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.protocol.reasoning import ReasoningSetting
 from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES
@@ -52,6 +53,10 @@ def workspace_problem(path: Path, *, must_exist: bool = True) -> str | None:
         if home or where in TOO_WIDE or any(where == t or where.startswith(t + "/") for t in SYSTEM_TREES):
             return (f"workspace {path} is a system or shared directory, and the model's commands may write in "
                     "their workspace: give a project's folder (--workspace, TOOLQ_WORKSPACE, or Session(workspace=))")
+    if entry := import_path.workspace_on_import_path(str(path)):
+        return (f"workspace {path} holds or lies on toolq's import path ({entry}): the model's commands could plant "
+                f"code there that toolq would run unsandboxed; keep tool modules ({import_path.TOOLS_PATH_ENV}) and "
+                "virtualenvs outside the workspace, or give another folder (--workspace)")
     if must_exist and not path.is_dir():
         return f"workspace {path} is not a directory"
     return None

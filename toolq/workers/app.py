@@ -7,11 +7,13 @@ prefork, `acks_late` + prefetch 1 (fair, and queued revokes are honoured), START
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 from typing import Any
 
+import celery.utils.imports
 import redis
 from celery import Celery
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
@@ -45,6 +47,10 @@ def catalog() -> Catalog:
     return _catalog
 
 
+# Celery imports task modules and its loader "from the current directory" (it puts the folder on
+# sys.path around each import), and a worker may be started in a workspace: toolq imports from
+# its explicit path only (toolq/orchestrator/import_path.py).
+celery.utils.imports.cwd_in_path = contextlib.nullcontext  # type: ignore[assignment]
 app = make_app(Settings.load(), longest_timeout(catalog()), worker=True)
 kombu_acks.install()  # a call finishing after a Redis restart must not take the worker down
 pool_exits.install()  # nor a consumer restart just after a pool child died

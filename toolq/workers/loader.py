@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 
 from toolq.orchestrator.errors import ConfigurationError
+from toolq.orchestrator.import_path import TOOLS_PATH_ENV
 from toolq.workers.catalog import CATALOG, Catalog
 
 
@@ -19,7 +20,8 @@ def load_catalog(modules: list[str] | tuple[str, ...] = ()) -> Catalog:
             importlib.import_module(m)
         except ModuleNotFoundError as e:
             if e.name and m.startswith(e.name):
-                raise ConfigurationError(f"tool module {m!r} not found: run toolq from the directory that holds "
-                                         "it, or put that directory on PYTHONPATH") from None
+                raise ConfigurationError(f"tool module {m!r} not found: put the folder that holds it on "
+                                         f"{TOOLS_PATH_ENV} (never a workspace: toolq does not import from the "
+                                         "current directory), or install it") from None
             raise
     return CATALOG

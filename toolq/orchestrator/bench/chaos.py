@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterator
 
+from toolq.orchestrator import import_path
 from toolq.orchestrator.bench.chaos_tools import end_file, pid_file, runs_file
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
@@ -347,7 +348,7 @@ class Campaign:
                "TOOLQ_STREAM_IDLE_TIMEOUT": f"{IDLE_TIMEOUT:g}"}
         out = self.workdir / f"orchestrator-{plan.turn}.jsonl"
         with open(out, "w") as stdout, open(out.with_suffix(".log"), "w") as stderr:
-            proc = subprocess.Popen([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--json",
+            proc = subprocess.Popen([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "run", "--json",
                                      "--workspace", str(self.workspace), "go"],
                                     env=env, stdout=stdout, stderr=stderr)
             try:

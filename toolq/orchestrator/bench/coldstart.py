@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 import toolq
+from toolq.orchestrator import import_path
 from toolq.orchestrator.bench import codex as reference
 from toolq.orchestrator.bench.harness import goal, median
 from toolq.orchestrator.fake_model import builders as b
@@ -52,7 +53,7 @@ def _children_cpu() -> float:
 def one_run(env: dict[str, str], fake: FakeModel, workspace: str) -> dict[str, float]:
     """Launch `toolq run` once: seconds to its first model request, to its exit, and its CPU."""
     def launch() -> None:
-        proc = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--workspace", workspace, "hi"],
+        proc = subprocess.run([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "run", "--workspace", workspace, "hi"],
                               env=env, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"toolq run exited {proc.returncode}: {proc.stderr[-2000:]}")

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from toolq.orchestrator import import_path
 from toolq.orchestrator.bench.harness import goal
 from toolq.orchestrator.client import ModelClient, ModelSettings, build_request
 from toolq.orchestrator.fake_model.render import replay_frames
@@ -95,7 +96,7 @@ def run(out: IO[str] = sys.stdout, target_events: int = 20_000) -> dict[str, Any
         script = Path(tmp) / "script.json"
         script.write_text(json.dumps([[{"directive": "replay", "path": str(body)}]] * 2))
         server = subprocess.Popen(
-            [sys.executable, "-m", "toolq.orchestrator.cli", "fake-model", "--script", str(script)],
+            [*import_path.python_argv("-m", "toolq.orchestrator.cli"), "fake-model", "--script", str(script)],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,

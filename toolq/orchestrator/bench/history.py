@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from toolq.orchestrator import import_path
 from toolq.orchestrator.bench.harness import BENCH_TOOLS, goal, median, stack
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.turn import Runtime, Session
@@ -92,7 +93,7 @@ def measure(settings: Any, steps: int) -> dict[str, list[float]]:
         path, log = Path(tmp) / "script.json", Path(tmp) / "fake.log"
         path.write_text(json.dumps(script(steps)))
         with log.open("w") as err:
-            server = subprocess.Popen([sys.executable, "-m", "toolq.orchestrator.cli", "fake-model", "--script",
+            server = subprocess.Popen([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "fake-model", "--script",
                                        str(path)], stdout=subprocess.PIPE, stderr=err, text=True)
             try:
                 assert server.stdout is not None

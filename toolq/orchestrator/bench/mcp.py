@@ -27,7 +27,7 @@ from toolq.workers.loader import load_catalog
 from toolq.workers.mcp.specs import mcp_queue
 
 SERVER = "bench"
-SERVE_IT = f"{SERVER}={sys.executable} -m toolq.orchestrator.bench.mcp_server"
+SERVE_IT = f"{SERVER}={sys.executable} -P -m toolq.orchestrator.bench.mcp_server"
 START_MCP_BENCH_WORKER = f"{START_BENCH_WORKER} --mcp {shlex.quote(SERVE_IT)}"
 
 

@@ -22,6 +22,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import IO, Any
 
+from toolq.orchestrator import import_path
 from toolq.orchestrator.bench import codex as reference
 from toolq.orchestrator.bench.harness import environment, goal, median, ms, pct, stack
 from toolq.orchestrator.fake_model import builders as b
@@ -60,7 +61,7 @@ def _request_times(settings: Any, responses: list[Any], emit: Emit = ignore) -> 
         path, log = Path(tmp) / "script.json", Path(tmp) / "fake.log"
         path.write_text(json.dumps(responses))
         with log.open("w") as err:
-            server = subprocess.Popen([sys.executable, "-m", "toolq.orchestrator.cli", "fake-model", "--script", str(path)],
+            server = subprocess.Popen([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "fake-model", "--script", str(path)],
                                       stdout=subprocess.PIPE, stderr=err, text=True)
             try:
                 assert server.stdout is not None

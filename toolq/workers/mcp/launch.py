@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING
 
+from toolq.orchestrator import import_path
 from toolq.workers.mcp.backoff import Backoff
 from toolq.workers.mcp.wire import Listing
 
@@ -52,9 +52,9 @@ class HostProcess:
             # look like a crash to restart. The worker stops it at shutdown (`stop`), and it exits
             # by itself once the worker is gone (it polls its parent).
             try:
-                proc = subprocess.Popen([sys.executable, "-m", "toolq.workers.mcp.host", self.path],
+                proc = subprocess.Popen(import_path.python_argv("-m", "toolq.workers.mcp.host", self.path),
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_to, env=self.env,
-                                        start_new_session=True)
+                                        cwd=import_path.NEUTRAL_CWD, start_new_session=True)
             finally:
                 if log_to is not None:
                     log_to.close()

@@ -13,10 +13,10 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 
+from toolq.orchestrator import import_path
 from toolq.workers.isolation import limits
 from toolq.workers.sessions.client import SOCKET_ENV
 
@@ -40,8 +40,9 @@ def _die_with_parent() -> None:
 def _launch(path: str, env: dict[str, str]) -> subprocess.Popen:
     if os.path.exists(path):
         os.unlink(path)
-    return subprocess.Popen([sys.executable, "-m", "toolq.workers.sessions.host"], env=env,
-                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    return subprocess.Popen(import_path.python_argv("-m", "toolq.workers.sessions.host"), env=env,
+                            cwd=import_path.NEUTRAL_CWD, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            preexec_fn=_die_with_parent)
 
 
 def _wait_ready(host: subprocess.Popen, path: str) -> subprocess.Popen:

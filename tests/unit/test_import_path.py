@@ -1,0 +1,53 @@
+"""`import_path`: what a toolq process drops from sys.path, and which workspaces it refuses."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from toolq.orchestrator import import_path
+
+
+@pytest.fixture
+def path(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv(import_path.TOOLS_PATH_ENV, raising=False)
+    return tmp_path
+
+
+def test_the_current_directory_and_relative_entries_are_dropped(path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", f"/nowhere{os.pathsep}{os.pathsep}rel")
+    sys.path[:0] = [str(path), "", "rel", str(path / "rel")]
+    import_path.isolate()
+    assert str(path) not in sys.path and "" not in sys.path and "rel" not in sys.path
+    assert str(path / "rel") not in sys.path  # what Python made of PYTHONPATH's relative entry
+
+
+def test_a_folder_pythonpath_names_stays(path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(path))
+    sys.path.insert(0, str(path))
+    import_path.isolate()
+    assert str(path) in sys.path
+
+
+def test_the_tools_path_is_added_made_absolute(path, monkeypatch):
+    (path / "tools").mkdir()
+    monkeypatch.setenv(import_path.TOOLS_PATH_ENV, "tools")
+    import_path.isolate()
+    assert sys.path[-1] == str(path / "tools") and os.environ[import_path.TOOLS_PATH_ENV] == str(path / "tools")
+
+
+def test_a_workspace_on_holding_or_inside_the_import_path_is_named(path, monkeypatch):
+    monkeypatch.setattr(sys, "path", [str(path / "proj" / ".venv" / "site-packages"), str(path / "tools")])
+    assert import_path.workspace_on_import_path(str(path / "proj"))  # holds a virtualenv
+    assert import_path.workspace_on_import_path(str(path / "tools"))
+    assert import_path.workspace_on_import_path(str(path / "tools" / "sub"))
+    assert import_path.workspace_on_import_path(str(path / "elsewhere")) is None
+    assert import_path.workspace_on_import_path(str(path / "tool")) is None  # a prefix is not a parent
+
+
+def test_processes_toolq_starts_do_not_put_their_folder_on_sys_path():
+    assert import_path.python_argv("-m", "x")[:2] == [sys.executable, "-P"]
