@@ -23,6 +23,7 @@ pytestmark = pytest.mark.integration
 
 def toolq_process(*args: str, env: dict[str, str]) -> subprocess.Popen:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TOOLQ_", "REDIS_", "CELERY_"))}
+    base["TOOLQ_TOOLS_PATH"] = os.environ["TOOLQ_TOOLS_PATH"]  # the tests' tool modules (tests/conftest.py)
     return subprocess.Popen([sys.executable, "-m", "toolq.orchestrator.cli", *args], cwd=c.ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**base, **env})
 
@@ -67,8 +68,10 @@ def turn_with_prompt(redis_url: str, prompt: str) -> str:
 
 @pytest.fixture
 def env(redis_server, tmp_path):
+    workspace = tmp_path / "ws"  # the results (in tmp_path) must lie outside it
+    workspace.mkdir()
     return {"REDIS_URL": redis_server.url, "TOOLQ_SIGNING_KEY": c.SIGNING_KEY, "TOOLQ_TOOLS": c.TEST_TOOLS,
-            "TOOLQ_WORKSPACE": str(tmp_path), "OPENAI_API_KEY": "test"}
+            "TOOLQ_WORKSPACE": str(workspace), "OPENAI_API_KEY": "test"}
 
 
 def test_twenty_turns_one_failing_one_cancelled_then_a_rerun_skips_the_finished(fleet, worker, env, tmp_path):

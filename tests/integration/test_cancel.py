@@ -195,7 +195,7 @@ def test_a_signal_to_toolq_run_cancels_the_turn_and_the_session_continues(fleet,
     """Ctrl-C, `kill`/`timeout`/systemd (SIGTERM) and a closed terminal (SIGHUP) all end the turn
     cleanly: durable cancel record, command killed, aborted output, session written, exit 130."""
     tag = str(os.getpid() % 1000 + 1) + str(sig.value)
-    session_file = tmp_path / "session.json"
+    session_file = tmp_path.with_name(tmp_path.name + "-session.json")  # outside the workspace, as it must be
     script = [[b.function_call("exec_command", {"cmd": f"sleep 30.{tag}9"}, "call_int")], [b.message("resumed")]]
     with FakeModel(script) as fake:
         env = {**os.environ, "REDIS_URL": fleet[0].redis_url, "OPENAI_BASE_URL": fake.base_url,

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.integration
 
 def toolq(*args: str, env: dict[str, str], stdin: str | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TOOLQ_", "REDIS_", "CELERY_"))}
+    base["TOOLQ_TOOLS_PATH"] = os.environ["TOOLQ_TOOLS_PATH"]  # the tests' tool modules (tests/conftest.py)
     return subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", *args], input=stdin, capture_output=True,
                           text=True, env={**base, **env}, timeout=timeout)
 
@@ -140,10 +141,11 @@ def test_redis_down_is_one_line_naming_the_url_and_exit_2(tmp_path, command):
 def test_a_turn_that_starts_while_redis_is_down_fails_with_one_terminal_event_and_saves_the_session(tmp_path):
     """It used to print `turn.started`, then a traceback out of `ledger.start_turn`, and no session."""
     url = f"redis://:hunter2@127.0.0.1:{closed_port()}/0"
-    session = tmp_path / "session.json"
+    session, workspace = tmp_path / "session.json", tmp_path / "ws"  # the session file outside the workspace
+    workspace.mkdir()
     with FakeModel([[message("never asked")]]) as fake:
         out = toolq("run", "--json", "--session", str(session), "hi",
-                    env={"REDIS_URL": url, "TOOLQ_WORKSPACE": str(tmp_path), "TOOLQ_SIGNING_KEY": c.SIGNING_KEY,
+                    env={"REDIS_URL": url, "TOOLQ_WORKSPACE": str(workspace), "TOOLQ_SIGNING_KEY": c.SIGNING_KEY,
                          "OPENAI_BASE_URL": fake.base_url, "OPENAI_API_KEY": "test"})
         assert fake.requests == []
     assert out.returncode == 2, out.stderr

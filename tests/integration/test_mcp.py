@@ -505,6 +505,7 @@ def test_toolq_run_offers_the_fleets_mcp_tools_and_runs_a_call(mcp_worker, redis
     script = [[b.function_call("get_current_time", {"timezone": "Asia/Tokyo"}, "call_time", namespace="time")],
               [b.message("it is late in Tokyo")]]
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TOOLQ_", "REDIS_", "CELERY_"))}
+    base["TOOLQ_TOOLS_PATH"] = os.environ["TOOLQ_TOOLS_PATH"]  # the tests' tool modules (tests/conftest.py)
     with FakeModel(script) as fake:
         proc = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--json", "what time is it?"],
                               env={**base, "REDIS_URL": redis_server.url, "TOOLQ_SIGNING_KEY": SIGNING_KEY,

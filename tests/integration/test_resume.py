@@ -44,7 +44,7 @@ def test_a_sigkilled_run_is_orphaned_and_resume_finishes_it_without_running_the_
     marker = tmp_path / "ran.txt"
     cmd = f"echo ran >> {marker}; sleep 3; echo finished"
     script = [[b.function_call("exec_command", {"cmd": cmd}, "call_durable")], [b.message("all done")]]
-    session = tmp_path / "session.json"
+    session = tmp_path.with_name(tmp_path.name + "-session.json")  # outside the workspace, as it must be
     with FakeModel(script) as fake:
         # a lease that outlives a loaded machine starting the early `toolq resume` below
         env, proc, turn_id = start_run(fleet, fake, tmp_path, lease=10)

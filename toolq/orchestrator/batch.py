@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import signal
 import sys
 from contextlib import ExitStack
@@ -25,6 +26,7 @@ from typing import IO, Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from toolq.orchestrator import trusted_files
 from toolq.orchestrator.batch_progress import Progress, ended_call
 from toolq.orchestrator.catalog_reader import WorkersStarting
 from toolq.orchestrator.errors import ConfigurationError
@@ -76,11 +78,18 @@ def line_key(number: int, raw: str) -> str:
     return f"{number}:{hashlib.sha256(raw.strip().encode(errors='surrogateescape')).hexdigest()[:16]}"
 
 
+#: How refusals name the results file.
+OUT = "--out"
+
 def read_lines(path: Path, errors: str = "surrogateescape") -> list[str]:
     """The file's lines, split at newlines only: `str.splitlines` also splits at U+2028, NEL and
     friends, which JSON strings hold unescaped (a final message with one lost its result). Bytes
     that are not UTF-8 are kept as surrogates for `parse_line` to refuse (or `errors` says)."""
-    lines = path.read_bytes().split(b"\n")
+    return split_lines(path.read_bytes(), errors)
+
+
+def split_lines(data: bytes, errors: str = "surrogateescape") -> list[str]:
+    lines = data.split(b"\n")
     return [line.decode(errors=errors) for line in (lines[:-1] if lines[-1] == b"" else lines)]
 
 
@@ -115,9 +124,10 @@ def parse_line(number: int, raw: str) -> Entry:
 def latest_statuses(out: Path) -> dict[str, str]:
     """Each key's latest status in `out`; unreadable lines (a batch killed mid-write) are ignored."""
     latest: dict[str, str] = {}
-    if not out.exists():
+    data = trusted_files.read_bytes(out, OUT)
+    if data is None:
         return latest
-    for raw in read_lines(out, errors="replace"):
+    for raw in split_lines(data, errors="replace"):
         try:
             r = BatchResult.model_validate_json(raw)
         except ValidationError:
@@ -133,10 +143,10 @@ class Results:
     """RESULTS, appended to one line per turn as it ends, flushed, so a killed batch keeps them."""
 
     def __init__(self, path: Path) -> None:
-        with path.open("ab+") as f:  # a line cut by a killed batch must not swallow the next one
-            if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":
-                f.write(b"\n")
-        self.file: IO[str] = path.open("a", encoding="utf-8")
+        f = trusted_files.open_append(path, OUT)
+        if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":  # a line cut by a killed batch
+            f.write(b"\n")  # must not swallow the next one
+        self.file: IO[str] = io.TextIOWrapper(f, encoding="utf-8")
         self.statuses: dict[str, str] = {}
         """This run's status per key."""
 
@@ -233,6 +243,8 @@ def run_batch(settings: Settings, path: Path, out: Path, *, concurrency: int, re
     if not out.parent.is_dir():
         raise ConfigurationError(f"the folder of --out {out} does not exist")
     entries = read_entries(read_lines(path))
+    workspaces = [settings.workspace, *(e.turn.workspace for e in entries if e.turn and e.turn.workspace)]
+    trusted_files.refuse_inside(out, workspaces, OUT)
     latest = latest_statuses(out)
     done = ("completed",) if retry_failed else ("completed", "failed")
     todo = [e for e in entries if latest.get(e.key) not in done]

@@ -17,6 +17,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from toolq.orchestrator import trusted_files
 from toolq.orchestrator.catalog_reader import WorkersStarting
 from toolq.orchestrator.durable import TurnSettings, TurnStore
 from toolq.orchestrator.errors import ConfigurationError
@@ -27,9 +28,15 @@ from toolq.orchestrator.turn import Runtime, Session, TurnOutcome, new_turn_id
 from toolq.orchestrator.view import JsonView, LiveView
 
 
+#: How refusals name the conversation's file.
+SESSION = "session file"
+
+
 def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, session_file: Path | None = None) -> int:
     if problem := workspace_problem(settings.workspace):
         raise ConfigurationError(problem)
+    if session_file:
+        trusted_files.refuse_inside(session_file, [settings.workspace], SESSION)
     history = load_session(session_file) if session_file else None
     with ExitStack() as stack:
         settings, starting = with_redis(settings, stack, json_events)
@@ -43,10 +50,11 @@ def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, se
 
 def load_session(path: Path) -> History:
     """A conversation saved by an earlier `toolq run --session` (empty if the file is new)."""
-    if not path.exists():
+    data = trusted_files.read_bytes(path, SESSION)
+    if data is None:
         return History()
     try:
-        items = json.loads(path.read_text())
+        items = json.loads(data)
         if not isinstance(items, list):
             raise ValueError("not a JSON list of items")
     except ValueError as e:
@@ -56,9 +64,7 @@ def load_session(path: Path) -> History:
 
 def save_session(path: Path, history: History) -> None:
     """Paired before it is written, so the next turn starts from a valid history."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(history.for_prompt(), indent=1))
-    tmp.replace(path)
+    trusted_files.replace(path, json.dumps(history.for_prompt(), indent=1).encode(), SESSION)
 
 
 def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path | None = None) -> int:
@@ -121,6 +127,8 @@ def resume_turn(settings: Settings, turn_id: str, *, json_events: bool = False,
     if saved is not None:  # the tools, workspace and model the turn was started with
         settings = settings.model_copy(update={"tools": saved.tools, "workspace": Path(saved.workspace),
                                                "model": saved.model})
+    if session_file:
+        trusted_files.refuse_inside(session_file, [settings.workspace], SESSION)
     outcome, history = asyncio.run(_run(settings, "", json_events, turn_id=turn_id, resume=True))
     if session_file:
         save_session(session_file, history)
