@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from toolq.workers.isolation import spawner
+from toolq.workers.isolation import cell_init, spawner
 from toolq.workers.isolation.policy import Policy
 from toolq.workers.isolation.reaper import _libc, has_exited
 
@@ -81,6 +81,8 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
     args = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-add" if cell else "--cap-drop", "ALL"]
     if gate is not None:
         args += ["--info-fd", str(gate.info_w), "--block-fd", str(gate.block_r)]
+        if not cell and gate.seccomp_fd >= 0:  # a cell installs it before each command itself
+            args += ["--seccomp", str(gate.seccomp_fd)]
     if policy.network == "host":
         args.append("--share-net")
     size = str(policy.limits.memory_mb * 1024 * 1024)
@@ -326,6 +328,7 @@ class Gate:
         self.block_r, self.block_w = os.pipe()
         self._bound, bound_child = socket.socketpair()
         self.bound_w = bound_child.detach()
+        self.seccomp_fd = _seccomp_fd()
         self.git: GitMount | None = None
         self.child: int | None = None
         """The sandbox's first process (pid 1 of its namespace), once bwrap said so."""
@@ -334,13 +337,14 @@ class Gate:
     def child_fds(self) -> tuple[int, ...]:
         # bwrap keeps a write end of --block-fd too: if this process dies at the gate, bwrap
         # waits forever (and dies with its cgroup) instead of reading end-of-file and going on.
-        return self.info_w, self.block_r, self.bound_w, self.block_w
+        return tuple(fd for fd in (self.info_w, self.block_r, self.bound_w, self.block_w, self.seccomp_fd) if fd >= 0)
 
     def opened(self) -> None:
         """After the spawn: the ends bwrap holds are its own now."""
-        for fd in (self.info_w, self.block_r, self.bound_w):
-            os.close(fd)
-        self.info_w = self.block_r = self.bound_w = -1
+        for fd in (self.info_w, self.block_r, self.bound_w, self.seccomp_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.info_w = self.block_r = self.bound_w = self.seccomp_fd = -1
         self._bound.shutdown(socket.SHUT_WR)  # the file op reads nothing
 
     def release(self, set_limits: Callable[[int], None], alive: Callable[[], bool]) -> None:
@@ -395,11 +399,28 @@ class Gate:
             os.close(changes)
 
     def close(self) -> None:
-        for fd in (self.info_r, self.info_w, self.block_r, self.block_w, self.bound_w):
+        for fd in (self.info_r, self.info_w, self.block_r, self.block_w, self.bound_w, self.seccomp_fd):
             if fd >= 0:
                 os.close(fd)
-        self.info_r = self.info_w = self.block_r = self.block_w = self.bound_w = -1
+        self.info_r = self.info_w = self.block_r = self.block_w = self.bound_w = self.seccomp_fd = -1
         self._bound.close()
+
+
+@functools.lru_cache(maxsize=1)
+def _program() -> bytes | None:
+    return cell_init.seccomp_program()
+
+
+def _seccomp_fd() -> int:
+    """A descriptor bwrap's --seccomp reads the commands' filter from (to its end: one per start);
+    -1 on an architecture without one."""
+    program = _program()
+    if program is None:
+        return -1
+    fd = os.memfd_create("toolq-seccomp", os.MFD_CLOEXEC)
+    os.write(fd, program)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def spawn(build: Callable[[Gate], list[str]], set_limits: Callable[[int], None], **popen: Any) -> subprocess.Popen:

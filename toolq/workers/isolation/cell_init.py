@@ -135,32 +135,82 @@ def _drop_capabilities(last_cap: int) -> None:
 
 #: Kernel keyrings are checked by uid, not by namespace: a root worker's command (uid 0) could
 #: read the host root's keys, and a cell's commands share its user namespace's keyrings.
-_KEYRING_SYSCALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # add_key, request_key, keyctl
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO, _SECCOMP_RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
-_ENOSYS = 38
+_ENOSYS, _EPERM, _EACCES = 38, 1, 13
+_X32_SYSCALL_BIT = 0x40000000
+#: Mode bits that would let another user run a file with its owner's rights (the owner of what a
+#: root worker's command writes is the host's root).
+PRIVILEGE_BITS = 0o6000
+_O_CREAT, _O_TMPFILE = 0o100, 0o20000000
+_CLONE_NEWUSER = 0x10000000
+#: Per machine: syscall numbers (None: the architecture has no such call).
+_NR = {
+    "x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "io_uring_setup": 425, "io_uring_enter": 426,
+               "io_uring_register": 427, "openat2": 437, "clone3": 435, "chmod": 90, "fchmod": 91,
+               "fchmodat": 268, "fchmodat2": 452, "open": 2, "creat": 85, "openat": 257, "mkdir": 83,
+               "mkdirat": 258, "mknod": 133, "mknodat": 259, "unshare": 272, "clone": 56, "socket": 41},
+    "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "io_uring_setup": 425, "io_uring_enter": 426,
+                "io_uring_register": 427, "openat2": 437, "clone3": 435, "chmod": None, "fchmod": 52,
+                "fchmodat": 53, "fchmodat2": 452, "open": None, "creat": None, "openat": 56, "mkdir": None,
+                "mkdirat": 34, "mknod": None, "mknodat": 33, "unshare": 97, "clone": 220, "socket": 198},
+}
+#: Refused outright, with ENOSYS so that programs fall back: the keyrings; io_uring (kernel attack
+#: surface Docker's profile refuses too, and sockets past a socket(2) filter); openat2 and clone3,
+#: whose mode and flags sit in a struct a filter cannot read (the C library falls back to openat
+#: and clone, which are checked below).
+REFUSED = ("add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter", "io_uring_register",
+           "openat2", "clone3")
+#: (syscall, the argument holding the mode, the argument holding open's flags or None): refused
+#: with EPERM when the mode asks for setuid or setgid (and, for open, the call may create).
+MODE_ARGS = (("chmod", 1, None), ("fchmod", 1, None), ("fchmodat", 2, None), ("fchmodat2", 2, None),
+             ("creat", 1, None), ("mkdir", 1, None), ("mkdirat", 2, None), ("mknod", 1, None),
+             ("mknodat", 2, None), ("open", 2, 1), ("openat", 3, 2))
+#: (syscall, the argument holding its flags): refused with EPERM when it asks for a new user
+#: namespace, where a command would hold every capability again (mounts, nf_tables...).
+NAMESPACE_ARGS = (("unshare", 0), ("clone", 0))
 
 
-def _seccomp_program() -> bytes | None:
-    """A BPF filter that fails the keyring syscalls with ENOSYS (and kills a foreign-ABI syscall,
-    which could reach them by other numbers); None on an architecture not listed."""
+def seccomp_program(deny_sockets: bool = False) -> bytes | None:
+    """The BPF filter every sandboxed command runs under (cells, bubblewrap per command, Landlock);
+    None on an architecture not listed. A syscall of a foreign ABI (i386, x32) is refused too: it
+    could reach the same calls by other numbers. `deny_sockets`: socket(2) fails with EACCES
+    (Landlock with the network off)."""
     machine = os.uname().machine
-    if machine not in _KEYRING_SYSCALLS:
+    if machine not in _NR:
         return None
-    ld_arch, ld_nr, jeq, ret = 0x20, 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
-    numbers = _KEYRING_SYSCALLS[machine]
-    program = [(ld_arch, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH[machine]), (ret, 0, 0, _SECCOMP_RET_KILL_PROCESS),
-               (ld_nr, 0, 0, 0)]
+    nr = {k: v for k, v in _NR[machine].items() if v is not None}
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, JSET, BPF_RET|K
+
+    def arg(i: int) -> tuple[int, int, int, int]:  # the low 32 bits of argument i (little endian)
+        return (ld, 0, 0, 16 + 8 * i)
+
+    deny, eperm = (ret, 0, 0, _SECCOMP_RET_ERRNO | _ENOSYS), (ret, 0, 0, _SECCOMP_RET_ERRNO | _EPERM)
+    allow = (ret, 0, 0, _SECCOMP_RET_ALLOW)
+    program = [(ld, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH[machine]), (ret, 0, 0, _SECCOMP_RET_KILL_PROCESS), (ld, 0, 0, 0)]
     if machine == "x86_64":  # x32 syscalls share the arch: refuse them all
-        program += [(0x35, 0, 1, 0x40000000), (ret, 0, 0, _SECCOMP_RET_ERRNO | _ENOSYS)]  # BPF_JGE
-    for i, number in enumerate(numbers):
-        program.append((jeq, len(numbers) - i, 0, number))
-    program += [(ret, 0, 0, _SECCOMP_RET_ALLOW), (ret, 0, 0, _SECCOMP_RET_ERRNO | _ENOSYS)]
+        program += [(jge, 0, 1, _X32_SYSCALL_BIT), deny]
+    if deny_sockets:
+        program += [(jeq, 0, 1, nr["socket"]), (ret, 0, 0, _SECCOMP_RET_ERRNO | _EACCES)]
+    for name in REFUSED:
+        program += [(jeq, 0, 1, nr[name]), deny]
+    # Each block below reads an argument, so it ends with a verdict instead of falling through.
+    for name, mode, flags in MODE_ARGS:
+        if name not in nr:
+            continue
+        block = [arg(mode), (jset, 0, 1, PRIVILEGE_BITS), eperm, allow]
+        if flags is not None:  # open's mode counts only when the call may create
+            block = [arg(flags), (jset, 1, 0, _O_CREAT | _O_TMPFILE), allow, *block]
+        program += [(jeq, 0, len(block), nr[name]), *block]
+    for name, flags in NAMESPACE_ARGS:
+        block = [arg(flags), (jset, 0, 1, _CLONE_NEWUSER), eperm, allow]
+        program += [(jeq, 0, len(block), nr[name]), *block]
+    program.append(allow)
     return b"".join(struct.pack("HBBI", *op) for op in program)
 
 
-def _install_seccomp(program: bytes | None) -> None:
+def install_seccomp(program: bytes | None) -> None:
     if program is None:
         return
     filters = ctypes.create_string_buffer(program)
@@ -206,7 +256,7 @@ def _init(stdio: list[int], gate: socket.socket, outer: list[str], links: list[t
                 pass
     try:
         _drop_capabilities(last_cap)
-        _install_seccomp(seccomp)
+        install_seccomp(seccomp)
         argv, env = req["argv"], req["env"]
         program = shutil.which(argv[0], path=env.get("PATH")) or argv[0]
         # vfork and exec (no copy of this interpreter); every other descriptor here is close-on-exec.
@@ -282,7 +332,7 @@ def serve(control: socket.socket) -> None:
     os.closerange(control.fileno() + 1, 1 << 16)
     outer, links = survivors()
     last_cap = _last_cap()
-    seccomp = _seccomp_program()
+    seccomp = seccomp_program()
     gc.freeze()  # a fork then copies fewer pages (the collector no longer writes to the old objects)
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     running: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, gate)

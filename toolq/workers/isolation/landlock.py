@@ -30,6 +30,8 @@ import os
 import platform
 import struct
 
+from toolq.workers.isolation import cell_init
+
 _SYSCALLS = {"x86_64": (444, 445, 446), "aarch64": (444, 445, 446), "riscv64": (444, 445, 446)}
 CREATE, ADD_RULE, RESTRICT = _SYSCALLS.get(platform.machine(), (444, 445, 446))
 _VERSION_FLAG = 1
@@ -63,14 +65,6 @@ FILE_ONLY = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE
 DEVICES = {"/dev/null": READ_FILE | WRITE_FILE | TRUNCATE, "/dev/zero": READ_FILE, "/dev/full": READ_FILE | WRITE_FILE,
            "/dev/random": READ_FILE, "/dev/urandom": READ_FILE}
 
-# seccomp: the architecture and socket(2)'s number, per machine
-_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(platform.machine())
-_NR_SOCKET = {"x86_64": 41, "aarch64": 198}.get(platform.machine())
-#: io_uring_setup, io_uring_enter, io_uring_register: the same numbers on every architecture.
-_NR_IO_URING_FIRST, _NR_IO_URING_LAST = 425, 427
-_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
-_X32_SYSCALL_BIT = 0x40000000
-
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
@@ -102,39 +96,14 @@ def handled_fs(abi: int) -> int:
     return rights
 
 
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-
-def _socket_filter() -> bytes:
-    """BPF: socket(2) and io_uring fail with EACCES; so does every syscall of a foreign ABI
-    (i386, x32), which could reach socket(2) by another number."""
-    ld, jeq, jge, jgt, ret = 0x20, 0x15, 0x35, 0x25, 0x06
-    allow, deny = 0x7FFF0000, 0x00050000 | errno.EACCES
-    prog = [
-        (ld, 0, 0, 4),                        # 0: arch
-        (jeq, 1, 0, _AUDIT_ARCH),             # 1: native -> 3
-        (ret, 0, 0, deny),                    # 2
-        (ld, 0, 0, 0),                        # 3: syscall number
-        (jge, 4, 0, _X32_SYSCALL_BIT),        # 4: x32 -> 9
-        (jeq, 3, 0, _NR_SOCKET),              # 5: socket -> 9
-        (jge, 0, 1, _NR_IO_URING_FIRST),      # 6: >= io_uring_setup -> 7, else -> 8
-        (jgt, 0, 1, _NR_IO_URING_LAST),       # 7: > io_uring_register -> 8, else -> 9
-        (ret, 0, 0, allow),                   # 8
-        (ret, 0, 0, deny),                    # 9
-    ]
-    return b"".join(struct.pack("HBBI", *insn) for insn in prog)
-
-
-def deny_network_sockets() -> None:
-    """On this thread (and what it spawns); needs no_new_privs first."""
-    if _AUDIT_ARCH is None or _NR_SOCKET is None:
-        raise OSError(errno.ENOSYS, f"no socket filter for {platform.machine()}")
-    code = _socket_filter()
-    buf = ctypes.create_string_buffer(code, len(code))
-    prog = _SockFprog(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))
-    if _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+def confine_syscalls(deny_sockets: bool) -> None:
+    """On this thread (and what it spawns), the filter every sandboxed command runs under
+    (`cell_init.seccomp_program`: no setuid modes, no user namespaces, no io_uring, no keyrings),
+    and with `deny_sockets` no socket(2) either. Needs no_new_privs first."""
+    code = cell_init.seccomp_program(deny_sockets)
+    if code is None:
+        raise OSError(errno.ENOSYS, f"no seccomp filter for {platform.machine()}")
+    cell_init.install_seccomp(code)
 
 
 @functools.lru_cache(maxsize=64)
@@ -218,8 +187,7 @@ class Ruleset:
         if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         _syscall(RESTRICT, self.fd, 0)
-        if self.deny_sockets:
-            deny_network_sockets()
+        confine_syscalls(self.deny_sockets)
 
     def close(self) -> None:
         if self.fd >= 0:
