@@ -74,10 +74,11 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if not settings.redis_url:
         print("toolq worker: set REDIS_URL (or CELERY_BROKER_URL) to the broker the orchestrator uses", file=sys.stderr)
         return 2
+    from toolq.workers import hardening
     from toolq.workers.signing import required_signer
 
     required_signer(settings.signing_key, "a worker")
-    import os
+    hardening.harden()  # before any tool runs: its pool children, forked from here, keep it
 
     os.environ["REDIS_URL"] = settings.redis_url  # pool children and the app read the same settings
     # The key lives on in the app's conf (pool children fork with it); commands get no copy of it.

@@ -26,6 +26,7 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamablehttp_client
 from pydantic import BaseModel, ValidationError
 
+from toolq.workers import hardening
 from toolq.workers.mcp.backoff import Backoff
 from toolq.workers.mcp.checks import OutputCheck, SchemaError, output_check
 from toolq.workers.mcp.config import McpServerConfig
@@ -374,6 +375,9 @@ async def serve(socket_path: str, config: HostConfig) -> None:
 
 
 def main() -> None:
+    # Its servers run unsandboxed as the worker's user: none may read the worker's secrets.
+    hardening.harden()
+    hardening.drop_ptrace()
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s/mcp-host] %(message)s",
                         stream=sys.stderr)
     config = HostConfig.model_validate_json(sys.stdin.read())

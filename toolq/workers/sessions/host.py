@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import redis
 
 from toolq.orchestrator.settings import Settings
-from toolq.workers import isolation
+from toolq.workers import hardening, isolation
 from toolq.workers.isolation import bwrap, reaper, spawner
 from toolq.workers.isolation.cell import CellProcess
 from toolq.workers.sandbox import DEFAULT_OUTPUT_CAP, DRAIN_TIMEOUT, POLL_INTERVAL, HeadTailBuffer, _killpg, flooded
@@ -455,6 +455,7 @@ def _read_line(conn: socket.socket, limit: int = 16 * 1024 * 1024) -> bytes:
 
 
 def main() -> None:
+    hardening.harden()  # it starts the sandboxes: nothing it holds may be read from outside
     logging.basicConfig(level=logging.INFO, format="[session host] %(message)s")
     path = os.environ["TOOLQ_SESSION_SOCKET"]
     settings = Settings.load()
