@@ -3,6 +3,7 @@ a backend, the subreaper, and a worker that refuses to start without a sandbox."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -19,6 +20,7 @@ from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
 from toolq.workers import isolation
 from toolq.workers.isolation import bwrap, choose, landlock, limits, spawner
+from toolq.workers.isolation import policy as policy_module
 from toolq.workers.isolation.policy import Limits, Policy
 from toolq.workers.sandbox import run_command
 
@@ -68,9 +70,9 @@ def test_bwrap_command_line_isolates_everything_and_protects_git(tmp_path):
     ws, git = args.index("--bind"), args.index(str(tmp_path / ".git")) - 1
     assert args[ws:ws + 3] == ["--bind", str(tmp_path), str(tmp_path)]
     assert args[git:git + 3] == ["--ro-bind", str(tmp_path / ".git"), str(tmp_path / ".git")] and git > ws
-    if os.path.exists("/etc/shadow"):
-        shadow = args.index("/etc/shadow")
-        assert args[shadow - 2:shadow + 1] == ["--ro-bind", "/dev/null", "/etc/shadow"]
+    # /etc by its allowlist: the passwords, host keys and sudoers are not there at all (issue 24).
+    assert "/etc" not in [args[i + 1] for i, a in enumerate(args) if a.startswith("--ro-bind")]
+    assert "/etc/passwd" in args and not any(a.startswith(("/etc/shadow", "/etc/ssh", "/etc/sudoers")) for a in args)
     command = args[args.index("--") + 1:]  # .git is checked in the sandbox before the command runs
     assert command[:3] == ["/bin/sh", "-c", bwrap.GIT_CHECK] and command[-3:] == ["bash", "-c", "true"]
     assert "/root" not in args and os.path.expanduser("~") not in args
@@ -263,10 +265,23 @@ def test_masks_only_what_the_command_could_read(tmp_path, monkeypatch):
     readable.write_text("x")
     unreadable.write_text("x")
     secrets_dir.mkdir()
-    monkeypatch.setattr(bwrap, "MASKED", (str(readable), str(unreadable), str(secrets_dir), str(tmp_path / "absent")))
+    hidden = (str(readable), str(unreadable), str(secrets_dir), str(tmp_path / "absent"))
     real_access = os.access
     monkeypatch.setattr(bwrap.os, "access", lambda p, mode: p != str(unreadable) and real_access(p, mode))
-    assert bwrap._masks() == ["--ro-bind", "/dev/null", str(readable), "--tmpfs", str(secrets_dir)]
+    assert bwrap._masks(hidden) == ["--ro-bind", "/dev/null", str(readable), "--tmpfs", str(secrets_dir)]
+
+
+def test_what_other_users_may_not_read_beneath_the_site_folders_is_hidden(tmp_path):
+    """Issue 24: a root worker's command owns root's private files under /opt and /usr/local."""
+    (tmp_path / "app" / "conf").mkdir(parents=True)
+    (tmp_path / "app" / "conf" / "tls.key").write_text("k")
+    (tmp_path / "app" / "conf" / "tls.key").chmod(0o600)
+    (tmp_path / "app" / "conf" / "public.pem").write_text("p")
+    (tmp_path / "vault").mkdir(mode=0o700)
+    (tmp_path / "vault" / "open").write_text("o")
+    (tmp_path / "link").symlink_to("/etc/shadow")
+    found = policy_module.private_entries((str(tmp_path),))
+    assert sorted(found) == [str(tmp_path / "app" / "conf" / "tls.key"), str(tmp_path / "vault")]
 
 
 @needs_bwrap
@@ -308,7 +323,7 @@ def test_a_spawning_threads_own_mounts_hide_sys_and_mask_secrets_once(tmp_path):
     seen = {}
 
     def spawning_thread(read: list[str]) -> None:
-        assert spawner.prepare_spawning_thread(policy(sandbox_read=read), bwrap.MASKED)
+        assert spawner.prepare_spawning_thread(policy(sandbox_read=read), ("/etc/shadow",))
         seen["sys"] = os.path.ismount("/sys")
         sandbox = choose(policy(sandbox="bwrap"))
         seen["argv"] = bwrap.argv("bwrap", sandbox.policy, str(tmp_path), str(tmp_path), ["true"])
@@ -337,12 +352,12 @@ def test_a_secret_replaced_on_the_host_since_the_thread_masked_it_stays_masked(t
     secret, ws = tmp_path / "secret", tmp_path / "ws"
     secret.write_text("before\n")
     ws.mkdir()
-    monkeypatch.setattr(bwrap, "MASKED", (str(secret),))
     ready, replaced, seen, masked_here = threading.Event(), threading.Event(), [], []
 
     def spawning_thread() -> None:
-        sandbox = choose(policy(sandbox="bwrap", sandbox_read=[str(tmp_path)]))
-        assert spawner.prepare_spawning_thread(sandbox.policy, bwrap.MASKED)
+        hiding = dataclasses.replace(policy(sandbox="bwrap", sandbox_read=[str(tmp_path)]), hidden=(str(secret),))
+        sandbox = choose(hiding)
+        assert spawner.prepare_spawning_thread(sandbox.policy, sandbox.policy.hidden)
         for event in (ready, replaced):
             masked_here.append(os.path.exists(secret) and os.stat(secret).st_rdev == os.stat("/dev/null").st_rdev)
             seen.append(run_command(f"cat {secret}", cwd=ws, sandbox=sandbox, env={"PATH": "/usr/bin:/bin"}).output)
@@ -372,7 +387,7 @@ def test_a_spawning_thread_sees_a_workspace_mounted_after_it_prepared(tmp_path, 
     ready, mounted, seen = threading.Event(), threading.Event(), {}
 
     def spawning_thread() -> None:
-        assert spawner.prepare_spawning_thread(policy(), bwrap.MASKED)
+        assert spawner.prepare_spawning_thread(policy(), ())
         ready.set()
         mounted.wait(10)
         r = run_command("cat marker", cwd=volume, sandbox=choose(policy(sandbox="bwrap")), env={"PATH": "/usr/bin:/bin"})

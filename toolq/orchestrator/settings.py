@@ -96,6 +96,7 @@ ENV = {
     "sandbox_network": ("TOOLQ_SANDBOX_NETWORK",),
     "sandbox_env": ("TOOLQ_SANDBOX_ENV",),
     "sandbox_read": ("TOOLQ_SANDBOX_READ",),
+    "sandbox_etc": ("TOOLQ_SANDBOX_ETC",),
     "sandbox_memory_mb": ("TOOLQ_SANDBOX_MEMORY_MB",),
     "sandbox_processes": ("TOOLQ_SANDBOX_PROCESSES",),
     "sandbox_cpu_seconds": ("TOOLQ_SANDBOX_CPU_SECONDS",),
@@ -196,6 +197,8 @@ class Settings(BaseModel):
     """Extra environment variables a command may see (besides PATH, LANG, TERM, the pagers...)."""
     sandbox_read: list[str] = Field(default_factory=list)
     """Extra directories a command may read (besides the system directories and its workspace)."""
+    sandbox_etc: list[str] = Field(default_factory=list)
+    """Extra entries of /etc a command may read (names under /etc), besides the allowlist."""
     sandbox_memory_mb: int = Field(default=2048, ge=16)
     sandbox_processes: int = Field(default=256, ge=8)
     sandbox_cpu_seconds: int = Field(default=300, ge=1)
@@ -243,7 +246,7 @@ class Settings(BaseModel):
             raise ValueError(f"must have at least {MIN_KEY_CHARS} characters; generate one with {GENERATE}")
         return v
 
-    @field_validator("tools", "queues", "sandbox_env", "sandbox_read", mode="before")
+    @field_validator("tools", "queues", "sandbox_env", "sandbox_read", "sandbox_etc", mode="before")
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
         return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v

@@ -185,9 +185,9 @@ class Sandbox:
         command_env = self.policy.command_env(env, home=tmpdir)
         try:
             _require_program(argv[0], command_env)
-            ruleset = landlock.Ruleset(self.landlock_abi, read=[*self.policy.read_dirs, "/proc", "/sys"],
+            ruleset = landlock.Ruleset(self.landlock_abi, read=[*self.policy.read_dirs, *self.policy.etc, "/proc", "/sys"],
                                        write=[workspace, tmpdir], deny_tcp=self.policy.network == "none",
-                                       hidden=bwrap.MASKED if os.geteuid() == 0 else ())
+                                       hidden=self.policy.hidden)
         except BaseException:
             shutil.rmtree(tmpdir, ignore_errors=True)
             call_limits.close()

@@ -49,10 +49,6 @@ from toolq.workers.isolation.reaper import _libc, has_exited
 
 #: Where the private /tmp is: HOME and TMPDIR point here inside the sandbox.
 SANDBOX_TMP = "/tmp"
-#: Host secrets under the read-only system directories, masked: a root worker's command is uid 0
-#: (without capabilities), and uid 0 owns them.
-MASKED = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/ssh", "/etc/ssl/private",
-          "/etc/sudoers", "/etc/sudoers.d")
 
 
 #: A cell's /dev: what bwrap's --dev makes but the devpts instance. With --dev, an unprivileged
@@ -95,7 +91,8 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
         if d == real or d.startswith(real.rstrip("/") + "/"):
             continue  # under the workspace: its bind below covers this one
         args += ["--symlink", link, d] if link is not None else ["--ro-bind-try", d, d]
-    args += _masks()
+    args += _etc(policy.etc)
+    args += _masks(policy.hidden)
     args += ["--bind", real, real]
     if real != workspace:  # reached through a symlink: the same path inside as outside
         args += ["--symlink", real, workspace]
@@ -155,13 +152,24 @@ def _git_is_a_mount(workspace: str, git: str) -> bool | None:
     return None if ws is None or own is None else ws != own
 
 
-def _masks() -> list[str]:
-    """The masks of `MASKED` that exist: a directory under an empty tmpfs (no mount-table read
-    in bwrap), a file under /dev/null when this worker's uid can read it (each bind costs bwrap a
-    read of its whole mount table; a file the uid cannot read needs no mask, as the command runs
-    as that uid without capabilities). A root worker's command masks them all (root owns them)."""
+@functools.lru_cache(maxsize=8)
+def _etc(entries: tuple[str, ...]) -> tuple[str, ...]:
+    """/etc as commands see it: a directory holding only the allowlisted `entries`, each bound
+    read-only (a symlink made again, its target resolving inside the sandbox)."""
+    args = ["--dir", "/etc"]
+    for path in entries:
+        args += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--ro-bind-try", path, path]
+    return tuple(args)
+
+
+def _masks(hidden: tuple[str, ...]) -> list[str]:
+    """The masks of `hidden` (files and folders beneath the read directories that other users may
+    not read): a directory under an empty tmpfs (no mount-table read in bwrap), a file under
+    /dev/null when this worker's uid can read it (each bind costs bwrap a read of its whole mount
+    table; a file the uid cannot read needs no mask, as the command runs as that uid without
+    capabilities). A root worker's command masks them all (root owns them)."""
     args: list[str] = []
-    for path in MASKED:
+    for path in hidden:
         try:
             mode = os.lstat(path).st_mode
         except OSError:

@@ -12,9 +12,9 @@ too: Landlock does not confine connecting to a pathname socket, so a root comman
 a Redis unix socket, `docker.sock` or systemd's private socket anywhere on the host. Pipes and
 `socketpair(2)` still work.
 
-For a root worker (whose command is uid 0, without capabilities), the host secrets bubblewrap
-masks (`bwrap.MASKED`: shadow, ssh host keys, sudoers) are left out: a rule grants a whole
-hierarchy, so /etc is granted entry by entry around them (descriptors kept per process).
+Of /etc, only the allowlisted entries are granted (`Policy.etc`), and beneath the read directories
+what other users may not read (`Policy.hidden`) is left out: a rule grants a whole hierarchy, so
+its parents are granted entry by entry around it (descriptors kept per process).
 
 Limits of this backend, compared with bubblewrap: `.git/` inside the workspace stays writable
 (Landlock rules only add rights, beneath a directory), a command cannot listen on a unix socket

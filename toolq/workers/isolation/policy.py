@@ -10,6 +10,7 @@ import fnmatch
 import functools
 import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
@@ -26,8 +27,25 @@ BASE_ENV = ("PATH", "LANG", "LANGUAGE", "LC_*", "TERM", "TZ", "USER", "LOGNAME",
 FORBIDDEN_ENV = ("REDIS_URL", "CELERY_*", "TOOLQ_*", "OPENAI_*", "FLOWER_*")
 #: Keep tools non-interactive: no pagers waiting for a key, no colour codes in the output.
 ENV_OVERRIDES = {"PAGER": "cat", "GIT_PAGER": "cat", "NO_COLOR": "1", "TERM": "dumb"}
-#: Directories every command may read (and execute from), when they exist.
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/nix/store")
+#: Directories every command may read (and execute from), when they exist. /etc is not among
+#: them: only `ETC` of it is (a root worker's command, uid 0 without capabilities, still owns
+#: every root-only file there: TLS keys, keytabs, cluster configs).
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt", "/nix/store")
+#: What of /etc commands see: what the C library, shells, git, Python, Node, compilers and TLS
+#: clients read. More with TOOLQ_SANDBOX_ETC (names under /etc).
+ETC = ("passwd", "group", "hosts", "host.conf", "hostname", "resolv.conf", "nsswitch.conf", "gai.conf", "protocols",
+       "services", "networks", "rpc", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "ld.so.preload", "localtime",
+       "timezone", "zoneinfo", "locale.alias", "locale.conf", "locale.gen", "default/locale", "os-release",
+       "lsb-release", "debian_version", "alternatives", "environment", "profile", "profile.d", "bash.bashrc",
+       "shells", "inputrc", "login.defs", "mime.types", "magic", "mailcap", "terminfo", "gitconfig",
+       "ssl/certs", "ssl/openssl.cnf", "ca-certificates", "ca-certificates.conf", "pki/tls/certs",
+       "pki/ca-trust/extracted", "crypto-policies/back-ends", "python3", "python3.11", "python3.12", "perl",
+       "fonts", "java-17-openjdk", "xdg", "pip.conf", "npmrc", "wgetrc", "vimrc", "vim", "papersize")
+#: Where the operator's own software and keys live beside the system's: searched once per worker
+#: for what other users may not read (hidden from commands, see `private_entries`).
+SITE_DIRS = ("/opt", "/usr/local")
+#: How many entries of `SITE_DIRS` are searched at most (about 20 ms for 5,000 here).
+SITE_SCAN_LIMIT = 100_000
 
 
 def _matches(name: str, patterns: tuple[str, ...] | list[str]) -> bool:
@@ -59,6 +77,10 @@ class Policy:
     read_dirs: tuple[str, ...] = field(default_factory=tuple)
     """Readable besides the workspace: the system directories, this interpreter's prefix, and
     what the operator adds. The worker's home, logs and other workspaces are not among them."""
+    etc: tuple[str, ...] = field(default_factory=tuple)
+    """The entries of /etc a command sees (`ETC` and TOOLQ_SANDBOX_ETC, those that exist)."""
+    hidden: tuple[str, ...] = field(default_factory=tuple)
+    """Beneath `read_dirs`, what other users may not read (`private_entries`): never readable."""
 
     @classmethod
     def from_settings(cls, s: Settings) -> Policy:
@@ -70,8 +92,14 @@ class Policy:
         read = [d for d in SYSTEM_DIRS if os.path.lexists(d)]
         read += sorted(p for p in prefixes if not any(p == d or p.startswith(d + "/") for d in read))
         read += [os.path.abspath(p) for p in s.sandbox_read]
+        bad = [n for n in s.sandbox_etc if os.path.isabs(n) or ".." in n.split("/")]
+        if bad:
+            raise ConfigurationError(f"invalid setting sandbox_etc (TOOLQ_SANDBOX_ETC): {', '.join(bad)}: give names "
+                                     "under /etc, such as ssh/ssh_config")
+        etc = tuple(p for p in dict.fromkeys(f"/etc/{n.strip('/')}" for n in (*ETC, *s.sandbox_etc)) if os.path.lexists(p))
         return cls(requested=s.sandbox, network=s.sandbox_network, extra_env=tuple(s.sandbox_env), cells=s.sandbox_cells,
-                   read_dirs=tuple(dict.fromkeys(read)),
+                   read_dirs=tuple(dict.fromkeys(read)), etc=etc,
+                   hidden=private_entries(tuple(d for d in SITE_DIRS if any(d == r or d.startswith(r + "/") for r in read))),
                    limits=Limits(s.sandbox_memory_mb, s.sandbox_processes, s.sandbox_cpu_seconds, s.sandbox_file_mb))
 
     def command_env(self, source: dict[str, str], home: str, confined: bool = True) -> dict[str, str]:
@@ -91,3 +119,33 @@ class Policy:
 
     def readable(self, path: str) -> bool:
         return any(path == d or path.startswith(d.rstrip("/") + "/") for d in self.read_dirs)
+
+
+@functools.lru_cache(maxsize=8)
+def private_entries(dirs: tuple[str, ...]) -> tuple[str, ...]:
+    """Beneath `dirs`, the topmost files and directories that other users may not read (what their
+    owner kept private: a root worker's command, uid 0 without capabilities, would still read
+    root's). Symlinks are not followed. Once per worker, at most SITE_SCAN_LIMIT entries."""
+    found: list[str] = []
+    seen = 0
+    for top in dirs:
+        for where, subdirs, files in os.walk(top):
+            seen += len(subdirs) + len(files)
+            if seen > SITE_SCAN_LIMIT:
+                return tuple(found)
+            keep = []
+            for name in subdirs + files:
+                path = os.path.join(where, name)
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue
+                if stat.S_ISLNK(st.st_mode):
+                    continue
+                if not st.st_mode & stat.S_IROTH or (stat.S_ISDIR(st.st_mode) and not st.st_mode & stat.S_IXOTH):
+                    found.append(path)
+                elif name in subdirs:
+                    keep.append(name)
+            subdirs[:] = keep
+    return tuple(found)
+

@@ -31,7 +31,7 @@ import redis
 
 from toolq.orchestrator.settings import Settings
 from toolq.workers import hardening, isolation
-from toolq.workers.isolation import bwrap, reaper, spawner
+from toolq.workers.isolation import reaper, spawner
 from toolq.workers.isolation.cell import CellProcess
 from toolq.workers.sandbox import DEFAULT_OUTPUT_CAP, DRAIN_TIMEOUT, POLL_INTERVAL, HeadTailBuffer, _killpg, flooded
 from toolq.workers.sessions.slots import Slot, Slots
@@ -119,7 +119,7 @@ class Host:
         sandbox = isolation.current(settings)
         confined = not sandbox.unavailable and sandbox.backend != "none"
         # bwrap starts faster from a thread whose mount table is smaller (`isolation/spawner.py`).
-        prepare = functools.partial(spawner.prepare_spawning_thread, sandbox.policy, bwrap.MASKED) if (
+        prepare = functools.partial(spawner.prepare_spawning_thread, sandbox.policy, sandbox.policy.hidden) if (
             confined and sandbox.backend == "bwrap") else None
         self.slots = Slots(sandbox.policy.limits if confined else None,
                            most=settings.concurrency + SLOTS_PER_SESSION_LIMIT * settings.session_limit,
