@@ -6,8 +6,8 @@ import json
 import time
 
 from toolq.orchestrator.states import CallState, codex_status
-from toolq.orchestrator.turn_events import (CommandExecutionView, ItemCompleted, ItemStarted, ItemUpdated,
-                                            ToolCallView, TurnStarted)
+from toolq.orchestrator.turn_events import (AgentMessageView, CommandExecutionView, ItemCompleted, ItemStarted,
+                                            ItemUpdated, ReasoningView, ToolCallView, TurnStarted)
 from toolq.orchestrator.view import JsonView, LiveView
 
 
@@ -108,8 +108,9 @@ def test_a_commands_escape_sequences_never_reach_the_terminal():
     out = io.StringIO()
     view = LiveView(out)
     view(command(CallState.RUNNING, output="\x1b]0;pwned\x07ok\x1b[2J\r\x9bdone\n"))
-    # A carriage return ends a line (a progress bar shows its latest state); the rest is replaced.
-    assert out.getvalue().splitlines()[-2:] == ["    │ \ufffd]0;pwned\ufffdok\ufffd[2J", "    │ \ufffddone"]
+    # A carriage return ends a line (a progress bar shows its latest state); each escape sequence
+    # goes whole (the 8-bit CSI took "d" as its final byte, as a terminal would).
+    assert out.getvalue().splitlines()[-2:] == ["    │ ok", "    │ one"]
 
 
 def test_parallel_commands_lines_say_whose_they_are():
@@ -152,3 +153,28 @@ def test_a_write_stdin_call_is_a_command_execution_of_its_session():
     assert (view.command, view.aggregated_output, view.exit_code) == ("bash -c 'make test'", "tick 3\n", None)
     assert call_view("write_stdin", inv, "", None, id="c", status="in_progress", state=CallState.QUEUED,
                      step=0).command == ""
+
+
+HOSTILE = "\x1b[2J\x1b[H\x1b]52;c;ZXZpbA==\x07\x1b]0;title\x1b\\\x9b31m\u202e\x1bP1$r\x1b\\\r"
+
+
+def test_nothing_the_model_or_a_tool_says_reaches_the_terminal_as_a_control():
+    """Issue 24: the model's message and reasoning, tool names, call ids and reasons were printed raw
+    (screen clears, cursor moves, clipboard writes with OSC 52, bidi overrides)."""
+    out = io.StringIO()
+    view = LiveView(out)
+    view(ItemCompleted(item=AgentMessageView(id="m" + HOSTILE, text=f"answer{HOSTILE}\nsecond line")))
+    view(ItemCompleted(item=ReasoningView(id="r", text=f"thought{HOSTILE}")))
+    view(ItemCompleted(item=ToolCallView(id="call" + HOSTILE, tool="tool" + HOSTILE, state=CallState.FAILED,
+                                         status=codex_status(CallState.FAILED), step=0, reason="why" + HOSTILE)))
+    shown = out.getvalue()
+    for visible in ("answer", "second line", "thought", "tool", "call", "why"):
+        assert visible in shown
+    assert not [c for c in shown if c in "\x1b\x07\x9b\r\u202e" or 0x80 <= ord(c) <= 0x9f], repr(shown)
+
+
+def test_status_and_turns_tables_are_printable():
+    from toolq.orchestrator.terminal import printable
+
+    assert printable("a" + HOSTILE + "b\nc\td") == "a\ufffd\ufffdb\nc\td"
+    assert "\n" not in printable("one\ntwo", lines=False)

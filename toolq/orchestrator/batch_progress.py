@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO
 
+from toolq.orchestrator.terminal import printable
 from toolq.orchestrator.turn_events import ItemCompleted, ToolCallView, TurnEvent
 
 #: Without a terminal (a log file, CI) a line at most this often, and one at the end.
@@ -82,9 +83,9 @@ class Progress:
         now = time.monotonic()
         try:
             if self.tty:
-                self.out.write("\r" + self.line(self._width()) + "\x1b[K" + ("\n" if final else ""))
+                self.out.write("\r" + printable(self.line(self._width()), lines=False) + "\x1b[K" + ("\n" if final else ""))
             elif final or now - self._last >= PLAIN_EVERY:
-                self.out.write(self.line() + "\n")
+                self.out.write(printable(self.line(), lines=False) + "\n")
             else:
                 return
             self.out.flush()

@@ -24,6 +24,7 @@ from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.history import History, pairing_problems
 from toolq.orchestrator.redis_faults import reaching
 from toolq.orchestrator.settings import Settings, absolute_workspace, workspace_problem
+from toolq.orchestrator.terminal import printable
 from toolq.orchestrator.turn import Runtime, Session, TurnOutcome, new_turn_id
 from toolq.orchestrator.view import JsonView, LiveView
 
@@ -44,7 +45,7 @@ def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, se
     if session_file:
         save_session(session_file, history)
     if outcome.could_not_start and json_events:  # stdout is the events; the one line goes to stderr
-        print(f"toolq run: {outcome.error}", file=sys.stderr)
+        print(f"toolq run: {printable(str(outcome.error), lines=False)}", file=sys.stderr)
     return outcome.exit_code
 
 

@@ -20,6 +20,7 @@ from toolq.orchestrator.runtime_dir import ledger_urls, ledgers
 from toolq.orchestrator.settings import Settings, mask_url_password
 from toolq.orchestrator.session_route import live_sessions
 from toolq.orchestrator.states import parse_state
+from toolq.orchestrator.terminal import printable
 from toolq.workers.sessions.registry import SessionRecord
 
 CALL_COLUMNS = ("tool", "call_id", "task_id", "state", "worker", "queue_wait", "run_time")
@@ -166,7 +167,8 @@ def status_cmd(settings: Settings, turn_id: str, *, as_json: bool = False, out: 
         print(f"toolq status: no turn {turn_id!r} in the ledger at {where} "
               "(records are kept 7 days; `toolq turns` lists recent ones)", file=err)
         return 1
-    out.write(render_status(turn_id, turn, calls, time.time(), as_json, sessions))
+    shown = render_status(turn_id, turn, calls, time.time(), as_json, sessions)
+    out.write(shown if as_json else printable(shown))
     return 0
 
 
@@ -194,5 +196,6 @@ def turns_cmd(settings: Settings, *, limit: int = 20, as_json: bool = False, out
         found = asyncio.run(read())
     rows = [turn_row(t, h, n, now) for t, h, n in found if h]
     rows = sorted(rows, key=lambda r: r["started_at"] or 0, reverse=True)[:limit]  # newest first, across stacks
-    out.write(render_turns(rows, as_json))
+    shown = render_turns(rows, as_json)
+    out.write(shown if as_json else printable(shown))
     return 0

@@ -7,12 +7,12 @@ The JSON events follow `codex exec --json` (`turn.started`, `item.started`/`item
 from __future__ import annotations
 
 import json
-import re
 import sys
 from dataclasses import dataclass
 from typing import IO
 
 from toolq.orchestrator.states import CallState
+from toolq.orchestrator.terminal import printable
 from toolq.orchestrator.turn_events import (
     AgentMessageView,
     CommandExecutionView,
@@ -67,6 +67,9 @@ class LiveView(_View):
     def __init__(self, out: IO[str] = sys.stdout) -> None:
         super().__init__(out)
         self._commands: dict[str, _Shown] = {}
+
+    def write(self, line: str) -> None:
+        super().write(printable(line))  # the model's and the tools' words: no escape reaches the terminal
 
     def __call__(self, event: TurnEvent) -> None:
         line: str | None = None
@@ -142,11 +145,8 @@ class _Shown:
 def _cut(text: str) -> str:
     """One line fit for the user's terminal: a command's output is untrusted, and an escape
     sequence in it must not move the cursor, retitle the window or rewrite what was shown."""
-    text = _CONTROL.sub("\ufffd", text)
+    text = printable(text, lines=False)
     return text if len(text) <= LINE_CHARS else text[:LINE_CHARS - 1] + "…"
-
-
-_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 
 def _secs(s: float) -> str:

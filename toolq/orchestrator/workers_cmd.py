@@ -16,6 +16,7 @@ from toolq.orchestrator.catalog_reader import FleetCatalog
 from toolq.orchestrator.redis_faults import reaching
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.status import render_json_lines, render_table
+from toolq.orchestrator.terminal import printable
 from toolq.workers.advert import WorkerAdvert
 
 WORKER_COLUMNS = ("worker", "instance", "state", "pid", "host", "concurrency", "up", "sandbox", "tools")
@@ -64,5 +65,6 @@ def workers_cmd(settings: Settings, *, as_json: bool = False, out: TextIO = sys.
 
     with reaching(url):  # one line, exit 2 (the CLI's ConfigurationError), as `toolq status`
         workers = asyncio.run(read())
-    out.write(render_workers(workers, time.time(), as_json))
+    shown = render_workers(workers, time.time(), as_json)
+    out.write(shown if as_json else printable(shown))  # names and tools are the fleet's, not ours
     return 0

@@ -1,0 +1,28 @@
+"""What may reach a terminal of what the model, a tool or the ledger said.
+
+A model's message, its reasoning, a tool's name, a call id, a failure's reason and a command's
+output are all untrusted: an escape sequence in them can clear the screen, move the cursor to
+rewrite what was shown, retitle the window or write the clipboard (OSC 52), and a bidi override
+can make a line read as something it is not. Every printer of the live view, `toolq status`,
+`toolq turns`, `toolq workers` and `toolq batch`'s progress passes its text through `printable`.
+JSON output needs none: JSON escapes control characters itself.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: Whole escape sequences (CSI, OSC and other strings ended by BEL or ST, two-byte escapes), the
+#: 8-bit CSI/OSC/DCS forms, then what is left of the control characters, DEL, C1 controls and the
+#: bidi embeddings, overrides and isolates.
+_SEQUENCE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|[\x1b\x9d\x90\x9e\x9f\x98]\][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                       r"|\x1b[PX^_][^\x1b\x9c]*(?:\x1b\\|\x9c)?|\x9b[0-?]*[ -/]*[@-~]|\x1b[ -/]*[0-~]?")
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c]")
+_CONTROL_OR_NEWLINE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c]")
+
+
+def printable(text: str, *, lines: bool = True) -> str:
+    """`text` without escape sequences, and each other control character shown as U+FFFD; tabs
+    stay, and newlines when `lines` (else they are controls too: a one-line field)."""
+    text = _SEQUENCE.sub("", text)
+    return (_CONTROL if lines else _CONTROL_OR_NEWLINE).sub("\ufffd", text)
