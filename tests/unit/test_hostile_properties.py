@@ -254,3 +254,19 @@ def test_every_tool_result_is_valid_utf8(output):
     result.output_text().encode("utf-8")
     again = ToolResult.model_validate(json.loads(result.model_dump_json()))  # across the queue
     sendable([output_item("function", "c", again.output).to_wire()])
+
+
+def test_nan_infinity_and_overflowing_numbers_are_refused_at_argument_parsing():
+    """Issue 24: Python's json takes them and they reached the tools (an OverflowError, a session
+    host that hung up); serde_json, which Codex parses with, refuses them, and so does toolq."""
+    from toolq.workers.catalog import load_arguments
+
+    for raw in ('{"yield_time_ms": NaN}', '{"x": Infinity}', '{"x": [-Infinity]}', '{"session_id": 1e400}',
+                '{"x": -1e309}'):
+        try:
+            load_arguments(raw)
+        except RespondToModel as e:
+            assert "failed to parse function arguments" in str(e)
+        else:
+            raise AssertionError(f"{raw} was accepted")
+    assert load_arguments('{"x": 1e308, "y": -2.5, "z": 10000000000000000000000}')["z"] == 10**22

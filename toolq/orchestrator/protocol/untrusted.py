@@ -13,6 +13,7 @@ Two kinds of input parse fine in Python and break later, far from where they cam
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -29,13 +30,27 @@ class TooDeep(ValueError):
         super().__init__(f"nesting too deep (more than {MAX_JSON_DEPTH} levels)")
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"number out of range: {text[:40]}")
+    return number
+
+
 def loads(text: str) -> Any:
-    """`json.loads` that raises only `ValueError`: `TooDeep` past `MAX_JSON_DEPTH` levels."""
+    """`json.loads` that raises only `ValueError`: `TooDeep` past `MAX_JSON_DEPTH` levels, and
+    `NaN`, `Infinity` or a number too large for a double (`1e400`) refused, as serde_json refuses
+    them (Python takes them, and they reached the tools: an OverflowError, a session host that
+    hung up)."""
     # Depth can only pass the limit if the text has that many brackets: counting them is C speed,
     # so the walk below runs only for big documents.
     deep = text.count("[") + text.count("{") > MAX_JSON_DEPTH
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_constant=_not_json, parse_float=_finite)
     except RecursionError:
         raise TooDeep() from None
     if deep and _depth_exceeds(obj, MAX_JSON_DEPTH):
