@@ -78,12 +78,16 @@ def test_a_command_has_no_capabilities_and_cannot_read_its_init(slot, tmp_path):
     assert set(caps.values()) == {"0000000000000000", "1"} and caps["NoNewPrivs"] == "1", out
 
 
-def test_a_git_made_by_one_command_is_read_only_for_the_next(slot, tmp_path):
-    code, _ = run(slot, tmp_path, "mkdir .git && echo '[core]' > .git/config")
+def test_a_command_cannot_make_a_git_where_there_was_none(slot, tmp_path):
+    """Issue 24: a workspace without `.git` gets an empty one, bound read-only like any: `git
+    init` there (then a `core.fsmonitor` a human's `git status` would run) fails."""
+    code, out = run(slot, tmp_path, "git init -q . 2>&1; echo '[core] fsmonitor = evil' > .git/config; "
+                                    "rmdir .git 2>&1; mv .git moved 2>&1; echo done")
+    assert "done" in out and "Read-only file system" in out, out
+    assert os.listdir(tmp_path / ".git") == []  # an empty .git, which git takes for no repository
     first = the_cell(slot)
-    code, out = run(slot, tmp_path, "echo '[core] fsmonitor = evil' >> .git/config; echo $?")
-    assert the_cell(slot) is not first  # a new cell, which binds .git read-only
-    assert "Read-only file system" in out and (tmp_path / ".git" / "config").read_text() == "[core]\n"
+    run(slot, tmp_path, "true")
+    assert the_cell(slot) is first  # the placeholder made before the cell's start: no second cell
 
 
 def test_another_workspace_gets_another_cell_which_cannot_see_the_first(slot, tmp_path_factory):
@@ -149,10 +153,10 @@ def test_a_workspace_reached_through_a_symlink_follows_it_when_it_is_pointed_els
     (tmp_path / "b" / "only-in-b").write_text("")
     link = tmp_path / "ws"
     link.symlink_to(tmp_path / "a")
-    assert run(slot, link, "ls -A") == (0, "")
+    assert run(slot, link, "ls -A") == (0, ".git\n")  # the read-only placeholder (issue 24)
     link.unlink()
     link.symlink_to(tmp_path / "b")
-    assert run(slot, link, "ls -A; touch made") == (0, "only-in-b\n") and (tmp_path / "b" / "made").exists()
+    assert run(slot, link, "ls -A; touch made") == (0, ".git\nonly-in-b\n") and (tmp_path / "b" / "made").exists()
 
 
 def test_a_cell_that_stops_answering_is_replaced_and_the_command_is_a_spawn_error(slot, tmp_path, monkeypatch):

@@ -308,3 +308,27 @@ def test_an_unfinished_walk_closes_its_fds_when_closed(tmp_path):
     walker.close()
     assert len(os.listdir("/proc/self/fd")) == before
     os.close(top)
+
+
+@pytest.mark.parametrize("path", [".GIT/config", "sub/.Git/hooks/x", "modules/sub/config", "modules/sub/hooks/post-checkout",
+                                  "gitdir_link/config"])
+def test_no_git_directory_is_written_however_it_is_named(tree, path):
+    """Issue 24: a `.git` in another case (a case-insensitive file system), and the git directory
+    a `.git` file names (`gitdir: modules/sub`, as submodules and --separate-git-dir make), which
+    git reads as it reads `.git`, through a symlink too."""
+    gitdir = tree / "modules" / "sub"
+    for d in ("objects", "refs"):
+        (gitdir / d).mkdir(parents=True)
+    (gitdir / "HEAD").write_text("ref: refs/heads/main\n")
+    (gitdir / "config").write_text("[core]\n")
+    (tree / "sub").mkdir(exist_ok=True)
+    (tree / "sub" / ".git").write_text("gitdir: ../modules/sub\n")
+    (tree / "gitdir_link").symlink_to("modules/sub")
+    with Workspace(tree) as w:
+        target = w.locate(path)
+        for attempt in (w.check_writable, w.open_for_writing):
+            with pytest.raises(RespondToModel, match=r"is inside a `\.git` directory"):
+                attempt(target)
+    assert (gitdir / "config").read_text() == "[core]\n"
+    with Workspace(tree) as w:  # the control: beside it, files are written
+        w.check_writable(w.locate("modules/readme.txt"))

@@ -334,15 +334,20 @@ class Workspace:
         self._refuse_protected_location(fd, target)
 
     def _refuse_protected_name(self, target: Target) -> None:
-        if PROTECTED_DIR in target.rel.parts:
+        if _names_a_git_dir(target.rel.parts):
             raise _protected(target)
 
     def _refuse_protected_location(self, fd: int, target: Target) -> None:
-        """Where the fd really is (symlinks resolved, by the kernel's record of it)."""
-        where = self._inside(PurePosixPath(os.readlink(f"/proc/self/fd/{fd}")))
+        """Where the fd really is (symlinks resolved, by the kernel's record of it): not under a
+        `.git`, however it is spelt, nor under a git directory of another name (the one a `.git`
+        file names, `gitdir: ../modules/x`), which git reads as it reads `.git`."""
+        real = PurePosixPath(os.readlink(f"/proc/self/fd/{fd}"))
+        where = self._inside(real)
         if where is None:
             raise RespondToModel(f"path `{target.given}` leads outside the workspace `{self.root}` through a symlink")
-        if PROTECTED_DIR in where.parts:
+        if _names_a_git_dir(where.parts):
+            raise _protected(target)
+        if any(_is_git_dir(str(d)) for d in (real, *real.parents[:len(where.parts)])):
             raise _protected(target)
 
 
@@ -369,6 +374,17 @@ def _link_or_raise(here: int, name: str, error: OSError) -> str | None:
         except OSError:
             pass
         raise error from None  # not a symlink: a file where a directory was named
+
+
+def _names_a_git_dir(parts: tuple[str, ...]) -> bool:
+    """A `.git` among `parts`, in any case (`.GIT` is `.git` on a case-insensitive file system)."""
+    return any(part.lower() == PROTECTED_DIR for part in parts)
+
+
+def _is_git_dir(path: str) -> bool:
+    """What git itself takes for a repository's directory: HEAD, objects/ and refs/."""
+    return (os.path.isfile(os.path.join(path, "HEAD")) and os.path.isdir(os.path.join(path, "objects"))
+            and os.path.isdir(os.path.join(path, "refs")))
 
 
 def _protected(target: Target) -> RespondToModel:

@@ -10,6 +10,7 @@ import shutil
 import statistics
 import tempfile
 from contextlib import contextmanager
+from pathlib import Path
 from typing import IO, Any, Awaitable, Callable, Iterator
 
 from toolq.orchestrator.settings import Settings
@@ -51,6 +52,8 @@ def environment(values: dict[str, str]) -> Iterator[None]:
 def stack(workers: int = 2, concurrency: int = 4, *, queues: tuple[str, ...] = ("toolq",)) -> Iterator[Settings]:
     """Settings pointing at a Redis with workers that load the bench tools and serve `queues`."""
     settings = Settings.load(tools=[BENCH_TOOLS])
+    if "TOOLQ_WORKSPACE" not in os.environ:  # not the current folder: a checkout holds toolq's import path
+        settings = settings.model_copy(update={"workspace": Path(workspace())})
     if settings.redis_url:
         require_queues(settings, queues)
         yield settings

@@ -97,6 +97,7 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
     if real != workspace:  # reached through a symlink: the same path inside as outside
         args += ["--symlink", real, workspace]
     git = os.path.join(real, ".git")
+    placeholder_git(real)
     try:
         found = os.lstat(git)
     except OSError:
@@ -150,6 +151,16 @@ def _git_is_a_mount(workspace: str, git: str) -> bool | None:
     except OSError:
         return None
     return None if ws is None or own is None else ws != own
+
+
+def placeholder_git(workspace: str) -> None:
+    """Where the workspace has no `.git`, an empty one, which the sandbox binds read-only like any
+    `.git`: a command cannot make a repository there (`git init`, then a `core.fsmonitor` that a
+    human's later `git status` runs). Git takes an empty `.git` for no repository at all."""
+    try:
+        os.mkdir(os.path.join(workspace, ".git"), 0o755)
+    except OSError:
+        pass  # there already (a repository, or a link: judged by the caller), or a read-only workspace
 
 
 @functools.lru_cache(maxsize=8)

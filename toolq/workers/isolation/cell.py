@@ -69,6 +69,7 @@ class Cell:
 
     def __init__(self, bwrap_path: str, policy: Policy, workspace: str) -> None:
         self.workspace = workspace
+        bwrap.placeholder_git(os.path.realpath(workspace))  # before its state: the cell binds it
         self.bound = self._state()
         control, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.control = control
