@@ -542,3 +542,23 @@ def test_the_network_setting_decides_whether_a_host_port_is_reachable(tmp_path, 
         r = run_command(f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo CONNECTED", cwd=tmp_path, sandbox=sandbox,
                         env=dict(os.environ), timeout=20)
     assert (b"CONNECTED" in r.output) == (network == "host"), r.output
+
+
+@needs_bwrap
+def test_the_shell_argument_does_not_tell_which_host_files_exist(tmp_path):
+    """Issue 24: `shell` named an absolute path, and the answer told whether an executable was
+    there on the host, outside what the sandbox shows. Now a path the sandbox hides is missing."""
+    ws, outside = tmp_path / "ws", tmp_path / "outside"
+    ws.mkdir()
+    outside.mkdir()
+    tool = outside / "secret-tool"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    sandbox = choose(policy(sandbox="bwrap"))
+    answers = []
+    for program in (str(tool), str(outside / "absent")):
+        with pytest.raises(FileNotFoundError) as refused:
+            sandbox.launch([program, "-c", "true"], workspace=str(ws), cwd=str(ws), env={"PATH": "/usr/bin:/bin"})
+        answers.append(str(refused.value).replace(program, "X"))
+    assert answers[0] == answers[1]  # the same answer whether the file is there or not
+    sandbox.launch(["/bin/sh", "-c", "true"], workspace=str(ws), cwd=str(ws), env={"PATH": "/usr/bin:/bin"}).close()

@@ -174,7 +174,7 @@ class Sandbox:
         call_limits = limits.CallLimits(self.policy.limits)
         if self.backend == "bwrap":
             command_env = self.policy.command_env(env, home=bwrap.SANDBOX_TMP)
-            _require_program(argv[0], command_env)
+            _require_program(argv[0], command_env, self._shows(workspace))
             path, ws = self.bwrap_path or "bwrap", os.path.abspath(workspace)
             if in_slot and self.policy.cells:
                 return CellLaunch(path, self.policy, ws, cwd, argv, command_env, call_limits)
@@ -184,7 +184,7 @@ class Sandbox:
         tmpdir = tempfile.mkdtemp(prefix="toolq-call-")
         command_env = self.policy.command_env(env, home=tmpdir)
         try:
-            _require_program(argv[0], command_env)
+            _require_program(argv[0], command_env, self._shows(workspace))
             ruleset = landlock.Ruleset(self.landlock_abi, read=[*self.policy.read_dirs, *self.policy.etc, "/proc", "/sys"],
                                        write=[workspace, tmpdir], deny_tcp=self.policy.network == "none",
                                        hidden=self.policy.hidden)
@@ -205,6 +205,13 @@ class Sandbox:
 
         return Launch(argv, command_env, confine, call_limits, tmpdir, reap=reap, ruleset=ruleset)
 
+    def _shows(self, workspace: str) -> Callable[[str], bool]:
+        """Whether a command of this sandbox sees `path` (its workspace, the read directories less
+        what is hidden, /etc's allowlist)."""
+        inside = _prefixes((os.path.abspath(workspace), *self.policy.etc))
+        hidden = _prefixes(self.policy.hidden)
+        return lambda path: (inside(path) or self.policy.readable(path)) and not hidden(path)
+
     def explain(self, launch: Launch, exit_code: int, output: str) -> str | None:
         if self.backend == "none":
             return None
@@ -212,9 +219,12 @@ class Sandbox:
                               launch.memory_limit_hit)
 
 
-def _require_program(program: str, env: dict[str, str]) -> None:
-    """A missing shell is a spawn failure here, as without a sandbox (bwrap would exit 1 instead)."""
-    if shutil.which(program, path=env.get("PATH")) is None:
+def _require_program(program: str, env: dict[str, str], visible: Callable[[str], bool] | None = None) -> None:
+    """A missing shell is a spawn failure here, as without a sandbox (bwrap would exit 1 instead).
+    `visible`: whether the sandbox shows a path; a program it does not show is missing whatever
+    the host holds there (the model's `shell` must not tell which host files exist)."""
+    found = shutil.which(program, path=env.get("PATH"))
+    if found is None or (visible is not None and "/" in program and not visible(os.path.abspath(found))):
         raise FileNotFoundError(2, os.strerror(2), program)
 
 
@@ -287,3 +297,7 @@ def pool_child_started() -> None:
     limits.enter_pool_cgroup(sandbox.policy.limits)
     if sandbox.backend == "landlock":
         reaper.become_subreaper()
+
+
+def _prefixes(roots: tuple[str, ...]) -> Callable[[str], bool]:
+    return lambda path: any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
