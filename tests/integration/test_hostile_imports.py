@@ -122,7 +122,8 @@ class InWorkspace(WorkerProcess):
         self.workspace = workspace
 
     def argv(self) -> list[str]:
-        return [TOOLQ, *super().argv()[4:]]  # past the interpreter, -P, -m and the module
+        argv = super().argv()
+        return [TOOLQ, *argv[argv.index("worker"):]]  # the console script, not `python -P -m ...`
 
     def start(self, wait: bool = True) -> WorkerProcess:
         env = {**os.environ, **self.env, "REDIS_URL": self.redis_url}

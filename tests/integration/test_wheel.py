@@ -92,11 +92,13 @@ class InstalledWorker(WorkerProcess):
         self.bin_dir, self.project = bin_dir, project
 
     def argv(self) -> list[str]:
-        return [str(self.bin_dir / "toolq"), *super().argv()[3:]]  # drop `python -m toolq.orchestrator.cli`
+        argv = super().argv()
+        return [str(self.bin_dir / "toolq"), *argv[argv.index("worker"):]]  # not `python -P -m toolq.orchestrator.cli`
 
     def start(self, wait: bool = True) -> InstalledWorker:
         self.log.write_text("")
-        self.proc = subprocess.Popen(self.argv(), env=clean_env(REDIS_URL=self.redis_url, TOOLQ_SIGNING_KEY=SIGNING_KEY), cwd=self.project,
+        self.proc = subprocess.Popen(self.argv(), env=clean_env(REDIS_URL=self.redis_url, TOOLQ_SIGNING_KEY=SIGNING_KEY,
+                                                                TOOLQ_TOOLS_PATH=str(self.project)), cwd=self.project,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
         if wait:
             self.wait_ready(timeout=60)
@@ -113,14 +115,16 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def test_the_installed_wheel_runs_worker_and_run_beside_a_projects_own_workers_package(installed, tmp_path):
     project = make_project(tmp_path / "project")
+    workspace = tmp_path / "ws"  # not the project: its code is on toolq's import path (TOOLQ_TOOLS_PATH)
+    workspace.mkdir()
     script = [[b.function_call("where_am_i", {}, "call_where")], [b.message("done")]]
     with RedisServer() as server, FakeModel(script) as fake, \
             InstalledWorker(installed, project, server.url, name="wheel@test", logdir=tmp_path).start():
         proc = subprocess.run(
-            [str(installed / "toolq"), "run", "--json", "--tools", "project_tools", "--workspace", str(project),
+            [str(installed / "toolq"), "run", "--json", "--tools", "project_tools", "--workspace", str(workspace),
              "where are you?"],
             env=clean_env(REDIS_URL=server.url, OPENAI_BASE_URL=fake.base_url, OPENAI_API_KEY="test",
-                          TOOLQ_SIGNING_KEY=SIGNING_KEY),
+                          TOOLQ_SIGNING_KEY=SIGNING_KEY, TOOLQ_TOOLS_PATH=str(project)),
             cwd=project, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     events = [json.loads(line) for line in proc.stdout.splitlines()]

@@ -62,9 +62,10 @@ def test_a_session_file_round_trips_a_paired_history(tmp_path):
 
 def test_a_file_that_is_not_a_session_is_one_clear_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-    bad = tmp_path / "bad.json"
+    bad, workspace = tmp_path / "bad.json", tmp_path / "ws"  # the session file outside the workspace
     bad.write_text('{"not": "a list"}')
-    assert cli.main(["run", "--session", str(bad), "--workspace", str(tmp_path), "hi"]) == 2
+    workspace.mkdir()
+    assert cli.main(["run", "--session", str(bad), "--workspace", str(workspace), "hi"]) == 2
     assert "is not a toolq session" in capsys.readouterr().err
 
 
@@ -159,7 +160,8 @@ def test_workers_and_batch_on_an_unreachable_redis_say_so_in_one_line_and_write_
         s.bind(("127.0.0.1", 0))
         url = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
     env = {"PATH": "/usr/bin:/bin", "REDIS_URL": url, "TOOLQ_SIGNING_KEY": "k" * 32,
-           "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+           "OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "TOOLQ_WORKSPACE": str(tmp_path / "ws")}  # results outside it
+    (tmp_path / "ws").mkdir()
     (tmp_path / "b.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
     for argv in (["workers"], ["batch", "b.jsonl", "--out", "r.jsonl"]):
         out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", *argv], capture_output=True, text=True,
@@ -200,7 +202,9 @@ def test_a_redis_that_refuses_the_database_is_one_line_exit_2(tmp_path):
     (tmp_path / "b.jsonl").write_text('{"prompt": "a"}\n')
     with RedisServer() as server:
         env = {"PATH": "/usr/bin:/bin", "REDIS_URL": server.url.rsplit("/", 1)[0] + "/99",
-               "TOOLQ_SIGNING_KEY": "k" * 32, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+               "TOOLQ_SIGNING_KEY": "k" * 32, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
+               "TOOLQ_WORKSPACE": str(tmp_path / "ws")}  # the results outside the workspace
+        (tmp_path / "ws").mkdir()
         for argv in (["workers"], ["batch", "b.jsonl", "--out", "r.jsonl"], ["status", "turn-x"]):
             out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", *argv], capture_output=True,
                                  text=True, env=env, cwd=tmp_path, timeout=60)

@@ -50,8 +50,8 @@ def test_credentials_go_to_flower_through_the_environment_not_argv():
     launch = flower_launch(settings(flower_user="ops", flower_password="s3cret"),
                            base_env={"CELERY_BROKER_URL": "redis://elsewhere/0", "FLOWER_BASIC_AUTH": "old:pw",
                                      "FLOWER_UNAUTHENTICATED_API": "true", "PATH": "/bin"})
-    assert launch.argv[1:] == ["-m", "celery", "--app", "toolq.workers.app", "flower", "--address=127.0.0.1",
-                               "--port=5555"]
+    assert launch.argv[1:] == ["-P", "-m", "celery", "--app", "toolq.workers.app", "flower", "--address=127.0.0.1",
+                               "--port=5555"]  # -P: nothing imported from where it starts (issue 24)
     assert not any("s3cret" in a for a in launch.argv)
     assert launch.env["FLOWER_BASIC_AUTH"] == "ops:s3cret"
     assert launch.env["REDIS_URL"] == URL and "CELERY_BROKER_URL" not in launch.env
