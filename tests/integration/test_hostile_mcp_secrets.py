@@ -9,6 +9,7 @@ servers lack CAP_SYS_PTRACE. As root and as an unprivileged worker user.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import psutil
@@ -37,6 +38,8 @@ def mcp_worker(request, locked_redis, tmp_path_factory):  # noqa: F811 - the fix
     config.write_text(f'[mcp_servers.reader]\ncommand = "{sys.executable}"\nargs = ["{READER}"]\n')
     config.chmod(0o644)
     yield from hostile_workers("bwrap", locked_redis, tmp_path_factory, user=user, TOOLQ_MCP_CONFIG=str(config))
+    if user:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def fleet_processes(worker) -> list[psutil.Process]:
