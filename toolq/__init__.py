@@ -13,8 +13,16 @@ Imports are lazy: `from toolq import tool` loads neither Celery nor the built-in
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import sys
+
+if sys.argv[:1] == ["-m"]:  # `python -m toolq...`: before any import the current directory could answer
+    from toolq.orchestrator import import_path
+
+    if import_path.started_as_module():
+        import_path.isolate()
+
+import importlib  # noqa: E402 - after the isolation above
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 __version__ = "0.1.0"
 

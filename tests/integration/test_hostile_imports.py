@@ -16,13 +16,16 @@ from __future__ import annotations
 import json
 import os
 import pkgutil
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 import tests.integration.conftest as c
+from tests.integration import unprivileged
 from tests.integration.test_mcp import EDGES
 from toolq.orchestrator.embedded import WorkerProcess
 from toolq.orchestrator.fake_model import builders as b
@@ -41,13 +44,17 @@ def importable_names() -> set[str]:
     return (names | {"toolq", "tests", "sitecustomize", "usercustomize"}) - set(sys.builtin_module_names) - set(ADDED)
 
 
-def plant(workspace: Path, markers: Path) -> int:
+def plant(folder: Path, markers: Path, package: bool = True) -> int:
+    """A module that leaves a marker for every importable name; with `package`, a `toolq/` package
+    too (one that `python -m toolq...` finds before toolq runs: only `-P` or the console script
+    avoid it, so it is left out where `python -m` itself is the attack)."""
     body = f"open({str(markers)!r} + '/' + __name__, 'w').close()\nraise ImportError('planted by the model')\n"
-    names = importable_names()
+    names = importable_names() - (set() if package else {"toolq"})
     for name in names:
-        (workspace / f"{name}.py").write_text(body)
-    (workspace / "toolq").mkdir()  # a package shadows a module: `python -m toolq...` would take it
-    (workspace / "toolq" / "__init__.py").write_text(body)
+        (folder / f"{name}.py").write_text(body)
+    if package:
+        (folder / "toolq").mkdir()  # a package shadows a module
+        (folder / "toolq" / "__init__.py").write_text(body)
     return len(names)
 
 
@@ -90,7 +97,6 @@ def test_no_toolq_process_imports_what_the_model_planted(planted, tmp_path, redi
         assert embedded.returncode == 0, embedded.stderr[-3000:]
         assert (workspace / "sniffio.py").exists() and (workspace / "h11.py").exists()  # the model's writes landed
         events = [json.loads(line) for line in embedded.stdout.splitlines()]
-        turn_id = events[0]["turn_id"]
         done = [e for e in events if e["type"] == "item.completed" and e["item"]["id"] == "call_mcp" and e["item"]["success"]]
         assert done, embedded.stdout[-3000:]  # the MCP server answered: its host ran
         # A worker started in the workspace (an image whose WORKDIR is the workspace), and a run on it.
@@ -101,12 +107,20 @@ def test_no_toolq_process_imports_what_the_model_planted(planted, tmp_path, redi
         try:
             external = run([TOOLQ, "run", "--json", "go"], workspace, fleet_env, timeout=180)
             assert external.returncode == 0, external.stderr[-3000:]
+            turn_id = json.loads(external.stdout.splitlines()[0])["turn_id"]  # in the fleet's ledger
             batch = tmp_path / "batch.jsonl"
             batch.write_text(json.dumps({"prompt": "go"}) + "\n")
             assert run([TOOLQ, "batch", str(batch), "--out", str(tmp_path / "out.jsonl")], workspace,
                        fleet_env, timeout=180).returncode == 0
-            for args in (["turns"], ["status", turn_id], ["workers"], ["config"], ["cancel", "no-such-turn"]):
-                run([TOOLQ, *args], workspace, fleet_env)
+            for args in (["turns"], ["status", turn_id], ["workers"], ["config"]):
+                assert run([TOOLQ, *args], workspace, fleet_env).returncode == 0, args
+            run([TOOLQ, "cancel", "no-such-turn"], workspace, fleet_env)
+            # `python -m toolq...` by hand, in a folder where every other name is planted.
+            by_hand = tmp_path / "by-hand"
+            by_hand.mkdir()
+            plant(by_hand, markers, package=False)
+            for args in (["turns"], ["status", turn_id], ["config"]):
+                assert run([sys.executable, "-m", "toolq.orchestrator.cli", *args], by_hand, fleet_env).returncode == 0
         finally:
             worker.stop()
     demo = run([TOOLQ, "demo", "--workspace", str(workspace)], workspace, base, timeout=180)
@@ -119,22 +133,53 @@ class InWorkspace(WorkerProcess):
 
     def __init__(self, redis_url: str, workspace: Path, **kw) -> None:
         super().__init__(redis_url, **kw)
-        self.workspace = workspace
+        self.cwd = str(workspace)
 
     def argv(self) -> list[str]:
         argv = super().argv()
         return [TOOLQ, *argv[argv.index("worker"):]]  # the console script, not `python -P -m ...`
 
-    def start(self, wait: bool = True) -> WorkerProcess:
-        env = {**os.environ, **self.env, "REDIS_URL": self.redis_url}
-        env.pop("PYTHONPATH", None)
-        env.pop("CELERY_BROKER_URL", None)
-        self.log.write_text("")
-        self.proc = subprocess.Popen(self.argv(), env=env, cwd=self.workspace, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        if wait:
-            self.wait_ready()
-        return self
+
+class UserInWorkspace(unprivileged.UserWorkerProcess, InWorkspace):
+    """The same, as the unprivileged user (its argv wraps the console script's)."""
+
+
+def test_a_worker_run_as_nobody_in_its_workspace_imports_nothing_from_it(redis_server):
+    """The unprivileged worker: started in the workspace it owns; the model adds `sniffio.py` and
+    `h11.py` there, and two turns run on it (its pool, session host and cells)."""
+    if why := unprivileged.unavailable():
+        pytest.skip(why)
+    workspace, logdir = unprivileged.owned_dir("toolq-ws-"), unprivileged.owned_dir("toolq-worker-")
+    markers = Path(tempfile.mkdtemp(prefix="toolq-markers-", dir="/tmp"))
+    markers.chmod(0o1777)  # the user's imports must be able to leave their marker
+    try:
+        plant(workspace, markers)
+        body = f"open({str(markers)!r} + '/' + __name__, 'w').close()\n"
+        turn = [[b.custom_tool_call("apply_patch", add_file(f"{name}.py", body), f"call_add_{name}")
+                 for name in ADDED] + [b.function_call("exec_command", {"cmd": "ls sniffio.py h11.py"}, "call_ls")],
+                [b.function_call("exec_command", {"cmd": "echo second step"}, "call_echo")],
+                [b.message("done")]]
+        worker = UserInWorkspace(redis_server.url, workspace, queues=["toolq"], concurrency=1,
+                                 tools=[c.TEST_TOOLS], env={"TOOLQ_SIGNING_KEY": c.SIGNING_KEY},
+                                 logdir=logdir)
+        env = {k: v for k, v in os.environ.items() if k not in ("CELERY_BROKER_URL", "PYTHONPATH")}
+        env.update(OPENAI_API_KEY="test", TOOLQ_REQUEST_MAX_RETRIES="0", TOOLQ_SIGNING_KEY=c.SIGNING_KEY,
+                   REDIS_URL=redis_server.url)
+        with FakeModel(turn, loop=True) as fake:
+            worker.start()
+            try:
+                for _ in range(2):
+                    out = run([TOOLQ, "run", "--json", "go"], workspace, {**env, "OPENAI_BASE_URL": fake.base_url},
+                              timeout=180)
+                    assert out.returncode == 0, out.stderr[-3000:]
+                    assert '"call_ls"' in out.stdout and "sniffio.py" in out.stdout, out.stdout[-3000:]
+            finally:
+                worker.stop()
+        assert (workspace / "sniffio.py").stat().st_uid == unprivileged.ids()[0]  # the user's command wrote it
+        assert sorted(os.listdir(markers)) == []
+    finally:
+        for folder in (workspace, logdir, markers):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_workspace_that_holds_the_import_path_is_refused(tmp_path):

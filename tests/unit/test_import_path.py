@@ -51,3 +51,16 @@ def test_a_workspace_on_holding_or_inside_the_import_path_is_named(path, monkeyp
 
 def test_processes_toolq_starts_do_not_put_their_folder_on_sys_path():
     assert import_path.python_argv("-m", "x")[:2] == [sys.executable, "-P"]
+
+
+def test_python_m_toolq_drops_the_folder_it_was_started_in_before_toolq_imports_anything(tmp_path):
+    """`python -m toolq...` from a folder holding a planted `typing.py` (imported by toolq's
+    package before any of its commands runs): the package isolates itself first."""
+    import subprocess
+
+    (tmp_path / "typing.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n")
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "config"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "imported").exists()

@@ -255,6 +255,9 @@ class WorkerProcess(ChildProcess):
     """A real `celery worker` (prefork) process for toolq's app. `kill()` is a machine dying
     mid-call; `stop()` is a warm shutdown."""
 
+    cwd = import_path.NEUTRAL_CWD
+    """Where it starts: nowhere a command writes (a test starts one in a workspace, as an image might)."""
+
     def __init__(self, redis_url: str, *, name: str | None = None, queues: list[str] | None = None,
                  concurrency: int = 2, tools: list[str] | None = None, env: dict[str, str] | None = None,
                  logdir: Path | None = None) -> None:
@@ -292,7 +295,7 @@ class WorkerProcess(ChildProcess):
         env.pop("CELERY_BROKER_URL", None)
         self.log.write_text("")
         # Its pool children get the same from Celery's prefork pool, which sets their parent-death signal.
-        self.proc = subprocess.Popen(self.argv(), env=env, cwd=import_path.NEUTRAL_CWD, stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(self.argv(), env=env, cwd=self.cwd, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=self._preexec())
         if wait:
             self.wait_ready()

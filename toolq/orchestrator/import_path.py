@@ -44,6 +44,15 @@ def isolate() -> None:
     sys.path[:] = list(dict.fromkeys([*kept, *tools]))
 
 
+def started_as_module() -> bool:
+    """Whether this is `python -m toolq...` still finding its module: Python put the current
+    directory first on sys.path, and toolq's package is being imported from the folder it found."""
+    argv = sys.orig_argv
+    named = any(flag == "-m" and (module == "toolq" or module.startswith("toolq."))
+                for flag, module in zip(argv, argv[1:]))
+    return sys.argv[:1] == ["-m"] and named
+
+
 def _relative(entry: str) -> bool:
     """An entry read against the current directory: '' or a relative folder. A path hook's own
     entry (an editable install's finder) is not a folder, and stays."""

@@ -350,7 +350,7 @@ class Campaign:
         with open(out, "w") as stdout, open(out.with_suffix(".log"), "w") as stderr:
             proc = subprocess.Popen([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "run", "--json",
                                      "--workspace", str(self.workspace), "go"],
-                                    env=env, stdout=stdout, stderr=stderr)
+                                    env=env, stdout=stdout, stderr=stderr, cwd=import_path.NEUTRAL_CWD)
             try:
                 pid = await asyncio.to_thread(wait_for_pid, pid_file(self.workspace, plan.hang_id), 20, proc)
                 if pid is not None:

@@ -54,7 +54,7 @@ def one_run(env: dict[str, str], fake: FakeModel, workspace: str) -> dict[str, f
     """Launch `toolq run` once: seconds to its first model request, to its exit, and its CPU."""
     def launch() -> None:
         proc = subprocess.run([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "run", "--workspace", workspace, "hi"],
-                              env=env, capture_output=True, text=True, timeout=120)
+                              env=env, capture_output=True, text=True, timeout=120, cwd=import_path.NEUTRAL_CWD)
         if proc.returncode != 0:
             raise RuntimeError(f"toolq run exited {proc.returncode}: {proc.stderr[-2000:]}")
 
@@ -117,7 +117,8 @@ def floor(runs: int) -> dict[str, float]:
 
 
 def _probe(code: str) -> str:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return subprocess.run(import_path.python_argv("-c", code), capture_output=True, text=True, check=True,
+                          cwd=import_path.NEUTRAL_CWD).stdout
 
 
 def run(out: IO[str] = sys.stdout, runs: int = 5) -> dict[str, Any]:

@@ -99,6 +99,7 @@ def run(out: IO[str] = sys.stdout, target_events: int = 20_000) -> dict[str, Any
             [*import_path.python_argv("-m", "toolq.orchestrator.cli"), "fake-model", "--script", str(script)],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
+            cwd=import_path.NEUTRAL_CWD,
             text=True,
         )
         try:

@@ -94,7 +94,8 @@ def measure(settings: Any, steps: int) -> dict[str, list[float]]:
         path.write_text(json.dumps(script(steps)))
         with log.open("w") as err:
             server = subprocess.Popen([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "fake-model", "--script",
-                                       str(path)], stdout=subprocess.PIPE, stderr=err, text=True)
+                                       str(path)], stdout=subprocess.PIPE, stderr=err, text=True,
+                                      cwd=import_path.NEUTRAL_CWD)
             try:
                 assert server.stdout is not None
                 around, inside = asyncio.run(_session(settings, server.stdout.readline().strip()))

@@ -62,7 +62,8 @@ def _request_times(settings: Any, responses: list[Any], emit: Emit = ignore) -> 
         path.write_text(json.dumps(responses))
         with log.open("w") as err:
             server = subprocess.Popen([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "fake-model", "--script", str(path)],
-                                      stdout=subprocess.PIPE, stderr=err, text=True)
+                                      stdout=subprocess.PIPE, stderr=err, text=True,
+                                      cwd=import_path.NEUTRAL_CWD)
             try:
                 assert server.stdout is not None
                 asyncio.run(_turn(settings, server.stdout.readline().strip(), emit))
