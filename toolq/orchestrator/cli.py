@@ -7,9 +7,12 @@ import gc
 import importlib
 import os
 import sys
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from toolq.orchestrator import import_path
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
@@ -74,6 +77,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if not settings.redis_url:
         print("toolq worker: set REDIS_URL (or CELERY_BROKER_URL) to the broker the orchestrator uses", file=sys.stderr)
         return 2
+    if args.logfile:
+        worker_log(args.logfile, settings.workspace)
     from toolq.workers import hardening
     from toolq.workers.signing import required_signer
 
@@ -112,6 +117,20 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     os.chdir(import_path.NEUTRAL_CWD)
     app.worker_main(argv)
     return 0
+
+
+def worker_log(logfile: str, workspace: Path) -> None:
+    """Refuse a worker's log file in its workspace (when it names a valid one: the image's, or the
+    project the worker was started in), or one that is a link, not a file, not ours; else create it."""
+    from pathlib import Path
+
+    from toolq.orchestrator import trusted_files
+    from toolq.orchestrator.settings import workspace_problem
+
+    path, what = Path(os.path.abspath(logfile)), "--logfile"
+    if workspace_problem(workspace) is None:
+        trusted_files.refuse_inside(path, [workspace], what)
+    trusted_files.open_append(path, what).close()
 
 
 class UsageError(Exception):

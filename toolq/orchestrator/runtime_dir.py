@@ -23,6 +23,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
+from toolq.orchestrator import trusted_files
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.ledger import Ledger
 
@@ -111,12 +112,8 @@ def register(redis_url: str, logdir: Path) -> Path | None:
     entry = StackEntry(pid=pid, pid_started=_process_start(pid), redis_url=redis_url, started_at=time.time(),
                        logdir=str(logdir))
     path = root / f"{ENTRY_PREFIX}{pid}-{secrets.token_hex(4)}.json"
-    tmp = path.with_suffix(".tmp")
-    # O_EXCL + O_NOFOLLOW: never write the secret through a name someone else prepared.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(entry.model_dump_json())
-    os.replace(tmp, path)
+    # Never written through a name someone else prepared: the file holds the server's password.
+    trusted_files.replace(path, entry.model_dump_json().encode(), "the runtime entry")
     return path
 
 

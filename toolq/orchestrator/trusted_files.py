@@ -5,7 +5,7 @@ A command can plant a symlink anywhere in its workspace (`conversation.json.tmp`
 `~/.bashrc`, `results.jsonl` -> `/etc/ld.so.preload`); a trusted process that opens such a name
 would write there with model-chosen content. So a file is refused inside a workspace, a
 replacement goes through a temporary name created exclusively beside it, and every open refuses a
-link in the last component (`O_NOFOLLOW`) and anything but a regular file.
+link in the last component (`O_NOFOLLOW`) and anything but a regular file of ours.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import IO, Iterable
 
 from toolq.orchestrator.errors import ConfigurationError
 
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+#: No link followed; a FIFO planted at the name does not block the open (it is then refused).
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 def refuse_inside(path: Path, workspaces: Iterable[Path], what: str) -> None:
@@ -33,9 +34,14 @@ def refuse_inside(path: Path, workspaces: Iterable[Path], what: str) -> None:
 
 
 def _regular(fd: int, path: Path, what: str) -> int:
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    """`fd` if it is a regular file of ours: another user's file (one they prepared, or a hard
+    link to something of theirs) is neither read as our conversation nor appended to."""
+    st = os.fstat(fd)
+    problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode)
+               else f"belongs to uid {st.st_uid}, not you" if st.st_uid != os.geteuid() else None)
+    if problem:
         os.close(fd)
-        raise ConfigurationError(f"{what} {path} is not a regular file")
+        raise ConfigurationError(f"{what} {path} {problem}")
     return fd
 
 

@@ -14,9 +14,11 @@ import logging
 import subprocess
 import threading
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
 
-from toolq.orchestrator import import_path
+from toolq.orchestrator import import_path, trusted_files
+from toolq.orchestrator.errors import ConfigurationError
 from toolq.workers.mcp.backoff import Backoff
 from toolq.workers.mcp.wire import Listing
 
@@ -46,7 +48,7 @@ class HostProcess:
                 return None
             config = self.config.model_copy(update={"first_generation": self.starts * GENERATIONS_PER_START})
             # The host's log and its servers' stderr go to the worker's logfile when it has one.
-            log_to = open(self.logfile, "ab") if self.logfile else None  # noqa: SIM115 - the host holds it
+            log_to = self._log()
             # Its own session: a signal to the worker's process group (Ctrl-C, a supervisor's group
             # SIGTERM) must neither take the host down while a warm shutdown lets calls finish nor
             # look like a crash to restart. The worker stops it at shutdown (`stop`), and it exits
@@ -66,6 +68,16 @@ class HostProcess:
         with proc.stdout:
             first = proc.stdout.readline()
         return Listing.model_validate_json(first) if first else None
+
+    def _log(self) -> IO[bytes] | None:
+        """The worker's logfile, opened again at each start: never through a link planted since."""
+        if not self.logfile:
+            return None
+        try:
+            return trusted_files.open_append(Path(self.logfile), "the worker's --logfile")
+        except (ConfigurationError, OSError) as e:
+            log.error("MCP host: %s; its log goes to the worker's stderr", e)
+            return None
 
     def supervise(self) -> None:
         """From now on, a host that exits is started again, until `stop`."""
