@@ -26,6 +26,7 @@ import pytest
 
 import tests.integration.conftest as c
 from tests.integration import unprivileged
+from tests.integration.test_hostile_exec import locked_redis  # noqa: F401 - fixture
 from tests.integration.test_mcp import EDGES
 from toolq.orchestrator.embedded import WorkerProcess
 from toolq.orchestrator.fake_model import builders as b
@@ -144,9 +145,11 @@ class UserInWorkspace(unprivileged.UserWorkerProcess, InWorkspace):
     """The same, as the unprivileged user (its argv wraps the console script's)."""
 
 
-def test_a_worker_run_as_nobody_in_its_workspace_imports_nothing_from_it(redis_server):
+def test_a_worker_run_as_nobody_in_its_workspace_imports_nothing_from_it(locked_redis):  # noqa: F811
     """The unprivileged worker: started in the workspace it owns; the model adds `sniffio.py` and
-    `h11.py` there, and two turns run on it (its pool, session host and cells)."""
+    `h11.py` there, and two turns run on it (its pool, session host and cells). A Redis of this
+    module's own: the suite's root workers on the shared one must not take its calls."""
+    redis_server = locked_redis
     if why := unprivileged.unavailable():
         pytest.skip(why)
     workspace, logdir = unprivileged.owned_dir("toolq-ws-"), unprivileged.owned_dir("toolq-worker-")
