@@ -91,7 +91,7 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
         if d == real or d.startswith(real.rstrip("/") + "/"):
             continue  # under the workspace: its bind below covers this one
         args += ["--symlink", link, d] if link is not None else ["--ro-bind-try", d, d]
-    args += _etc(policy.etc)
+    args += _etc(policy.etc, policy.read_dirs)
     args += _masks(policy.hidden)
     args += ["--bind", real, real]
     if real != workspace:  # reached through a symlink: the same path inside as outside
@@ -164,12 +164,21 @@ def placeholder_git(workspace: str) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _etc(entries: tuple[str, ...]) -> tuple[str, ...]:
+def _etc(entries: tuple[str, ...], read_dirs: tuple[str, ...]) -> tuple[str, ...]:
     """/etc as commands see it: a directory holding only the allowlisted `entries`, each bound
-    read-only (a symlink made again, its target resolving inside the sandbox)."""
+    read-only. A symlink is made again where its target is in the sandbox (`localtime` into
+    /usr/share/zoneinfo); one that leads elsewhere (`resolv.conf` -> ../run/systemd/...) gets its
+    target bound (`Policy.from_settings` kept only those everyone may read)."""
     args = ["--dir", "/etc"]
     for path in entries:
-        args += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--ro-bind-try", path, path]
+        if not os.path.islink(path):
+            args += ["--ro-bind-try", path, path]
+            continue
+        target = os.path.realpath(path)
+        if any(target == d or target.startswith(d.rstrip("/") + "/") for d in (*read_dirs, *entries)):
+            args += ["--symlink", os.readlink(path), path]
+        else:
+            args += ["--ro-bind-try", target, path]
     return tuple(args)
 
 

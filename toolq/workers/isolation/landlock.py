@@ -149,7 +149,8 @@ class Ruleset:
             for path in read:
                 if not hidden:
                     self._allow(path, READ & fs)
-                for granted, listing_only in _granted(path, hidden) if hidden else ():
+                # By where it leads: a rule on /lib -> usr/lib grants /usr/lib, hidden paths and all.
+                for granted, listing_only in _granted(os.path.realpath(path), hidden) if hidden else ():
                     self._add_rule(*_pinned(granted), READ_DIR & fs if listing_only else READ & fs)
             for path, rights in DEVICES.items():
                 self._allow(path, rights & fs)
