@@ -119,5 +119,5 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
 
 def test_the_deadline_is_checked_while_reading(tmp_path):
     (tmp_path / "f.txt").write_text("a\n")
-    with pytest.raises(RespondToModel, match="read_file timed out after reading 0 lines"):
+    with pytest.raises(RespondToModel, match="read_file timed out after 0 seconds"):
         call(read_file, tmp_path, json.dumps({"file_path": "f.txt"}), deadline_in=-1)

@@ -8,6 +8,11 @@ Files are read and written through the workspace's directory fd (`toolq.workers.
 regular files, never one with another hard link, never anything under `.git` (git runs commands
 named in `.git/config`). Verification checks each of these before anything is written, and each
 write checks them again on the file it opened.
+
+A file is patched in memory (its text and a list of its lines), in the pool process, outside the
+sandbox: what that needs is charged against the sandbox's memory limit before the file is split
+(`CallBudget`), and matching checks the call's deadline, so a huge file or a pattern that almost
+matches everywhere ends in the model's error instead of gigabytes and minutes of a worker.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Callable
 
 from toolq.orchestrator.errors import RespondToModel
+from toolq.workers.call_budget import CallBudget
 from toolq.workers.catalog import ToolContext, tool
 from toolq.workers.reading import read_at_most
 from toolq.workers.workspace import Target, Workspace, describe
@@ -32,6 +39,13 @@ CONTEXT = "@@ "
 EMPTY_CONTEXT = "@@"
 #: A file to update is read whole; a larger one is refused rather than exhausting the worker.
 MAX_FILE_BYTES = 64 * 1024 * 1024
+#: Memory a file being patched holds per byte (its bytes, its text, the new text, encoded, with
+#: room for a text that Python stores at 4 bytes a character) and per line (a str and its slot in
+#: the list); measured at up to 24 bytes per byte for a file of 2-character lines.
+BYTES_PER_BYTE = 6
+BYTES_PER_LINE = 80
+#: How many places a pattern is tried at between two checks of the deadline.
+CHECK_EVERY = 4096
 
 #: The envelope as a Lark grammar, for the model's constrained sampling.
 GRAMMAR = r"""start: begin_patch hunk+ end_patch
@@ -109,10 +123,11 @@ class PatchError(Exception):
 
 @tool(grammar={"type": "grammar", "syntax": "lark", "definition": GRAMMAR}, description=DESCRIPTION, parallel=False)
 def apply_patch(patch: str, ctx: ToolContext) -> str:
+    budget = CallBudget(ctx, "apply_patch")
     with Workspace(ctx.workspace) as ws:
         try:
             hunks = parse_patch(patch)
-            writes, summary = verify(hunks, ws)
+            writes, summary = verify(hunks, ws, budget)
         except PatchError as e:
             raise RespondToModel(f"apply_patch verification failed: {e}") from None
         try:
@@ -253,8 +268,9 @@ def _parse_chunk(lines: list[str], line_number: int, allow_missing_context: bool
 Writes = dict[PurePosixPath, tuple[Target, str | None]]
 
 
-def verify(hunks: list[Hunk], ws: Workspace) -> tuple[Writes, str]:
-    """The files to write (None = delete), in order, and Codex's summary of them."""
+def verify(hunks: list[Hunk], ws: Workspace, budget: CallBudget | None = None) -> tuple[Writes, str]:
+    """The files to write (None = delete), in order, and Codex's summary of them; `budget` bounds
+    the memory and time they take."""
     if not hunks:
         raise PatchError("No files were modified.")
     state: Writes = {}  # the files as they will be after the hunks so far
@@ -269,13 +285,13 @@ def verify(hunks: list[Hunk], ws: Workspace) -> tuple[Writes, str]:
                 state[target.rel] = (target, hunk.contents)
                 added.append(hunk.path)
             elif isinstance(hunk, DeleteFile):
-                _read(ws, state, target, "Failed to read")
+                _read(ws, state, target, "Failed to read", budget)
                 ws.check_removable(target)
                 state[target.rel] = (target, None)
                 deleted.append(hunk.path)
             else:
-                original = _read(ws, state, target, "Failed to read file to update")
-                new = apply_chunks(original, hunk.chunks, ws.display(target))
+                original = _read(ws, state, target, "Failed to read file to update", budget)
+                new = apply_chunks(original, hunk.chunks, ws.display(target), budget.check if budget else None)
                 if hunk.move_to is not None:
                     dest = ws.locate(hunk.move_to)
                     _check_writable(ws, dest)
@@ -302,7 +318,7 @@ def _check_writable(ws: Workspace, target: Target) -> None:
         raise PatchError(f"Failed to write file {ws.display(target)}: {describe(e)}") from None
 
 
-def _read(ws: Workspace, state: Writes, target: Target, context: str) -> str:
+def _read(ws: Workspace, state: Writes, target: Target, context: str, budget: CallBudget | None) -> str:
     path = ws.display(target)
     if target.rel in state:
         content = state[target.rel][1]
@@ -312,11 +328,19 @@ def _read(ws: Workspace, state: Writes, target: Target, context: str) -> str:
     try:
         fd, _ = ws.open_file(target)
         try:
-            data = read_at_most(fd, MAX_FILE_BYTES + 1)
+            cap = MAX_FILE_BYTES if budget is None else min(MAX_FILE_BYTES, budget.memory // BYTES_PER_BYTE)
+            data = read_at_most(fd, cap + 1)
         finally:
             os.close(fd)
-        if len(data) > MAX_FILE_BYTES:
-            raise PatchError(f"{context} {path}: larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB")
+        if len(data) > cap:
+            raise PatchError(f"{context} {path}: larger than {_mib(cap)} MiB"
+                             + ("" if cap == MAX_FILE_BYTES else f": the sandbox limits a call to {_mib(budget.memory)} MiB"))
+        if budget is not None:  # before the text is split: the lines are where the memory goes
+            try:
+                budget.charge(len(data) * BYTES_PER_BYTE + data.count(b"\n") * BYTES_PER_LINE,
+                              f"patching {len(data)} bytes")
+            except RespondToModel as e:
+                raise PatchError(f"{context} {path}: {e.message}") from None
         return data.decode("utf-8")  # bytes: keep CRLF line endings as they are
     except OSError as e:
         raise PatchError(f"{context} {path}: {describe(e)}") from None
@@ -324,8 +348,13 @@ def _read(ws: Workspace, state: Writes, target: Target, context: str) -> str:
         raise PatchError(f"{context} {path}: stream did not contain valid UTF-8") from None
 
 
-def apply_chunks(original: str, chunks: list[Chunk], path: Path) -> str:
-    """The file's new text after the chunks (Codex's `compute_replacements` + `apply_replacements`)."""
+def _mib(n: int) -> int:
+    return n // (1024 * 1024)
+
+
+def apply_chunks(original: str, chunks: list[Chunk], path: Path, check: Callable[[], None] | None = None) -> str:
+    """The file's new text after the chunks (Codex's `compute_replacements` + `apply_replacements`);
+    `check` runs as matching goes (the call's deadline)."""
     lines = original.split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the final newline is not a line of its own
@@ -333,7 +362,7 @@ def apply_chunks(original: str, chunks: list[Chunk], path: Path) -> str:
     index = 0
     for chunk in chunks:
         if chunk.context is not None:
-            found = seek_sequence(lines, [chunk.context], index, eof=False)
+            found = seek_sequence(lines, [chunk.context], index, eof=False, check=check)
             if found is None:
                 raise PatchError(f"Failed to find context '{chunk.context}' in {path}")
             index = found + 1
@@ -342,13 +371,13 @@ def apply_chunks(original: str, chunks: list[Chunk], path: Path) -> str:
             replacements.append((at, 0, chunk.new_lines))
             continue
         pattern, new = chunk.old_lines, chunk.new_lines
-        found = seek_sequence(lines, pattern, index, chunk.end_of_file)
+        found = seek_sequence(lines, pattern, index, chunk.end_of_file, check)
         if found is None and pattern[-1] == "":
             # A trailing empty line stands for the file's final newline: retry without it.
             pattern = pattern[:-1]
             if new and new[-1] == "":
                 new = new[:-1]
-            found = seek_sequence(lines, pattern, index, chunk.end_of_file)
+            found = seek_sequence(lines, pattern, index, chunk.end_of_file, check)
         if found is None:
             raise PatchError(f"Failed to find expected lines in {path}:\n" + "\n".join(chunk.old_lines))
         replacements.append((found, len(pattern), new))
@@ -370,10 +399,13 @@ _PUNCTUATION = str.maketrans(
 )
 
 
-def seek_sequence(lines: list[str], pattern: list[str], start: int, eof: bool) -> int | None:
+def seek_sequence(lines: list[str], pattern: list[str], start: int, eof: bool,
+                  check: Callable[[], None] | None = None) -> int | None:
     """Where `pattern` occurs in `lines` at or after `start`, matched ever more forgivingly:
     exactly, then ignoring trailing whitespace, then surrounding whitespace, then also typographic
-    punctuation. With `eof`, a match at the very end of the file is tried first."""
+    punctuation. With `eof`, a match at the very end of the file is tried first. `check` runs
+    every CHECK_EVERY places (a pattern that almost matches everywhere takes len(lines) x
+    len(pattern) comparisons)."""
     if not pattern:
         return start
     if len(pattern) > len(lines):
@@ -389,6 +421,8 @@ def seek_sequence(lines: list[str], pattern: list[str], start: int, eof: bool) -
         want = [normalise(p) for p in pattern]
         for first in starts:
             for i in range(first, last + 1):
+                if check is not None and i % CHECK_EVERY == 0:
+                    check()
                 if all(normalise(lines[i + k]) == want[k] for k in range(len(pattern))):
                     return i
     return None

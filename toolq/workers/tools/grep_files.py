@@ -13,7 +13,8 @@ A hostile model chooses the pattern, the glob and the files, so every cost is bo
   directory's fd, so a FIFO never blocks and a swapped symlink never leads out;
 - files are read in chunks, a line longer than `MAX_LINE_BYTES` is searched in its first
   `MAX_LINE_BYTES`, and the deadline is checked on every chunk;
-- brace alternatives in `include` expand to at most `MAX_GLOBS` globs.
+- brace alternatives in `include` expand to at most `MAX_GLOBS` globs;
+- the matching paths held are charged against the sandbox's memory limit (`CallBudget`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import fnmatch
 import os
 import re
 import stat
-import time
 from contextlib import closing
 from dataclasses import dataclass
 
@@ -30,9 +30,9 @@ import re2
 from pydantic import BaseModel, Field
 
 from toolq.orchestrator.errors import RespondToModel
+from toolq.workers.call_budget import CallBudget
 from toolq.workers.catalog import ToolContext, ToolReturn, tool
 from toolq.workers.reading import line_blocks
-from toolq.workers.sandbox import CallCancelled
 from toolq.workers.workspace import Workspace, describe, open_entry, walk
 
 MAX_LIMIT = 2000
@@ -43,6 +43,8 @@ MAX_LINE_BYTES = 8 * 1024 * 1024
 #: `*.{a,b}{c,d}` is 4 globs; 20 such pairs would be a million.
 MAX_GLOBS = 1024
 MAX_BRACE_DEPTH = 32
+#: What Python holds for a matching path beside its text (a tuple, a float, a str, a list slot).
+MATCH_OVERHEAD_BYTES = 160
 
 #: RE2's errors for what only a backtracking engine can do (lookaround, possessive repeats).
 _BACKTRACKING_ONLY = ("invalid perl operator", "bad repetition operator")
@@ -70,8 +72,7 @@ class _Binary(Exception):
 class _Search:
     regex: re2._Regexp
     include: _Include | None
-    ctx: ToolContext
-    deadline: float
+    budget: CallBudget
     prefilter: re2._Regexp | None = None
     """The pattern over a block of lines at once (one call per megabyte, not per line): with
     `never_nl` no match can span lines, so no block match means no line matches."""
@@ -81,10 +82,7 @@ class _Search:
 
     def check(self, chunk: bytes) -> None:
         """Run on every chunk read: the call's cancel and deadline, and rg's binary test."""
-        if self.ctx.cancelled():
-            raise CallCancelled("grep_files cancelled")
-        if time.monotonic() > self.deadline:
-            raise RespondToModel(f"grep_files timed out after {SEARCH_TIMEOUT:.0f} seconds")
+        self.budget.check()
         if b"\0" in chunk:
             raise _Binary
 
@@ -98,7 +96,7 @@ def grep_files(args: GrepFilesArgs, ctx: ToolContext) -> ToolReturn:
     if args.limit < 1:
         raise RespondToModel("limit must be greater than zero")
     include = _Include(args.include.strip()) if args.include and args.include.strip() else None
-    search = _Search(compile_pattern(pattern), include, ctx, time.monotonic() + min(SEARCH_TIMEOUT, ctx.remaining()),
+    search = _Search(compile_pattern(pattern), include, CallBudget(ctx, "grep_files", seconds=SEARCH_TIMEOUT),
                      _block_prefilter(pattern))
     matches: list[tuple[float, str]] = []
     with Workspace(ctx.workspace) as ws:
@@ -178,6 +176,7 @@ def _search_file(fd: int, path: str, search: _Search, matches: list[tuple[float,
         for block in line_blocks(fd, MAX_LINE_BYTES, search.check):
             if search.may_match(block) and any(search.regex.search(line.removesuffix(b"\r"))
                                                for line in block.split(b"\n")):
+                search.budget.charge(len(path) + MATCH_OVERHEAD_BYTES, f"{len(matches) + 1} matching paths")
                 matches.append((status.st_mtime, path))
                 return
     except _Binary:

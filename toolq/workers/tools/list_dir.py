@@ -4,7 +4,8 @@ Entries are sorted by their path relative to `dir_path`, indented two spaces per
 `/` (directory), `@` (symlink, never followed) or `?` (other). Unlike Codex, `dir_path` may also be
 relative to the workspace. The tree is read through directory fds, each subdirectory opened with
 `O_NOFOLLOW` from its parent's fd, so swapping a directory for a symlink cannot lead the listing
-out of the workspace.
+out of the workspace. Every entry is held to be sorted, so the entries are charged against the
+sandbox's memory limit, and the call's deadline is checked in every directory (`CallBudget`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from dataclasses import dataclass
 from pydantic import BaseModel, Field
 
 from toolq.orchestrator.errors import RespondToModel
+from toolq.workers.call_budget import CallBudget
 from toolq.workers.catalog import ToolContext, tool
 from toolq.workers.workspace import Workspace, describe, walk
 
 MAX_ENTRY_BYTES = 500
 INDENT = "  "
+#: What Python holds for an entry beside its names (the object, its strs, a list slot).
+ENTRY_OVERHEAD_BYTES = 256
 
 
 class ListDirArgs(BaseModel):
@@ -54,7 +58,7 @@ def list_dir(args: ListDirArgs, ctx: ToolContext) -> str:
         try:
             fd = ws.open_dir(target)
             try:
-                _collect(fd, args.depth, entries)
+                _collect(fd, args.depth, entries, CallBudget(ctx, "list_dir"))
             finally:
                 os.close(fd)
         except OSError as e:
@@ -72,14 +76,16 @@ def list_dir(args: ListDirArgs, ctx: ToolContext) -> str:
     return "\n".join(lines)
 
 
-def _collect(fd: int, depth: int, entries: list[_Entry]) -> None:
+def _collect(fd: int, depth: int, entries: list[_Entry], budget: CallBudget) -> None:
     """Add every entry of the tree open at `fd`, `depth` levels deep (the caller sorts them)."""
     with closing(walk(fd, depth)) as directories:
         for _, prefix, found in directories:
+            budget.check()
             level = prefix.count("/") + 1 if prefix else 0
             for item in found:
                 relative = f"{prefix}/{item.name}" if prefix else item.name
                 entries.append(_Entry(_cut(relative), _cut(item.name), level, _marker(item)))
+                budget.charge(len(relative) + len(item.name) + ENTRY_OVERHEAD_BYTES, f"listing {len(entries)} entries")
 
 
 def _marker(item: os.DirEntry[str]) -> str:

@@ -3,8 +3,9 @@
 Codex removed this tool upstream (contracts §9); toolq keeps its slice mode: lines come back as
 `L<n>: <text>`, each cut to 500 bytes (Codex's `MAX_LINE_LENGTH`). The indentation-aware mode is not
 offered. Only a regular file is read (a FIFO or device gets an error, never a blocked call), and
-in chunks: a line is never held longer than needed to print it, and the deadline is checked as
-the file is read.
+in chunks: a line is never held longer than needed to print it, the deadline is checked as the
+file is read, and the lines kept are charged against the sandbox's memory limit (`limit` is the
+model's: a billion empty lines would otherwise be held as a billion strings).
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ import os
 from pydantic import BaseModel, Field
 
 from toolq.orchestrator.errors import RespondToModel
+from toolq.workers.call_budget import CallBudget
 from toolq.workers.catalog import ToolContext, tool
 from toolq.workers.reading import bounded_lines
-from toolq.workers.sandbox import CallCancelled
 from toolq.workers.workspace import Workspace, describe
 
 MAX_LINE_BYTES = 500
 #: Bytes of a line kept to print its first MAX_LINE_BYTES: a UTF-8 character is at most 4 bytes,
 #: and every byte read prints as at least one byte.
 _KEEP_BYTES = MAX_LINE_BYTES + 4
+#: What Python holds for a line kept beside its text (a str and its slot in the list).
+LINE_OVERHEAD_BYTES = 64
 
 
 class ReadFileArgs(BaseModel):
@@ -40,22 +43,17 @@ def read_file(args: ReadFileArgs, ctx: ToolContext) -> str:
         raise RespondToModel("limit must be greater than zero")
     collected: list[str] = []
     seen = 0
-
-    def in_time(_chunk: bytes) -> None:
-        if ctx.cancelled():
-            raise CallCancelled("read_file cancelled")
-        if ctx.remaining() <= 0:
-            raise RespondToModel(f"read_file timed out after reading {seen} lines")
-
+    budget = CallBudget(ctx, "read_file")
     try:
         with Workspace(ctx.workspace) as ws:
             fd, _ = ws.open_file(ws.locate(args.file_path))
         try:
-            for raw in bounded_lines(fd, _KEEP_BYTES, in_time):
+            for raw in bounded_lines(fd, _KEEP_BYTES, budget.check):
                 seen += 1
                 if seen < args.offset:
                     continue
                 collected.append(f"L{seen}: {_format_line(raw)}")
+                budget.charge(len(collected[-1]) + LINE_OVERHEAD_BYTES, f"reading {len(collected)} lines")
                 if len(collected) == args.limit:
                     break
         finally:

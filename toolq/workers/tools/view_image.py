@@ -1,7 +1,8 @@
 """`view_image`: attach a local image from the workspace to the conversation.
 
 The image is opened through the workspace's directory fd (see `toolq.workers.workspace`), only a
-regular file is read, and never more than `MAX_IMAGE_BYTES` of it.
+regular file is read, and never more than `MAX_IMAGE_BYTES` of it, charged against the sandbox's
+memory limit with its base64 text (`CallBudget`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from pydantic import BaseModel, Field
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.orchestrator.protocol.items import InputImage
+from toolq.workers.call_budget import CallBudget
 from toolq.workers.catalog import ToolContext, tool
 from toolq.workers.reading import read_at_most
 from toolq.workers.workspace import NotARegularFile, Workspace, describe
 
 #: Larger images would bloat every later request of the turn; the Responses API caps input images too.
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
+#: Memory an image holds per byte: its bytes, its base64 text and the data URL made of it.
+BYTES_PER_BYTE = 4
 
 _SIGNATURES = (
     (b"\x89PNG\r\n\x1a\n", "image/png"),
@@ -55,6 +59,7 @@ def view_image(args: ViewImageArgs, ctx: ToolContext) -> list[InputImage]:
     if len(data) > MAX_IMAGE_BYTES:
         size = max(status.st_size, len(data))
         raise RespondToModel(f"image `{path}` is too large ({size} bytes; the limit is {MAX_IMAGE_BYTES})")
+    CallBudget(ctx, "view_image").charge(len(data) * BYTES_PER_BYTE, f"image `{path}` ({len(data)} bytes)")
     mime = image_mime_type(data)
     if mime is None:
         raise RespondToModel(f"`{path}` is not a supported image (png, jpeg, gif or webp)")
