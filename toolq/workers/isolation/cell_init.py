@@ -150,18 +150,21 @@ _NR = {
     "x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "io_uring_setup": 425, "io_uring_enter": 426,
                "io_uring_register": 427, "openat2": 437, "clone3": 435, "chmod": 90, "fchmod": 91,
                "fchmodat": 268, "fchmodat2": 452, "open": 2, "creat": 85, "openat": 257, "mkdir": 83,
-               "mkdirat": 258, "mknod": 133, "mknodat": 259, "unshare": 272, "clone": 56, "socket": 41},
+               "mkdirat": 258, "mknod": 133, "mknodat": 259, "unshare": 272, "clone": 56, "socket": 41,
+               "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "kexec_load": 246, "kexec_file_load": 320},
     "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "io_uring_setup": 425, "io_uring_enter": 426,
                 "io_uring_register": 427, "openat2": 437, "clone3": 435, "chmod": None, "fchmod": 52,
                 "fchmodat": 53, "fchmodat2": 452, "open": None, "creat": None, "openat": 56, "mkdir": None,
-                "mkdirat": 34, "mknod": None, "mknodat": 33, "unshare": 97, "clone": 220, "socket": 198},
+                "mkdirat": 34, "mknod": None, "mknodat": 33, "unshare": 97, "clone": 220, "socket": 198,
+                "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "kexec_load": 104, "kexec_file_load": 294},
 }
-#: Refused outright, with ENOSYS so that programs fall back: the keyrings; io_uring (kernel attack
-#: surface Docker's profile refuses too, and sockets past a socket(2) filter); openat2 and clone3,
-#: whose mode and flags sit in a struct a filter cannot read (the C library falls back to openat
-#: and clone, which are checked below).
-REFUSED = ("add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter", "io_uring_register",
-           "openat2", "clone3")
+#: Refused outright, with ENOSYS so that programs fall back: the keyrings; io_uring (sockets past a
+#: socket(2) filter); bpf, perf_event_open, userfaultfd and kexec, kernel attack surface no build
+#: or test needs (Docker's default profile refuses them all too; perf_event_open and a user-mode
+#: userfaultfd need no capability); openat2 and clone3, whose mode and flags sit in a struct a
+#: filter cannot read (the C library falls back to openat and clone, which are checked below).
+REFUSED = ("add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf",
+           "perf_event_open", "userfaultfd", "kexec_load", "kexec_file_load", "openat2", "clone3")
 #: (syscall, the argument holding the mode, the argument holding open's flags or None): refused
 #: with EPERM when the mode asks for setuid or setgid (and, for open, the call may create).
 MODE_ARGS = (("chmod", 1, None), ("fchmod", 1, None), ("fchmodat", 2, None), ("fchmodat2", 2, None),
@@ -172,12 +175,12 @@ MODE_ARGS = (("chmod", 1, None), ("fchmod", 1, None), ("fchmodat", 2, None), ("f
 NAMESPACE_ARGS = (("unshare", 0), ("clone", 0))
 
 
-def seccomp_program(deny_sockets: bool = False) -> bytes | None:
+def seccomp_program(deny_sockets: bool = False, machine: str | None = None) -> bytes | None:
     """The BPF filter every sandboxed command runs under (cells, bubblewrap per command, Landlock);
     None on an architecture not listed. A syscall of a foreign ABI (i386, x32) is refused too: it
     could reach the same calls by other numbers. `deny_sockets`: socket(2) fails with EACCES
-    (Landlock with the network off)."""
-    machine = os.uname().machine
+    (Landlock with the network off). `machine`: this one's unless given (`uname -m`)."""
+    machine = machine or os.uname().machine
     if machine not in _NR:
         return None
     nr = {k: v for k, v in _NR[machine].items() if v is not None}
