@@ -206,15 +206,39 @@ def test_the_memory_limit_holds_for_a_whole_call(drive, redteam_worker, tmp_path
             "without a memory cgroup the limit is RLIMIT_AS, per process: a call of N processes may "
             "use N times it (and memfd/tmpfs pages besides)")))
     share = MEMORY_MB * 3 // 4
-    hog = ("import os, time\n"
+    # Each child says when it holds its share; the parent waits until every child holds or is
+    # dead, then counts those alive and holding: "HELD" lines alone overcount, as the OOM killer
+    # may take a child after it said so (it then held nothing while the next one did).
+    hog = ("import os, select, time\n"
+           "r, w = os.pipe()\n"
+           "kids = set()\n"
            "for i in range(4):\n"
-           "    if os.fork() == 0:\n"
-           f"        b = bytearray({share} * 1024 * 1024); print('HELD', flush=True); time.sleep(2); os._exit(0)\n"
-           "for i in range(4):\n"
-           "    os.wait()\n")
+           "    pid = os.fork()\n"
+           "    if pid == 0:\n"
+           f"        b = bytearray({share} * 1024 * 1024); os.write(w, b'%d\\n' % os.getpid()); time.sleep(60)\n"
+           "        os._exit(0)\n"
+           "    kids.add(pid)\n"
+           "os.close(w)\n"
+           "held, dead, data, end = set(), set(), b'', time.monotonic() + 30\n"
+           "while (held | dead) != kids and time.monotonic() < end:\n"
+           "    if select.select([r], [], [], 0.05)[0]:\n"
+           "        data += os.read(r, 4096)\n"
+           "        held = {int(x) for x in data.split()}\n"
+           "    while True:\n"
+           "        try:\n"
+           "            pid, _ = os.waitpid(-1, os.WNOHANG)\n"
+           "        except ChildProcessError:\n"
+           "            break\n"
+           "        if not pid:\n"
+           "            break\n"
+           "        dead.add(pid)\n"
+           "print('ALIVE-HOLDING', len(held - dead), flush=True)\n"
+           "for pid in kids - dead:\n"
+           "    os.kill(pid, 9)\n")
     (tmp_path / "hog.py").write_text(hog)
     _, body = attack(drive, redteam_worker, tmp_path, {"call_hog": "python3 hog.py"})["call_hog"]
-    held = body.count("HELD")
+    assert "ALIVE-HOLDING" in body, body
+    held = int(body.split("ALIVE-HOLDING", 1)[1].split()[0])
     assert held * share <= MEMORY_MB + limits.OWN_MEMORY_SLACK_MB, f"{held} processes held {share} MiB each at once"
     assert f"the sandbox limits each call to {MEMORY_MB} MiB" in body, body
     after = attack(drive, redteam_worker, tmp_path, {"call_after": "echo fine"})
