@@ -99,7 +99,11 @@ def test_a_rate_limit_of_4_per_second_holds_across_the_fleet(redis_server, fleet
     assert len(sent) == 12
     assert max(sum(1 for t in sent if s <= t < s + 0.99) for s in sent) <= 4, sent
     assert sent[-1] - sent[0] >= 1.9, "12 calls at 4/s take two windows past the first"
-    assert sum("throttled" in states_seen(run.events, f"call_r{k}") for k in range(12)) == 8
+    # Which calls show `throttled` depends on when each was weighed against the window, which a
+    # loaded machine shifts (a call weighed after a window has passed goes at once): the first four
+    # never wait, and the fifth cannot be sent in the first window, so at least one waited, visibly.
+    throttled = [k for k in range(12) if "throttled" in states_seen(run.events, f"call_r{k}")]
+    assert throttled and min(throttled) >= 4, throttled
 
 
 def test_the_per_turn_cap_holds_and_throttled_calls_show_in_toolq_status(redis_server, fleet, drive):
