@@ -99,6 +99,8 @@ ENV = {
     "sandbox_etc": ("TOOLQ_SANDBOX_ETC",),
     "sandbox_memory_mb": ("TOOLQ_SANDBOX_MEMORY_MB",),
     "sandbox_processes": ("TOOLQ_SANDBOX_PROCESSES",),
+    "sandbox_worker_processes": ("TOOLQ_SANDBOX_WORKER_PROCESSES",),
+    "sandbox_worker_memory_mb": ("TOOLQ_SANDBOX_WORKER_MEMORY_MB",),
     "sandbox_cpu_seconds": ("TOOLQ_SANDBOX_CPU_SECONDS",),
     "sandbox_file_mb": ("TOOLQ_SANDBOX_FILE_MB",),
     "sandbox_cells": ("TOOLQ_SANDBOX_CELLS",),
@@ -201,6 +203,11 @@ class Settings(BaseModel):
     """Extra entries of /etc a command may read (names under /etc), besides the allowlist."""
     sandbox_memory_mb: int = Field(default=2048, ge=16)
     sandbox_processes: int = Field(default=256, ge=8)
+    sandbox_worker_processes: int = Field(default=2048, ge=8)
+    """Processes of all of a worker's commands and sessions together: sessions must not multiply the
+    per-call limit (64 sessions of 256 processes each would pass the host's pid_max)."""
+    sandbox_worker_memory_mb: int = Field(default=8192, ge=16)
+    """Memory of all of a worker's commands and sessions together, as `sandbox_worker_processes`."""
     sandbox_cpu_seconds: int = Field(default=300, ge=1)
     sandbox_file_mb: int = Field(default=1024, ge=1)
     sandbox_cells: bool = True

@@ -85,23 +85,33 @@ def process_limit_mode() -> str:
 
 
 def remove_stale_pool_cgroups() -> None:
-    """The cgroups of pool children that are gone; what a killed one left running dies first."""
+    """The cgroups of pool children and session hosts that are gone; what a killed one left running
+    dies first."""
     for controller in ("pids", "memory"):
         base = cgroup_base(controller)
         for stale in base.glob("toolq-pool-*") if base is not None else ():
             owner = stale.name.rpartition("-")[2]
             if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
-                _kill_members(stale)
-                try:
-                    stale.rmdir()
-                except OSError:
-                    pass
+                remove_cgroup(stale)
 
 
-def enter_cgroup(controller: str, settings: dict[str, str], *, name: str, thread: bool = False) -> Path | None:
-    """Put this process (`thread`: only the calling thread) in a new cgroup `name` of `controller`
-    with `settings` (file -> value); None where it may not."""
-    base = cgroup_base(controller)
+def remove_cgroup(cg: Path) -> None:
+    """`cg` and the cgroups below it, each emptied first (its processes killed)."""
+    for child in [p for p in cg.iterdir() if p.is_dir()] if cg.is_dir() else []:
+        remove_cgroup(child)
+    _kill_members(cg)
+    try:
+        cg.rmdir()
+    except OSError:
+        pass
+
+
+def enter_cgroup(controller: str, settings: dict[str, str], *, name: str, thread: bool | None = False,
+                 parent: Path | None = None) -> Path | None:
+    """Put this process (`thread`: only the calling thread; None: nobody) in a new cgroup `name` of
+    `controller` (under `parent`, else this process's own) with `settings` (file -> value); None
+    where it may not."""
+    base = parent if parent is not None else cgroup_base(controller)
     if base is None:
         return None
     cg = base / name
@@ -109,7 +119,9 @@ def enter_cgroup(controller: str, settings: dict[str, str], *, name: str, thread
         cg.mkdir(exist_ok=True)
         for file, value in settings.items():
             (cg / file).write_text(value)
-        if thread:
+        if thread is None:
+            pass
+        elif thread:
             (cg / "tasks").write_text(str(threading.get_native_id()))
         else:
             (cg / "cgroup.procs").write_text(str(os.getpid()))
@@ -278,9 +290,15 @@ def explain(limits: Limits, exit_code: int, output: str, process_limit_hit: bool
     if exit_code == 128 + signal.SIGXFSZ or "File size limit exceeded" in output:
         return f"the command exceeded the sandbox's file size limit of {limits.file_mb} MiB"
     if process_limit_hit or (exit_code != 0 and _FORK_FAILURE.search(output)):
-        return f"the command reached the sandbox's limit of {limits.processes} processes"
+        return (f"the command reached the sandbox's limit of {limits.processes} processes"
+                + _together(limits.worker_processes, "processes"))
     if memory_limit_hit:
-        return f"the command ran out of memory: the sandbox limits each call to {limits.memory_mb} MiB"
+        return (f"the command ran out of memory: the sandbox limits each call to {limits.memory_mb} MiB"
+                + _together(limits.worker_memory_mb, "MiB"))
     if exit_code != 0 and _MEMORY_FAILURE.search(output):
         return f"the command ran out of memory: the sandbox limits each process to {limits.memory_mb} MiB"
     return None
+
+
+def _together(bound: int, unit: str) -> str:
+    return f" (and this worker's commands and sessions together to {bound} {unit})" if bound else ""

@@ -67,6 +67,9 @@ class Limits:
     processes: int
     cpu_seconds: int
     file_mb: int
+    worker_processes: int = 0
+    """All of the session host's commands and sessions together (0: no such bound)."""
+    worker_memory_mb: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,8 @@ class Policy:
         return cls(requested=s.sandbox, network=s.sandbox_network, extra_env=tuple(s.sandbox_env), cells=s.sandbox_cells,
                    read_dirs=tuple(dict.fromkeys(read)), etc=etc,
                    hidden=private_entries(tuple(d for d in SITE_DIRS if any(d == r or d.startswith(r + "/") for r in read))),
-                   limits=Limits(s.sandbox_memory_mb, s.sandbox_processes, s.sandbox_cpu_seconds, s.sandbox_file_mb))
+                   limits=Limits(s.sandbox_memory_mb, s.sandbox_processes, s.sandbox_cpu_seconds, s.sandbox_file_mb,
+                                 s.sandbox_worker_processes, s.sandbox_worker_memory_mb))
 
     def command_env(self, source: dict[str, str], home: str, confined: bool = True) -> dict[str, str]:
         """The environment a command gets: the allowlist from `source`, then the overrides. When

@@ -28,8 +28,10 @@ SLOT_TASKS_SLACK = 1 + cell.CELL_TASKS
 
 
 class Slot:
-    def __init__(self, index: int, lim: Limits | None, prepare: Callable[[], object] | None = None) -> None:
+    def __init__(self, index: int, lim: Limits | None, prepare: Callable[[], object] | None = None,
+                 parents: dict[str, Path | None] | None = None) -> None:
         self.index = index
+        self._parents = parents or {}
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"toolq-session-slot{index}")
         self.cgroup: Path | None = None
         self.memory_cgroup: Path | None = None
@@ -47,7 +49,9 @@ class Slot:
 
     def _enter_cgroup(self, controller: str, settings: dict[str, str]) -> Path | None:
         """Runs on the slot's thread: move it alone into a new cgroup of `controller`."""
-        return limits.enter_cgroup(controller, settings, name=f"toolq-pool-s{self.index}-{os.getpid()}", thread=True)
+        parent = self._parents.get(controller)
+        name = f"s{self.index}" if parent is not None else f"toolq-pool-s{self.index}-{os.getpid()}"
+        return limits.enter_cgroup(controller, settings, name=name, thread=True, parent=parent)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.may_hold_cell = True
@@ -56,11 +60,7 @@ class Slot:
     def remove(self) -> None:
         for cg in (self.cgroup, self.memory_cgroup):
             if cg is not None:
-                limits._kill_members(cg)
-                try:
-                    cg.rmdir()
-                except OSError:
-                    pass
+                limits.remove_cgroup(cg)
 
 
 class Slots:
@@ -74,6 +74,17 @@ class Slots:
         to run more than this."""
         self._lock = threading.Lock()
         self._all: list[Slot] = []
+        self.parents: dict[str, Path | None] = {}
+        """Above every slot's cgroups: the bound of all commands and sessions together (sessions each
+        hold a slot, and must not multiply the per-call limits)."""
+        if lim is not None:
+            name = f"toolq-pool-sessions-{os.getpid()}"  # removed with the pool's when this host is gone
+            if lim.worker_processes:
+                self.parents["pids"] = limits.enter_cgroup("pids", {"pids.max": str(lim.worker_processes)},
+                                                           name=name, thread=None)
+            if lim.worker_memory_mb:
+                self.parents["memory"] = limits.enter_cgroup(
+                    "memory", {"memory.limit_in_bytes": str(lim.worker_memory_mb * limits.MIB)}, name=name, thread=None)
 
     def take(self) -> Slot:
         with self._lock:
@@ -83,7 +94,7 @@ class Slots:
                     return slot
             if len(self._all) >= self.most:
                 raise OSError(errno.EAGAIN, f"this worker already runs {self.most} commands and sessions")
-            slot = Slot(len(self._all), self.lim, self.prepare)
+            slot = Slot(len(self._all), self.lim, self.prepare, self.parents)
             slot.busy = True
             self._all.append(slot)
             return slot
@@ -107,3 +118,6 @@ class Slots:
         with self._lock:
             for slot in self._all:
                 slot.remove()
+            for parent in self.parents.values():
+                if parent is not None:
+                    limits.remove_cgroup(parent)
