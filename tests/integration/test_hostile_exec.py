@@ -43,6 +43,11 @@ LIMITS = {"TOOLQ_SANDBOX_PROCESSES": "64", "TOOLQ_SANDBOX_CPU_SECONDS": "2", "TO
 
 @pytest.fixture(scope="module")
 def locked_redis(tmp_path_factory):
+    yield from locked_redis_server(tmp_path_factory)
+
+
+def locked_redis_server(tmp_path_factory):
+    """A password-protected Redis of its own (a module's workers all take calls from theirs)."""
     port = free_port()
     proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--requirepass", REDIS_PASSWORD,

@@ -101,6 +101,9 @@ ENV = {
     "sandbox_processes": ("TOOLQ_SANDBOX_PROCESSES",),
     "sandbox_worker_processes": ("TOOLQ_SANDBOX_WORKER_PROCESSES",),
     "sandbox_worker_memory_mb": ("TOOLQ_SANDBOX_WORKER_MEMORY_MB",),
+    "sandbox_worker_cpus": ("TOOLQ_SANDBOX_WORKER_CPUS",),
+    "sandbox_conversation_processes": ("TOOLQ_SANDBOX_CONVERSATION_PROCESSES",),
+    "sandbox_conversation_memory_mb": ("TOOLQ_SANDBOX_CONVERSATION_MEMORY_MB",),
     "sandbox_cpu_seconds": ("TOOLQ_SANDBOX_CPU_SECONDS",),
     "sandbox_file_mb": ("TOOLQ_SANDBOX_FILE_MB",),
     "sandbox_cells": ("TOOLQ_SANDBOX_CELLS",),
@@ -208,6 +211,14 @@ class Settings(BaseModel):
     per-call limit (64 sessions of 256 processes each would pass the host's pid_max)."""
     sandbox_worker_memory_mb: int = Field(default=8192, ge=16)
     """Memory of all of a worker's commands and sessions together, as `sandbox_worker_processes`."""
+    sandbox_worker_cpus: float = Field(default=0.0, ge=0.0)
+    """CPUs all of a worker's commands and sessions may use together (a CFS quota; 0: no quota, and
+    they still share the CPU as one group beside the worker's own processes, never 64 against 1)."""
+    sandbox_conversation_processes: int = Field(default=1024, ge=8)
+    """Processes of one conversation's commands and sessions together on a worker, so that one
+    conversation cannot hold the whole worker's bound while another's commands wait."""
+    sandbox_conversation_memory_mb: int = Field(default=4096, ge=16)
+    """Memory of one conversation's commands and sessions together on a worker."""
     sandbox_cpu_seconds: int = Field(default=300, ge=1)
     sandbox_file_mb: int = Field(default=1024, ge=1)
     sandbox_cells: bool = True

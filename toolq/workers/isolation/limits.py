@@ -31,6 +31,8 @@ from pathlib import Path
 from toolq.workers.isolation.policy import Limits
 
 MIB = 1024 * 1024
+#: The CFS period of a CPU quota (the kernel's default): a quota of N CPUs is N periods per period.
+CPU_PERIOD_US = 100_000
 #: Slack between the CPU soft limit (SIGXCPU, which names the limit) and the hard one (SIGKILL).
 CPU_HARD_SLACK = 2
 _MEMORY_FAILURE = re.compile(r"MemoryError|Cannot allocate memory|std::bad_alloc|[Oo]ut of memory")
@@ -87,7 +89,7 @@ def process_limit_mode() -> str:
 def remove_stale_pool_cgroups() -> None:
     """The cgroups of pool children and session hosts that are gone; what a killed one left running
     dies first."""
-    for controller in ("pids", "memory"):
+    for controller in ("pids", "memory", "cpu"):
         base = cgroup_base(controller)
         for stale in base.glob("toolq-pool-*") if base is not None else ():
             owner = stale.name.rpartition("-")[2]
@@ -164,6 +166,16 @@ def _kill_members(cg: Path) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.001)
+
+
+def cgroup_number(cg: Path | None, file: str) -> int:
+    """A cgroup file holding one number (`pids.current`, `memory.usage_in_bytes`); 0 where unreadable."""
+    if cg is None:
+        return 0
+    try:
+        return int((cg / file).read_text())
+    except (OSError, ValueError):
+        return 0
 
 
 def _counter(cg: Path | None, file: str, name: str) -> int:

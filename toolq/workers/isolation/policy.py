@@ -70,6 +70,11 @@ class Limits:
     worker_processes: int = 0
     """All of the session host's commands and sessions together (0: no such bound)."""
     worker_memory_mb: int = 0
+    worker_cpus: float = 0.0
+    """A CFS quota over all of them, in CPUs (0: none)."""
+    conversation_processes: int = 0
+    """One conversation's commands and sessions together (0: no such bound)."""
+    conversation_memory_mb: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,8 @@ class Policy:
                    read_dirs=tuple(dict.fromkeys(read)), etc=etc,
                    hidden=private_entries(tuple(d for d in SITE_DIRS if any(d == r or d.startswith(r + "/") for r in read))),
                    limits=Limits(s.sandbox_memory_mb, s.sandbox_processes, s.sandbox_cpu_seconds, s.sandbox_file_mb,
-                                 s.sandbox_worker_processes, s.sandbox_worker_memory_mb))
+                                 s.sandbox_worker_processes, s.sandbox_worker_memory_mb, s.sandbox_worker_cpus,
+                                 s.sandbox_conversation_processes, s.sandbox_conversation_memory_mb))
 
     def command_env(self, source: dict[str, str], home: str, confined: bool = True) -> dict[str, str]:
         """The environment a command gets: the allowlist from `source`, then the overrides. When

@@ -12,6 +12,7 @@ not yielded yet. Commands launch through the worker's sandbox (`toolq.workers.is
 from __future__ import annotations
 
 import base64
+import errno
 import functools
 import itertools
 import json
@@ -31,7 +32,7 @@ import redis
 
 from toolq.orchestrator.settings import Settings
 from toolq.workers import hardening, isolation
-from toolq.workers.isolation import reaper, spawner
+from toolq.workers.isolation import limits, reaper, spawner
 from toolq.workers.isolation.cell import CellProcess
 from toolq.workers.sandbox import DEFAULT_OUTPUT_CAP, DRAIN_TIMEOUT, POLL_INTERVAL, HeadTailBuffer, _killpg, flooded
 from toolq.workers.sessions.slots import Slot, Slots
@@ -88,6 +89,8 @@ class Process:
     tail: bytearray = field(default_factory=bytearray)
     """The last output bytes, for the line naming a sandbox limit the command hit."""
     limit_note: str | None = None
+    killed_for: str | None = None
+    """Why toolq killed it while it ran (a bound of its conversation), for its last output."""
     cond: threading.Condition = field(default_factory=threading.Condition)
     watchers: list[Watcher] = field(default_factory=list)
     """The streaming requests waiting on it (a session may have two polls at once)."""
@@ -143,6 +146,8 @@ class Host:
             stdio = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         popen = dict(cwd=req.cwd, start_new_session=True, close_fds=True, **stdio)
         sandbox = isolation.current(self.settings)
+        if over := self._conversation_over(req.conversation):
+            raise OSError(errno.EAGAIN, f"{over}; end a session first")
         slot = self.slots.take()
         try:
             launch = sandbox.launch(argv, workspace=req.workspace, cwd=req.cwd, env=req.env, in_slot=True)
@@ -156,7 +161,7 @@ class Host:
             self._spawning += 1  # until it is in `running`: _reap_orphans must not take it for an orphan
         try:
             proc = slot.run(launch.spawn, **popen)
-        except BaseException:
+        except BaseException as e:
             with self.lock:
                 self._spawning -= 1
             launch.close()
@@ -164,6 +169,8 @@ class Host:
             for fd in (master, slave):
                 if fd is not None:
                     os.close(fd)
+            if isinstance(e, OSError) and (full := self.slots.full()):
+                raise OSError(errno.EAGAIN, full) from None  # what made the start fail, not how it failed
             raise
         if slave is not None:
             os.close(slave)
@@ -214,8 +221,8 @@ class Host:
         exit_code = returncode if returncode >= 0 else 128 - returncode
         if p.launch is not None:
             p.launch.close()
-            p.limit_note = isolation.current(self.settings).explain(p.launch, exit_code,
-                                                                     p.tail.decode("utf-8", errors="replace"))
+            p.limit_note = p.killed_for or isolation.current(self.settings).explain(
+                p.launch, exit_code, p.tail.decode("utf-8", errors="replace"))
         self._reap_orphans()
         if p.slot is not None:
             self.slots.give_back(p.slot)
@@ -279,6 +286,45 @@ class Host:
                     "killed; end a session (let it exit, or send it exit/Ctrl-D with write_stdin) first"))
             p.session_id = self._register(p)
         return Reply(output=_b64(output), session_id=p.session_id, wall_time=wall)
+
+    def _conversation_over(self, conversation: str) -> str | None:
+        """Which bound of one conversation's commands and sessions together it holds, in words
+        (None: none). Each command's own cgroup bounds it in the kernel; their sum per conversation
+        is checked here, before a start and by the reaper each second, as slots are not moved
+        between conversations' cgroups (a move costs ~15 ms per controller on cgroup v1)."""
+        with self.lock:
+            slots = [p.slot for p in self.running if p.conversation == conversation and p.slot is not None]
+        held = [slot.held() for slot in slots]
+        return self._past_bound(conversation, sum(h[0] for h in held), sum(h[1] for h in held))
+
+    def _past_bound(self, conversation: str, processes: int, memory: int) -> str | None:
+        lim = self.slots.lim
+        if lim is None or not conversation:
+            return None
+        if lim.conversation_processes and processes >= lim.conversation_processes:
+            return (f"this conversation's commands and sessions on this worker hold {processes} processes, its "
+                    f"limit is {lim.conversation_processes} (TOOLQ_SANDBOX_CONVERSATION_PROCESSES)")
+        if lim.conversation_memory_mb and memory >= lim.conversation_memory_mb * limits.MIB:
+            return (f"this conversation's commands and sessions on this worker hold {memory // limits.MIB} MiB, its "
+                    f"limit is {lim.conversation_memory_mb} MiB (TOOLQ_SANDBOX_CONVERSATION_MEMORY_MB)")
+        return None
+
+    def _enforce_conversation_bounds(self, sessions: list[Process], ended: set[str]) -> None:
+        """A conversation past its bound loses its newest sessions until it is within it again."""
+        for conversation in {p.conversation for p in sessions} - ended:
+            with self.lock:
+                mine = [(p, p.slot.held()) for p in self.running if p.conversation == conversation and p.slot]
+            processes, memory = sum(h[0] for _, h in mine), sum(h[1] for _, h in mine)
+            for p, (p_processes, p_memory) in sorted(mine, key=lambda m: m[0].started, reverse=True):
+                note = self._past_bound(conversation, processes, memory)
+                if note is None:
+                    break
+                if p.session_id is None or p.killed_for:  # a command inside its call: the call's limits bound it
+                    continue
+                log.info("killing session %s: %s", p.session_id, note)
+                p.killed_for = f"toolq killed this session: {note}"
+                p.kill()  # kept until the model's next poll, which gets its last output and this line
+                processes, memory = processes - p_processes, memory - p_memory
 
     def _live_in(self, conversation: str) -> int:
         """Sessions of the conversation across the fleet (this host's alone without Redis)."""
@@ -369,6 +415,7 @@ class Host:
                 ended = {c for c, a in zip(conversations, alive) if not a}
             except redis.RedisError:
                 ended = set()
+        self._enforce_conversation_bounds(sessions, ended)
         for p in sessions:
             why = None
             if p.conversation in ended:

@@ -35,11 +35,14 @@ class Slot:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"toolq-session-slot{index}")
         self.cgroup: Path | None = None
         self.memory_cgroup: Path | None = None
+        self.cpu_cgroup: Path | None = None
         if lim is not None:
             self.cgroup = self._thread.submit(self._enter_cgroup, "pids", {
                 "pids.max": str(lim.processes + SLOT_TASKS_SLACK)}).result()
             self.memory_cgroup = self._thread.submit(self._enter_cgroup, "memory", {
                 "memory.limit_in_bytes": str((lim.memory_mb + limits.OWN_MEMORY_SLACK_MB) * limits.MIB)}).result()
+            if self._parents.get("cpu") is not None:  # a share of the host's: no slot starves another
+                self.cpu_cgroup = self._thread.submit(self._enter_cgroup, "cpu", {}).result()
         if prepare is not None:  # after the cgroups, which it may hide (isolation.spawner)
             self._thread.submit(prepare).result()
         self.busy = False
@@ -57,8 +60,13 @@ class Slot:
         self.may_hold_cell = True
         return self._thread.submit(fn, *args, **kwargs).result()
 
+    def held(self) -> tuple[int, int]:
+        """Processes (its thread and cell included) and bytes of memory its command holds now."""
+        return limits.cgroup_number(self.cgroup, "pids.current"), limits.cgroup_number(
+            self.memory_cgroup, "memory.usage_in_bytes")
+
     def remove(self) -> None:
-        for cg in (self.cgroup, self.memory_cgroup):
+        for cg in (self.cgroup, self.memory_cgroup, self.cpu_cgroup):
             if cg is not None:
                 limits.remove_cgroup(cg)
 
@@ -85,6 +93,27 @@ class Slots:
             if lim.worker_memory_mb:
                 self.parents["memory"] = limits.enter_cgroup(
                     "memory", {"memory.limit_in_bytes": str(lim.worker_memory_mb * limits.MIB)}, name=name, thread=None)
+            # Always a group, quota or not: the commands then compete for the CPU as one beside the
+            # worker's own processes (64 spinning sessions are one share, not 64).
+            self.parents["cpu"] = limits.enter_cgroup("cpu", {
+                "cpu.cfs_period_us": str(limits.CPU_PERIOD_US),
+                "cpu.cfs_quota_us": str(round(lim.worker_cpus * limits.CPU_PERIOD_US) if lim.worker_cpus else -1)},
+                name=name, thread=None)
+
+    def full(self) -> str | None:
+        """Which bound of all commands and sessions together is (nearly) reached, in words; None if none.
+        A command that could not start is told this instead of what failed because of it."""
+        lim = self.lim
+        if lim is None:
+            return None
+        if limits.cgroup_number(self.parents.get("pids"), "pids.current") + SLOT_TASKS_SLACK >= lim.worker_processes:
+            return (f"this worker's commands and sessions together hold its limit of {lim.worker_processes} "
+                    "processes (TOOLQ_SANDBOX_WORKER_PROCESSES); end a session first")
+        used = limits.cgroup_number(self.parents.get("memory"), "memory.usage_in_bytes")
+        if used + limits.OWN_MEMORY_SLACK_MB * limits.MIB >= lim.worker_memory_mb * limits.MIB:
+            return (f"this worker's commands and sessions together hold its limit of {lim.worker_memory_mb} MiB "
+                    "(TOOLQ_SANDBOX_WORKER_MEMORY_MB); end a session first")
+        return None
 
     def take(self) -> Slot:
         with self._lock:
