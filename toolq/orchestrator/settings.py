@@ -77,6 +77,7 @@ ENV = {
     "turn_timeout": ("TOOLQ_TURN_TIMEOUT",),
     "turn_lease": ("TOOLQ_TURN_LEASE",),
     "max_steps": ("TOOLQ_MAX_STEPS",),
+    "turn_store_mb": ("TOOLQ_TURN_STORE_MB",),
     "request_max_retries": ("TOOLQ_REQUEST_MAX_RETRIES",),
     "stream_max_retries": ("TOOLQ_STREAM_MAX_RETRIES",),
     "stream_idle_timeout": ("TOOLQ_STREAM_IDLE_TIMEOUT",),
@@ -153,6 +154,9 @@ class Settings(BaseModel):
     """Seconds a running turn's lease outlives its orchestrator's last heartbeat; then the turn
     shows as `orphaned` and `toolq resume` may take it over."""
     max_steps: int = Field(default=100, ge=1)
+    turn_store_mb: int = Field(default=64, ge=1)
+    """What the model's items of one turn may make toolq keep in Redis (for `toolq resume`): a
+    server streaming big items without end must not grow Redis without bound."""
     request_max_retries: int = Field(default=4, ge=0, le=100)
     """Model HTTP retries (5xx, transport errors) before any SSE byte arrives."""
     stream_max_retries: int = Field(default=5, ge=0, le=100)

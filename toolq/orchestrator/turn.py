@@ -10,6 +10,7 @@ dispatched, records the outputs and retries with that history, as Codex does. A 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from toolq.orchestrator.turn_events import (
 )
 from toolq.workers.catalog import Catalog
 
+MIB = 1024 * 1024
 log = logging.getLogger("toolq.turn")
 
 # codex-reference.md S11: the record a cancelled turn leaves for the next one.
@@ -161,6 +163,8 @@ class Session:
         """The token of this session's lease on the running turn (durable.py)."""
         self._superseded = False
         """Another orchestrator took the turn over: this session writes nothing more to it."""
+        self._stored = 0
+        """Characters of the model's items the running turn has kept (bounded by TOOLQ_TURN_STORE_MB)."""
         self.conversation = ConversationLease(runtime.ledger.r, new_conversation_id())
         """Its exec_command sessions live while it is held: from the first turn to `close()`."""
 
@@ -178,6 +182,7 @@ class Session:
         settings = self.rt.settings
         outcome = TurnOutcome(turn_id=turn_id, status="running")
         self._cancel.clear()
+        self._stored = 0
         emit(TurnStarted(turn_id=turn_id))
         self.history.record(MessageItem(role="user", content=[InputText(text=prompt)]))
         deadline = time.time() + settings.turn_timeout
@@ -218,6 +223,7 @@ class Session:
         self.workspace = saved.workspace
         self.loaded_tools = set(saved.loaded_tools)
         self.history = History(c.item for c in committed)
+        self._stored = sum(len(json.dumps(c.item)) for c in committed if c.step is not None and c.output_index is not None)
         outcome = TurnOutcome(turn_id=turn_id, status="running")
         self._cancel.clear()
         emit(TurnStarted(turn_id=turn_id))
@@ -425,6 +431,7 @@ class Session:
                     self.unknown_items += 1
                     log.info("kept aside an item of unknown type %r", getattr(item, "type", None))
                     continue
+                self._keep(event.size)
                 # the call is in history (and in Redis) before it is queued
                 await self._commit(item, step=step.ctx.step, output_index=output_index)
                 self._show(item, outcome, emit)
@@ -433,6 +440,16 @@ class Session:
                     step.add(bound)
             elif event.kind == "completed" and event.usage is not None:
                 outcome.usage = outcome.usage + event.usage
+
+    def _keep(self, size: int) -> None:
+        """Count what the model's next item makes toolq store for this turn; past the bound the
+        turn stops (one line, not retried), its item unrecorded: the calls already queued still get
+        their outputs at the barrier."""
+        self._stored += size
+        bound = self.rt.settings.turn_store_mb
+        if self._stored > bound * MIB:
+            raise ModelError(f"turn stopped: the model's items in this turn passed {bound} MiB, the most toolq keeps "
+                             "for one turn (TOOLQ_TURN_STORE_MB)", retryable=False)
 
     def _show(self, item: ResponseItem, outcome: TurnOutcome, emit: Emit) -> None:
         if isinstance(item, MessageItem) and item.role == "assistant":

@@ -80,6 +80,8 @@ class OutputItemDone(BaseModel):
     output_index: int | None = None
     """Absent on some servers (and in Codex's own fixtures)."""
     item: ResponseItem
+    size: int = 0
+    """Characters of the event as the server sent it: what keeping the item costs, about."""
 
 
 class TextDelta(BaseModel):
@@ -266,6 +268,8 @@ class EventDecoder:
         event = handler(obj)
         if event is None:
             self.skipped[f"bad_fields:{type_}"] += 1
+        elif isinstance(event, OutputItemDone):
+            event.size = len(data)
         return event
 
 
