@@ -77,6 +77,41 @@ def test_apply_patch_writes_no_git_directory_however_it_is_named(drive, git_work
     assert not (ws / ".GIT").exists()
 
 
+def git_init(*args: str) -> None:
+    subprocess.run(["git", "init", "-q", *args], check=True, capture_output=True)
+
+
+def test_the_repositories_found_below_the_top_cannot_be_changed(drive, git_worker, tmp_path):
+    """A nested repository, a submodule-style `.git` file with its gitdir elsewhere in the
+    workspace, and a `.git` link, made before the turn: each is bound read-only when the sandbox
+    starts, so the model can neither plant a config nor point the `.git` file at a gitdir of its own."""
+    ws = git_worker.workspace(tmp_path)
+    git_init(str(ws / "nested"))
+    (ws / "modules").mkdir()
+    git_init("--separate-git-dir", str(ws / "modules" / "sub"), str(ws / "sub"))
+    git_init(str(ws / "real"))
+    (ws / "lnk").mkdir()
+    (ws / "lnk" / ".git").symlink_to("../real/.git")
+    if git_worker.user:
+        subprocess.run(["chown", "-R", str(os.stat(ws).st_uid), str(ws)], check=True)
+    marker = tmp_path.with_name(tmp_path.name + "-ran")
+    config = evil(marker)
+    out = attack(drive, git_worker, ws, {
+        "call_nested": f"printf '{config}' >> nested/.git/config 2>&1; echo done",
+        "call_gitdir": f"printf '{config}' >> modules/sub/config 2>&1; echo done",
+        "call_file": "mkdir -p mine && git init -q --bare mine/gd 2>&1; "
+                     f"printf '{config}' >> mine/gd/config; printf 'gitdir: ../mine/gd\\n' > sub/.git 2>&1; echo done",
+        "call_link": f"printf '{config}' >> lnk/.git/config 2>&1; echo done",
+        "call_move": "mv nested/.git nested/old 2>&1; mkdir -p nested/.git 2>&1; echo done",
+    })
+    assert all("done" in body for _, body in out.values()), out
+    assert "Read-only file system" in out["call_nested"][1] and "Read-only file system" in out["call_link"][1], out
+    assert (ws / "sub" / ".git").read_text().startswith("gitdir: ") and "mine" not in (ws / "sub" / ".git").read_text()
+    for where in ("nested", "sub", "real", "lnk", "."):
+        human_git_status(ws / where)
+    assert not marker.exists()
+
+
 NESTED = {
     "nested": "mkdir -p sub && cd sub && git init -q . && printf '{evil}' >> .git/config",
     "separate-git-dir": "git init -q --separate-git-dir \"$PWD/gitdir\" sub && printf '{evil}' >> gitdir/config",
@@ -85,8 +120,8 @@ NESTED = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="open: a .git a command makes below the top (a nested repository, a "
-                                       "--separate-git-dir, a symlinked .git) is writable until the cell is made again")
+@pytest.mark.xfail(strict=True, reason="open: a repository a command makes below the top (a nested one, a "
+                                       "--separate-git-dir, a symlinked .git) is writable in the sandbox it was made in")
 @pytest.mark.parametrize("layout", list(NESTED))
 def test_a_nested_repository_a_command_makes_is_not_obeyed(drive, git_worker, tmp_path, layout):
     ws = git_worker.workspace(tmp_path)

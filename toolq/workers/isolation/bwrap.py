@@ -26,7 +26,9 @@ starts bwrap from a smaller mount table of its own (`spawner.py`).
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
+import logging
 import os
 import re
 import select
@@ -46,6 +48,8 @@ from typing import Any, Callable, Iterator
 from toolq.workers.isolation import cell_init, spawner
 from toolq.workers.isolation.policy import Policy
 from toolq.workers.isolation.reaper import _libc, has_exited
+
+log = logging.getLogger("toolq.sandbox")
 
 #: Where the private /tmp is: HOME and TMPDIR point here inside the sandbox.
 SANDBOX_TMP = "/tmp"
@@ -106,9 +110,17 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
         found = None  # a symlinked .git is not bound: it resolves inside the sandbox only
     checkable = gate is not None and not (real + "/").startswith(_STAGING)
     if found is not None and checkable and _git_is_a_mount(real, git) is False:
+        assert gate is not None
+        where = (_identity(real), _identity("/", follow=True))
+        # Every other git directory and `.git` file under the workspace too, each checked at the
+        # gate as the top one is: a submodule's `.git` file rewritten to name a model-made gitdir,
+        # or a nested repository's config, is what a human's git in that folder obeys.
+        for path, identity in nested_gits(real):
+            args += ["--ro-bind", path, path]
+            gate.nested.append(GitMount(path, real, identity, *where))
         # bwrap closes the file op's fd when the op is done: the gate's sign that .git is bound.
         args += ["--ro-bind", git, git, "--file", str(gate.bound_w), "/dev/null"]
-        gate.git = GitMount(git, real, _identity(git, found), _identity(real), _identity("/", follow=True))
+        gate.git = GitMount(git, real, _identity(git, found), *where)
     elif found is not None and (mount := _git_mount(git)) is not None:
         # Without a gate, or where the gate cannot tell (a workspace under bwrap's own staging
         # paths, a .git that is a mount point here, a kernel without statx's mount id): checked
@@ -300,6 +312,100 @@ _STAGING = ("/newroot/", "/oldroot/")
 GATE_TIMEOUT = 10.0
 
 
+#: At most this many entries of a workspace are looked at for nested git directories when a
+#: sandbox starts (~20 ms per 20,000 here); past it the rest is not searched, and the log says so.
+NESTED_GIT_SCAN = 200_000
+#: At most this many nested git directories and `.git` files are bound (each bind costs the start).
+NESTED_GIT_MOST = 256
+
+
+def open_no_links(root: str, path: str) -> int:
+    """An O_PATH descriptor of `path` beneath `root`, opened one component at a time without
+    following any link (ELOOP on one)."""
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        parts = [p for p in path.split("/") if p]
+        for i, part in enumerate(parts):
+            flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECTORY if i < len(parts) - 1 else 0)
+            nxt = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def nested_gits(workspace: str) -> list[tuple[str, Identity]]:
+    """Git directories and `.git` files beneath `workspace` other than its top `.git` (and what is
+    inside a git directory, already read-only with it): every `.git` that is not a link, the gitdir
+    a `.git` file names and the target of a `.git` link, where they lie in the workspace. Links are
+    never followed and other file systems never entered while searching."""
+    top = os.path.join(workspace, ".git")
+    found: dict[str, Identity] = {}
+    try:
+        device = os.lstat(workspace).st_dev
+    except OSError:
+        return []
+    stack, seen = [workspace], 0
+
+    def add(path: str) -> None:
+        real = os.path.realpath(path)
+        if real != top and not real.startswith(top + "/") and real.startswith(workspace + "/") and real not in found:
+            try:
+                st = os.lstat(real)
+            except OSError:
+                return
+            if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
+                found[real] = (st.st_dev, st.st_ino)
+
+    while stack and seen < NESTED_GIT_SCAN and len(found) < NESTED_GIT_MOST:
+        folder = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        seen += len(entries)
+        for entry in entries:
+            if entry.path == top:
+                continue
+            try:
+                is_link, is_dir = entry.is_symlink(), entry.is_dir(follow_symlinks=False)
+            except OSError:
+                continue
+            if entry.name == ".git":
+                if is_link:
+                    add(entry.path)
+                elif is_dir:
+                    add(entry.path)  # not searched further: it is bound read-only whole
+                elif entry.is_file(follow_symlinks=False):
+                    add(entry.path)
+                    if gitdir := _gitdir_named(entry.path):
+                        add(os.path.join(folder, gitdir))
+            elif is_dir and not is_link and entry.stat(follow_symlinks=False).st_dev == device:
+                stack.append(entry.path)
+    if stack:
+        log.warning("searched %d entries of %s for nested git directories and stopped (NESTED_GIT_SCAN); "
+                    "any beyond are not made read-only", seen, workspace)
+    return sorted(found.items())
+
+
+def _gitdir_named(path: str) -> str | None:
+    """The `gitdir: ...` a `.git` file names (read without following links, its first 4 KiB)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        head = os.read(fd, 4096).decode("utf-8", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    first = head.split("\n", 1)[0].strip()
+    return first[len("gitdir:"):].strip() or None if first.startswith("gitdir:") else None
+
+
 class GateRefused(Exception):
     """The sandbox's .git is not the workspace's own: the command was not run."""
 
@@ -329,10 +435,14 @@ class GitMount:
             workspace_mount = _mount_id(root + self.workspace)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        try:
-            git = os.open(root + self.path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:  # no link on the way either: a folder above a nested .git swapped for one leads elsewhere
+            git = open_no_links(root, self.path)
         except (FileNotFoundError, NotADirectoryError):
             return False
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return False
+            raise
         try:  # one object for the three looks: a parallel call may rename what is at the path
             # The bind landed at .git (not, through a symlink there, on the workspace's parent),
             # bound the workspace's own .git (not what a symlink at the source pointed to), and is
@@ -358,6 +468,8 @@ class Gate:
         self.bound_w = bound_child.detach()
         self.seccomp_fd = _seccomp_fd()
         self.git: GitMount | None = None
+        self.nested: list[GitMount] = []
+        """Nested git directories and `.git` files, each bound read-only and checked as `git`."""
         self.child: int | None = None
         """The sandbox's first process (pid 1 of its namespace), once bwrap said so."""
 
@@ -412,7 +524,7 @@ class Gate:
             poller = select.poll()
             poller.register(changes, select.POLLPRI)
             deadline = time.monotonic() + GATE_TIMEOUT
-            while (verdict := self.git.judge(f"/proc/{self.child}/root")) is None:
+            while (verdict := self._judge(f"/proc/{self.child}/root")) is None:
                 if not alive():
                     return None
                 if time.monotonic() > deadline:
@@ -425,6 +537,13 @@ class Gate:
             return None
         finally:
             os.close(changes)
+
+    def _judge(self, root: str) -> bool | None:
+        assert self.git is not None
+        verdict = self.git.judge(root)
+        if verdict:  # the root is final: every nested one must be as it was, too
+            return all(mount.judge(root) for mount in self.nested)
+        return verdict
 
     def close(self) -> None:
         for fd in (self.info_r, self.info_w, self.block_r, self.block_w, self.bound_w, self.seccomp_fd):
