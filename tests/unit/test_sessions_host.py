@@ -240,3 +240,40 @@ def test_a_host_that_did_not_start_is_replaced_and_the_worker_goes_on(tmp_path, 
         assert client.output_text(done) == "back\n" and len(launched) == 2
     finally:
         start.stop()
+
+
+class _Held:
+    def __init__(self, processes: int, memory: int = 0) -> None:
+        self.processes, self.memory = processes, memory
+
+    def held(self) -> tuple[int, int]:
+        return self.processes, self.memory
+
+
+class _Running:
+    def __init__(self, conversation: str, started: float, processes: int, session_id: int | None) -> None:
+        self.conversation, self.started, self.session_id = conversation, started, session_id
+        self.slot, self.killed_for, self.killed = _Held(processes), None, False
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def test_a_conversation_past_its_bound_loses_its_newest_sessions_only():
+    import threading
+
+    from toolq.workers.isolation.policy import Limits
+    from toolq.workers.sessions.host import Host
+
+    host = Host.__new__(Host)  # only the bound's bookkeeping: no sandbox, socket or Redis
+    host.lock = threading.Lock()
+    host.slots = type("S", (), {"lim": Limits(2048, 256, 300, 1024, conversation_processes=150)})()
+    a = [_Running("a", started=k, processes=60, session_id=k + 1) for k in range(4)]  # 240 together
+    inside_call = _Running("a", started=9, processes=10, session_id=None)  # bounded by its call's limits
+    b = [_Running("b", started=k, processes=120, session_id=k + 1) for k in range(1)]
+    host.running = {*a, inside_call, *b}
+    host._enforce_conversation_bounds([*a, *b], ended=set())
+    killed = [p.session_id for p in a if p.killed]
+    assert killed == [3, 4], killed  # 250 -> 190 -> 130: the newest two, no more
+    assert all("TOOLQ_SANDBOX_CONVERSATION_PROCESSES" in p.killed_for for p in a if p.killed)
+    assert not inside_call.killed and not any(p.killed for p in b)

@@ -106,11 +106,12 @@ class Slots:
         lim = self.lim
         if lim is None:
             return None
-        if limits.cgroup_number(self.parents.get("pids"), "pids.current") + SLOT_TASKS_SLACK >= lim.worker_processes:
+        pids, memory = self.parents.get("pids"), self.parents.get("memory")
+        if pids is not None and limits.cgroup_number(pids, "pids.current") + SLOT_TASKS_SLACK >= lim.worker_processes:
             return (f"this worker's commands and sessions together hold its limit of {lim.worker_processes} "
                     "processes (TOOLQ_SANDBOX_WORKER_PROCESSES); end a session first")
-        used = limits.cgroup_number(self.parents.get("memory"), "memory.usage_in_bytes")
-        if used + limits.OWN_MEMORY_SLACK_MB * limits.MIB >= lim.worker_memory_mb * limits.MIB:
+        used = limits.cgroup_number(memory, "memory.usage_in_bytes")
+        if memory is not None and used + limits.OWN_MEMORY_SLACK_MB * limits.MIB >= lim.worker_memory_mb * limits.MIB:
             return (f"this worker's commands and sessions together hold its limit of {lim.worker_memory_mb} MiB "
                     "(TOOLQ_SANDBOX_WORKER_MEMORY_MB); end a session first")
         return None
