@@ -119,9 +119,61 @@ NESTED = {
                  "&& printf '{evil}' >> real/.git/config",
 }
 
+#: The same layouts made by one command, then attacked by the next: (what the first makes, what
+#: the second tries: write the config, point the `.git` file at a gitdir of its own, move the
+#: repository aside and make another in its place).
+LATER = {
+    "nested": ("mkdir -p sub && git init -q sub && echo made",
+               "printf '{evil}' >> sub/.git/config 2>&1; mv sub/.git sub/old 2>&1; rm -rf sub/.git 2>&1; "
+               "mv sub moved 2>&1; printf '{evil}' >> moved/.git/config 2>&1; echo done"),
+    "separate-git-dir": ("git init -q --separate-git-dir \"$PWD/gitdir\" sub && echo made",
+                         "printf '{evil}' >> gitdir/config 2>&1; git init -q --bare mine 2>&1; "
+                         "printf '{evil}' >> mine/config; printf 'gitdir: ../mine\\n' > sub/.git 2>&1; echo done"),
+    "symlinked": ("mkdir -p real lnk && git init -q real && ln -s ../real/.git lnk/.git && echo made",
+                  "printf '{evil}' >> lnk/.git/config 2>&1; printf '{evil}' >> real/.git/config 2>&1; echo done"),
+    # A folder its owner cannot list, to hide the repository from the search: the cell's search
+    # lists it with its user namespace's capabilities.
+    "hidden": ("mkdir -p sub && git init -q sub && chmod 0 sub && echo made",
+               "chmod 755 sub; printf '{evil}' >> sub/.git/config 2>&1; echo done"),
+}
+
+
+def attack_in_order(drive, worker, ws: Path, commands: list[tuple[str, str]]) -> dict[str, str]:
+    """One turn whose model steps are one command each, in order (each waits for the one before)."""
+    script = [*([b.function_call("exec_command", {"cmd": cmd}, call_id)] for call_id, cmd in commands),
+              [b.message("done")]]
+    return outputs(drive(script, redis_url=worker.redis.url, workspace=ws), k=len(commands))
+
+
+@pytest.mark.parametrize("layout", list(LATER))
+def test_a_repository_one_command_makes_is_read_only_to_the_next(drive, git_worker, tmp_path, layout):
+    """In a cell, before each command, every git directory an earlier command made is bound
+    read-only (`cell_init.GitGuard`); per command, bwrap binds what it finds at the start."""
+    ws = git_worker.workspace(tmp_path)
+    marker = tmp_path.with_name(tmp_path.name + "-ran")
+    make, change = LATER[layout]
+    got = attack_in_order(drive, git_worker, ws, [("call_make", make), ("call_change", change.format(evil=evil(marker)))])
+    assert "made" in got["call_make"] and "done" in got["call_change"], got
+    assert "Read-only file system" in got["call_change"], got
+    if layout == "separate-git-dir":
+        assert "mine" not in (ws / "sub" / ".git").read_text()
+    for where in ("sub", "moved", "lnk", "real", "."):
+        if (ws / where).is_dir():
+            human_git_status(ws / where)
+    assert not marker.exists()
+
+
+def test_more_repositories_than_can_be_made_read_only_refuse_the_next_command(drive, git_worker, tmp_path):
+    ws = git_worker.workspace(tmp_path)
+    got = attack_in_order(drive, git_worker, ws, [("call_many", "for i in $(seq 300); do mkdir -p r$i/.git; done; "
+                                                                "echo made"),
+                                                  ("call_next", "mkdir r1/.git/hooks && echo WROTE")])
+    assert "made" in got["call_many"], got
+    assert "WROTE" not in got["call_next"] and "more than 256 git directories" in got["call_next"], got
+
 
 @pytest.mark.xfail(strict=True, reason="open: a repository a command makes below the top (a nested one, a "
-                                       "--separate-git-dir, a symlinked .git) is writable in the sandbox it was made in")
+                                       "--separate-git-dir, a symlinked .git) is writable to that same command")
 @pytest.mark.parametrize("layout", list(NESTED))
 def test_a_nested_repository_a_command_makes_is_not_obeyed(drive, git_worker, tmp_path, layout):
     ws = git_worker.workspace(tmp_path)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from toolq.workers.isolation import bwrap
+from toolq.workers.isolation import bwrap, cell_init
 
 
 def init(*args: str) -> None:
@@ -44,12 +44,70 @@ def test_every_git_directory_and_file_below_the_top_is_found(tmp_path: Path) -> 
 def test_the_search_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     for k in range(5):
         init(str(tmp_path / f"r{k}"))
-    monkeypatch.setattr(bwrap, "NESTED_GIT_MOST", 2)
-    assert len(bwrap.nested_gits(str(tmp_path))) == 2
-    monkeypatch.setattr(bwrap, "NESTED_GIT_MOST", 256)
-    monkeypatch.setattr(bwrap, "NESTED_GIT_SCAN", 1)
-    assert len(bwrap.nested_gits(str(tmp_path))) < 5
+    monkeypatch.setattr(cell_init, "GITS_MOST", 4)  # more than that: refused, not some left writable
+    with pytest.raises(bwrap.GateRefused, match="more than 4 git directories"):
+        bwrap.nested_gits(str(tmp_path))
+    monkeypatch.setattr(cell_init, "GITS_MOST", 5)
+    assert len(bwrap.nested_gits(str(tmp_path))) == 5
+    monkeypatch.setattr(cell_init, "SCAN_ENTRIES", 1)
+    assert len(cell_init.GitScan(str(tmp_path)).search()) < 5
+    bwrap.nested_gits(str(tmp_path))
     assert "stopped" in caplog.text
+
+
+def test_a_later_search_lists_only_what_changed_and_misses_nothing(tmp_path: Path, monkeypatch) -> None:
+    """The search keeps each folder's listing while its ctime is unchanged (a command can set an
+    mtime, not a ctime); a folder listed in the same clock tick it changed is listed again."""
+    ws = tmp_path / "ws"
+    for k in range(20):
+        (ws / f"d{k}" / "e").mkdir(parents=True)
+    monkeypatch.setattr(cell_init, "_RACY_NS", 0)  # folders made just now count as listed after their change
+    scan = cell_init.GitScan(str(ws))
+    assert scan.search() == {}
+    listed = []
+    real = scan._list
+    monkeypatch.setattr(scan, "_list", lambda folder, st: listed.append(folder) or real(folder, st))
+    assert scan.search() == {} and listed == []  # nothing changed: nothing listed again
+    init(str(ws / "d3" / "e" / "sub"))
+    os.utime(ws / "d3" / "e", ns=(0, 0))  # its mtime set back: its ctime still tells
+    found = scan.search()
+    assert set(found) == {str(ws / "d3" / "e" / "sub" / ".git")}
+    assert str(ws / "d3" / "e") in listed and str(ws / "d7") not in listed
+    # Made in the same tick as the listing (the ctime the same): the listing was racy, so it is redone.
+    listed.clear()
+    (ws / "d5" / "e" / ".git").mkdir()
+    scan.search()
+    st = os.lstat(ws / "d5" / "e")
+    scan._folders[str(ws / "d5" / "e")] = (*scan._folders[str(ws / "d5" / "e")][:3], st.st_ctime_ns, (), 0, 0)
+    assert str(ws / "d5" / "e" / ".git") in scan.search()
+
+
+def test_a_cell_binds_by_descriptor_what_it_found(tmp_path: Path) -> None:
+    """`bind_read_only` needs a mount namespace of its own: run it in one (unshare -rm)."""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user and mount namespaces here")
+    ws = tmp_path / "ws"
+    init(str(ws / "made"))
+    (ws / "sep").mkdir()
+    (ws / "gd").mkdir()
+    (ws / "sep" / ".git").write_text("gitdir: ../gd\n")
+    code = f"""
+import os, sys
+sys.path.insert(0, {os.path.dirname(cell_init.__file__)!r})
+import cell_init
+guard = cell_init.GitGuard({str(ws)!r})
+guard.refresh()
+for path in ("made/.git/config", "sep/.git", "gd/x"):
+    try:
+        open(os.path.join({str(ws)!r}, path), "a").close()
+        print("WROTE", path)
+    except OSError as e:
+        print("REFUSED", path, e.errno)
+os.mkdir({str(ws / "later")!r})
+"""
+    out = subprocess.run(["unshare", "-rm", "python3", "-I", "-c", code], capture_output=True, text=True, timeout=60)
+    assert "WROTE" not in out.stdout and out.stdout.count("REFUSED") == 3, (out.stdout, out.stderr)
+    assert (ws / "later").is_dir()  # the rest of the workspace stays writable
 
 
 def test_the_gate_follows_no_link_on_the_way(tmp_path: Path) -> None:

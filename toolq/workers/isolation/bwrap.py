@@ -115,7 +115,8 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
         # Every other git directory and `.git` file under the workspace too, each checked at the
         # gate as the top one is: a submodule's `.git` file rewritten to name a model-made gitdir,
         # or a nested repository's config, is what a human's git in that folder obeys.
-        for path, identity in nested_gits(real):
+        # A cell binds them itself, before each of its commands (`cell_init.GitGuard`).
+        for path, identity in [] if cell else nested_gits(real):
             args += ["--ro-bind", path, path]
             gate.nested.append(GitMount(path, real, identity, *where))
         # bwrap closes the file op's fd when the op is done: the gate's sign that .git is bound.
@@ -312,98 +313,33 @@ _STAGING = ("/newroot/", "/oldroot/")
 GATE_TIMEOUT = 10.0
 
 
-#: At most this many entries of a workspace are looked at for nested git directories when a
-#: sandbox starts (~20 ms per 20,000 here); past it the rest is not searched, and the log says so.
-NESTED_GIT_SCAN = 200_000
-#: At most this many nested git directories and `.git` files are bound (each bind costs the start).
-NESTED_GIT_MOST = 256
+#: The searches for git directories below a workspace's top, each kept for the next sandbox of
+#: that workspace (`cell_init.GitScan` lists again only the folders changed since).
+_SCANS: dict[str, tuple[cell_init.GitScan, threading.Lock]] = {}
+_SCANS_LOCK = threading.Lock()
+_SCANS_KEPT = 64
 
-
-def open_no_links(root: str, path: str) -> int:
-    """An O_PATH descriptor of `path` beneath `root`, opened one component at a time without
-    following any link (ELOOP on one)."""
-    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        parts = [p for p in path.split("/") if p]
-        for i, part in enumerate(parts):
-            flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECTORY if i < len(parts) - 1 else 0)
-            nxt = os.open(part, flags, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
+open_no_links = cell_init.open_no_links
+_gitdir_named = cell_init.gitdir_named
 
 
 def nested_gits(workspace: str) -> list[tuple[str, Identity]]:
-    """Git directories and `.git` files beneath `workspace` other than its top `.git` (and what is
-    inside a git directory, already read-only with it): every `.git` that is not a link, the gitdir
-    a `.git` file names and the target of a `.git` link, where they lie in the workspace. Links are
-    never followed and other file systems never entered while searching."""
-    top = os.path.join(workspace, ".git")
-    found: dict[str, Identity] = {}
-    try:
-        device = os.lstat(workspace).st_dev
-    except OSError:
-        return []
-    stack, seen = [workspace], 0
-
-    def add(path: str) -> None:
-        real = os.path.realpath(path)
-        if real != top and not real.startswith(top + "/") and real.startswith(workspace + "/") and real not in found:
-            try:
-                st = os.lstat(real)
-            except OSError:
-                return
-            if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
-                found[real] = (st.st_dev, st.st_ino)
-
-    while stack and seen < NESTED_GIT_SCAN and len(found) < NESTED_GIT_MOST:
-        folder = stack.pop()
+    """Git directories and `.git` files beneath `workspace` other than its top `.git`
+    (`cell_init.GitScan`). Raises GateRefused past `cell_init.GITS_MOST` of them."""
+    with _SCANS_LOCK:
+        scan, lock = _SCANS.pop(workspace, None) or (cell_init.GitScan(workspace), threading.Lock())
+        while len(_SCANS) >= _SCANS_KEPT:
+            _SCANS.pop(next(iter(_SCANS)))
+        _SCANS[workspace] = scan, lock  # the most recently used last
+    with lock:
         try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            continue
-        seen += len(entries)
-        for entry in entries:
-            if entry.path == top:
-                continue
-            try:
-                is_link, is_dir = entry.is_symlink(), entry.is_dir(follow_symlinks=False)
-            except OSError:
-                continue
-            if entry.name == ".git":
-                if is_link:
-                    add(entry.path)
-                elif is_dir:
-                    add(entry.path)  # not searched further: it is bound read-only whole
-                elif entry.is_file(follow_symlinks=False):
-                    add(entry.path)
-                    if gitdir := _gitdir_named(entry.path):
-                        add(os.path.join(folder, gitdir))
-            elif is_dir and not is_link and entry.stat(follow_symlinks=False).st_dev == device:
-                stack.append(entry.path)
-    if stack:
-        log.warning("searched %d entries of %s for nested git directories and stopped (NESTED_GIT_SCAN); "
-                    "any beyond are not made read-only", seen, workspace)
+            found = scan.search()
+        except cell_init.TooManyGits as e:
+            raise GateRefused(str(e)) from None
+        if scan.stopped:
+            log.warning("searched %d entries of %s for nested git directories and stopped (SCAN_ENTRIES); "
+                        "any beyond are not made read-only", scan.entries, workspace)
     return sorted(found.items())
-
-
-def _gitdir_named(path: str) -> str | None:
-    """The `gitdir: ...` a `.git` file names (read without following links, its first 4 KiB)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        head = os.read(fd, 4096).decode("utf-8", "replace")
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    first = head.split("\n", 1)[0].strip()
-    return first[len("gitdir:"):].strip() or None if first.startswith("gitdir:") else None
 
 
 class GateRefused(Exception):

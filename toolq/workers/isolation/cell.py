@@ -4,7 +4,8 @@ command inside it, instead of starting bwrap for every command.
 A bwrap start costs ~6 ms of CPU here (the namespaces, ~20 binds each reading the whole mount
 table again, exec), ~8.7 ms a call with toolq's gate; a fork in a cell ~3.5 ms. The command's
 confinement is the same: the cell's root (built by `bwrap.argv`, its `.git` checked by the start
-gate), and per command new mount and pid namespaces with their own `/tmp`, `/dev/shm` and `/proc`,
+gate; every git directory below the top bound read-only before each command, `cell_init.GitGuard`),
+and per command new mount and pid namespaces with their own `/tmp`, `/dev/shm` and `/proc`,
 the rlimits set by the worker before the command runs, no capabilities, no_new_privs
 (`cell_init.py`). The slot's cgroups hold the cell and its commands, as they held the commands.
 
@@ -29,7 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from toolq.workers.isolation import bwrap, cell_init
+from toolq.workers.isolation import bwrap, cell_init, limits
 from toolq.workers.isolation.policy import Policy
 
 #: Processes of a cell besides its commands: bwrap, its pid 1, the cell's program, a command's pid 1.
@@ -74,11 +75,14 @@ class Cell:
         control, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.control = control
         # The program comes on stdin, so that its command line (what `ps` shows) stays short.
-        command = [os.path.realpath(sys.executable), "-I", "-S", "-c", BOOTSTRAP, str(child_end.fileno())]
+        # Its workspace, where it makes each git directory an earlier command made read-only.
+        command = [os.path.realpath(sys.executable), "-I", "-S", "-c", BOOTSTRAP, str(child_end.fileno()),
+                   os.path.realpath(workspace)]
         source_r, source_w = os.pipe2(os.O_CLOEXEC)
         try:
             self.proc = bwrap.spawn(
-                lambda gate: bwrap.argv(bwrap_path, policy, workspace, workspace, command, gate, cell=True),
+                lambda gate: [*limits.uid_ceiling_prefix(),  # the worker's bound on a user namespace's processes
+                              *bwrap.argv(bwrap_path, policy, workspace, workspace, command, gate, cell=True)],
                 lambda pid: None, pass_fds=(child_end.fileno(),), env={"PATH": "/usr/bin:/bin"}, stdin=source_r,
                 stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True)
             os.close(source_r)
@@ -133,6 +137,8 @@ class Cell:
             data, ancillary, _, _ = mine.recvmsg(4096, socket.CMSG_SPACE(struct.calcsize("iII")))
             pid = next((struct.unpack("iII", d[:12])[0] for level, kind, d in ancillary
                         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS), None)
+            if data.startswith(b"r"):  # refused (more git directories than it can make read-only)
+                raise bwrap.GateRefused(data[1:].decode(errors="replace"))
             if data.startswith(b"e"):  # it could not set up (a missing working directory)
                 errno, strerror = json.loads(data[1:])
                 raise OSError(errno, strerror)

@@ -30,16 +30,20 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import struct
 import sys
+import time
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWIPC = 0x20000, 0x20000000, 0x8000000
 _PR_SET_DUMPABLE = 4
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = (
     1, 2, 4, 8, 32, 4096, 0x4000, 1 << 18)
-_SYS_OPEN_TREE, _SYS_MOVE_MOUNT = 428, 429
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
 _OPEN_TREE_CLONE, _AT_RECURSIVE, _O_CLOEXEC, _MOVE_MOUNT_F_EMPTY_PATH = 1, 0x8000, 0o2000000, 4
+_AT_EMPTY_PATH, _MOVE_MOUNT_T_EMPTY_PATH = 0x1000, 0x40
+_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV = 1, 2, 4
 _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 #: What a fresh /proc hides again, as bwrap's --proc does (uid 0 here passes a sysctl's check).
@@ -226,14 +230,239 @@ def _last_cap() -> int:
         return int(f.read())
 
 
+# Git directories below the workspace's top (issue 24 item 7). A human's `git` in a folder obeys
+# the repository it finds there (`core.fsmonitor`, hooks, a pager: commands git runs), so every
+# git directory and `.git` file below the top is made read-only: by bwrap's binds when a sandbox
+# starts per command (`bwrap.argv`), and in a cell before each command (`GitGuard`), so that a
+# repository one command made cannot be changed by the next.
+
+#: At most this many directory entries are looked at per search (the first search of a 20,000-file
+#: workspace lists them all, ~15 ms; later ones list again only the folders changed since).
+SCAN_ENTRIES = 200_000
+#: At most this many git directories and `.git` files below the top are made read-only; with more
+#: a command is refused (`TooManyGits`): the rest could not be protected.
+GITS_MOST = 256
+#: A folder whose ctime is this close to when it was listed is listed again on the next search:
+#: a change in the same clock tick as the listing would leave its ctime as it was.
+_RACY_NS = 1_000_000_000
+_NO_GIT, _GIT_DIR, _GIT_FILE, _GIT_LINK = 0, 1, 2, 3
+
+
+class TooManyGits(Exception):
+    """More git directories below the workspace's top than GITS_MOST."""
+
+
+class GitScan:
+    """The git directories and `.git` files below a workspace's top `.git` (what is inside a git
+    directory is read-only with it), searched again cheaply: a folder is listed again only when
+    its ctime changed (an entry made, removed or renamed in it; a command cannot set a ctime),
+    else its last listing is used. Every `.git` that is not a link, the gitdir a `.git` file names
+    and the target of a `.git` link, where they lie in the workspace. Links are never followed and
+    other file systems never entered while searching; a folder that cannot be listed is skipped."""
+
+    def __init__(self, workspace: str) -> None:
+        self.workspace = workspace.rstrip("/")  # folders are joined with "/": never the root itself
+        self.top = self.workspace + "/.git"
+        # folder -> (device, inode, ctime, when listed, subfolders, its `.git`, entries)
+        self._folders: dict[str, tuple[int, int, int, int, tuple[str, ...], int, int]] = {}
+        self.stopped = False
+        """The last search stopped at SCAN_ENTRIES: folders beyond were not searched."""
+        self.entries = 0
+
+    def search(self) -> dict[str, tuple[int, int]]:
+        """path -> (device, inode). Raises TooManyGits."""
+        found: dict[str, tuple[int, int]] = {}
+        folders: dict[str, tuple[int, int, int, int, tuple[str, ...], int, int]] = {}
+        try:
+            device = os.lstat(self.workspace).st_dev
+        except OSError:
+            self._folders = {}
+            return found
+        stack, seen, cached, lstat, racy = [self.workspace], 0, self._folders, os.lstat, _RACY_NS
+        while stack and seen < SCAN_ENTRIES:
+            folder = stack.pop()
+            try:
+                st = lstat(folder)
+            except OSError:
+                continue
+            if st.st_dev != device or not stat.S_ISDIR(st.st_mode):
+                continue
+            known = cached.get(folder)
+            if known is None or known[1] != st.st_ino or known[2] != st.st_ctime_ns or \
+                    known[0] != st.st_dev or known[3] - st.st_ctime_ns <= racy:
+                known = self._list(folder, st)
+                if known is None:
+                    continue
+            folders[folder] = known
+            seen += known[6]
+            kind = known[5]
+            if kind:
+                git = folder + "/.git"
+                if kind == _GIT_DIR:
+                    self._add(found, git, real=False)
+                elif kind == _GIT_FILE:
+                    self._add(found, git, real=False)
+                    if gitdir := gitdir_named(git):
+                        self._add(found, os.path.join(folder, gitdir))
+                else:
+                    self._add(found, git)
+                if len(found) > GITS_MOST:
+                    raise TooManyGits(f"the workspace holds more than {GITS_MOST} git directories below its top "
+                                      "(git repositories, .git files, their gitdirs): toolq cannot make them all "
+                                      "read-only, so it runs no command here (docs/security.md)")
+            stack += [folder + "/" + name for name in known[4]]
+        self.stopped, self.entries = bool(stack), seen
+        self._folders = folders
+        return found
+
+    def _list(self, folder: str, st: os.stat_result) -> tuple[int, int, int, int, tuple[str, ...], int, int] | None:
+        listed = time.time_ns()
+        subfolders: list[str] = []
+        kind, count = _NO_GIT, 0
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    count += 1
+                    if entry.name == ".git":
+                        if folder == self.workspace:
+                            continue  # the top one: bound by bwrap and checked at the start gate
+                        if entry.is_symlink():
+                            kind = _GIT_LINK
+                        elif entry.is_dir(follow_symlinks=False):
+                            kind = _GIT_DIR  # not searched further: read-only whole
+                        elif entry.is_file(follow_symlinks=False):
+                            kind = _GIT_FILE
+                    elif entry.is_dir(follow_symlinks=False):
+                        subfolders.append(entry.name)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino, st.st_ctime_ns, listed, tuple(subfolders), kind, count
+
+    def _add(self, found: dict[str, tuple[int, int]], path: str, real: bool = True) -> None:
+        path = os.path.realpath(path) if real else path
+        top = self.top
+        if path == top or path.startswith(top + "/") or not path.startswith(self.workspace + "/") or path in found:
+            return
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return
+        if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
+            found[path] = (st.st_dev, st.st_ino)
+
+
+def gitdir_named(path: str) -> str | None:
+    """The `gitdir: ...` a `.git` file names (read without following links, its first 4 KiB)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = os.read(fd, 4096).decode("utf-8", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    first = head.split("\n", 1)[0].strip()
+    return first[len("gitdir:"):].strip() or None if first.startswith("gitdir:") else None
+
+
+def open_no_links(root: str | int, path: str) -> int:
+    """An O_PATH descriptor of `path` beneath `root` (a path, or a descriptor of it), opened one
+    component at a time without following any link (ELOOP on one)."""
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if isinstance(root, str) else os.dup(root)
+    try:
+        parts = [p for p in path.split("/") if p]
+        for i, part in enumerate(parts):
+            flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECTORY if i < len(parts) - 1 else 0)
+            nxt = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def bind_read_only(fd: int) -> None:
+    """Mount the file or directory `fd` (O_PATH) names read-only over itself, by descriptor only:
+    no path is looked up again, so nothing swapped in meanwhile (a link) can redirect it."""
+    tree = _check(_libc.syscall(_SYS_OPEN_TREE, fd, b"", _OPEN_TREE_CLONE | _AT_RECURSIVE | _AT_EMPTY_PATH | _O_CLOEXEC),
+                  "open_tree")
+    try:
+        attr = ctypes.create_string_buffer(struct.pack("QQQQ", _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID |
+                                                        _MOUNT_ATTR_NODEV, 0, 0, 0))
+        _check(_libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH | _AT_RECURSIVE, attr, 32),
+               "mount_setattr")
+        _check(_libc.syscall(_SYS_MOVE_MOUNT, tree, b"", fd, b"", _MOVE_MOUNT_F_EMPTY_PATH | _MOVE_MOUNT_T_EMPTY_PATH),
+               "move_mount")
+    finally:
+        os.close(tree)
+
+
+class GitGuard:
+    """In a cell: before each command, every git directory and `.git` file below the workspace's
+    top that is not read-only yet (made by an earlier command) is bound read-only in the cell's
+    mount namespace, which each later command's namespace copies. Each is opened without following
+    links from the workspace down and bound by descriptor, so a parallel command that swaps a
+    folder above it for a link gets nothing bound elsewhere (the next search finds what is there).
+    A bound `.git` is a mount point in every command's namespace: it can be neither removed nor
+    renamed, and a folder above it carries it along when renamed."""
+
+    def __init__(self, workspace: str) -> None:
+        self.scan = GitScan(workspace)
+        self.refusal: str | None = None
+        self._said = False
+
+    def refresh(self) -> None:
+        try:
+            found = self.scan.search()
+        except TooManyGits as e:
+            self.refusal = str(e)
+            return
+        self.refusal = None
+        if self.scan.stopped and not self._said:
+            self._said = True
+            print(f"toolq cell: searched {self.scan.entries} entries of {self.scan.workspace} for git directories "
+                  "and stopped (SCAN_ENTRIES): any beyond are not made read-only", file=sys.stderr, flush=True)
+        if not found:
+            return
+        try:
+            root = os.open(self.scan.workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            for path, identity in found.items():
+                try:
+                    fd = open_no_links(root, os.path.relpath(path, self.scan.workspace))
+                except OSError:
+                    continue  # gone, or a link on the way since the search: the next one sees what is there
+                try:
+                    st = os.fstat(fd)
+                    if (st.st_dev, st.st_ino) != identity or os.fstatvfs(fd).f_flag & os.ST_RDONLY:
+                        continue  # replaced since the search, or read-only already
+                    bind_read_only(fd)
+                except OSError as e:
+                    print(f"toolq cell: could not make {path!r} read-only: {e}", file=sys.stderr, flush=True)
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(root)
+
+
 def _init(stdio: list[int], gate: socket.socket, outer: list[str], links: list[tuple[str, str]], last_cap: int,
-          seccomp: bytes | None) -> None:
+          seccomp: bytes | None, refusal: str | None = None) -> None:
     """pid 1 of the command's namespaces: set up, report, wait for the release, then start the
     command as pid 2 (pid 1 gets no signal it has no handler for: SIGXCPU at the CPU limit, a
     `kill` from inside) and reap until it exits. Exits with its status, as a shell reports one;
     the kernel then kills whatever the command left in the namespace. Never returns."""
     try:
         req = _request(gate)
+        if refusal is not None:  # the worker's sandbox refusal: the command never starts
+            gate.sendall(b"r" + refusal.encode())
+            os._exit(NOT_STARTED)
         # IPC too: a System V segment outlives its processes, and must not outlive the call.
         _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWIPC), "unshare")
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing mounted for the command shows in the cell
@@ -323,7 +552,7 @@ def _receive(control: socket.socket) -> tuple[list[int], socket.socket] | None:
     return stdio, socket.socket(fileno=gate)
 
 
-def serve(control: socket.socket) -> None:
+def serve(control: socket.socket, workspace: str | None = None) -> None:
     """Commands as the worker sends them: each forked as pid 1 of a new pid namespace, and its
     wait status sent back on its gate once it is reaped.
 
@@ -338,6 +567,9 @@ def serve(control: socket.socket) -> None:
     seccomp = seccomp_program()
     gc.freeze()  # a fork then copies fewer pages (the collector no longer writes to the old objects)
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    guard = GitGuard(workspace) if workspace else None
+    if guard is not None:
+        guard.refresh()  # what was there when the cell started, before its first command
     running: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, gate)
     control.sendall(b"ready")
     while True:
@@ -359,13 +591,15 @@ def serve(control: socket.socket) -> None:
         stdio, gate = received
         if not stdio:
             continue
+        if guard is not None:
+            guard.refresh()  # what the commands before made
         # The next fork is pid 1 of a new pid namespace; then back, so the one after is not in it.
         _check(_libc.unshare(_CLONE_NEWPID), "unshare")
         pid = os.fork()
         if pid == 0:
             gc.disable()
             control.close()
-            _init(stdio, gate, outer, links, last_cap, seccomp)
+            _init(stdio, gate, outer, links, last_cap, seccomp, guard.refusal if guard is not None else None)
         _check(_libc.setns(own_pid_ns, _CLONE_NEWPID), "setns")
         running[os.pidfd_open(pid)] = (pid, gate)
         for fd in stdio:
@@ -373,4 +607,4 @@ def serve(control: socket.socket) -> None:
 
 
 if __name__ == "__main__":
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    serve(socket.socket(fileno=int(sys.argv[1])), sys.argv[2] if len(sys.argv) > 2 else None)
