@@ -10,6 +10,7 @@ without a pid namespace: `reaper.py`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -68,7 +69,10 @@ class Launch:
                 spawned["error"] = e
 
         thread = threading.Thread(target=confined, name="toolq-confined-spawn")
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # the spawning thread's cgroup is full (the worker's bound on processes)
+            raise OSError(errno.EAGAIN, "no thread could be started to spawn the command") from None
         thread.join()
         if "error" in spawned:
             raise spawned["error"]
@@ -178,8 +182,9 @@ class Sandbox:
             path, ws = self.bwrap_path or "bwrap", os.path.abspath(workspace)
             if in_slot and self.policy.cells:
                 return CellLaunch(path, self.policy, ws, cwd, argv, command_env, call_limits)
-            return GatedLaunch(lambda gate: bwrap.argv(path, self.policy, ws, cwd, argv, gate), command_env,
-                               call_limits)
+            return GatedLaunch(  # the prefix: the worker's bound on the user namespace's processes (limits.py)
+                lambda gate: [*limits.uid_ceiling_prefix(), *bwrap.argv(path, self.policy, ws, cwd, argv, gate)],
+                command_env, call_limits)
         prefix = call_limits.prlimit_prefix()  # None: the limits are set by a pre-exec function
         tmpdir = tempfile.mkdtemp(prefix="toolq-call-")
         command_env = self.policy.command_env(env, home=tmpdir)

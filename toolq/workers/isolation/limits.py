@@ -3,8 +3,9 @@ worker may create one, and the line that tells the model which limit a command h
 
 RLIMIT_NPROC counts every process of the uid (and is never enforced for root), so the process
 limit comes from a pids cgroup when the worker can create one (root on cgroup v1 here), else from
-RLIMIT_NPROC raised by what the uid already runs; as root without a pids cgroup there is none,
-and the banner says so. The cgroup is one per pool child, entered once at its start: moving a
+RLIMIT_NPROC raised by what the uid already runs, and never above the session host's one ceiling
+for all its commands together (`bound_uid_processes`); as root without a pids cgroup there is
+none, and the banner says so. The cgroup is one per pool child, entered once at its start: moving a
 process into a v1 cgroup costs ~15 ms here (an RCU grace period), too much for every call, and a
 pool child runs one call at a time, so its cgroup holds that call's processes and nothing else.
 
@@ -62,6 +63,9 @@ OWN_TASKS_SLACK = 16
 OWN_MEMORY_SLACK_MB = 32
 _pool_cgroup: Path | None = None
 _pool_memory_cgroup: Path | None = None
+_uid_ceiling: int | None = None
+"""Where no pids cgroup bounds this process's commands together (a worker not root): the count
+of the uid's processes past which none of them may fork (`bound_uid_processes`)."""
 
 
 def cgroup_base(controller: str) -> Path | None:
@@ -150,6 +154,32 @@ def enter_pool_cgroup(limits: Limits) -> Path | None:
     return _pool_cgroup
 
 
+def bound_uid_processes(worker_processes: int) -> int | None:
+    """Where no pids cgroup can bound all of this process's commands together (a worker that is not
+    root), cap each one's RLIMIT_NPROC at what the uid runs now plus `worker_processes`. The kernel
+    counts every task of the uid against it, the worker's own threads and other commands
+    included, so sessions cannot multiply the per-call limit (each got "what the uid runs + the
+    limit"). Called once, by the session host at its start; returns the ceiling (None: none)."""
+    global _uid_ceiling
+    if worker_processes and os.geteuid() != 0 and pids_cgroup_base() is None:
+        _uid_ceiling = _tasks_of_uid(os.getuid()) + worker_processes
+    return _uid_ceiling
+
+
+def uid_ceiling_prefix() -> list[str]:
+    """`prlimit --nproc=<ceiling> --` before a program that makes a user namespace (bubblewrap as
+    a worker that is not root): the kernel bounds all of a namespace's processes, counted as the
+    uid's, by its creator's RLIMIT_NPROC at its creation, which a limit set later on the sandbox
+    does not change. [] where there is no ceiling (or no prlimit)."""
+    prlimit = _prlimit()
+    return [prlimit, f"--nproc={_uid_ceiling}", "--"] if _uid_ceiling is not None and prlimit else []
+
+
+def uid_ceiling_reached(slack: int = 0) -> bool:
+    """The uid runs (nearly) as many processes as `bound_uid_processes` allows."""
+    return _uid_ceiling is not None and _tasks_of_uid(os.getuid()) + slack >= _uid_ceiling
+
+
 def _kill_members(cg: Path) -> None:
     """SIGKILL every process in `cg` but this one, until none is left."""
     me = os.getpid()
@@ -213,6 +243,8 @@ class CallLimits:
         self.nproc: int | None = None
         if self.cgroup is None and os.geteuid() != 0:
             self.nproc = _processes_of_uid(os.getuid()) + limits.processes
+            if _uid_ceiling is not None:
+                self.nproc = min(self.nproc, _uid_ceiling)
 
     def use_cgroups(self, cgroup: Path | None, memory_cgroup: Path | None) -> None:
         """Count and kill in these cgroups instead (a session host's spawn slot, toolq/workers/sessions)."""
@@ -289,6 +321,19 @@ def _processes_of_uid(uid: int) -> int:
         if entry.name.isdigit():
             try:
                 count += entry.stat().st_uid == uid
+            except OSError:
+                pass
+    return count
+
+
+def _tasks_of_uid(uid: int) -> int:
+    """Processes and their threads, as RLIMIT_NPROC counts them."""
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    count += len(os.listdir(f"/proc/{entry.name}/task"))
             except OSError:
                 pass
     return count

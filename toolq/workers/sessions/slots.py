@@ -99,6 +99,8 @@ class Slots:
                 "cpu.cfs_period_us": str(limits.CPU_PERIOD_US),
                 "cpu.cfs_quota_us": str(round(lim.worker_cpus * limits.CPU_PERIOD_US) if lim.worker_cpus else -1)},
                 name=name, thread=None)
+            if self.parents.get("pids") is None:  # a worker that may not create cgroups: RLIMIT_NPROC
+                limits.bound_uid_processes(lim.worker_processes)
 
     def full(self) -> str | None:
         """Which bound of all commands and sessions together is (nearly) reached, in words; None if none.
@@ -107,7 +109,8 @@ class Slots:
         if lim is None:
             return None
         pids, memory = self.parents.get("pids"), self.parents.get("memory")
-        if pids is not None and limits.cgroup_number(pids, "pids.current") + SLOT_TASKS_SLACK >= lim.worker_processes:
+        if (limits.cgroup_number(pids, "pids.current") + SLOT_TASKS_SLACK >= lim.worker_processes if pids is not None
+                else limits.uid_ceiling_reached(SLOT_TASKS_SLACK)):
             return (f"this worker's commands and sessions together hold its limit of {lim.worker_processes} "
                     "processes (TOOLQ_SANDBOX_WORKER_PROCESSES); end a session first")
         used = limits.cgroup_number(memory, "memory.usage_in_bytes")
