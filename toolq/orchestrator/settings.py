@@ -221,8 +221,10 @@ class Settings(BaseModel):
     sandbox_conversation_processes: int = Field(default=1024, ge=8)
     """Processes of one conversation's commands and sessions together on a worker, so that one
     conversation cannot hold the whole worker's bound while another's commands wait."""
-    sandbox_conversation_memory_mb: int = Field(default=4096, ge=16)
-    """Memory of one conversation's commands and sessions together on a worker."""
+    sandbox_conversation_memory_mb: int = Field(default=0, ge=0)
+    """Memory of one conversation's commands and sessions together on a worker (0: none). Off by
+    default: on cgroup v1 a slot's memory count holds page cache that an earlier conversation's
+    commands left there, so another conversation could be refused and its sessions killed."""
     sandbox_cpu_seconds: int = Field(default=300, ge=1)
     sandbox_file_mb: int = Field(default=1024, ge=1)
     sandbox_cells: bool = True
