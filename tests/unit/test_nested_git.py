@@ -123,3 +123,21 @@ def test_the_gate_follows_no_link_on_the_way(tmp_path: Path) -> None:
         assert stat.S_ISLNK(os.fstat(fd).st_mode)
     finally:
         os.close(fd)
+
+
+def test_an_identity_is_never_taken_through_a_link(tmp_path: Path) -> None:
+    """What a folder swapped for a link mid-search shows: a path below the workspace that leads out
+    through a link. By path (`lstat`) it gave the outside folder's identity, which the start gate
+    then took for the nested gitdir's (a red team's race); looked up without links it is skipped."""
+    from toolq.workers.isolation import cell_init
+
+    ws, outside = tmp_path / "ws", tmp_path / "outside"
+    (ws / "a").mkdir(parents=True)
+    (outside / "gd").mkdir(parents=True)
+    (ws / "a" / "lnk").symlink_to("../../outside")
+    found: dict[str, tuple[int, int]] = {}
+    cell_init.GitScan(str(ws))._add(found, str(ws / "a" / "lnk" / "gd"), real=False)
+    assert found == {}
+    (ws / "a" / "gd").mkdir()
+    cell_init.GitScan(str(ws))._add(found, str(ws / "a" / "gd"), real=False)
+    assert list(found) == [str(ws / "a" / "gd")]

@@ -343,10 +343,17 @@ class GitScan:
         top = self.top
         if path == top or path.startswith(top + "/") or not path.startswith(self.workspace + "/") or path in found:
             return
+        # Its identity looked up from the workspace down without following any link: by path
+        # (`realpath`, `lstat`), a folder above it swapped for a link in between gave a host
+        # folder's identity, which the start gate then took for this one's (a red team's race).
         try:
-            st = os.lstat(path)
+            fd = open_no_links(self.workspace, path[len(self.workspace):])
         except OSError:
             return
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
         if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
             found[path] = (st.st_dev, st.st_ino)
 
