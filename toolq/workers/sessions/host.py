@@ -291,11 +291,14 @@ class Host:
         """Which bound of one conversation's commands and sessions together it holds, in words
         (None: none). Each command's own cgroup bounds it in the kernel; their sum per conversation
         is checked here, before a start and by the reaper each second, as slots are not moved
-        between conversations' cgroups (a move costs ~15 ms per controller on cgroup v1)."""
-        with self.lock:
-            slots = [p.slot for p in self.running if p.conversation == conversation and p.slot is not None]
-        held = [slot.held() for slot in slots]
+        between conversations' cgroups (a move costs 8-16 ms per controller on cgroup v1)."""
+        held = [h for _, h in self._holdings(conversation)]
         return self._past_bound(conversation, sum(h[0] for h in held), sum(h[1] for h in held))
+
+    def _holdings(self, conversation: str) -> list[tuple[Process, tuple[int, int]]]:
+        """The conversation's running commands and sessions here, each with what its slot holds."""
+        with self.lock:
+            return [(p, p.slot.held()) for p in self.running if p.conversation == conversation and p.slot is not None]
 
     def _past_bound(self, conversation: str, processes: int, memory: int) -> str | None:
         lim = self.slots.lim
@@ -312,8 +315,7 @@ class Host:
     def _enforce_conversation_bounds(self, sessions: list[Process], ended: set[str]) -> None:
         """A conversation past its bound loses its newest sessions until it is within it again."""
         for conversation in {p.conversation for p in sessions} - ended:
-            with self.lock:
-                mine = [(p, p.slot.held()) for p in self.running if p.conversation == conversation and p.slot]
+            mine = self._holdings(conversation)
             processes, memory = sum(h[0] for _, h in mine), sum(h[1] for _, h in mine)
             for p, (p_processes, p_memory) in sorted(mine, key=lambda m: m[0].started, reverse=True):
                 note = self._past_bound(conversation, processes, memory)
