@@ -123,6 +123,29 @@ def test_the_socket_is_private_to_the_worker_user(host):
     sock.close()
 
 
+@pytest.mark.parametrize("key", [b"", b"0" * 64, None], ids=["none", "wrong", "truncated"])
+def test_a_request_without_the_worker_key_runs_nothing(host, tmp_path, key):
+    # A process of the worker's own uid (a Landlock command finds the socket in /proc/net/unix)
+    # must not get a command started, least of all with a workspace of its choosing.
+    real = client._key
+    assert real
+    forged = ExecRequest(conversation="c", cmd=f"touch {tmp_path}/ran", cwd="/", workspace="/", env={},
+                         yield_ms=2000)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(client.socket_path())
+    sock.sendall((real[:-1] if key is None else key) + b"\n" + forged.model_dump_json().encode() + b"\n")
+    sock.settimeout(5)
+    try:
+        answer = sock.recv(100)
+    except ConnectionResetError:  # hung up with the request unread
+        answer = b""
+    assert answer == b""
+    sock.close()
+    assert not (tmp_path / "ran").exists()
+    assert run(tmp_path, f"touch {tmp_path}/ran").exit_code == 0  # the worker's own request, with its key
+    assert (tmp_path / "ran").exists()
+
+
 def test_stopping_the_host_kills_every_session(tmp_path, monkeypatch):
     monkeypatch.delenv("TOOLQ_SESSION_SOCKET", raising=False)
     start.start(instance="test", hostname="test@host", redis_url="")

@@ -15,6 +15,17 @@ if TYPE_CHECKING:
     from toolq.workers.streaming import OutputStream
 
 SOCKET_ENV = "TOOLQ_SESSION_SOCKET"
+#: The key a request must start with (`start.start` makes it; the host gets it on its stdin, the
+#: pool children inherit it from the worker's memory). The socket's 0700 folder keeps other users
+#: out, not the worker's own uid: a Landlock command runs as that uid and finds the socket in
+#: `/proc/net/unix`, and the host must never start a command with a workspace it did not get
+#: from its own worker.
+_key: bytes | None = None
+
+
+def set_key(key: bytes | None) -> None:
+    global _key
+    _key = key
 STEP = 0.05
 #: How a frame of streamed output starts (a reply never does).
 _FRAME = b'{"progress":'
@@ -44,7 +55,7 @@ def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], 
             sock.connect(path)
         except OSError as e:
             raise HostUnavailable(f"the session host does not answer: {e}") from None
-        sock.sendall(request.model_dump_json().encode() + b"\n")
+        sock.sendall((_key or b"") + b"\n" + request.model_dump_json().encode() + b"\n")
         deadline = time.monotonic() + timeout
         next_check = time.monotonic() + STEP
         data = bytearray()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import errno
 import functools
+import hmac
 import itertools
 import json
 import logging
@@ -22,6 +23,7 @@ import pty
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -108,8 +110,10 @@ class Process:
 
 
 class Host:
-    def __init__(self, settings: Settings, instance: str, hostname: str, r: redis.Redis | None) -> None:
-        self.settings = settings
+    def __init__(self, settings: Settings, instance: str, hostname: str, r: redis.Redis | None,
+                 key: bytes = b"") -> None:
+        """`key`: what every request must start with (`client._key`); none, no request is served."""
+        self.settings, self.key = settings, key
         self.instance, self.hostname, self.r = instance, hostname, r
         self.lock = threading.Lock()
         self.live: dict[tuple[str, int], Process] = {}
@@ -394,7 +398,11 @@ class Host:
     def serve(self, conn: socket.socket) -> None:
         with conn:
             try:
-                line = _read_line(conn)
+                key, rest = _read_key(conn, len(self.key))
+                if not self.key or not hmac.compare_digest(key, self.key):
+                    log.warning("refused a request without this worker's key (from pid %s)", _peer_pid(conn))
+                    return
+                line = _read_line(conn, rest)
                 req = parse_request(line)
                 reply = self.handle_exec(req, conn) if isinstance(req, ExecRequest) else self.handle_write(req, conn)
                 if reply is not None:
@@ -491,16 +499,36 @@ def _hung_up(conn: socket.socket) -> bool:
         return True
 
 
-def _read_line(conn: socket.socket, limit: int = 16 * 1024 * 1024) -> bytes:
+def _read_key(conn: socket.socket, size: int) -> tuple[bytes, bytes]:
+    """A request's first line, the worker's key (`size` bytes), and what came after it: nothing
+    past the key's length is read before the caller has found it right."""
     data = bytearray()
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(65536)
+    while b"\n" not in data and len(data) <= size:
+        chunk = conn.recv(size + 1 - len(data))
         if not chunk:
             break
         data += chunk
-        if len(data) > limit:
+    key, _, rest = bytes(data).partition(b"\n")
+    return key, rest
+
+
+def _read_line(conn: socket.socket, data: bytes = b"", limit: int = 16 * 1024 * 1024) -> bytes:
+    line = bytearray(data)
+    while not line.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        line += chunk
+        if len(line) > limit:
             raise ValueError("request too large")
-    return bytes(data)
+    return bytes(line)
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    try:
+        return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    except OSError:
+        return 0
 
 
 def main() -> None:
@@ -510,7 +538,9 @@ def main() -> None:
     settings = Settings.load()
     r = redis.Redis.from_url(os.environ["TOOLQ_SESSION_REDIS"]) if os.environ.get("TOOLQ_SESSION_REDIS") else None
     host = Host(settings, os.environ.get("TOOLQ_SESSION_INSTANCE", ""), os.environ.get("TOOLQ_SESSION_HOSTNAME", ""),
-                r)
+                r, key=sys.stdin.buffer.readline().strip())
+    if not host.key:
+        sys.exit("session host: no key on its standard input (start it with toolq.workers.sessions.start)")
 
     def stop(signum: int, frame: object) -> None:
         host.kill_all()

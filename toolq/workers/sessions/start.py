@@ -11,6 +11,7 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import tempfile
@@ -18,6 +19,7 @@ import threading
 
 from toolq.orchestrator import import_path
 from toolq.workers.isolation import limits
+from toolq.workers.sessions import client
 from toolq.workers.sessions.client import SOCKET_ENV
 
 log = logging.getLogger("toolq.sessions")
@@ -26,6 +28,8 @@ _PR_SET_PDEATHSIG = 1
 _host: subprocess.Popen | None = None
 _dir: str | None = None
 _stopping = threading.Event()
+_key = b""
+"""What every request to the host starts with (`client._key`)."""
 _booting: tuple[subprocess.Popen, str] | None = None
 """A launched host and its socket path, until `wait_ready` has seen it listen."""
 #: How long a host that exited 0 waits for the worker's own shutdown notice before it is restarted.
@@ -38,11 +42,19 @@ def _die_with_parent() -> None:
 
 
 def _launch(path: str, env: dict[str, str]) -> subprocess.Popen:
+    """The host reads its key from its stdin (not its environment: `/proc/<pid>/environ`)."""
     if os.path.exists(path):
         os.unlink(path)
-    return subprocess.Popen(import_path.python_argv("-m", "toolq.workers.sessions.host"), env=env,
-                            cwd=import_path.NEUTRAL_CWD, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+    host = subprocess.Popen(import_path.python_argv("-m", "toolq.workers.sessions.host"), env=env,
+                            cwd=import_path.NEUTRAL_CWD, stdout=subprocess.PIPE, stdin=subprocess.PIPE,
                             preexec_fn=_die_with_parent)
+    assert host.stdin is not None
+    try:
+        host.stdin.write(_key + b"\n")
+        host.stdin.close()
+    except OSError:
+        pass  # it died at once: _wait_ready says so
+    return host
 
 
 def _wait_ready(host: subprocess.Popen, path: str) -> subprocess.Popen:
@@ -63,6 +75,9 @@ def start(*, instance: str, hostname: str, redis_url: str) -> str:
     `wait_ready` waits for it, so it boots while the pool does (a quarter of a worker's start)."""
     global _host, _dir, _booting
     _dir = tempfile.mkdtemp(prefix="toolq-sessions-")  # 0700: only this uid reaches the socket
+    global _key
+    _key = secrets.token_hex(32).encode()
+    client.set_key(_key)
     path = os.path.join(_dir, "host.sock")
     env = dict(os.environ, TOOLQ_SESSION_SOCKET=path, TOOLQ_SESSION_REDIS=redis_url,
                TOOLQ_SESSION_INSTANCE=instance, TOOLQ_SESSION_HOSTNAME=hostname)
@@ -131,3 +146,4 @@ def stop() -> None:
         except OSError:
             pass
     os.environ.pop(SOCKET_ENV, None)
+    client.set_key(None)
