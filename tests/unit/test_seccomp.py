@@ -17,7 +17,7 @@ import pytest
 
 from toolq.workers.isolation import bwrap, cell_init, landlock
 
-ALLOW, KILL = "allow", "kill"
+ALLOW, KILL, NOTIFY = "allow", "kill", "notify"
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWNS, SIGCHLD = 0x10000000, 0x40000000, 0x20000, 17
 O_WRONLY, O_CREAT, O_TMPFILE = 0o1, 0o100, 0o20000000 | 0o200000
@@ -42,6 +42,8 @@ def verdict(program: bytes, machine: str, nr: int, *args: int, arch: int | None 
                 return ALLOW
             if k == 0x80000000:
                 return KILL
+            if k == cell_init.SECCOMP_RET_USER_NOTIF:
+                return NOTIFY
             assert k & 0xFFFF0000 == 0x00050000, hex(k)
             return k & 0xFFFF
         else:
@@ -51,6 +53,35 @@ def verdict(program: bytes, machine: str, nr: int, *args: int, arch: int | None 
 
 NR = {machine: {name: n for name, n in numbers.items() if n is not None} for machine, numbers in cell_init._NR.items()}
 MACHINES = sorted(NR)
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_landlock_hands_metadata_calls_to_the_worker_and_refuses_unix_sockets(machine):
+    # Landlock confines neither a file's metadata nor connecting to a Unix socket by its path.
+    nr = NR[machine]
+    program = cell_init.seccomp_program(False, machine, deny_unix=True, metadata=True)
+    assert verdict(program, machine, nr["socket"], 1, 1) == errno.EACCES  # AF_UNIX
+    assert verdict(program, machine, nr["socket"], 2, 1) == ALLOW  # AF_INET: the network is on
+    assert verdict(program, machine, nr["socket"], 10, 2) == ALLOW  # AF_INET6
+    for name in cell_init.SUPERVISED:
+        if name in nr:
+            assert verdict(program, machine, nr[name], 3, 0o755, 0o755, 0) == NOTIFY, name
+    for name, mode_arg, _ in cell_init.MODE_ARGS:
+        if "chmod" in name and name in nr:
+            args = [0] * 4
+            args[mode_arg] = 0o755
+            assert verdict(program, machine, nr[name], *args) == NOTIFY, name
+            args[mode_arg] = 0o4755
+            assert verdict(program, machine, nr[name], *args) == errno.EPERM, name  # never reaches the worker
+    for name in cell_init.NO_ATTRIBUTES:
+        assert verdict(program, machine, nr[name], 0, 0) == errno.EOPNOTSUPP, name
+    off = cell_init.seccomp_program(True, machine, deny_unix=True, metadata=True)
+    assert verdict(off, machine, nr["socket"], 2, 1) == errno.EACCES  # network off: every family
+    # The other backends keep what they had: their mounts confine metadata already.
+    plain = cell_init.seccomp_program(machine=machine)
+    assert verdict(plain, machine, nr["socket"], 1, 1) == ALLOW
+    assert verdict(plain, machine, nr["fchmodat"], 0, 0, 0o755) == ALLOW
+    assert verdict(plain, machine, nr["utimensat"], 0, 0, 0, 0) == ALLOW
 
 
 @pytest.mark.parametrize("machine", MACHINES)
@@ -108,11 +139,13 @@ def test_every_backend_installs_the_one_program(monkeypatch):
     """Cells build it in cell_init (its source runs alone in the sandbox); bubblewrap per command
     and Landlock take theirs from there, so the three cannot drift apart."""
     assert bwrap._program() == cell_init.seccomp_program()
-    installed: list[bytes | None] = []
-    monkeypatch.setattr(cell_init, "install_seccomp", installed.append)
-    landlock.confine_syscalls(False)
+    installed: list[tuple[bytes | None, bool]] = []
+    monkeypatch.setattr(cell_init, "install_seccomp", lambda code, listener=False: installed.append((code, listener)) or 7)
+    assert landlock.confine_syscalls(False) == 7  # the metadata listener, for the worker to serve
     landlock.confine_syscalls(True)
-    assert installed == [cell_init.seccomp_program(), cell_init.seccomp_program(True)]
+    # Landlock's: the same program, with what Landlock itself does not confine (the test above).
+    assert installed == [(cell_init.seccomp_program(deny_unix=True, metadata=True), True),
+                         (cell_init.seccomp_program(True, deny_unix=True, metadata=True), True)]
 
 
 def under_filter(shell: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -14,6 +14,7 @@ import errno
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -22,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
-from toolq.workers.isolation import bwrap, cell, landlock, limits, reaper
+from toolq.workers.isolation import bwrap, cell, landlock, limits, metadata, reaper
 from toolq.workers.isolation.policy import Backend, Policy
 
 INSTALL_HINT = ("no sandbox works here for shell tools: install bubblewrap (apt-get install bubblewrap) with "
@@ -47,24 +48,34 @@ class Launch:
     def __init__(self, argv: list[str], env: dict[str, str], preexec_fn: Callable[[], None] | None,
                  call_limits: limits.CallLimits | None = None, tmpdir: str | None = None,
                  reap: bool = False, ruleset: landlock.Ruleset | None = None,
-                 confine_thread: Callable[[], None] | None = None) -> None:
+                 confine_thread: Callable[[], int] | None = None) -> None:
         self.argv, self.env, self.preexec_fn = argv, env, preexec_fn
         self.call_limits, self.tmpdir, self.reap, self.ruleset = call_limits, tmpdir, reap, ruleset
         self.confine_thread = confine_thread
         self.process_limit_hit = self.memory_limit_hit = False
+        #: Landlock with a pre-exec function: the child sends its metadata listener through this.
+        self.listener_channel: tuple[socket.socket, socket.socket] | None = None
 
     def spawn(self, **popen: Any) -> subprocess.Popen:
         """Popen the command. With `confine_thread`, from a new thread that confines itself first:
         Landlock, no_new_privs and the capability bounding set are per thread and inherited by
         the child, so the spawn needs no pre-exec function and Python can use vfork."""
         if self.confine_thread is None:
-            return subprocess.Popen(self.argv, env=self.env, preexec_fn=self.preexec_fn, **popen)
+            proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=self.preexec_fn, **popen)
+            if self.listener_channel is not None:
+                self._watch(_received_fd(self.listener_channel[0]))
+            return proc
         spawned: dict[str, Any] = {}
 
         def confined() -> None:
             try:
-                self.confine_thread()  # type: ignore[misc]
-                spawned["proc"] = subprocess.Popen(self.argv, env=self.env, **popen)
+                listener = self.confine_thread()  # type: ignore[misc]
+                try:
+                    spawned["proc"] = subprocess.Popen(self.argv, env=self.env, **popen)
+                except BaseException:
+                    os.close(listener)
+                    raise
+                spawned["listener"] = listener
             except BaseException as e:  # handed to the caller
                 spawned["error"] = e
 
@@ -76,7 +87,15 @@ class Launch:
         thread.join()
         if "error" in spawned:
             raise spawned["error"]
+        self._watch(spawned["listener"])
         return spawned["proc"]
+
+    def _watch(self, listener: int | None) -> None:
+        """Landlock: the command's metadata calls wait on `listener` until served (`metadata.py`)."""
+        if listener is None:
+            return
+        assert self.ruleset is not None
+        metadata.watch(listener, self.ruleset.writable)
 
     def kill(self, spare: frozenset[int]) -> None:
         """Kill what left the process group: the cgroup's members, the worker's adopted orphans."""
@@ -88,6 +107,8 @@ class Launch:
     def close(self) -> None:
         if self.ruleset is not None:
             self.ruleset.close()
+        for end in self.listener_channel or ():
+            end.close()
         if self.call_limits is not None:
             self.process_limit_hit = self.call_limits.close()
             self.memory_limit_hit = self.call_limits.memory_limit_hit
@@ -203,12 +224,16 @@ class Sandbox:
             return Launch(prefix + argv, command_env, None, call_limits, tmpdir, reap=reap, ruleset=ruleset,
                           confine_thread=ruleset.restrict_self)
 
+        ours, theirs = socket.socketpair()
+
         def confine() -> None:
             call_limits.apply_in_child()
             landlock._libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            ruleset.restrict_self()
+            socket.send_fds(theirs, [b"L"], [ruleset.restrict_self()])  # the listener, to the worker
 
-        return Launch(argv, command_env, confine, call_limits, tmpdir, reap=reap, ruleset=ruleset)
+        launch = Launch(argv, command_env, confine, call_limits, tmpdir, reap=reap, ruleset=ruleset)
+        launch.listener_channel = ours, theirs
+        return launch
 
     def _shows(self, workspace: str) -> Callable[[str], bool]:
         """Whether a command of this sandbox sees `path` (its workspace, the read directories less
@@ -222,6 +247,15 @@ class Sandbox:
             return None
         return limits.explain(self.policy.limits, exit_code, output, launch.process_limit_hit,
                               launch.memory_limit_hit)
+
+
+def _received_fd(channel: socket.socket) -> int:
+    """The listener a Landlock child sent before its exec (it had, or Popen would have raised)."""
+    channel.settimeout(5)
+    _, fds, _, _ = socket.recv_fds(channel, 1, 1)
+    if not fds:
+        raise OSError(errno.EPROTO, "the sandboxed command sent no metadata listener")
+    return fds[0]
 
 
 def _require_program(program: str, env: dict[str, str], visible: Callable[[str], bool] | None = None) -> None:

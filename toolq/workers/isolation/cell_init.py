@@ -141,8 +141,11 @@ def _drop_capabilities(last_cap: int) -> None:
 #: read the host root's keys, and a cell's commands share its user namespace's keyrings.
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_NEW_LISTENER = 1, 8
 _SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO, _SECCOMP_RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
-_ENOSYS, _EPERM, _EACCES = 38, 1, 13
+SECCOMP_RET_USER_NOTIF = 0x7FC00000
+_ENOSYS, _EPERM, _EACCES, _EOPNOTSUPP = 38, 1, 13, 95
+_AF_UNIX = 1
 _X32_SYSCALL_BIT = 0x40000000
 #: Mode bits that would let another user run a file with its owner's rights (the owner of what a
 #: root worker's command writes is the host's root).
@@ -155,12 +158,20 @@ _NR = {
                "io_uring_register": 427, "openat2": 437, "clone3": 435, "chmod": 90, "fchmod": 91,
                "fchmodat": 268, "fchmodat2": 452, "open": 2, "creat": 85, "openat": 257, "mkdir": 83,
                "mkdirat": 258, "mknod": 133, "mknodat": 259, "unshare": 272, "clone": 56, "socket": 41,
-               "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "kexec_load": 246, "kexec_file_load": 320},
+               "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "kexec_load": 246, "kexec_file_load": 320,
+               "chown": 92, "fchown": 93, "lchown": 94, "fchownat": 260, "utime": 132, "utimes": 235,
+               "futimesat": 261, "utimensat": 280, "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190,
+               "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199, "setxattrat": 463,
+               "removexattrat": 466, "file_setattr": 469, "seccomp": 317},
     "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "io_uring_setup": 425, "io_uring_enter": 426,
                 "io_uring_register": 427, "openat2": 437, "clone3": 435, "chmod": None, "fchmod": 52,
                 "fchmodat": 53, "fchmodat2": 452, "open": None, "creat": None, "openat": 56, "mkdir": None,
                 "mkdirat": 34, "mknod": None, "mknodat": 33, "unshare": 97, "clone": 220, "socket": 198,
-                "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "kexec_load": 104, "kexec_file_load": 294},
+                "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "kexec_load": 104, "kexec_file_load": 294,
+               "chown": None, "fchown": 55, "lchown": None, "fchownat": 54, "utime": None, "utimes": None,
+               "futimesat": None, "utimensat": 88, "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7,
+               "removexattr": 14, "lremovexattr": 15, "fremovexattr": 16, "setxattrat": 463,
+               "removexattrat": 466, "file_setattr": 469, "seccomp": 277},
 }
 #: Refused outright, with ENOSYS so that programs fall back: the keyrings; io_uring (sockets past a
 #: socket(2) filter); bpf, perf_event_open, userfaultfd and kexec, kernel attack surface no build
@@ -177,13 +188,25 @@ MODE_ARGS = (("chmod", 1, None), ("fchmod", 1, None), ("fchmodat", 2, None), ("f
 #: (syscall, the argument holding its flags): refused with EPERM when it asks for a new user
 #: namespace, where a command would hold every capability again (mounts, nf_tables...).
 NAMESPACE_ARGS = (("unshare", 0), ("clone", 0))
+#: The metadata calls Landlock does not confine, on any path: with `metadata`, the chmod calls
+#: (past the setuid check) and these go to the worker's supervisor (`metadata.py`), which makes
+#: them itself, inside the command's writable roots only.
+SUPERVISED = ("chown", "fchown", "lchown", "fchownat", "utime", "utimes", "futimesat", "utimensat")
+#: Refused with EOPNOTSUPP under Landlock (ACLs and extended attributes are not supported there;
+#: `cp -a` and tar skip them quietly): an ACL would grant another user a host file.
+NO_ATTRIBUTES = ("setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setxattrat",
+                 "removexattrat", "file_setattr")
 
 
-def seccomp_program(deny_sockets: bool = False, machine: str | None = None) -> bytes | None:
+def seccomp_program(deny_sockets: bool = False, machine: str | None = None, *, deny_unix: bool = False,
+                    metadata: bool = False) -> bytes | None:
     """The BPF filter every sandboxed command runs under (cells, bubblewrap per command, Landlock);
     None on an architecture not listed. A syscall of a foreign ABI (i386, x32) is refused too: it
     could reach the same calls by other numbers. `deny_sockets`: socket(2) fails with EACCES
-    (Landlock with the network off). `machine`: this one's unless given (`uname -m`)."""
+    (Landlock with the network off); `deny_unix`: only for AF_UNIX (Landlock with the network on:
+    it does not confine connecting to a socket by its path, the session host's included).
+    `metadata`: `SUPERVISED` and chmod go to a user-notification listener, `NO_ATTRIBUTES` fail
+    (Landlock). `machine`: this one's unless given (`uname -m`)."""
     machine = machine or os.uname().machine
     if machine not in _NR:
         return None
@@ -198,15 +221,25 @@ def seccomp_program(deny_sockets: bool = False, machine: str | None = None) -> b
     program = [(ld, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH[machine]), (ret, 0, 0, _SECCOMP_RET_KILL_PROCESS), (ld, 0, 0, 0)]
     if machine == "x86_64":  # x32 syscalls share the arch: refuse them all
         program += [(jge, 0, 1, _X32_SYSCALL_BIT), deny]
+    eacces = (ret, 0, 0, _SECCOMP_RET_ERRNO | _EACCES)
+    notify = (ret, 0, 0, SECCOMP_RET_USER_NOTIF)
     if deny_sockets:
-        program += [(jeq, 0, 1, nr["socket"]), (ret, 0, 0, _SECCOMP_RET_ERRNO | _EACCES)]
+        program += [(jeq, 0, 1, nr["socket"]), eacces]
     for name in REFUSED:
         program += [(jeq, 0, 1, nr[name]), deny]
+    for name in NO_ATTRIBUTES if metadata else ():
+        program += [(jeq, 0, 1, nr[name]), (ret, 0, 0, _SECCOMP_RET_ERRNO | _EOPNOTSUPP)]
+    for name in SUPERVISED if metadata else ():
+        if name in nr:
+            program += [(jeq, 0, 1, nr[name]), notify]
     # Each block below reads an argument, so it ends with a verdict instead of falling through.
+    if deny_unix and not deny_sockets:
+        program += [(jeq, 0, 4, nr["socket"]), arg(0), (jeq, 0, 1, _AF_UNIX), eacces, allow]
     for name, mode, flags in MODE_ARGS:
         if name not in nr:
             continue
-        block = [arg(mode), (jset, 0, 1, PRIVILEGE_BITS), eperm, allow]
+        passed = notify if metadata and "chmod" in name else allow
+        block = [arg(mode), (jset, 0, 1, PRIVILEGE_BITS), eperm, passed]
         if flags is not None:  # open's mode counts only when the call may create
             block = [arg(flags), (jset, 1, 0, _O_CREAT | _O_TMPFILE), allow, *block]
         program += [(jeq, 0, len(block), nr[name]), *block]
@@ -217,12 +250,20 @@ def seccomp_program(deny_sockets: bool = False, machine: str | None = None) -> b
     return b"".join(struct.pack("HBBI", *op) for op in program)
 
 
-def install_seccomp(program: bytes | None) -> None:
+def install_seccomp(program: bytes | None, listener: bool = False) -> int | None:
+    """`listener`: the filter notifies (`SECCOMP_RET_USER_NOTIF`); returns the listener's fd
+    (close-on-exec, in this process), which must be served or closed: until then a notified call
+    waits."""
     if program is None:
-        return
+        return None
     filters = ctypes.create_string_buffer(program)
     fprog = struct.pack("HxxxxxxQ", len(program) // 8, ctypes.addressof(filters))
-    _check(_libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "seccomp")
+    if not listener:
+        _check(_libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "seccomp")
+        return None
+    nr = _NR[os.uname().machine]["seccomp"]
+    return _check(_libc.syscall(ctypes.c_long(nr), ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
+                                ctypes.c_long(_SECCOMP_FILTER_FLAG_NEW_LISTENER), ctypes.c_char_p(fprog)), "seccomp")
 
 
 def _last_cap() -> int:

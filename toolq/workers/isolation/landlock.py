@@ -8,9 +8,14 @@ the worker for each call; the child only calls `landlock_restrict_self` before e
 
 Landlock confines TCP only; with the network off, a seccomp filter also refuses socket(2) for
 every family and io_uring (which creates and connects sockets without socket(2)). Unix sockets
-too: Landlock does not confine connecting to a pathname socket, so a root command could reach
-a Redis unix socket, `docker.sock` or systemd's private socket anywhere on the host. Pipes and
-`socketpair(2)` still work.
+always (the network on too): Landlock does not confine connecting to a pathname socket, so a
+command could reach the worker's session host, a Redis unix socket, `docker.sock` or systemd's
+private socket anywhere on the host. Pipes and `socketpair(2)` still work.
+
+Nor does Landlock confine a file's metadata: `chmod`, `chown`, `utime` and extended attributes
+work on any file the command's uid owns, wherever it is (as root, every file of the host's root).
+The filter sends the first three to the worker (`metadata.py`), which makes each call itself when
+its target lies in the command's writable roots, and refuses extended attributes (ACLs) outright.
 
 Of /etc, only the allowlisted entries are granted (`Policy.etc`), and beneath the read directories
 what other users may not read (`Policy.hidden`) is left out: a rule grants a whole hierarchy, so
@@ -96,14 +101,18 @@ def handled_fs(abi: int) -> int:
     return rights
 
 
-def confine_syscalls(deny_sockets: bool) -> None:
+def confine_syscalls(deny_sockets: bool) -> int:
     """On this thread (and what it spawns), the filter every sandboxed command runs under
     (`cell_init.seccomp_program`: no setuid modes, no user namespaces, no io_uring, no keyrings),
-    and with `deny_sockets` no socket(2) either. Needs no_new_privs first."""
-    code = cell_init.seccomp_program(deny_sockets)
+    with `deny_sockets` no socket(2) either, else no Unix socket; the metadata calls Landlock does
+    not confine wait for the worker (`metadata.py`). Returns the listener they wait on, which the
+    caller hands to `metadata.watch`. Needs no_new_privs first."""
+    code = cell_init.seccomp_program(deny_sockets, deny_unix=True, metadata=True)
     if code is None:
         raise OSError(errno.ENOSYS, f"no seccomp filter for {platform.machine()}")
-    cell_init.install_seccomp(code)
+    listener = cell_init.install_seccomp(code, listener=True)
+    assert listener is not None
+    return listener
 
 
 @functools.lru_cache(maxsize=64)
@@ -143,6 +152,8 @@ class Ruleset:
         net = NET_BIND_TCP | NET_CONNECT_TCP if deny_tcp and abi >= 4 else 0
         scoped = SCOPE_ABSTRACT_UNIX | SCOPE_SIGNAL if abi >= 6 else 0
         self.deny_sockets = deny_tcp
+        #: Where the command may change modes, owners and times (`metadata.py`), links resolved.
+        self.writable = tuple(os.path.realpath(p) for p in write)
         attr = struct.pack("QQQ", fs, net, scoped)[: 8 if abi < 4 else 16 if abi < 6 else 24]
         self.fd = _syscall(CREATE, attr, len(attr), 0)
         try:
@@ -176,8 +187,10 @@ class Ruleset:
         rule = struct.pack("=Qi", rights if is_dir else rights & FILE_ONLY, target)
         _syscall(ADD_RULE, self.fd, _RULE_PATH_BENEATH, rule, 0)
 
-    def restrict_self(self) -> None:
-        """In the child, before exec: from here on this process and its descendants are confined.
+    def restrict_self(self) -> int:
+        """In the child, before exec (or in a thread that then spawns it): from here on this
+        process and its descendants are confined. Returns the metadata listener
+        (`confine_syscalls`), close-on-exec.
 
         A root worker's command also loses every capability at exec (an empty bounding set):
         with CAP_SYS_PTRACE it could still read `/proc/<worker>/mem` through Landlock."""
@@ -188,7 +201,7 @@ class Ruleset:
         if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         _syscall(RESTRICT, self.fd, 0)
-        confine_syscalls(self.deny_sockets)
+        return confine_syscalls(self.deny_sockets)
 
     def close(self) -> None:
         if self.fd >= 0:

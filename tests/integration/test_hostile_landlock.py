@@ -1,0 +1,151 @@
+"""Issue 24, the red team's two critical Landlock findings, as the attacker would.
+
+Landlock confines reading, writing, making and removing files and TCP; it confines neither a
+file's metadata (mode, owner, times, extended attributes) nor connecting to a Unix socket by its
+path. A Landlock worker's command (root, or an unprivileged user) therefore:
+
+- changed the mode, times and ACLs of any file its uid owns outside its workspace (as root,
+  `chmod 0666` on any root file: then every user writes it);
+- with the network on, found the worker's session host in `/proc/net/unix` and asked it for a
+  command whose workspace was `/`: one that could write the whole file system.
+
+Each attack runs in one turn on a real Landlock worker with the network on; the host then checks
+that the victim files outside the workspace are untouched and that no command ran for the
+forged request, while the same calls on workspace files still work.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from tests.integration import unprivileged
+from tests.integration.test_hostile_exec import attack, hostile_workers, locked_redis  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.integration
+
+MTIME = 1_000_000_000  # the victims' times, set by the test
+
+
+def _victims(folder: Path, uid: int, gid: int) -> dict[str, Path]:
+    made = {}
+    for name in ("plain", "by_fd", "by_link", "by_proc", "times", "attrs", "owner", "race"):
+        path = folder / name
+        path.write_text("the host's\n")
+        os.chown(path, uid, gid)
+        path.chmod(0o600 if name != "by_fd" else 0o644)  # by_fd: opened for reading first
+        os.utime(path, (MTIME, MTIME))
+        made[name] = path
+    return made
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["landlock-root", "landlock-user"])
+def landlock_worker(request, locked_redis, tmp_path_factory):  # noqa: F811 - the fixture above
+    user = request.param
+    if user and (why := unprivileged.unavailable()):
+        pytest.skip(f"no unprivileged worker here: {why}")
+    folder = unprivileged.owned_dir("toolq-victims-") if user else tmp_path_factory.mktemp("victims")
+    folder.chmod(0o755)
+    uid, gid = unprivileged.ids() if user else (0, 0)
+    victims = _victims(folder, uid, gid)
+    # The victims' folder is readable in the sandbox, so that a command can open a victim and use
+    # the descriptor (fchmod, futimens): Landlock checks the open, not what follows.
+    for worker in hostile_workers("landlock", locked_redis, tmp_path_factory, user=user,
+                                  TOOLQ_SANDBOX_NETWORK="host", TOOLQ_SANDBOX_READ=str(folder)):
+        worker.victims = victims
+        yield worker
+
+
+def _metadata(path: Path) -> tuple:
+    st = os.lstat(path)
+    return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns, sorted(os.listxattr(path))
+
+
+PY = "python3 -c"
+
+
+def _attacks(v: dict[str, Path]) -> dict[str, str]:
+    return {
+        "call_chmod": f"chmod 0666 {v['plain']}; chmod o+w {v['plain']}; stat -c %a {v['plain']}",
+        "call_py_chmod": f"{PY} \"import os; os.chmod('{v['plain']}', 0o777)\"",
+        "call_fchmod": f"{PY} \"import os; fd = os.open('{v['by_fd']}', os.O_RDONLY); os.fchmod(fd, 0o666)\"",
+        "call_link": f"ln -s {v['by_link']} lnk && chmod 0666 lnk; chmod -h 0666 lnk; ls -l lnk",
+        "call_proc": f"exec 3<{v['by_proc']}; chmod 0666 /proc/self/fd/3; chmod 0666 /proc/$$/fd/3",
+        "call_dirfd": (f"{PY} \"import os; d = os.open('{v['plain'].parent}', os.O_RDONLY | os.O_DIRECTORY); "
+                       f"os.chmod('{v['plain'].name}', 0o666, dir_fd=d)\""),
+        "call_touch": f"touch -d @5 {v['times']}; touch {v['times']}",
+        "call_futimens": f"{PY} \"import os; fd = os.open('{v['by_fd']}', os.O_RDONLY); os.utime(fd, (7, 7))\"",
+        "call_utime_path": f"{PY} \"import os; os.utime('{v['times']}', ns=(9, 9))\"",
+        "call_xattr": (f"{PY} \"import os; os.setxattr('{v['attrs']}', 'user.evil', b'1')\"; "
+                       f"{PY} \"import os; os.setxattr('{v['attrs']}', 'system.posix_acl_access', "
+                       "bytes.fromhex('02000000' '0100060000000000' '0400040000000000' '2000060000000000'))\""),
+        "call_chown": f"chown $(id -u):$(id -g) {v['owner']}; chgrp $(id -g) {v['owner']}; "
+                      f"{PY} \"import os; os.chown('{v['owner']}', 0, 0)\"",
+        # A folder on the way swapped for a link to the victims' in a loop, while chmod goes on:
+        # the worker resolves the path once, by descriptor, and checks what it found.
+        "call_race": (
+            f"{PY} \"import os, threading\n"
+            "os.makedirs('r', exist_ok=True); open('r/race', 'w').close()\n"
+            "def swap():\n"
+            "    for i in range(3000):\n"
+            f"        os.rename('r', 'r.d'); os.symlink('{v['race'].parent}', 'r'); os.unlink('r'); os.rename('r.d', 'r')\n"
+            "t = threading.Thread(target=swap); t.start()\n"
+            "done = 0\n"
+            "for i in range(3000):\n"
+            "    try:\n"
+            "        os.chmod('r/race', 0o666); done += 1\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "t.join(); print('RACED', done)\""
+        ),
+        # The session host: its socket is in /proc/net/unix; a request naming / as the workspace.
+        "call_host": (
+            f"{PY} \"import json, socket\n"
+            "paths = [l.split()[-1] for l in open('/proc/net/unix') if 'toolq-sessions-' in l]\n"
+            "print('found', len(paths))\n"
+            "for p in paths:\n"
+            "    try:\n"
+            "        s = socket.socket(socket.AF_UNIX)\n"
+            "        s.connect(p)\n"
+            "        s.sendall(b'\\\\n' + json.dumps(dict(op='exec', conversation='x', yield_ms=1000, cmd='touch /FORGED',"
+            " cwd='/', workspace='/', env={})).encode() + b'\\\\n')\n"
+            "        print('sent', s.recv(100))\n"
+            "    except OSError as e:\n"
+            "        print('refused', e)\n\""
+        ),
+    }
+
+
+CONTROL = ("touch f && chmod 751 f && touch -d @981173106 f && mkdir -p d/e && chmod 700 d && "
+           f"{PY} \"import os; fd = os.open('g', os.O_CREAT | os.O_WRONLY, 0o600); os.fchmod(fd, 0o640); "
+           "os.utime(fd, (5, 6)); os.chown('g', os.getuid(), os.getgid())\" && "
+           "t=$TMPDIR/x && touch $t && chmod 700 $t && tar cpf a.tar f && mkdir -p out && tar xpf a.tar -C out && "
+           "stat -c %a out/f && echo CONTROL-OK")
+
+
+def test_a_landlock_command_changes_no_metadata_outside_its_workspace(drive, landlock_worker, tmp_path):
+    v = landlock_worker.victims
+    before = {name: _metadata(path) for name, path in v.items()}
+    ws = landlock_worker.workspace(tmp_path)
+    out = attack(drive, landlock_worker, ws, {**_attacks(v), "call_control": CONTROL})
+    after = {name: _metadata(path) for name, path in v.items()}
+    assert after == before, {name: (before[name], after[name]) for name in v if before[name] != after[name]}
+    code, body = out["call_control"]
+    assert code == 0 and "CONTROL-OK" in body and "751" in body, body  # the workspace's own metadata changes
+    assert stat.S_IMODE((ws / "f").stat().st_mode) == 0o751 and (ws / "f").stat().st_mtime == 981173106
+    assert stat.S_IMODE((ws / "g").stat().st_mode) == 0o640 and (ws / "g").stat().st_mtime == 6
+    assert stat.S_IMODE((ws / "d").stat().st_mode) == 0o700
+    assert "Operation not permitted" in out["call_chmod"][1], out["call_chmod"]
+    assert "RACED" in out["call_race"][1], out["call_race"]  # the race ran (its own file's chmods pass)
+    assert "Operation not supported" in out["call_xattr"][1], out["call_xattr"]
+
+
+def test_a_landlock_command_cannot_reach_the_session_host(drive, landlock_worker, tmp_path):
+    ws = landlock_worker.workspace(tmp_path)
+    out = attack(drive, landlock_worker, ws, {"call_host": _attacks(landlock_worker.victims)["call_host"]})
+    _, body = out["call_host"]
+    assert "found 0" not in body and "sent" not in body, body  # the attack found its target, and was refused
+    assert not Path("/FORGED").exists()
