@@ -82,3 +82,21 @@ def test_cli_runs_decode():
     assert [i["type"] for i in items] == ["reasoning", "custom_tool_call"]
     assert items[1]["input"] == "SELECT * FROM users LIMIT 5;"
     assert proc.stderr.startswith("16 events, 2 items")
+
+
+def test_what_the_server_wrote_reaches_the_terminal_shown_never_obeyed(tmp_path):
+    # A hostile server's failure text and item text: screen clears, an OSC 52 clipboard write, a
+    # C1 CSI and a bidi override must not reach the terminal raw; the JSON still means the same.
+    evil = "\x1b[2J\x1b]52;c;cm0gLXJmIH4=\x07\x9b31m\u202eend"
+    item = {"type": "message", "id": "m1", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": evil, "annotations": []}]}
+    body = (f"event: response.output_item.done\ndata: {json.dumps({'type': 'response.output_item.done', 'output_index': 0, 'item': item})}\n\n"
+            f"event: response.failed\ndata: {json.dumps({'type': 'response.failed', 'response': {'error': {'code': 'x', 'message': evil}}})}\n\n")
+    path = tmp_path / "evil.sse"
+    path.write_text(body)
+    out, err = io.StringIO(), io.StringIO()
+    assert decode_file(str(path), out, err) == 0
+    for text in (out.getvalue(), err.getvalue()):
+        assert not any(ch in text for ch in "\x1b\x07\x9b\u202e"), repr(text)
+    assert json.loads(out.getvalue())["content"][0]["text"] == evil
+    assert "failed" in err.getvalue()

@@ -178,3 +178,15 @@ def test_status_and_turns_tables_are_printable():
 
     assert printable("a" + HOSTILE + "b\nc\td") == "a\ufffd\ufffdb\nc\td"
     assert "\n" not in printable("one\ntwo", lines=False)
+
+
+def test_json_lines_keep_text_readable_and_escape_what_a_terminal_obeys():
+    # JSON escapes C0 controls itself; with ensure_ascii=False it left C1 controls and bidi raw.
+    from toolq.orchestrator.status import render_json_lines
+
+    out = io.StringIO()
+    JsonView(out)(ItemCompleted(item=AgentMessageView(id="m", text="héllo" + HOSTILE)))
+    for line in (out.getvalue(), render_json_lines([{"reason": "héllo" + HOSTILE}])):
+        assert "héllo" in line
+        assert not [c for c in line if c in "\x1b\x07\x9b\r\u202e" or 0x7f <= ord(c) <= 0x9f], repr(line)
+    assert json.loads(render_json_lines([{"reason": HOSTILE}]))["reason"] == HOSTILE

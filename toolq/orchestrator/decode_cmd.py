@@ -6,10 +6,10 @@ to stderr: events read, items, how the response ended, and skipped frames by rea
 
 from __future__ import annotations
 
-import json
 from typing import IO
 
 from toolq.orchestrator.protocol.events import EventDecoder, iter_sse_data
+from toolq.orchestrator.terminal import json_line, printable
 
 
 def decode_file(path: str, out: IO[str], err: IO[str]) -> int:
@@ -29,7 +29,7 @@ def decode_file(path: str, out: IO[str], err: IO[str]) -> int:
             continue
         if event.kind == "item_done":
             n_items += 1
-            out.write(json.dumps(event.item.to_wire(), ensure_ascii=False) + "\n")
+            out.write(json_line(event.item.to_wire()) + "\n")
         elif event.kind == "completed":
             end = "completed"
         elif event.kind in ("failed", "error"):
@@ -37,7 +37,9 @@ def decode_file(path: str, out: IO[str], err: IO[str]) -> int:
         elif event.kind == "incomplete":
             end = f"incomplete ({event.reason or 'unknown'})"
     skipped = ", ".join(f"{reason}={n}" for reason, n in sorted(decoder.skipped.items())) or "none"
-    print(f"{_count(n_events, 'event')}, {_count(n_items, 'item')}, end: {end}; skipped: {skipped}", file=err)
+    # The server's failure text is the server's: shown, never obeyed.
+    print(printable(f"{_count(n_events, 'event')}, {_count(n_items, 'item')}, end: {end}; skipped: {skipped}",
+                    lines=False), file=err)
     return 0
 
 

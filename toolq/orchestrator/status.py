@@ -6,7 +6,6 @@ Rendering is pure (rows in, text out); only `status_cmd` and `turns_cmd` touch R
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from contextlib import aclosing
@@ -20,7 +19,7 @@ from toolq.orchestrator.runtime_dir import ledger_urls, ledgers
 from toolq.orchestrator.settings import Settings, mask_url_password
 from toolq.orchestrator.session_route import live_sessions
 from toolq.orchestrator.states import parse_state
-from toolq.orchestrator.terminal import printable
+from toolq.orchestrator.terminal import json_line, printable
 from toolq.workers.sessions.registry import SessionRecord
 
 CALL_COLUMNS = ("tool", "call_id", "task_id", "state", "worker", "queue_wait", "run_time")
@@ -100,7 +99,7 @@ def render_table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
 
 
 def render_json_lines(rows: list[dict[str, Any]], **extra: Any) -> str:
-    return "".join(json.dumps({**extra, **r}, ensure_ascii=False) + "\n" for r in rows)
+    return "".join(json_line({**extra, **r}) + "\n" for r in rows)
 
 
 def session_row(s: SessionRecord, now: float) -> dict[str, Any]:

@@ -5,12 +5,15 @@ output are all untrusted: an escape sequence in them can clear the screen, move 
 rewrite what was shown, retitle the window or write the clipboard (OSC 52), and a bidi override
 can make a line read as something it is not. Every printer of the live view, `toolq status`,
 `toolq turns`, `toolq workers` and `toolq batch`'s progress passes its text through `printable`.
-JSON output needs none: JSON escapes control characters itself.
+JSON lines go through `json_line`: JSON escapes C0 controls itself, but not (unless everything
+non-ASCII is escaped) the C1 controls and bidi characters a terminal obeys.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 #: Whole escape sequences (CSI, OSC and other strings ended by BEL or ST, two-byte escapes), the
 #: 8-bit CSI/OSC/DCS forms, then what is left of the control characters, DEL, C1 controls and the
@@ -26,3 +29,14 @@ def printable(text: str, *, lines: bool = True) -> str:
     stay, and newlines when `lines` (else they are controls too: a one-line field)."""
     text = _SEQUENCE.sub("", text)
     return (_CONTROL if lines else _CONTROL_OR_NEWLINE).sub("\ufffd", text)
+
+
+#: What JSON leaves raw that a terminal still obeys: DEL, the C1 controls, bidi characters.
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c]")
+
+
+def json_line(value: Any) -> str:
+    """`value` as one line of JSON that is safe on a terminal: non-ASCII text stays readable,
+    and the characters a terminal would obey are written as `\\uXXXX` (they only ever occur
+    inside strings, so the JSON means the same)."""
+    return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))

@@ -6,13 +6,12 @@ The JSON events follow `codex exec --json` (`turn.started`, `item.started`/`item
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from typing import IO
 
 from toolq.orchestrator.states import CallState
-from toolq.orchestrator.terminal import printable
+from toolq.orchestrator.terminal import json_line, printable
 from toolq.orchestrator.turn_events import (
     AgentMessageView,
     CommandExecutionView,
@@ -55,7 +54,7 @@ class _View:
 
 class JsonView(_View):
     def __call__(self, event: TurnEvent) -> None:
-        self.write(json.dumps(event.to_json(), ensure_ascii=False))
+        self.write(json_line(event.to_json()))
 
 
 class LiveView(_View):
