@@ -72,6 +72,13 @@ def executable() -> str | None:
     return shutil.which("bwrap")
 
 
+@functools.lru_cache(maxsize=1)
+def _private_proc() -> tuple[str, ...]:
+    """The root-only files of /proc covered (`cell_init.private_proc_files`), found once: the
+    kernel's /proc has the same files in every sandbox."""
+    return tuple(a for path in cell_init.private_proc_files() for a in ("--ro-bind-try", "/dev/null", path))
+
+
 def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str], gate: Gate | None = None,
          cell: bool = False) -> list[str]:
     """The command line; with a `gate`, bwrap waits at it before the command runs (`Gate.release`).
@@ -88,7 +95,7 @@ def argv(bwrap: str, policy: Policy, workspace: str, cwd: str, command: list[str
     size = str(policy.limits.memory_mb * 1024 * 1024)
     args += [*(CELL_DEV if cell else ("--dev", "/dev")), "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
              "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger",
-             "/proc/sysrq-trigger", "--size", size, "--tmpfs", SANDBOX_TMP]
+             "/proc/sysrq-trigger", *_private_proc(), "--size", size, "--tmpfs", SANDBOX_TMP]
     spawner.follow_host_mounts(workspace)  # first: the workspace's path may resolve only on the host's mounts
     real = os.path.realpath(workspace)
     for d, link in _read_dirs(policy.read_dirs):
