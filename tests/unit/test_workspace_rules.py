@@ -61,3 +61,22 @@ def test_the_worker_refuses_a_relative_workspace_and_runs_a_project_folder(tmp_p
 def test_a_link_loop_is_refused_not_raised(tmp_path):
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     assert workspace_problem(tmp_path / "loop").startswith(f"workspace {tmp_path / 'loop'} cannot be resolved")
+
+
+def test_a_users_home_outside_home_or_a_folder_holding_one_is_refused(monkeypatch):
+    # Red team: homes outside /home (postgres', www-data's, a site's /data/users/bob) were accepted,
+    # and a command writes the dotfiles that run at that user's next login.
+    import pwd
+
+    from toolq.orchestrator import settings
+
+    users = [pwd.struct_passwd(("postgres", "x", 101, 101, "", "/var/lib/postgresql", "/bin/bash")),
+             pwd.struct_passwd(("bob", "x", 1001, 1001, "", "/data/users/bob/", "/bin/bash")),
+             pwd.struct_passwd(("daemon", "x", 1, 1, "", "/", "/usr/sbin/nologin"))]
+    monkeypatch.setattr(settings.pwd, "getpwall", lambda: users)
+    for where, home in [("/var/lib/postgresql", "/var/lib/postgresql"), ("/data/users/bob", "/data/users/bob"),
+                        ("/data", "/data/users/bob"), ("/data/users", "/data/users/bob")]:
+        problem = workspace_problem(Path(where), must_exist=False)
+        assert problem and f"is or holds a user's home ({home})" in problem, (where, problem)
+    for fine in ("/var/lib/postgresql/project", "/data/users/bob/project", "/data/other", "/srv/app"):
+        assert workspace_problem(Path(fine), must_exist=False) is None, fine

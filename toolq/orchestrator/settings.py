@@ -7,6 +7,7 @@ Redis and their queues. Bad values give one clear line naming the setting.
 from __future__ import annotations
 
 import os
+import pwd
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +39,17 @@ def absolute_workspace(path: str | Path) -> Path:
     return Path(os.path.normpath(Path(path).expanduser().absolute()))
 
 
+def _home_in(where: str) -> str | None:
+    """A home directory of the password database that `where` is or holds (system users' homes
+    lie outside /home: /var/lib/postgresql, /var/www...); "/" and homes that are system trees
+    (`/bin`, `/dev`) are judged as folders already."""
+    for entry in pwd.getpwall():
+        home = os.path.normpath(entry.pw_dir) if entry.pw_dir else "/"
+        if home != "/" and (home == where or home.startswith(where.rstrip("/") + "/")):
+            return home
+    return None
+
+
 def workspace_problem(path: Path, *, must_exist: bool = True) -> str | None:
     """Why `path` (from `absolute_workspace`) cannot be a turn's workspace, if it cannot. A link
     is judged by where it leads too. A relative one (a forged record's) would be read against the
@@ -53,6 +65,11 @@ def workspace_problem(path: Path, *, must_exist: bool = True) -> str | None:
         if home or where in TOO_WIDE or any(where == t or where.startswith(t + "/") for t in SYSTEM_TREES):
             return (f"workspace {path} is a system or shared directory, and the model's commands may write in "
                     "their workspace: give a project's folder (--workspace, TOOLQ_WORKSPACE, or Session(workspace=))")
+    for where in dict.fromkeys((str(path), str(leads_to))):
+        if home := _home_in(where):
+            return (f"workspace {path} is or holds a user's home ({home}), whose dotfiles run outside any sandbox at "
+                    "that user's next login: give a project's folder (--workspace, TOOLQ_WORKSPACE, or "
+                    "Session(workspace=))")
     if entry := import_path.workspace_on_import_path(str(path)):
         return (f"workspace {path} holds or lies on toolq's import path ({entry}): the model's commands could plant "
                 f"code there that toolq would run unsandboxed; keep tool modules ({import_path.TOOLS_PATH_ENV}) and "
