@@ -66,7 +66,7 @@ def test_a_later_search_lists_only_what_changed_and_misses_nothing(tmp_path: Pat
     assert scan.search() == {}
     listed = []
     real = scan._list
-    monkeypatch.setattr(scan, "_list", lambda folder, st: listed.append(folder) or real(folder, st))
+    monkeypatch.setattr(scan, "_list", lambda folder, st, fd=None: listed.append(folder) or real(folder, st, fd))
     assert scan.search() == {} and listed == []  # nothing changed: nothing listed again
     init(str(ws / "d3" / "e" / "sub"))
     os.utime(ws / "d3" / "e", ns=(0, 0))  # its mtime set back: its ctime still tells
@@ -141,3 +141,76 @@ def test_an_identity_is_never_taken_through_a_link(tmp_path: Path) -> None:
     (ws / "a" / "gd").mkdir()
     cell_init.GitScan(str(ws))._add(found, str(ws / "a" / "gd"), real=False)
     assert list(found) == [str(ws / "a" / "gd")]
+
+
+def _deep(top: Path, levels: int = 24) -> tuple[str, int]:
+    """Folders of 200-character names `levels` deep below `top` (past PATH_MAX), made by descriptor;
+    the path of the deepest and an O_PATH descriptor of it."""
+    fd = os.open(top, os.O_PATH | os.O_DIRECTORY)
+    path = str(top)
+    for _ in range(levels):
+        name = "d" * 200
+        os.mkdir(name, dir_fd=fd)
+        nxt = os.open(name, os.O_PATH | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd, path = nxt, path + "/" + name
+    return path, fd
+
+
+def test_a_git_directory_deeper_than_path_max_is_found(tmp_path: Path) -> None:
+    # Red team: the search listed folders by path, and past PATH_MAX the kernel refuses a path
+    # (ENAMETOOLONG): a repository made that deep stayed writable.
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    path, fd = _deep(ws)
+    try:
+        assert len(path) > 4096
+        os.mkdir(".git", dir_fd=fd)
+        os.mkdir("sub", dir_fd=fd)
+        sub = os.open("sub", os.O_PATH | os.O_DIRECTORY, dir_fd=fd)
+        with open(os.open(".git", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=sub), "w") as f:
+            f.write("gitdir: ../gd\n")
+        os.mkdir("gd", dir_fd=fd)
+        os.close(sub)
+    finally:
+        os.close(fd)
+    found = cell_init.GitScan(str(ws)).search()
+    assert set(found) == {path + "/.git", path + "/sub/.git", path + "/gd"}, [p[-20:] for p in found]
+
+
+def test_a_cell_binds_a_git_directory_deeper_than_path_max(tmp_path: Path) -> None:
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user and mount namespaces here")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    path, fd = _deep(ws)
+    try:
+        os.mkdir(".git", dir_fd=fd)
+    finally:
+        os.close(fd)
+    code = f"""
+import os, sys
+sys.path.insert(0, {os.path.dirname(cell_init.__file__)!r})
+import cell_init
+cell_init.GitGuard({str(ws)!r}).refresh()
+fd = cell_init.open_no_links({str(ws)!r}, {path[len(str(ws)):] + "/.git"!r})
+try:
+    os.open("config", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=os.open(f"/proc/self/fd/{{fd}}", os.O_DIRECTORY))
+    print("WROTE")
+except OSError as e:
+    print("REFUSED", e.errno)
+"""
+    out = subprocess.run(["unshare", "-rm", "python3", "-I", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "REFUSED 30", (out.stdout, out.stderr)  # EROFS
+
+
+def test_a_sandbox_per_command_refuses_a_git_directory_it_cannot_bind(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    _, fd = _deep(ws)
+    try:
+        os.mkdir(".git", dir_fd=fd)
+    finally:
+        os.close(fd)
+    with pytest.raises(bwrap.GateRefused, match="deeper below the workspace than the kernel's path limit"):
+        bwrap.nested_gits(str(ws))

@@ -325,6 +325,7 @@ GATE_TIMEOUT = 10.0
 _SCANS: dict[str, tuple[cell_init.GitScan, threading.Lock]] = {}
 _SCANS_LOCK = threading.Lock()
 _SCANS_KEPT = 64
+_PATH_MAX = 4096
 
 open_no_links = cell_init.open_no_links
 _gitdir_named = cell_init.gitdir_named
@@ -346,6 +347,10 @@ def nested_gits(workspace: str) -> list[tuple[str, Identity]]:
         if scan.stopped:
             log.warning("searched %d entries of %s for nested git directories and stopped (SCAN_ENTRIES); "
                         "any beyond are not made read-only", scan.entries, workspace)
+    if any(len(os.fsencode(path)) >= _PATH_MAX for path in found):  # bwrap binds by path: it could not
+        raise GateRefused("a git directory lies deeper below the workspace than the kernel's path limit (PATH_MAX): "
+                          "a sandbox started per command cannot make it read-only, so no command runs here; remove "
+                          "it, or use cells (TOOLQ_SANDBOX_CELLS=1, the default), which bind it by descriptor")
     return sorted(found.items())
 
 

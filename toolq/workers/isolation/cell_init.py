@@ -34,6 +34,7 @@ import stat
 import struct
 import sys
 import time
+from typing import Callable
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWIPC = 0x20000, 0x20000000, 0x8000000
@@ -305,6 +306,9 @@ GITS_MOST = 256
 #: a change in the same clock tick as the listing would leave its ctime as it was.
 _RACY_NS = 1_000_000_000
 _NO_GIT, _GIT_DIR, _GIT_FILE, _GIT_LINK = 0, 1, 2, 3
+#: Paths this long are opened one component at a time (PATH_MAX is 4096 bytes with its NUL; a
+#: character may be 4 bytes, so by characters the margin is wide).
+_DEEP = 1000
 
 
 class TooManyGits(Exception):
@@ -340,18 +344,26 @@ class GitScan:
         stack, seen, cached, lstat, racy = [self.workspace], 0, self._folders, os.lstat, _RACY_NS
         while stack and seen < SCAN_ENTRIES:
             folder = stack.pop()
+            deep = len(folder) >= _DEEP  # by path the kernel would refuse it (ENAMETOOLONG)
             try:
-                st = lstat(folder)
+                fd = self._open_deep(folder, os.O_RDONLY | os.O_DIRECTORY) if deep else None
             except OSError:
                 continue
-            if st.st_dev != device or not stat.S_ISDIR(st.st_mode):
-                continue
-            known = cached.get(folder)
-            if known is None or known[1] != st.st_ino or known[2] != st.st_ctime_ns or \
-                    known[0] != st.st_dev or known[3] - st.st_ctime_ns <= racy:
-                known = self._list(folder, st)
-                if known is None:
+            try:
+                st = os.fstat(fd) if fd is not None else lstat(folder)
+                if st.st_dev != device or not stat.S_ISDIR(st.st_mode):
                     continue
+                known = cached.get(folder)
+                if known is None or known[1] != st.st_ino or known[2] != st.st_ctime_ns or \
+                        known[0] != st.st_dev or known[3] - st.st_ctime_ns <= racy:
+                    known = self._list(folder, st, fd)
+                    if known is None:
+                        continue
+            except OSError:
+                continue
+            finally:
+                if fd is not None:
+                    os.close(fd)
             folders[folder] = known
             seen += known[6]
             kind = known[5]
@@ -361,7 +373,7 @@ class GitScan:
                     self._add(found, git, real=False)
                 elif kind == _GIT_FILE:
                     self._add(found, git, real=False)
-                    if gitdir := gitdir_named(git):
+                    if gitdir := gitdir_named(git, self._open_deep if len(git) >= _DEEP else None):
                         self._add(found, os.path.join(folder, gitdir))
                 else:
                     self._add(found, git)
@@ -374,12 +386,23 @@ class GitScan:
         self._folders = folders
         return found
 
-    def _list(self, folder: str, st: os.stat_result) -> tuple[int, int, int, int, tuple[str, ...], int, int] | None:
+    def _open_deep(self, path: str, flags: int) -> int:
+        """`path` below the workspace, opened one component at a time (past PATH_MAX, and
+        following no link)."""
+        parent, _, name = path[len(self.workspace):].rpartition("/")
+        base = open_no_links(self.workspace, parent)
+        try:
+            return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=base)
+        finally:
+            os.close(base)
+
+    def _list(self, folder: str, st: os.stat_result,
+              fd: int | None = None) -> tuple[int, int, int, int, tuple[str, ...], int, int] | None:
         listed = time.time_ns()
         subfolders: list[str] = []
         kind, count = _NO_GIT, 0
         try:
-            with os.scandir(folder) as entries:
+            with os.scandir(folder if fd is None else fd) as entries:
                 for entry in entries:
                     count += 1
                     if entry.name == ".git":
@@ -417,10 +440,12 @@ class GitScan:
             found[path] = (st.st_dev, st.st_ino)
 
 
-def gitdir_named(path: str) -> str | None:
-    """The `gitdir: ...` a `.git` file names (read without following links, its first 4 KiB)."""
+def gitdir_named(path: str, opener: Callable[[str, int], int] | None = None) -> str | None:
+    """The `gitdir: ...` a `.git` file names (read without following links, its first 4 KiB).
+    `opener`: how to open `path` (`GitScan._open_deep` past PATH_MAX)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = opener(path, flags) if opener is not None else os.open(path, flags)
     except OSError:
         return None
     try:
