@@ -24,6 +24,30 @@ from toolq.orchestrator.calls import ToolName
 
 log = logging.getLogger("toolq.durable")
 
+MIB = 1024 * 1024
+#: Redis's own cost of one entry of a turn's item list beside its bytes (the list node, the
+#: `Committed` envelope's step and output index), counted for every item so a stream of tiny items
+#: is bounded too.
+ENTRY_OVERHEAD = 96
+#: What a queued call keeps in Redis besides the model's text: the ledger's call record and
+#: indexes, the task message's headers and properties, a worker's result envelope.
+CALL_OVERHEAD = 4096
+#: Flower's `argsrepr`, twice in each task message, holds the call_id (counted apart) and at most
+#: this much more of the arguments: 300 characters of an exec_command's command, each at most 12
+#: bytes once `repr` and JSON have escaped it (dispatch.flower_args).
+ARGSREPR_BYTES = 300 * 12 + 64
+#: The call_id is the model's text, copied (escaped) into the ledger's call record and call_id
+#: index, the task message's `argsrepr` (twice), the output item and the worker's result: each copy
+#: is counted at its most escaped (`argsrepr` holds its `repr`).
+CALL_ID_COPIES = 8
+#: Redis holds what jemalloc gives it, which rounds a large allocation up by as much as a quarter.
+ALLOCATOR_SLACK = 1.25
+#: The item types that become a task message (when bound to a tool) and get an output.
+CALL_TYPES = frozenset({"function_call", "custom_tool_call", "local_shell_call", "tool_search_call"})
+#: The item types that answer a call: the worker's Celery result holds the output a second time.
+OUTPUT_TYPES = frozenset({"function_call_output", "custom_tool_call_output", "tool_search_output"})
+
+
 # KEYS: lease. ARGV: token, ttl ms. Renew only our own lease.
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -114,6 +138,83 @@ class TurnStore:
         settings = TurnSettings.model_validate_json(record["settings"]) if "settings" in record else None
         items = [Committed.model_validate(json.loads(x)) for x in await self.r.lrange(keys.turn_items(turn_id), 0, -1)]
         return record, settings, items
+
+
+def store_error(bound_mb: int) -> str:
+    """The one line a turn stopped at its store bound ends with: the limit, and how to raise it."""
+    return (f"turn stopped: it would keep more than {bound_mb} MiB in Redis (the model's items and the tools' "
+            f"outputs of one turn, kept for `toolq resume`); set TOOLQ_TURN_STORE_MB above {bound_mb} to allow more")
+
+
+_PLAIN_ID = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.:")
+
+
+def _escaped_id(call_id: str | None) -> int:
+    """Bytes of one copy of a call_id at its most escaped: its JSON (ASCII), or its `repr`'s."""
+    if not call_id:
+        return 0
+    if len(call_id) <= 256 and _PLAIN_ID.issuperset(call_id):  # what real servers send: nothing to escape
+        return len(call_id) + 4
+    return max(len(json.dumps(call_id)), len(json.dumps(repr(call_id))))
+
+
+def item_cost(utf8_bytes: int, escaped_bytes: int, type_: str | None, call_id: str | None) -> int:
+    """What keeping one item of a turn costs Redis, about and never less, given its JSON's size as
+    UTF-8 (the turn's item list keeps it so) and with every non-ASCII character escaped (Celery's
+    JSON: a call's task message, base64 on top, and a worker's result)."""
+    cost = utf8_bytes + ENTRY_OVERHEAD
+    if type_ in CALL_TYPES:
+        cost += (CALL_OVERHEAD + -(-escaped_bytes * 4 // 3) + 2 * min(escaped_bytes, ARGSREPR_BYTES)
+                 + CALL_ID_COPIES * _escaped_id(call_id))
+    elif type_ in OUTPUT_TYPES:
+        cost += escaped_bytes
+    return int(cost * ALLOCATOR_SLACK)
+
+
+def wire_cost(obj: dict[str, Any]) -> int:
+    """`item_cost` of an item as wire JSON (what a resumed turn finds in Redis, an output)."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    if text.isascii():
+        utf8 = escaped = len(text)
+    else:
+        utf8, escaped = len(text.encode(errors="replace")), len(json.dumps(obj, separators=(",", ":")))
+    call_id = obj.get("call_id")
+    return item_cost(utf8, escaped, obj.get("type"), call_id if isinstance(call_id, str) else None)
+
+
+class StoreBudget:
+    """What one turn may make toolq keep in Redis (TOOLQ_TURN_STORE_MB), and what it has kept.
+
+    Counted where toolq writes it, before it writes it: each model item at its commit point (the
+    item, and for a call its task message, ledger record and the copies of its call_id), each tool
+    output as the barrier hands it over (the worker's result holds it too), and the conversation a
+    turn starts from (the turn's item list holds it again, for `toolq resume`)."""
+
+    def __init__(self, bound_mb: int, used: int = 0) -> None:
+        self.bound_mb = bound_mb
+        self.bound = bound_mb * MIB
+        self.used = used
+        self.full = used > self.bound
+        """Something was refused or passed the bound: the turn stops (with `error`) before it asks
+        the model again."""
+
+    def take(self, cost: int) -> bool:
+        """Count `cost` if it fits under the bound; False (and `full`) if it does not."""
+        if self.used + cost > self.bound:
+            self.full = True
+            return False
+        self.used += cost
+        return True
+
+    def add(self, cost: int) -> None:
+        """Count what is kept whatever the bound (the history a turn starts from, a refused output's line)."""
+        self.used += cost
+        if self.used > self.bound:
+            self.full = True
+
+    @property
+    def error(self) -> str:
+        return store_error(self.bound_mb)
 
 
 def unanswered(committed: list[Committed]) -> list[tuple[int, list[Committed]]]:

@@ -171,9 +171,11 @@ class Settings(BaseModel):
     """Seconds a running turn's lease outlives its orchestrator's last heartbeat; then the turn
     shows as `orphaned` and `toolq resume` may take it over."""
     max_steps: int = Field(default=100, ge=1)
-    turn_store_mb: int = Field(default=64, ge=1)
-    """What the model's items of one turn may make toolq keep in Redis (for `toolq resume`): a
-    server streaming big items without end must not grow Redis without bound."""
+    turn_store_mb: int = Field(default=64, ge=1, le=1_000_000)
+    """MiB one turn may make toolq keep in Redis (durable.py's `StoreBudget`): the conversation it
+    starts from, the model's items, each call's task message and ledger record, the tools'
+    outputs. A model server streaming big or many items must not grow Redis without bound: past it
+    the turn stops with one line (an output that does not fit is kept as a line saying so)."""
     request_max_retries: int = Field(default=4, ge=0, le=100)
     """Model HTTP retries (5xx, transport errors) before any SSE byte arrives."""
     stream_max_retries: int = Field(default=5, ge=0, le=100)

@@ -10,9 +10,9 @@ dispatched, records the outputs and retries with that history, as Codex does. A 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,13 +23,16 @@ from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, backoff, build_request
 from toolq.orchestrator.conversation import ConversationLease, new_conversation_id
 from toolq.orchestrator.dispatch import Dispatcher
-from toolq.orchestrator.durable import Committed, TurnSettings, TurnStore, unanswered
+from toolq.orchestrator.durable import (Committed, StoreBudget, TurnSettings, TurnStore, item_cost, unanswered,
+                                        wire_cost)
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.fleet import Fleet, cancel_requested, new_turn_id, stop
 from toolq.orchestrator.history import History
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.protocol.events import Usage
 from toolq.orchestrator.protocol.items import (
+    CustomToolCallOutputItem,
+    FunctionCallOutputItem,
     InputText,
     MessageItem,
     ReasoningItem,
@@ -58,7 +61,6 @@ from toolq.orchestrator.turn_events import (
 )
 from toolq.workers.catalog import Catalog
 
-MIB = 1024 * 1024
 log = logging.getLogger("toolq.turn")
 
 # codex-reference.md S11: the record a cancelled turn leaves for the next one.
@@ -163,8 +165,8 @@ class Session:
         """The token of this session's lease on the running turn (durable.py)."""
         self._superseded = False
         """Another orchestrator took the turn over: this session writes nothing more to it."""
-        self._stored = 0
-        """Characters of the model's items the running turn has kept (bounded by TOOLQ_TURN_STORE_MB)."""
+        self._store = StoreBudget(runtime.settings.turn_store_mb)
+        """What the running turn has made toolq keep in Redis, bounded by TOOLQ_TURN_STORE_MB."""
         self.conversation = ConversationLease(runtime.ledger.r, new_conversation_id())
         """Its exec_command sessions live while it is held: from the first turn to `close()`."""
 
@@ -182,9 +184,11 @@ class Session:
         settings = self.rt.settings
         outcome = TurnOutcome(turn_id=turn_id, status="running")
         self._cancel.clear()
-        self._stored = 0
+        self._store = StoreBudget(settings.turn_store_mb)
         emit(TurnStarted(turn_id=turn_id))
         self.history.record(MessageItem(role="user", content=[InputText(text=prompt)]))
+        # The turn's item list starts with the whole conversation so far (for `toolq resume`).
+        self._store.add(sum(wire_cost(obj) for obj in self.history.to_json()))
         deadline = time.time() + settings.turn_timeout
         try:
             await self.rt.follow_fleet_tools()  # MCP hook: this turn offers the MCP tools live workers host now
@@ -192,7 +196,8 @@ class Session:
             await self._hold_conversation(turn_id)
             self._lease = await self.rt.turns.take_lease(turn_id)
             await self.rt.turns.save_settings(turn_id, self._turn_settings(deadline))
-            await self._durable([Committed(item=obj) for obj in self.history.to_json()])
+            if not self._store.full:  # else the loop stops the turn first, having written none of it
+                await self._durable([Committed(item=obj) for obj in self.history.to_json()])
             await self.rt.router.watch_turn(turn_id)
         except REDIS_FAULTS as e:  # nothing ran: one line naming the server, and a turn.failed
             outcome.status, outcome.error = "failed", str(RedisUnreachable(settings.redis_url, e))
@@ -223,7 +228,7 @@ class Session:
         self.workspace = saved.workspace
         self.loaded_tools = set(saved.loaded_tools)
         self.history = History(c.item for c in committed)
-        self._stored = sum(len(json.dumps(c.item)) for c in committed if c.step is not None and c.output_index is not None)
+        self._store = StoreBudget(self.rt.settings.turn_store_mb, sum(wire_cost(c.item) for c in committed))
         outcome = TurnOutcome(turn_id=turn_id, status="running")
         self._cancel.clear()
         emit(TurnStarted(turn_id=turn_id))
@@ -264,7 +269,7 @@ class Session:
         except Exception as e:  # a bug: still one terminal event, a paired history, the calls stopped
             log.exception("the turn loop of %s failed", turn_id)
             if self._step is not None:
-                await self._commit(*await self._step.abort())
+                await self._commit(*await self._kept_outputs(await self._step.abort()))
             outcome.status, outcome.error = "failed", f"toolq failed: {type(e).__name__}: {e}"
         finally:
             cancelled.cancel()
@@ -339,7 +344,7 @@ class Session:
                      started: float) -> None:
         await _stop_loop(inner)
         if self._step is not None:
-            await self._commit(*await self._step.abort())
+            await self._commit(*await self._kept_outputs(await self._step.abort()))
         await self._commit(MessageItem(role="user", content=[InputText(text=TURN_ABORTED)]))
         outcome.status = "cancelled"
         outcome.error = f"turn cancelled after {time.monotonic() - started:.1f}s"
@@ -373,9 +378,12 @@ class Session:
                 if bound is not None:
                     step.add(bound)
             outputs = await step.wait()
-            await self._commit(*outputs)
+            await self._commit(*await self._kept_outputs(outputs))
             self._load_found_tools(outputs)
         while True:
+            if self._store.full:  # the conversation it starts from, or the outputs just kept, fill it
+                outcome.status, outcome.error = "failed", self._store.error
+                return
             if time.time() >= deadline:  # no request that could only queue calls already expired
                 outcome.status = "failed"
                 outcome.error = f"turn stopped: it ran past its deadline (TOOLQ_TURN_TIMEOUT={settings.turn_timeout:g}s)"
@@ -398,10 +406,13 @@ class Session:
                 error = e
             # The barrier, whatever happened to the stream: calls already queued get their outputs.
             outputs = await step.wait()
-            await self._commit(*outputs)
+            await self._commit(*await self._kept_outputs(outputs))
             self._load_found_tools(outputs)
             if step.fatal is not None:
                 outcome.status, outcome.error = "failed", str(step.fatal)
+                return
+            if self._store.full:  # an item refused at the bound, or outputs that did not fit
+                outcome.status, outcome.error = "failed", self._store.error
                 return
             if error is not None:
                 max_retries = self.rt.client.settings.stream_max_retries
@@ -419,37 +430,65 @@ class Session:
 
     async def _sample(self, body: dict[str, Any], step: Step, outcome: TurnOutcome, emit: Emit) -> None:
         index = 0
-        async for event in self.rt.client.stream(body):
-            if event.kind == "item_done":
-                item: ResponseItem = event.item
-                # toolq's own count, not the server's output_index, names the call's task: a server
-                # that repeats an index and a call_id gave its calls one task id, and each answered
-                # with one command's output (found by a red-team helper).
-                output_index = index
-                index += 1
-                if not is_api_item(item):
-                    self.unknown_items += 1
-                    log.info("kept aside an item of unknown type %r", getattr(item, "type", None))
-                    continue
-                self._keep(event.size)
-                # the call is in history (and in Redis) before it is queued
-                await self._commit(item, step=step.ctx.step, output_index=output_index)
-                self._show(item, outcome, emit)
-                bound = self.rt.bind(item, step.ctx, output_index)
-                if bound is not None:
-                    step.add(bound)
-            elif event.kind == "completed" and event.usage is not None:
-                outcome.usage = outcome.usage + event.usage
+        async with aclosing(self.rt.client.stream(body)) as events:  # a stop at the store bound closes it now
+            async for event in events:
+                if event.kind == "item_done":
+                    item: ResponseItem = event.item
+                    # toolq's own count, not the server's output_index, names the call's task: a server
+                    # that repeats an index and a call_id gave its calls one task id, and each answered
+                    # with one command's output (found by a red-team helper).
+                    output_index = index
+                    index += 1
+                    if not is_api_item(item):
+                        self.unknown_items += 1
+                        log.info("kept aside an item of unknown type %r", getattr(item, "type", None))
+                        continue
+                    call_id = getattr(item, "call_id", None)
+                    cost = (item_cost(event.size, event.escaped, item.type, call_id if isinstance(call_id, str) else None)
+                            if event.size else wire_cost(item.to_wire()))
+                    if not self._store.take(cost):  # not recorded, not queued: the turn stops after the barrier
+                        raise ModelError(self._store.error, retryable=False)
+                    # the call is in history (and in Redis) before it is queued
+                    await self._commit(item, step=step.ctx.step, output_index=output_index)
+                    self._show(item, outcome, emit)
+                    bound = self.rt.bind(item, step.ctx, output_index)
+                    if bound is not None:
+                        step.add(bound)
+                elif event.kind == "completed" and event.usage is not None:
+                    outcome.usage = outcome.usage + event.usage
 
-    def _keep(self, size: int) -> None:
-        """Count what the model's next item makes toolq store for this turn; past the bound the
-        turn stops (one line, not retried), its item unrecorded: the calls already queued still get
-        their outputs at the barrier."""
-        self._stored += size
-        bound = self.rt.settings.turn_store_mb
-        if self._stored > bound * MIB:
-            raise ModelError(f"turn stopped: the model's items in this turn passed {bound} MiB, the most toolq keeps "
-                             "for one turn (TOOLQ_TURN_STORE_MB)", retryable=False)
+    async def _kept_outputs(self, outputs: list[Any]) -> list[Any]:
+        """The barrier's outputs as the turn keeps them: each counted against TOOLQ_TURN_STORE_MB,
+        and one that does not fit kept as a line saying so (its call still has exactly one output,
+        which claims nothing about what the call did) and its worker's result deleted; the turn
+        then stops before the next request."""
+        entries = self._step.entries if self._step is not None else []
+        task_ids = [e.call.invocation.task_id if e.call.invocation is not None else None for e in entries]
+        if len(task_ids) != len(outputs):  # not this step's outputs, one per entry: no result to name
+            task_ids = [None] * len(outputs)
+        kept, dropped = [], []
+        for out, task_id in zip(outputs, task_ids):
+            cost = wire_cost(out.to_wire()) if hasattr(out, "to_wire") else 0
+            if self._store.take(cost):
+                kept.append(out)
+                continue
+            if not isinstance(out, (FunctionCallOutputItem, CustomToolCallOutputItem)):  # toolq's own, small
+                self._store.add(cost)
+                kept.append(out)
+                continue
+            stub = out.model_copy(update={"output": (
+                f"[toolq kept no output for this call: its {cost} bytes would have taken this turn past "
+                f"TOOLQ_TURN_STORE_MB ({self._store.bound_mb} MiB), what one turn may keep in Redis]")})
+            self._store.add(wire_cost(stub.to_wire()))
+            kept.append(stub)
+            if task_id is not None:
+                dropped.append(keys.celery_meta(task_id))
+        if dropped:  # the worker's copy of an output the turn does not keep goes too
+            try:
+                await self.rt.router.r.delete(*dropped)
+            except Exception as e:  # it expires by itself (the workers' result_expires)
+                log.warning("could not delete %d result(s) of %s: %s", len(dropped), self.turn_id, e)
+        return kept
 
     def _show(self, item: ResponseItem, outcome: TurnOutcome, emit: Emit) -> None:
         if isinstance(item, MessageItem) and item.role == "assistant":

@@ -81,7 +81,10 @@ class OutputItemDone(BaseModel):
     """Absent on some servers (and in Codex's own fixtures)."""
     item: ResponseItem
     size: int = 0
-    """Characters of the event as the server sent it: what keeping the item costs, about."""
+    """Bytes (UTF-8) of the event as the server sent it: never less than the item's own JSON."""
+    escaped: int = 0
+    """Never less than the item's JSON with every non-ASCII character escaped, as Celery's JSON
+    writes it (3 bytes per byte at most: `\\u00e9` for the two bytes of an `é`)."""
 
 
 class TextDelta(BaseModel):
@@ -269,7 +272,11 @@ class EventDecoder:
         if event is None:
             self.skipped[f"bad_fields:{type_}"] += 1
         elif isinstance(event, OutputItemDone):
-            event.size = len(data)
+            if data.isascii():
+                event.size = event.escaped = len(data)
+            else:
+                event.size = len(data.encode(errors="replace"))
+                event.escaped = 3 * event.size
         return event
 
 
