@@ -101,6 +101,9 @@ def _attacks(v: dict[str, Path]) -> dict[str, str]:
             "        pass\n"
             "t.join(); print('RACED', done)\""
         ),
+        # No pid namespace: the worker's session host (the command's parent) is a process of the
+        # same uid, whose limits a command could lower (no descriptors left: no command served).
+        "call_prlimit": "prlimit --pid $PPID --nofile=5:5; echo rc=$?; prlimit --pid $PPID --nproc=1:1; echo rc=$?",
         # The session host: its socket is in /proc/net/unix; a request naming / as the workspace.
         "call_host": (
             f"{PY} \"import json, socket\n"
@@ -167,6 +170,7 @@ def test_a_landlock_command_changes_no_metadata_outside_its_workspace(drive, lan
     assert "Operation not permitted" in out["call_chmod"][1], out["call_chmod"]
     assert "RACED" in out["call_race"][1], out["call_race"]  # the race ran (its own file's chmods pass)
     assert "Operation not supported" in out["call_xattr"][1], out["call_xattr"]
+    assert "rc=0" not in out["call_prlimit"][1] and "rc=1" in out["call_prlimit"][1], out["call_prlimit"]
 
 
 def test_a_landlock_command_cannot_reach_the_session_host(drive, landlock_worker, tmp_path):

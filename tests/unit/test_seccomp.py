@@ -75,6 +75,8 @@ def test_landlock_hands_metadata_calls_to_the_worker_and_refuses_unix_sockets(ma
             assert verdict(program, machine, nr[name], *args) == errno.EPERM, name  # never reaches the worker
     for name in cell_init.NO_ATTRIBUTES:
         assert verdict(program, machine, nr[name], 0, 0) == errno.EOPNOTSUPP, name
+    assert verdict(program, machine, nr["prlimit64"], 0, 7, 0, 0) == ALLOW  # its own limits
+    assert verdict(program, machine, nr["prlimit64"], 4242, 7, 0, 0) == errno.EPERM  # the worker's
     off = cell_init.seccomp_program(True, machine, deny_unix=True, metadata=True)
     assert verdict(off, machine, nr["socket"], 2, 1) == errno.EACCES  # network off: every family
     # The other backends keep what they had: their mounts confine metadata already.
@@ -82,6 +84,7 @@ def test_landlock_hands_metadata_calls_to_the_worker_and_refuses_unix_sockets(ma
     assert verdict(plain, machine, nr["socket"], 1, 1) == ALLOW
     assert verdict(plain, machine, nr["fchmodat"], 0, 0, 0o755) == ALLOW
     assert verdict(plain, machine, nr["utimensat"], 0, 0, 0, 0) == ALLOW
+    assert verdict(plain, machine, nr["prlimit64"], 4242, 7, 0, 0) == ALLOW  # a pid namespace of its own
 
 
 @pytest.mark.parametrize("machine", MACHINES)

@@ -181,7 +181,7 @@ _NR = {
                "chown": 92, "fchown": 93, "lchown": 94, "fchownat": 260, "utime": 132, "utimes": 235,
                "futimesat": 261, "utimensat": 280, "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190,
                "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199, "setxattrat": 463,
-               "removexattrat": 466, "file_setattr": 469, "seccomp": 317},
+               "removexattrat": 466, "file_setattr": 469, "seccomp": 317, "prlimit64": 302},
     "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "io_uring_setup": 425, "io_uring_enter": 426,
                 "io_uring_register": 427, "openat2": 437, "clone3": 435, "chmod": None, "fchmod": 52,
                 "fchmodat": 53, "fchmodat2": 452, "open": None, "creat": None, "openat": 56, "mkdir": None,
@@ -190,7 +190,7 @@ _NR = {
                "chown": None, "fchown": 55, "lchown": None, "fchownat": 54, "utime": None, "utimes": None,
                "futimesat": None, "utimensat": 88, "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7,
                "removexattr": 14, "lremovexattr": 15, "fremovexattr": 16, "setxattrat": 463,
-               "removexattrat": 466, "file_setattr": 469, "seccomp": 277},
+               "removexattrat": 466, "file_setattr": 469, "seccomp": 277, "prlimit64": 261},
 }
 #: Refused outright, with ENOSYS so that programs fall back: the keyrings; io_uring (sockets past a
 #: socket(2) filter); bpf, perf_event_open, userfaultfd and kexec, kernel attack surface no build
@@ -224,8 +224,10 @@ def seccomp_program(deny_sockets: bool = False, machine: str | None = None, *, d
     could reach the same calls by other numbers. `deny_sockets`: socket(2) fails with EACCES
     (Landlock with the network off); `deny_unix`: only for AF_UNIX (Landlock with the network on:
     it does not confine connecting to a socket by its path, the session host's included).
-    `metadata`: `SUPERVISED` and chmod go to a user-notification listener, `NO_ATTRIBUTES` fail
-    (Landlock). `machine`: this one's unless given (`uname -m`)."""
+    `metadata`: `SUPERVISED` and chmod go to a user-notification listener, `NO_ATTRIBUTES` fail,
+    and prlimit(2) works on the caller only (Landlock: the worker is a process of the same uid, in
+    the same pid namespace, whose limits a command lowered). `machine`: this one's unless given
+    (`uname -m`)."""
     machine = machine or os.uname().machine
     if machine not in _NR:
         return None
@@ -252,6 +254,8 @@ def seccomp_program(deny_sockets: bool = False, machine: str | None = None, *, d
         if name in nr:
             program += [(jeq, 0, 1, nr[name]), notify]
     # Each block below reads an argument, so it ends with a verdict instead of falling through.
+    if metadata:  # Landlock has no pid namespace: another process of the uid (the worker) is in reach
+        program += [(jeq, 0, 4, nr["prlimit64"]), arg(0), (jeq, 1, 0, 0), eperm, allow]
     if deny_unix and not deny_sockets:
         program += [(jeq, 0, 4, nr["socket"]), arg(0), (jeq, 0, 1, _AF_UNIX), eacces, allow]
     for name, mode, flags in MODE_ARGS:
