@@ -109,6 +109,8 @@ def _read_path(pid: int, address: int) -> bytes:
                 raise _Refused(errno.EFAULT) from None
             end = chunk.find(b"\0")
             if end >= 0:
+                if len(found) + end >= PATH_MAX:  # as the kernel: PATH_MAX counts the NUL
+                    break
                 return found + chunk[:end]
             if not chunk:
                 raise _Refused(errno.EFAULT)
