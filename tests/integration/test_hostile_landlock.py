@@ -45,9 +45,7 @@ def _victims(folder: Path, uid: int, gid: int) -> dict[str, Path]:
 @pytest.fixture(scope="module", params=[False, True], ids=["landlock-root", "landlock-user"])
 def landlock_worker(request, locked_redis, tmp_path_factory):  # noqa: F811 - the fixture above
     user = request.param
-    if user and (why := unprivileged.unavailable()):
-        pytest.skip(f"no unprivileged worker here: {why}")
-    folder = unprivileged.owned_dir("toolq-victims-") if user else tmp_path_factory.mktemp("victims")
+    folder = unprivileged.worker_folder(user, tmp_path_factory, "victims")
     folder.chmod(0o755)
     uid, gid = unprivileged.ids() if user else (0, 0)
     victims = _victims(folder, uid, gid)

@@ -31,9 +31,7 @@ SECRETS = (OPENAI_KEY, FLOWER_PASSWORD, REDIS_PASSWORD, c.SIGNING_KEY)
 @pytest.fixture(scope="module", params=[False, True], ids=["root", "user"])
 def mcp_worker(request, locked_redis, tmp_path_factory):  # noqa: F811 - the fixture above
     user = request.param
-    if user and (why := unprivileged.unavailable()):
-        pytest.skip(f"no unprivileged worker here: {why}")
-    folder = unprivileged.owned_dir("toolq-mcp-") if user else tmp_path_factory.mktemp("mcp")
+    folder = unprivileged.worker_folder(user, tmp_path_factory, "mcp")
     config = folder / "mcp.toml"
     config.write_text(f'[mcp_servers.reader]\ncommand = "{sys.executable}"\nargs = ["{READER}"]\n')
     config.chmod(0o644)

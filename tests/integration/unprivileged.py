@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import toolq
 from toolq.orchestrator.embedded import WorkerProcess
 
@@ -102,6 +104,14 @@ def owned_dir(prefix: str) -> Path:
     d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     os.chown(d, uid, gid)
     return d
+
+
+def worker_folder(user: bool, tmp_path_factory: Any, name: str) -> Path:
+    """A folder for a worker's files: one the user owns for an unprivileged worker (skipped where
+    there can be none), else a pytest folder of root's."""
+    if user and (why := unavailable()):
+        pytest.skip(f"no unprivileged worker here: {why}")
+    return owned_dir(f"toolq-{name}-") if user else tmp_path_factory.mktemp(name)
 
 
 class UserWorkerProcess(WorkerProcess):

@@ -178,16 +178,22 @@ def test_a_git_directory_deeper_than_path_max_is_found(tmp_path: Path) -> None:
     assert set(found) == {path + "/.git", path + "/sub/.git", path + "/gd"}, [p[-20:] for p in found]
 
 
-def test_a_cell_binds_a_git_directory_deeper_than_path_max(tmp_path: Path) -> None:
-    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
-        pytest.skip("no user and mount namespaces here")
-    ws = tmp_path / "ws"
+def _deep_repository(ws: Path) -> str:
+    """A workspace `ws` with a git directory past PATH_MAX: the path of the folder holding it."""
     ws.mkdir()
     path, fd = _deep(ws)
     try:
         os.mkdir(".git", dir_fd=fd)
     finally:
         os.close(fd)
+    return path
+
+
+def test_a_cell_binds_a_git_directory_deeper_than_path_max(tmp_path: Path) -> None:
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user and mount namespaces here")
+    ws = tmp_path / "ws"
+    path = _deep_repository(ws)
     code = f"""
 import os, sys
 sys.path.insert(0, {os.path.dirname(cell_init.__file__)!r})
@@ -206,11 +212,6 @@ except OSError as e:
 
 def test_a_sandbox_per_command_refuses_a_git_directory_it_cannot_bind(tmp_path: Path) -> None:
     ws = tmp_path / "ws"
-    ws.mkdir()
-    _, fd = _deep(ws)
-    try:
-        os.mkdir(".git", dir_fd=fd)
-    finally:
-        os.close(fd)
+    _deep_repository(ws)
     with pytest.raises(bwrap.GateRefused, match="deeper below the workspace than the kernel's path limit"):
         bwrap.nested_gits(str(ws))
