@@ -235,7 +235,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox", "sessions", "mcp", "streaming",
-              "limits", "throughput", "coldstart", "history", "callcpu")
+              "limits", "throughput", "coldstart", "history", "callcpu", "metadata")
 #: Run only when named: not a timing but a fault campaign on a stack of its own (--turns, --seed).
 CAMPAIGNS = ("chaos",)
 
