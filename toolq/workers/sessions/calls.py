@@ -7,6 +7,7 @@ from pathlib import Path
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, ToolReturn
+from toolq.workers.exec_output import format_exec_output
 from toolq.workers.sandbox import CallCancelled
 from toolq.workers.sessions import client
 from toolq.workers.sessions.protocol import ExecRequest, Reply, WriteRequest
@@ -47,8 +48,6 @@ def _call(request: ExecRequest | WriteRequest, ctx: ToolContext, yield_ms: float
 
 
 def to_return(reply: Reply, max_tokens: int) -> ToolReturn:
-    from toolq.workers.tools.exec_command import format_exec_output
-
     content = client.output_text(reply)
     if reply.limit_note:
         content += f"\n[{reply.limit_note}]\n"

@@ -8,16 +8,15 @@ a session (toolq/workers/sessions); otherwise it runs to completion or to its ti
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from toolq.orchestrator.errors import RespondToModel
-from toolq.orchestrator.truncate import TruncationPolicy, approx_token_count, formatted_truncate_text
 from toolq.workers import isolation
 from toolq.workers.catalog import ToolContext, ToolReturn, tool
+from toolq.workers.exec_output import format_exec_output
 from toolq.workers.sandbox import CallCancelled, run_command
 from toolq.workers.sessions import calls as sessions
 from toolq.workers.workspace import resolve_in_workspace
@@ -123,26 +122,6 @@ def exec_command(args: ExecCommandArgs, ctx: ToolContext) -> ToolReturn:
         content += f"\n[{result.limit_note}]\n"
     text = format_exec_output(content, exit_code, result.wall_time, min(budget, MAX_OUTPUT_TOKENS_CAP))
     return ToolReturn(output=text, success=exit_code == 0, exit_code=exit_code)
-
-
-def format_exec_output(content: str, exit_code: int | None, wall_time: float, max_tokens: int, *,
-                       session_id: int | None = None) -> str:
-    """Codex's unified-exec response text (codex-reference.md §5 rules 7 and 8); with a
-    `session_id`, the process is still running."""
-    status = (f"Process running with session ID {session_id}" if session_id is not None
-              else f"Process exited with code {exit_code}")
-    tokens = approx_token_count(content)
-    if tokens > max_tokens:
-        content = f"Warning: truncated output (original token count: {tokens})\n" + formatted_truncate_text(
-            content, TruncationPolicy.tokens(max_tokens)
-        )
-    return (
-        f"Chunk ID: {secrets.token_hex(3)}\n"
-        f"Wall time: {wall_time:.4f} seconds\n"
-        f"{status}\n"
-        f"Original token count: {tokens}\n"
-        f"Output:\n{content}"
-    )
 
 
 def spawn_failure_text(error: OSError) -> str:
