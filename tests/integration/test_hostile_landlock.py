@@ -17,6 +17,7 @@ forged request, while the same calls on workspace files still work.
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -32,7 +33,7 @@ MTIME = 1_000_000_000  # the victims' times, set by the test
 
 def _victims(folder: Path, uid: int, gid: int) -> dict[str, Path]:
     made = {}
-    for name in ("plain", "by_fd", "by_link", "by_proc", "times", "attrs", "owner", "race"):
+    for name in ("plain", "by_fd", "by_link", "by_proc", "times", "attrs", "owner", "race", "linked"):
         path = folder / name
         path.write_text("the host's\n")
         os.chown(path, uid, gid)
@@ -102,6 +103,31 @@ def _attacks(v: dict[str, Path]) -> dict[str, str]:
         # No pid namespace: the worker's session host (the command's parent) is a process of the
         # same uid, whose limits a command could lower (no descriptors left: no command served).
         "call_prlimit": "prlimit --pid $PPID --nofile=5:5; echo rc=$?; prlimit --pid $PPID --nproc=1:1; echo rc=$?",
+        # Inode flags by ioctl on a descriptor opened for reading (FS_IOC_SETFLAGS, nodump).
+        "call_ioctl": (f"{PY} \"import fcntl, os, struct; fd = os.open('{v['by_fd']}', os.O_RDONLY)\n"
+                       "try:\n    fcntl.ioctl(fd, 0x40086602, struct.pack('l', 0x40)); print('SET')\n"
+                       "except OSError as e:\n    print('ioctl errno', e.errno)\""),
+        # The worker's scheduling: its nice value, CPUs, policy and I/O class (as nobody these
+        # passed: same uid, no capability asked); then the command's own, which still works.
+        "call_sched": (f"{PY} \"import ctypes, os\n"
+                       "libc = ctypes.CDLL(None, use_errno=True)\n"
+                       "tries = dict(nice=lambda: os.setpriority(os.PRIO_PROCESS, os.getppid(), 19),\n"
+                       "    user=lambda: os.setpriority(os.PRIO_USER, 0, 19),\n"
+                       "    cpus=lambda: os.sched_setaffinity(os.getppid(), {0}),\n"
+                       "    idle=lambda: os.sched_setscheduler(os.getppid(), os.SCHED_IDLE, os.sched_param(0)),\n"
+                       "    io=lambda: libc.syscall(251, 1, os.getppid(), 3 << 13) == 0 or (_ for _ in ()).throw(OSError(ctypes.get_errno(), 'io')))\n"
+                       "for name, f in tries.items():\n"
+                       "    try:\n        f(); print(name, 'CHANGED')\n"
+                       "    except OSError as e:\n        print(name, 'errno', e.errno)\n"
+                       "os.nice(1); os.sched_setaffinity(0, os.sched_getaffinity(0)); print('OWN-OK')\""),
+        # A datagram socket pair sends to any socket by its path.
+        "call_dgram": (f"{PY} \"import socket\n"
+                       "try:\n    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+                       f"    a.sendto(b'forged', '{v['plain'].parent}/log.sock'); print('SENT')\n"
+                       "except OSError as e:\n    print('dgram errno', e.errno)\n"
+                       "a, b = socket.socketpair(); a.sendall(b'x'); print('PAIR-OK', b.recv(1))\""),
+        # A file of the workspace hard-linked to one outside (a local git clone's objects).
+        "call_linked": "chmod 0666 linked; touch -d @5 linked; stat -c %a linked",
         # The session host: its socket is in /proc/net/unix; a request naming / as the workspace.
         "call_host": (
             f"{PY} \"import json, socket\n"
@@ -154,6 +180,13 @@ def test_a_landlock_command_changes_no_metadata_outside_its_workspace(drive, lan
     before = {name: _metadata(path) for name, path in v.items()}
     ws = landlock_worker.workspace(tmp_path)
     (ws / "own_listener.py").write_text(OWN_LISTENER)
+    os.link(v["linked"], ws / "linked")
+    log = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # as /dev/log would be
+    log_path = v["plain"].parent / "log.sock"
+    log_path.unlink(missing_ok=True)
+    log.bind(str(log_path))
+    log_path.chmod(0o777)
+    log.setblocking(False)
     attacks = {**_attacks(v), "call_own_listener": f"python3 own_listener.py {v['plain']}"}
     if os.uname().machine != "x86_64":
         del attacks["call_own_listener"]  # its syscall numbers are x86_64's
@@ -169,6 +202,14 @@ def test_a_landlock_command_changes_no_metadata_outside_its_workspace(drive, lan
     assert "RACED" in out["call_race"][1], out["call_race"]  # the race ran (its own file's chmods pass)
     assert "Operation not supported" in out["call_xattr"][1], out["call_xattr"]
     assert "rc=0" not in out["call_prlimit"][1] and "rc=1" in out["call_prlimit"][1], out["call_prlimit"]
+    assert "ioctl errno 95" in out["call_ioctl"][1], out["call_ioctl"]
+    sched = out["call_sched"][1]
+    assert "CHANGED" not in sched and sched.count("errno 1") == 5 and "OWN-OK" in sched, sched
+    assert "dgram errno 13" in out["call_dgram"][1] and "PAIR-OK" in out["call_dgram"][1], out["call_dgram"]
+    with pytest.raises(BlockingIOError):
+        log.recv(100)  # nothing arrived
+    log.close()
+    assert "Operation not permitted" in out["call_linked"][1], out["call_linked"]
 
 
 def test_a_landlock_command_cannot_reach_the_session_host(drive, landlock_worker, tmp_path):

@@ -99,6 +99,11 @@ def test_only_files_of_the_uid_inside_a_writable_root_pass(tmp_path):
     try:
         with pytest.raises(metadata._Refused):  # another uid's
             metadata._allowed(fd, metadata.Command((str(ws),), os.geteuid() + 1))
+        os.link(ws / "f", tmp_path / "elsewhere")
+        with pytest.raises(metadata._Refused):  # a second name, which may lie outside
+            metadata._allowed(fd, command)
+        os.unlink(tmp_path / "elsewhere")
+        metadata._allowed(fd, command)
         os.unlink(ws / "f")
         with pytest.raises(metadata._Refused):  # removed: where it lived is not known any more
             metadata._allowed(fd, command)

@@ -77,6 +77,20 @@ def test_landlock_hands_metadata_calls_to_the_worker_and_refuses_unix_sockets(ma
         assert verdict(program, machine, nr[name], 0, 0) == errno.EOPNOTSUPP, name
     assert verdict(program, machine, nr["prlimit64"], 0, 7, 0, 0) == ALLOW  # its own limits
     assert verdict(program, machine, nr["prlimit64"], 4242, 7, 0, 0) == errno.EPERM  # the worker's
+    for name, _ in cell_init.OWN_PROCESS_ONLY:
+        assert verdict(program, machine, nr[name], 0, 1, 0) == ALLOW, name
+        assert verdict(program, machine, nr[name], 4242, 1, 0) == errno.EPERM, name
+    for name, which in cell_init.WHO_SELF_ONLY:
+        assert verdict(program, machine, nr[name], which, 0, 19) == ALLOW, name
+        assert verdict(program, machine, nr[name], which, 4242, 19) == errno.EPERM, name
+        assert verdict(program, machine, nr[name], which + 1, 0, 19) == errno.EPERM, name  # a group, a user
+    for code in cell_init.FILE_IOCTLS:
+        assert verdict(program, machine, nr["ioctl"], 3, code) == errno.EOPNOTSUPP, hex(code)
+    assert verdict(program, machine, nr["ioctl"], 3, 0x5401) == ALLOW  # TCGETS: a terminal's
+    assert verdict(program, machine, nr["socketpair"], 1, 1) == ALLOW  # AF_UNIX, SOCK_STREAM
+    assert verdict(program, machine, nr["socketpair"], 1, 1 | 0o2000000) == ALLOW  # with SOCK_CLOEXEC
+    for kind in (2, 3, 4, 5):  # DGRAM, RAW, RDM, SEQPACKET
+        assert verdict(program, machine, nr["socketpair"], 1, kind) == errno.EACCES, kind
     off = cell_init.seccomp_program(True, machine, deny_unix=True, metadata=True)
     assert verdict(off, machine, nr["socket"], 2, 1) == errno.EACCES  # network off: every family
     # The other backends keep what they had: their mounts confine metadata already.
@@ -85,6 +99,8 @@ def test_landlock_hands_metadata_calls_to_the_worker_and_refuses_unix_sockets(ma
     assert verdict(plain, machine, nr["fchmodat"], 0, 0, 0o755) == ALLOW
     assert verdict(plain, machine, nr["utimensat"], 0, 0, 0, 0) == ALLOW
     assert verdict(plain, machine, nr["prlimit64"], 4242, 7, 0, 0) == ALLOW  # a pid namespace of its own
+    assert verdict(plain, machine, nr["ioctl"], 3, cell_init.FILE_IOCTLS[0]) == ALLOW  # its mounts confine it
+    assert verdict(plain, machine, nr["socketpair"], 1, 2) == ALLOW
 
 
 @pytest.mark.parametrize("machine", MACHINES)

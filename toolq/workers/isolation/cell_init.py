@@ -181,7 +181,9 @@ _NR = {
                "chown": 92, "fchown": 93, "lchown": 94, "fchownat": 260, "utime": 132, "utimes": 235,
                "futimesat": 261, "utimensat": 280, "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190,
                "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199, "setxattrat": 463,
-               "removexattrat": 466, "file_setattr": 469, "seccomp": 317, "prlimit64": 302},
+               "removexattrat": 466, "file_setattr": 469, "seccomp": 317, "prlimit64": 302,
+               "ioctl": 16, "setpriority": 141, "sched_setparam": 142, "sched_setscheduler": 144,
+               "sched_setaffinity": 203, "sched_setattr": 314, "ioprio_set": 251, "socketpair": 53},
     "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "io_uring_setup": 425, "io_uring_enter": 426,
                 "io_uring_register": 427, "openat2": 437, "clone3": 435, "chmod": None, "fchmod": 52,
                 "fchmodat": 53, "fchmodat2": 452, "open": None, "creat": None, "openat": 56, "mkdir": None,
@@ -190,7 +192,9 @@ _NR = {
                "chown": None, "fchown": 55, "lchown": None, "fchownat": 54, "utime": None, "utimes": None,
                "futimesat": None, "utimensat": 88, "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7,
                "removexattr": 14, "lremovexattr": 15, "fremovexattr": 16, "setxattrat": 463,
-               "removexattrat": 466, "file_setattr": 469, "seccomp": 277, "prlimit64": 261},
+               "removexattrat": 466, "file_setattr": 469, "seccomp": 277, "prlimit64": 261,
+               "ioctl": 29, "setpriority": 140, "sched_setparam": 118, "sched_setscheduler": 119,
+               "sched_setaffinity": 122, "sched_setattr": 274, "ioprio_set": 30, "socketpair": 199},
 }
 #: Refused outright, with ENOSYS so that programs fall back: the keyrings; io_uring (sockets past a
 #: socket(2) filter); bpf, perf_event_open, userfaultfd and kexec, kernel attack surface no build
@@ -211,6 +215,17 @@ NAMESPACE_ARGS = (("unshare", 0), ("clone", 0))
 #: (past the setuid check) and these go to the worker's supervisor (`metadata.py`), which makes
 #: them itself, inside the command's writable roots only.
 SUPERVISED = ("chown", "fchown", "lchown", "fchownat", "utime", "utimes", "futimesat", "utimensat")
+#: Under Landlock, calls that name another process by pid work on the caller only (argument
+#: index of the pid); the worker is a process of the same uid beside the command.
+OWN_PROCESS_ONLY = (("prlimit64", 0), ("sched_setparam", 0), ("sched_setscheduler", 0), ("sched_setaffinity", 0),
+                    ("sched_setattr", 0))
+#: (call, the `which` naming one process): with any other `which` (a group, a user) or a `who`
+#: other than 0, refused: `setpriority(PRIO_USER, 0, 19)` would renice the worker too.
+WHO_SELF_ONLY = (("setpriority", 0), ("ioprio_set", 1))
+#: ioctl requests that change an inode (flags, version, project, verity, encryption, ext4
+#: migration) refused under Landlock: they need only a descriptor open for reading.
+FILE_IOCTLS = (0x40086602, 0x40046602, 0x401C5820, 0x40087602, 0x40047602, 0x40806685, 0x800C6613, 0x6609)
+_NOT_STREAM = 0xE  # SOCK_STREAM is 1; DGRAM 2, RAW 3, RDM 4, SEQPACKET 5 all have a bit here
 #: Refused with EOPNOTSUPP under Landlock (ACLs and extended attributes are not supported there;
 #: `cp -a` and tar skip them quietly): an ACL would grant another user a host file.
 NO_ATTRIBUTES = ("setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setxattrat",
@@ -254,8 +269,20 @@ def seccomp_program(deny_sockets: bool = False, machine: str | None = None, *, d
         if name in nr:
             program += [(jeq, 0, 1, nr[name]), notify]
     # Each block below reads an argument, so it ends with a verdict instead of falling through.
-    if metadata:  # Landlock has no pid namespace: another process of the uid (the worker) is in reach
-        program += [(jeq, 0, 4, nr["prlimit64"]), arg(0), (jeq, 1, 0, 0), eperm, allow]
+    if metadata:
+        # Landlock has no pid namespace: another process of the uid (the worker) is in reach by pid.
+        for name, pid in OWN_PROCESS_ONLY:
+            program += [(jeq, 0, 4, nr[name]), arg(pid), (jeq, 1, 0, 0), eperm, allow]
+        for name, which in WHO_SELF_ONLY:  # (which, who): this process only
+            program += [(jeq, 0, 6, nr[name]), arg(0), (jeq, 0, 2, which), arg(1), (jeq, 1, 0, 0), eperm, allow]
+        # Inode flags and the like, on any file the command can open (Landlock checks the open only).
+        codes = FILE_IOCTLS
+        program += [(jeq, 0, len(codes) + 3, nr["ioctl"]), arg(1),
+                    *[(jeq, len(codes) - i, 0, code) for i, code in enumerate(codes)],
+                    allow, (ret, 0, 0, _SECCOMP_RET_ERRNO | _EOPNOTSUPP)]
+        # A datagram socket pair sends to any socket by its path (`sendto`): /dev/log, systemd's.
+        program += [(jeq, 0, 6, nr["socketpair"]), arg(0), (jeq, 0, 3, _AF_UNIX), arg(1),
+                    (jset, 0, 1, _NOT_STREAM), eacces, allow]
     if deny_unix and not deny_sockets:
         program += [(jeq, 0, 4, nr["socket"]), arg(0), (jeq, 0, 1, _AF_UNIX), eacces, allow]
     for name, mode, flags in MODE_ARGS:

@@ -11,7 +11,8 @@ path for these calls, so the command's seccomp filter hands them to this module
   working directory or directory fd, without magic links (`/proc/self/...` would be the
   worker's); a path changed after the read is not what is resolved, nor looked up again;
 - the resolved file, held by descriptor, must lie in one of the command's writable roots (its
-  workspace, its temporary directory) and belong to the command's uid; then the worker makes the
+  workspace, its temporary directory), belong to the command's uid and have no second name
+  (a hard link may lie outside: a local `git clone` links its objects); then the worker makes the
   call on that descriptor, as the kernel would (a capability-less owner's rules: no setuid bit,
   an owner unchanged, a group the uid is in), and answers with its result;
 - anything else fails with EPERM, which is what the command sees (`chmod: changing permissions
@@ -177,6 +178,10 @@ def _allowed(fd: int, command: Command) -> os.stat_result:
         raise _Refused(errno.EPERM)
     st = os.fstat(fd)
     if st.st_uid != command.uid:
+        raise _Refused(errno.EPERM)
+    if not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1:
+        # Another name may lie outside (a local `git clone` hard-links its objects): a mode made
+        # here would open that file too. apply_patch never writes such a file either.
         raise _Refused(errno.EPERM)
     return st
 
