@@ -121,3 +121,14 @@ def test_the_budget_refuses_what_would_pass_it_and_says_so_in_one_line():
     carried = StoreBudget(1)
     carried.add(2 * MIB)  # a conversation bigger than the bound: kept, and the turn must stop
     assert carried.full
+
+
+@pytest.mark.parametrize("text", HOSTILE.values(), ids=HOSTILE.keys())
+def test_an_earlier_turns_call_costs_only_its_copy_in_the_item_list(text):
+    # A conversation's past calls have no task message or result in this turn: counting them as
+    # new calls filled the bound ~55 times too soon (a long session stopped after ~10,000 calls).
+    call = {"type": "function_call", "call_id": "call_1", "name": "exec_command", "arguments": text}
+    stored = len(Committed(item=call).model_dump_json(exclude_none=True).encode())
+    assert stored <= wire_cost(call, history=True) < wire_cost(call)
+    plain = {"type": "function_call", "call_id": "call_1", "name": "exec_command", "arguments": "{}"}
+    assert wire_cost(plain) > 20 * wire_cost(plain, history=True)

@@ -171,13 +171,17 @@ def item_cost(utf8_bytes: int, escaped_bytes: int, type_: str | None, call_id: s
     return int(cost * ALLOCATOR_SLACK)
 
 
-def wire_cost(obj: dict[str, Any]) -> int:
-    """`item_cost` of an item as wire JSON (what a resumed turn finds in Redis, an output)."""
+def wire_cost(obj: dict[str, Any], *, history: bool = False) -> int:
+    """`item_cost` of an item as wire JSON (what a resumed turn finds in Redis, an output).
+    `history`: an item of an earlier turn, which this turn's item list holds again, and nothing
+    else (its call's task message and result belong to the turn that made it)."""
     text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
     if text.isascii():
         utf8 = escaped = len(text)
     else:
         utf8, escaped = len(text.encode(errors="replace")), len(json.dumps(obj, separators=(",", ":")))
+    if history:
+        return item_cost(utf8, escaped, None, None)
     call_id = obj.get("call_id")
     return item_cost(utf8, escaped, obj.get("type"), call_id if isinstance(call_id, str) else None)
 

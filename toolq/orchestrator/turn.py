@@ -188,7 +188,7 @@ class Session:
         emit(TurnStarted(turn_id=turn_id))
         self.history.record(MessageItem(role="user", content=[InputText(text=prompt)]))
         # The turn's item list starts with the whole conversation so far (for `toolq resume`).
-        self._store.add(sum(wire_cost(obj) for obj in self.history.to_json()))
+        self._store.add(sum(wire_cost(obj, history=True) for obj in self.history.to_json()))
         deadline = time.time() + settings.turn_timeout
         try:
             await self.rt.follow_fleet_tools()  # MCP hook: this turn offers the MCP tools live workers host now
@@ -228,7 +228,10 @@ class Session:
         self.workspace = saved.workspace
         self.loaded_tools = set(saved.loaded_tools)
         self.history = History(c.item for c in committed)
-        self._store = StoreBudget(self.rt.settings.turn_store_mb, sum(wire_cost(c.item) for c in committed))
+        # This turn's own items (those with a step) cost what they did; the conversation it started
+        # from, only the copy in the item list.
+        self._store = StoreBudget(self.rt.settings.turn_store_mb,
+                                  sum(wire_cost(c.item, history=c.step is None) for c in committed))
         outcome = TurnOutcome(turn_id=turn_id, status="running")
         self._cancel.clear()
         emit(TurnStarted(turn_id=turn_id))
