@@ -63,20 +63,41 @@ def test_a_link_loop_is_refused_not_raised(tmp_path):
     assert workspace_problem(tmp_path / "loop").startswith(f"workspace {tmp_path / 'loop'} cannot be resolved")
 
 
-def test_a_users_home_outside_home_or_a_folder_holding_one_is_refused(monkeypatch):
-    # Red team: homes outside /home (postgres', www-data's, a site's /data/users/bob) were accepted,
-    # and a command writes the dotfiles that run at that user's next login.
+@pytest.fixture
+def password_database(monkeypatch):
+    """Stand-in users for the workspace rules (their homes are read once per process)."""
     import pwd
 
     from toolq.orchestrator import settings
 
-    users = [pwd.struct_passwd(("postgres", "x", 101, 101, "", "/var/lib/postgresql", "/bin/bash")),
-             pwd.struct_passwd(("bob", "x", 1001, 1001, "", "/data/users/bob/", "/bin/bash")),
-             pwd.struct_passwd(("daemon", "x", 1, 1, "", "/", "/usr/sbin/nologin"))]
-    monkeypatch.setattr(settings.pwd, "getpwall", lambda: users)
+    def users(*entries: tuple[str, str]) -> None:
+        rows = [pwd.struct_passwd((name, "x", 1000 + i, 1000 + i, "", home, "/bin/bash"))
+                for i, (name, home) in enumerate(entries)]
+        monkeypatch.setattr(settings.pwd, "getpwall", lambda: rows)
+        settings._homes.cache_clear()
+
+    yield users
+    settings._homes.cache_clear()
+
+
+def test_a_users_home_outside_home_or_a_folder_holding_one_is_refused(password_database):
+    # Red team: homes outside /home (postgres', www-data's, a site's /data/users/bob) were accepted,
+    # and a command writes the dotfiles that run at that user's next login.
+    password_database(("postgres", "/var/lib/postgresql"), ("bob", "/data/users/bob/"), ("daemon", "/"))
     for where, home in [("/var/lib/postgresql", "/var/lib/postgresql"), ("/data/users/bob", "/data/users/bob"),
                         ("/data", "/data/users/bob"), ("/data/users", "/data/users/bob")]:
         problem = workspace_problem(Path(where), must_exist=False)
         assert problem and f"is or holds a user's home ({home})" in problem, (where, problem)
     for fine in ("/var/lib/postgresql/project", "/data/users/bob/project", "/data/other", "/srv/app"):
         assert workspace_problem(Path(fine), must_exist=False) is None, fine
+
+
+def test_a_home_behind_a_link_is_refused_where_the_link_leads(password_database, tmp_path):
+    # /home may be a link to /data/home: the home as written and where it leads are both homes.
+    (tmp_path / "data/home/ann").mkdir(parents=True)
+    (tmp_path / "home").symlink_to(tmp_path / "data/home")
+    password_database(("ann", str(tmp_path / "home/ann")))
+    problem = workspace_problem(tmp_path / "data/home/ann")
+    assert problem and f"is or holds a user's home ({tmp_path / 'data/home/ann'})" in problem, problem
+    (tmp_path / "data/home/ann/project").mkdir()
+    assert workspace_problem(tmp_path / "data/home/ann/project") is None

@@ -6,6 +6,7 @@ Redis and their queues. Bad values give one clear line naming the setting.
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 from pathlib import Path
@@ -39,13 +40,21 @@ def absolute_workspace(path: str | Path) -> Path:
     return Path(os.path.normpath(Path(path).expanduser().absolute()))
 
 
+@functools.cache
+def _homes() -> tuple[str, ...]:
+    """The password database's home directories, as written and with links resolved (`/home` may
+    be a link to `/data/home`), read once per process: a directory service can make it slow."""
+    homes = {os.path.normpath(entry.pw_dir) for entry in pwd.getpwall() if entry.pw_dir}
+    homes |= {os.path.realpath(home) for home in homes}
+    return tuple(sorted(homes - {"/"}))
+
+
 def _home_in(where: str) -> str | None:
     """A home directory of the password database that `where` is or holds (system users' homes
     lie outside /home: /var/lib/postgresql, /var/www...); "/" and homes that are system trees
     (`/bin`, `/dev`) are judged as folders already."""
-    for entry in pwd.getpwall():
-        home = os.path.normpath(entry.pw_dir) if entry.pw_dir else "/"
-        if home != "/" and (home == where or home.startswith(where.rstrip("/") + "/")):
+    for home in _homes():
+        if home == where or home.startswith(where.rstrip("/") + "/"):
             return home
     return None
 
