@@ -119,13 +119,21 @@ def _attacks(v: dict[str, Path]) -> dict[str, str]:
                        "for name, f in tries.items():\n"
                        "    try:\n        f(); print(name, 'CHANGED')\n"
                        "    except OSError as e:\n        print(name, 'errno', e.errno)\n"
-                       "os.nice(1); os.sched_setaffinity(0, os.sched_getaffinity(0)); print('OWN-OK')\""),
+                       "os.nice(1); os.sched_setaffinity(0, os.sched_getaffinity(0))\n"
+                       # Its own process and threads, by id (pthread_setaffinity_np passes a tid).
+                       "import threading\n"
+                       "os.setpriority(os.PRIO_PROCESS, os.getpid(), os.getpriority(os.PRIO_PROCESS, 0))\n"
+                       "t = threading.Thread(target=lambda: os.sched_setaffinity(threading.get_native_id(), os.sched_getaffinity(0)))\n"
+                       "t.start(); t.join()\n"
+                       "os.sched_setaffinity(os.getpid(), os.sched_getaffinity(0)); print('OWN-OK')\""),
         # A datagram socket pair sends to any socket by its path.
         "call_dgram": (f"{PY} \"import socket\n"
                        "try:\n    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
                        f"    a.sendto(b'forged', '{v['plain'].parent}/log.sock'); print('SENT')\n"
                        "except OSError as e:\n    print('dgram errno', e.errno)\n"
-                       "a, b = socket.socketpair(); a.sendall(b'x'); print('PAIR-OK', b.recv(1))\""),
+                       "a, b = socket.socketpair(); a.sendall(b'x')\n"
+                       "c, d = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET); c.send(b'y')\n"
+                       "print('PAIR-OK', b.recv(1), d.recv(1))\""),
         # A file of the workspace hard-linked to one outside (a local git clone's objects).
         "call_linked": "chmod 0666 linked; touch -d @5 linked; stat -c %a linked",
         # The session host: its socket is in /proc/net/unix; a request naming / as the workspace.
@@ -149,8 +157,13 @@ def _attacks(v: dict[str, Path]) -> dict[str, str]:
 CONTROL = ("touch f && chmod 751 f && touch -d @981173106 f && mkdir -p d/e && chmod 700 d && "
            f"{PY} \"import os; fd = os.open('g', os.O_CREAT | os.O_WRONLY, 0o600); os.fchmod(fd, 0o640); "
            "os.utime(fd, (5, 6)); os.chown('g', os.getuid(), os.getgid())\" && "
-           "t=$TMPDIR/x && touch $t && chmod 700 $t && tar cpf a.tar f && mkdir -p out && tar xpf a.tar -C out && "
-           "stat -c %a out/f && echo CONTROL-OK")
+           "t=$TMPDIR/x && touch $t && chmod 700 $t && mkdir -p tree/sub && chmod 750 tree/sub && "
+           "tar cpf a.tar f tree && mkdir -p out && tar xpf a.tar -C out && stat -c %a out/f out/tree/sub && "
+           # glibc < 2.39 makes these a chmod of /proc/self/fd/N (tar xp of a folder does the same):
+           f"{PY} \"import os; os.chmod('g', 0o604, follow_symlinks=False); fd = os.open('f', os.O_RDONLY); "
+           "os.chmod(f'/proc/self/fd/{fd}', 0o741); os.chmod(f'/proc/{os.getpid()}/fd/{fd}', 0o751)\" && "
+           # Setting a file's times to now needs only write access (another uid's file, mode 0666).
+           "touch others && echo CONTROL-OK")
 
 
 #: A filter of the command's own that hands chmod to a listener of its own, which answers "go on"
@@ -181,6 +194,11 @@ def test_a_landlock_command_changes_no_metadata_outside_its_workspace(drive, lan
     ws = landlock_worker.workspace(tmp_path)
     (ws / "own_listener.py").write_text(OWN_LISTENER)
     os.link(v["linked"], ws / "linked")
+    others = ws / "others"  # a file of the workspace another uid owns, that the command may write
+    others.write_text("")
+    os.chown(others, *(unprivileged.ids() if os.stat(ws).st_uid == 0 else (0, 0)))
+    others.chmod(0o666)
+    os.utime(others, (MTIME, MTIME))
     log = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # as /dev/log would be
     log_path = v["plain"].parent / "log.sock"
     log_path.unlink(missing_ok=True)
@@ -196,7 +214,9 @@ def test_a_landlock_command_changes_no_metadata_outside_its_workspace(drive, lan
     code, body = out["call_control"]
     assert code == 0 and "CONTROL-OK" in body and "751" in body, body  # the workspace's own metadata changes
     assert stat.S_IMODE((ws / "f").stat().st_mode) == 0o751 and (ws / "f").stat().st_mtime == 981173106
-    assert stat.S_IMODE((ws / "g").stat().st_mode) == 0o640 and (ws / "g").stat().st_mtime == 6
+    assert stat.S_IMODE((ws / "g").stat().st_mode) == 0o604 and (ws / "g").stat().st_mtime == 6
+    assert stat.S_IMODE((ws / "out/tree/sub").stat().st_mode) == 0o750 and "750" in body
+    assert (ws / "others").stat().st_mtime > MTIME
     assert stat.S_IMODE((ws / "d").stat().st_mode) == 0o700
     assert "Operation not permitted" in out["call_chmod"][1], out["call_chmod"]
     assert "RACED" in out["call_race"][1], out["call_race"]  # the race ran (its own file's chmods pass)

@@ -109,3 +109,45 @@ def test_only_files_of_the_uid_inside_a_writable_root_pass(tmp_path):
             metadata._allowed(fd, command)
     finally:
         os.close(fd)
+
+
+def test_the_callers_own_descriptors_in_proc_are_its_own_and_no_one_elses():
+    # glibc < 2.39 makes fchmodat(AT_SYMLINK_NOFOLLOW) a chmod of /proc/self/fd/N (tar xp of a
+    # folder): the worker resolves it as the caller's descriptor, never as its own /proc/self.
+    import threading
+
+    pid, tid = os.getpid(), threading.get_native_id()
+    call = metadata._Call(-1, 0, tid, ())
+    assert call.own_magic_link(b"/proc/self/fd/3") == (3, b"")
+    assert call.own_magic_link(b"/proc/thread-self/fd/12/a/b") == (12, b"a/b")
+    assert call.own_magic_link(f"/proc/{pid}/fd/4".encode()) == (4, b"")
+    assert call.own_magic_link(f"/proc/{pid}/task/{tid}/fd/4".encode()) == (4, b"")
+    assert call.own_magic_link(b"/proc/self/cwd/x") == (metadata.AT_FDCWD, b"x")
+    assert call.own_magic_link(b"/proc/1/fd/3") is None  # another process's: not followed
+    assert call.own_magic_link(f"/proc/{pid}/task/1/fd/3".encode()) is None
+    assert call.own_magic_link(b"/proc/self/task/1/fd/3") is None
+    assert call.own_magic_link(b"/proc/self/fdinfo/3") is None
+    assert call.own_magic_link(b"/proc/self/fd/3\n") is None
+    assert call.own_magic_link(b"/tmp/proc/self/fd/3") is None
+
+
+def test_fchmod_of_a_path_only_descriptor_is_a_bad_descriptor_as_in_the_kernel(tmp_path):
+    import threading
+
+    (tmp_path / "f").write_text("")
+    call = metadata._Call(-1, 0, threading.get_native_id(), ())
+    path_only = os.open(tmp_path / "f", os.O_PATH)
+    readable = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(metadata._Refused) as e:
+            call.opened(path_only)
+        assert e.value.code == errno.EBADF
+        with pytest.raises(metadata._Refused) as e:
+            call.target(metadata.AT_FDCWD, 0, null_is_dirfd=True)  # utimensat(AT_FDCWD, NULL)
+        assert e.value.code == errno.EFAULT
+        with pytest.raises(OSError) as kernel:
+            os.fchmod(path_only, 0o600)
+        assert kernel.value.errno == errno.EBADF
+    finally:
+        os.close(path_only)
+        os.close(readable)

@@ -216,16 +216,19 @@ NAMESPACE_ARGS = (("unshare", 0), ("clone", 0))
 #: them itself, inside the command's writable roots only.
 SUPERVISED = ("chown", "fchown", "lchown", "fchownat", "utime", "utimes", "futimesat", "utimensat")
 #: Under Landlock, calls that name another process by pid work on the caller only (argument
-#: index of the pid); the worker is a process of the same uid beside the command.
+#: index of the pid); the worker is a process of the same uid beside the command. A pid other
+#: than 0 goes to the worker's supervisor, which lets it through when it is one of the caller's
+#: own threads (`pthread_setaffinity_np` passes a thread id).
 OWN_PROCESS_ONLY = (("prlimit64", 0), ("sched_setparam", 0), ("sched_setscheduler", 0), ("sched_setaffinity", 0),
                     ("sched_setattr", 0))
-#: (call, the `which` naming one process): with any other `which` (a group, a user) or a `who`
-#: other than 0, refused: `setpriority(PRIO_USER, 0, 19)` would renice the worker too.
+#: (call, the `which` naming one process): with any other `which` (a group, a user), refused:
+#: `setpriority(PRIO_USER, 0, 19)` would renice the worker too; a `who` other than 0 goes to the
+#: supervisor, as above.
 WHO_SELF_ONLY = (("setpriority", 0), ("ioprio_set", 1))
 #: ioctl requests that change an inode (flags, version, project, verity, encryption, ext4
 #: migration) refused under Landlock: they need only a descriptor open for reading.
 FILE_IOCTLS = (0x40086602, 0x40046602, 0x401C5820, 0x40087602, 0x40047602, 0x40806685, 0x800C6613, 0x6609)
-_NOT_STREAM = 0xE  # SOCK_STREAM is 1; DGRAM 2, RAW 3, RDM 4, SEQPACKET 5 all have a bit here
+_SOCK_DGRAM, _SOCK_RAW, _SOCK_TYPE_MASK = 2, 3, 0xF  # AF_UNIX makes a RAW socket a datagram one
 #: Refused with EOPNOTSUPP under Landlock (ACLs and extended attributes are not supported there;
 #: `cp -a` and tar skip them quietly): an ACL would grant another user a host file.
 NO_ATTRIBUTES = ("setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setxattrat",
@@ -248,6 +251,7 @@ def seccomp_program(deny_sockets: bool = False, machine: str | None = None, *, d
         return None
     nr = {k: v for k, v in _NR[machine].items() if v is not None}
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE, JSET, BPF_RET|K
+    alu_and = 0x54  # BPF_ALU|BPF_AND|BPF_K
 
     def arg(i: int) -> tuple[int, int, int, int]:  # the low 32 bits of argument i (little endian)
         return (ld, 0, 0, 16 + 8 * i)
@@ -272,17 +276,20 @@ def seccomp_program(deny_sockets: bool = False, machine: str | None = None, *, d
     if metadata:
         # Landlock has no pid namespace: another process of the uid (the worker) is in reach by pid.
         for name, pid in OWN_PROCESS_ONLY:
-            program += [(jeq, 0, 4, nr[name]), arg(pid), (jeq, 1, 0, 0), eperm, allow]
+            program += [(jeq, 0, 4, nr[name]), arg(pid), (jeq, 1, 0, 0), notify, allow]
         for name, which in WHO_SELF_ONLY:  # (which, who): this process only
-            program += [(jeq, 0, 6, nr[name]), arg(0), (jeq, 0, 2, which), arg(1), (jeq, 1, 0, 0), eperm, allow]
+            program += [(jeq, 0, 7, nr[name]), arg(0), (jeq, 1, 0, which), eperm, arg(1), (jeq, 1, 0, 0), notify,
+                        allow]
         # Inode flags and the like, on any file the command can open (Landlock checks the open only).
         codes = FILE_IOCTLS
         program += [(jeq, 0, len(codes) + 3, nr["ioctl"]), arg(1),
                     *[(jeq, len(codes) - i, 0, code) for i, code in enumerate(codes)],
                     allow, (ret, 0, 0, _SECCOMP_RET_ERRNO | _EOPNOTSUPP)]
         # A datagram socket pair sends to any socket by its path (`sendto`): /dev/log, systemd's.
-        program += [(jeq, 0, 6, nr["socketpair"]), arg(0), (jeq, 0, 3, _AF_UNIX), arg(1),
-                    (jset, 0, 1, _NOT_STREAM), eacces, allow]
+        # (A stream or seqpacket pair is connected: an address given to sendto is ignored.)
+        program += [(jeq, 0, 8, nr["socketpair"]), arg(0), (jeq, 0, 5, _AF_UNIX), arg(1),
+                    (alu_and, 0, 0, _SOCK_TYPE_MASK), (jeq, 1, 0, _SOCK_DGRAM), (jeq, 0, 1, _SOCK_RAW), eacces,
+                    allow]
     if deny_unix and not deny_sockets:
         program += [(jeq, 0, 4, nr["socket"]), arg(0), (jeq, 0, 1, _AF_UNIX), eacces, allow]
     for name, mode, flags in MODE_ARGS:

@@ -29,6 +29,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import select
 import stat
 import struct
@@ -45,6 +46,7 @@ _NOTIF = struct.Struct("=QIIiIQ6Q")
 # struct seccomp_notif_resp: id, val, error, flags.
 _RESPONSE = struct.Struct("=QqiI")
 _IOC_WRITE, _IOC_READ = 1, 2
+_CONTINUE = 1  # SECCOMP_USER_NOTIF_FLAG_CONTINUE
 
 
 def _ioc(direction: int, number: int, size: int) -> int:
@@ -121,6 +123,10 @@ def _read_path(pid: int, address: int) -> bytes:
         os.close(fd)
 
 
+#: /proc/{self,thread-self,PID}[/task/TID]/{fd/N,cwd}[/rest]
+_OWN_MAGIC = re.compile(rb"/proc/(self|thread-self|[0-9]+)(?:/task/([0-9]+))?/(fd/([0-9]+)|cwd)(/.*)?\Z", re.S)
+
+
 class _Call:
     """One notified call: the command's process and what it asked for."""
 
@@ -149,10 +155,50 @@ class _Call:
             raise
         return fd
 
+    def own_magic_link(self, path: bytes) -> tuple[int, bytes] | None:
+        """(fd number or AT_FDCWD, the rest) when `path` goes through one of the caller's own
+        descriptors or its cwd in /proc (self, thread-self, its pid or tid): resolved as the
+        caller's, never as the worker's. Another process's is not followed (that would be ELOOP)."""
+        found = _OWN_MAGIC.match(path)
+        if found is None:
+            return None
+        who, task, number, rest = found.group(1), found.group(2), found.group(4), found.group(5) or b""
+        if who not in (b"self", b"thread-self"):
+            tgid = self.thread_group()
+            if int(who) not in (self.pid, tgid) or (task is not None and int(task) != self.pid):
+                return None
+        elif task is not None:
+            return None
+        return (int(number) if number is not None else AT_FDCWD), rest.lstrip(b"/")
+
+    def thread_group(self) -> int:
+        """The caller's process id (`pid` is its thread's)."""
+        try:
+            with open(f"/proc/{self.pid}/status", "rb") as status:
+                for line in status:
+                    if line.startswith(b"Tgid:"):
+                        return int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+        raise _Refused(errno.ESRCH)
+
+    def opened(self, number: int) -> int:
+        """`fd_of` for fchmod and fchown, which need a descriptor opened for more than its path."""
+        try:
+            with open(f"/proc/{self.pid}/fdinfo/{number}", "rb") as info:
+                flags = next(int(line.split()[1], 8) for line in info if line.startswith(b"flags:"))
+        except (OSError, StopIteration, ValueError, IndexError):
+            raise _Refused(errno.EBADF) from None
+        if flags & os.O_PATH:
+            raise _Refused(errno.EBADF)
+        return self.fd_of(number)
+
     def target(self, dirfd: int, path_at: int, flags: int = 0, null_is_dirfd: bool = False) -> int:
         """An O_PATH fd of what the call names, resolved as the kernel would for the command but
         without magic links; the caller closes it."""
-        if path_at == 0 and null_is_dirfd:
+        if path_at == 0 and null_is_dirfd:  # futimens(fd): a descriptor, never the cwd
+            if dirfd == AT_FDCWD:
+                raise _Refused(errno.EFAULT)
             return self.fd_of(dirfd)
         path = _read_path(self.pid, path_at)
         self.still_waiting()  # the memory read was the asking process's
@@ -160,7 +206,14 @@ class _Call:
             if flags & AT_EMPTY_PATH:
                 return self.fd_of(dirfd)
             raise _Refused(errno.ENOENT)
-        base = self.fd_of(dirfd) if not path.startswith(b"/") else os.open("/", os.O_PATH | os.O_CLOEXEC)
+        own = self.own_magic_link(path)
+        if own is not None:  # /proc/self/fd/N: glibc's fchmodat(AT_SYMLINK_NOFOLLOW) makes this call
+            number, rest = own
+            if not rest:
+                return self.fd_of(number)
+            base, path = self.fd_of(number), rest
+        else:
+            base = self.fd_of(dirfd) if not path.startswith(b"/") else os.open("/", os.O_PATH | os.O_CLOEXEC)
         follow = 0 if flags & AT_SYMLINK_NOFOLLOW == 0 else os.O_NOFOLLOW
         try:
             return openat2(base, os.fsdecode(path), os.O_PATH | os.O_CLOEXEC | follow, 0, RESOLVE_NO_MAGICLINKS)
@@ -170,14 +223,14 @@ class _Call:
             os.close(base)
 
 
-def _allowed(fd: int, command: Command) -> os.stat_result:
-    """The file held by `fd` lies in a writable root and is the command's; else EPERM."""
+def _allowed(fd: int, command: Command, *, owner: bool = True) -> os.stat_result:
+    """The file held by `fd` lies in a writable root and is the command's (`owner`); else EPERM."""
     where = os.readlink(f"/proc/self/fd/{fd}")
     inside = any(where == root or where.startswith(root.rstrip("/") + "/") for root in command.writable)
     if not inside or where.endswith(" (deleted)"):
         raise _Refused(errno.EPERM)
     st = os.fstat(fd)
-    if st.st_uid != command.uid:
+    if owner and st.st_uid != command.uid:
         raise _Refused(errno.EPERM)
     if not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1:
         # Another name may lie outside (a local `git clone` hard-links its objects): a mode made
@@ -204,7 +257,10 @@ def _chown(fd: int, command: Command, uid: int, gid: int) -> None:
 
 
 def _utime(fd: int, command: Command, times: bytes | None) -> None:
-    _allowed(fd, command)
+    # Setting both times to now needs only write access, which the kernel checks on the call
+    # below (the worker has the command's uid): `touch` on a file of the workspace another uid owns.
+    now = times is None or _TIMESPECS.unpack(times)[1::2] == (UTIME_NOW, UTIME_NOW)
+    _allowed(fd, command, owner=not now)
     buffer = ctypes.create_string_buffer(times, len(times)) if times is not None else None
     _check(_libc.utimensat(fd, b"", buffer, AT_EMPTY_PATH))
 
@@ -229,12 +285,31 @@ def _times(call: _Call, name: str, at: int) -> bytes | None:
     return _TIMESPECS.pack(sec_a, usec_a * 1000, sec_m, usec_m * 1000)
 
 
-def answer(call: _Call, name: str, command: Command) -> None:
-    """Make the call `name` for the command, or raise _Refused with the errno it gets."""
+#: The calls naming a process (cell_init.OWN_PROCESS_ONLY, WHO_SELF_ONLY) by the argument holding it.
+_PROCESS_ARG = {**dict(cell_init.OWN_PROCESS_ONLY), **{name: 1 for name, _which in cell_init.WHO_SELF_ONLY}}
+
+
+def own_thread(call: _Call, named: int) -> None:
+    """`named` (a pid or tid the call names) is one of the caller's own threads; else EPERM.
+    The kernel then makes the call as asked (CONTINUE): its arguments are numbers in registers,
+    which the caller cannot change after this check. (A thread that exits meanwhile leaves a tid
+    that the kernel hands out again only after the whole pid space went round.)"""
+    tgid = call.thread_group()
+    if named not in (call.pid, tgid) and not os.path.exists(f"/proc/{tgid}/task/{named}"):
+        raise _Refused(errno.EPERM)
+    call.still_waiting()
+
+
+def answer(call: _Call, name: str, command: Command) -> bool:
+    """Make the call `name` for the command, or raise _Refused with the errno it gets. True: the
+    kernel is to make it as the command asked (SECCOMP_USER_NOTIF_FLAG_CONTINUE)."""
     a = call.args
+    if name in _PROCESS_ARG:
+        own_thread(call, _signed(a[_PROCESS_ARG[name]]))
+        return True
     if name in ("chmod", "fchmod", "fchmodat", "fchmodat2"):
         if name == "fchmod":
-            fd, mode = call.fd_of(_signed(a[0])), a[1]
+            fd, mode = call.opened(_signed(a[0])), a[1]
         elif name == "chmod":
             fd, mode = call.target(AT_FDCWD, a[0]), a[1]
         else:
@@ -243,10 +318,10 @@ def answer(call: _Call, name: str, command: Command) -> None:
             _chmod(fd, command, mode)
         finally:
             os.close(fd)
-        return
+        return False
     if name in ("chown", "lchown", "fchown", "fchownat"):
         if name == "fchown":
-            fd, owner = call.fd_of(_signed(a[0])), a[1:3]
+            fd, owner = call.opened(_signed(a[0])), a[1:3]
         elif name == "fchownat":
             fd, owner = call.target(_signed(a[0]), a[1], a[4]), a[2:4]
         else:
@@ -255,7 +330,7 @@ def answer(call: _Call, name: str, command: Command) -> None:
             _chown(fd, command, *owner)
         finally:
             os.close(fd)
-        return
+        return False
     # utime(path, buf), utimes(path, tv), futimesat(dirfd, path, tv), utimensat(dirfd, path, ts, flags)
     if name in ("utime", "utimes"):
         fd, times_at = call.target(AT_FDCWD, a[0]), a[1]
@@ -266,13 +341,13 @@ def answer(call: _Call, name: str, command: Command) -> None:
         _utime(fd, command, _times(call, name, times_at))
     finally:
         os.close(fd)
+    return False
 
 
 class Supervisor:
     """The thread that answers every notified call of this process's Landlock commands."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
         self._epoll = select.epoll()
         self._commands: dict[int, Command] = {}
         self._lock = threading.Lock()
@@ -318,11 +393,11 @@ class Supervisor:
             return
         notif_id, pid, _flags, nr, _arch, _ip, *args = _NOTIF.unpack(buffer)
         command = self._commands.get(listener)
-        code = errno.EPERM
+        code, flags = errno.EPERM, 0
         try:
             if command is not None and nr in self._names:
-                answer(_Call(listener, notif_id, pid, tuple(args)), self._names[nr], command)
-                code = 0
+                go_on = answer(_Call(listener, notif_id, pid, tuple(args)), self._names[nr], command)
+                code, flags = 0, _CONTINUE if go_on else 0
         except _Refused as e:
             code = e.code
         except OSError as e:
@@ -330,7 +405,7 @@ class Supervisor:
         except Exception:  # the thread must outlive any one bad call
             log.exception("landlock metadata call failed")
         try:
-            fcntl.ioctl(listener, NOTIF_SEND, _RESPONSE.pack(notif_id, 0, -code, 0))
+            fcntl.ioctl(listener, NOTIF_SEND, _RESPONSE.pack(notif_id, 0, -code, flags))
         except OSError:
             pass  # the caller is gone
 
@@ -339,12 +414,21 @@ _supervisor: Supervisor | None = None
 _started = threading.Lock()
 
 
+def _forked() -> None:
+    """A child has no supervisor thread, and a lock held across fork stays held in it."""
+    global _supervisor, _started
+    _supervisor, _started = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def watch(listener: int, writable: tuple[str, ...]) -> None:
     """Serve a just-spawned command's listener: its chmod, chown and utime calls within
     `writable`, as this process's uid (the command's)."""
     global _supervisor
     with _started:
-        if _supervisor is None or _supervisor.pid != os.getpid():  # none yet, or forked since
+        if _supervisor is None:
             _supervisor = Supervisor()
         supervisor = _supervisor
     supervisor.watch(listener, Command(writable, os.geteuid()))
