@@ -21,8 +21,8 @@ if sys.argv[:1] == ["-m"]:  # `python -m toolq...`: before any import the curren
     if import_path.started_as_module():
         import_path.isolate()
 
-import importlib  # noqa: E402 - after the isolation above
-from typing import TYPE_CHECKING, Any  # noqa: E402
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -42,7 +42,8 @@ _EXPORTS = {
     "ToolCallView": "toolq.orchestrator.turn_events",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["CallState", "Fleet", "RespondToModel", "Runtime", "Session", "Settings", "ToolCallView", "ToolContext",
+           "ToolReturn", "TurnEvent", "TurnOutcome", "tool"]
 
 if TYPE_CHECKING:
     from toolq.orchestrator.errors import RespondToModel

@@ -165,5 +165,6 @@ def test_sigterm_cancels_the_running_turns_and_starts_no_more(fleet, worker, env
         assert record["state"] == "cancelled"
         assert [x["state"] for x in calls] == ["cancelled"]
     for p in pids:  # the commands were killed, not left to run out their 60 s
-        wait_for(lambda: not Path(f"/proc/{p.read_text()}").exists(), "the hanging pool child's call to stop", 15)
+        pid = p.read_text()
+        wait_for(lambda: not Path(f"/proc/{pid}").exists(), "the hanging pool child's call to stop", 15)  # noqa: B023 - called here
     assert not (workspaces[2] / "hang-call_hang.pid").exists()

@@ -7,6 +7,7 @@ import asyncio
 
 import redis
 
+from tests.integration.conftest import TEST_TOOLS, run_session, settings_for
 from toolq.orchestrator import keys
 from toolq.orchestrator.calls import task_id_for
 from toolq.orchestrator.fake_model import builders as b
@@ -15,7 +16,6 @@ from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.truncate import HISTORY_POLICY, MARKER_SLACK
 from toolq.workers.loader import load_catalog
-from tests.integration.conftest import TEST_TOOLS, run_session, settings_for
 
 BIG_TOOLS = "tests.integration.big_tools"
 #: What a bounded output may take in the backend: the cut text, JSON-escaped, and the result's fields.

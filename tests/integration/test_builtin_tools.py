@@ -14,9 +14,9 @@ import zlib
 import pytest
 
 import tests.integration.deferred_tools as deferred_tools
+from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
 from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.fake_model import builders as b
-from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
 
 pytestmark = pytest.mark.integration
 

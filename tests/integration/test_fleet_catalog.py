@@ -32,12 +32,12 @@ from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.registry import Registry, StepContext
+from toolq.orchestrator.results import outcome_from_meta
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime, Session
 from toolq.workers.advert import WorkerAdvert, tool_queue
 from toolq.workers.app import TASK
 from toolq.workers.catalog import Catalog
-from toolq.orchestrator.results import outcome_from_meta
 from toolq.workers.loader import load_catalog
 from toolq.workers.presence import TTL
 from toolq.workers.signing import Signer

@@ -29,8 +29,14 @@ import pytest
 
 import tests.integration.conftest as c
 from tests.integration.test_builtin_tools import exec_parts, outputs
-from tests.integration.test_hostile_exec import (FLOWER_PASSWORD, LIMITS, OPENAI_KEY, REDIS_PASSWORD,  # noqa: F401
-                                                 locked_redis, no_secret)
+from tests.integration.test_hostile_exec import (  # noqa: F401
+    FLOWER_PASSWORD,
+    LIMITS,
+    OPENAI_KEY,
+    REDIS_PASSWORD,
+    locked_redis,
+    no_secret,
+)
 from toolq.orchestrator.embedded import WorkerProcess
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.settings import Settings
@@ -193,7 +199,7 @@ def test_a_command_holds_no_descriptor_but_its_stdio(drive, cell_worker, tmp_pat
     closes every descriptor but its control socket at start."""
     (code, body), = in_turn(drive, cell_worker, tmp_path, [
         "python3 -c \"import os; print(sorted(int(f) for f in os.listdir('/proc/self/fd')))\""])
-    fds = eval(body)  # noqa: S307 - our own python's list of ints
+    fds = eval(body)
     assert code == 0 and [fd for fd in fds if fd > 3] == [], body  # 0-2, and listdir's own (3)
 
 
@@ -218,7 +224,7 @@ def test_the_cells_own_mounts_cannot_be_peeled_off(drive, cell_worker, tmp_path)
     assert "must be superuser" in out[1][1] and out[1][1].split()[-1] == "4", out[1]  # pid 1, sh, ps, wc: its own only
     lines = out[2][1].splitlines()
     # Since issue 24 no nested user namespace is made at all (seccomp refuses CLONE_NEWUSER).
-    assert not [l for l in lines if l.startswith("UNMOUNTED")] and "Operation not permitted" in out[2][1], out[2]
+    assert not [line for line in lines if line.startswith("UNMOUNTED")] and "Operation not permitted" in out[2][1], out[2]
     assert "MAPPED" not in out[3][1], out[3]
     assert "MOUNTED-PROC" not in out[4][1], out[4]
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from toolq.orchestrator.embedded import RedisServer, WorkerProcess
-from toolq.orchestrator.fake_model import builders as b
 from tests.hostile import Flipper, race_tree
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
+from toolq.orchestrator.embedded import RedisServer, WorkerProcess
+from toolq.orchestrator.fake_model import builders as b
 
 pytestmark = pytest.mark.integration
 

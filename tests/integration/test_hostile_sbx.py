@@ -76,7 +76,7 @@ def test_masks_hold_against_nested_namespaces_and_sys_stays_out(drive, sbx_worke
         "call_mounts": "cat /proc/self/mountinfo",
     })
     secrets = shadow_lines()
-    for call, (code, body) in out.items():
+    for call, (_code, body) in out.items():
         assert not [s for s in secrets if s in body], (call, body)
     assert "ssh_config" not in out["call_umount"][1]
     assert "devices" not in out["call_sys"][1] and "kernel" not in out["call_sys"][1], out["call_sys"]

@@ -12,14 +12,13 @@ import time
 import pytest
 from openai.types.responses import ResponseFunctionToolCall
 
+from tests.integration.conftest import ROOT, SIGNING_KEY, TEST_TOOLS
 from toolq import Fleet, Settings
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.turn_events import ItemCompleted
 from toolq.workers.loader import load_catalog
-
-from tests.integration.conftest import ROOT, SIGNING_KEY, TEST_TOOLS
 
 pytestmark = pytest.mark.integration
 

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from tests.integration.conftest import TEST_TOOLS, settings_for
 from toolq.orchestrator.embedded import RedisServer
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
@@ -28,7 +29,6 @@ from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.status import status_cmd
 from toolq.orchestrator.turn import Runtime, Session
 from toolq.workers.loader import load_catalog
-from tests.integration.conftest import TEST_TOOLS, settings_for
 
 pytestmark = pytest.mark.integration
 
@@ -205,7 +205,7 @@ def test_status_lists_the_live_sessions_of_the_turns_conversation(fleet, redis_s
         final(),
     ], turns=2, between=status)
     assert "1 live exec_command session(s)" in seen[False] and "sleep 30 # the dev server" in seen[False]
-    (line,) = [json.loads(l) for l in seen[True].splitlines() if '"session"' in l]
+    (line,) = [json.loads(text) for text in seen[True].splitlines() if '"session"' in text]
     assert line["session_id"] == 1 and line["worker"].startswith("fleet") and line["command"].startswith("sleep 30")
 
 

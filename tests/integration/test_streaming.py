@@ -8,17 +8,18 @@ events. Codex's item shapes: `command_execution`, `file_change`, `todo_list`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import pytest
 import redis
 
+from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS
+from tests.integration.test_builtin_tools import exec_parts
 from toolq.orchestrator import keys
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fleet import Fleet
 from toolq.workers.streaming import STREAM_BYTES
-from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS
-from tests.integration.test_builtin_tools import exec_parts
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +43,7 @@ def assert_streamed_before_completion(events: list[dict]) -> None:
     outputs = [u["item"]["aggregated_output"] for u in updates if u["item"].get("aggregated_output")]
     # Growing output, each a prefix of the next, several while the command still ran.
     assert len(outputs) >= 3, outputs
-    assert all(b.startswith(a) and len(b) > len(a) for a, b in zip(outputs, outputs[1:])), outputs
+    assert all(b.startswith(a) and len(b) > len(a) for a, b in itertools.pairwise(outputs)), outputs
     assert outputs[0].startswith("line 1\n") and "line 5" not in outputs[0]
     stamps = [e["timestamp"] for e in events]
     assert stamps == sorted(stamps)
@@ -158,7 +159,7 @@ def test_a_forged_or_replayed_batch_never_reaches_the_watchers(fleet, drive, red
     shown = [e["item"].get("aggregated_output", "") for e in events]
     assert not any("FORGED" in s or "UNSIGNED" in s for s in shown)
     outputs = [s for s in shown[1:-1] if s]
-    assert all(b.startswith(a) for a, b in zip(outputs, outputs[1:]))  # the replay added nothing
+    assert all(b.startswith(a) for a, b in itertools.pairwise(outputs))  # the replay added nothing
     assert_streamed_before_completion(events)
 
 
@@ -180,7 +181,7 @@ def test_a_write_stdin_poll_streams_the_sessions_new_output_while_it_waits(fleet
     outputs = [u["item"]["aggregated_output"] for u in updates if u["item"].get("aggregated_output")]
     assert len(outputs) >= 3, outputs
     assert all(u["item"]["command"] == command for u in updates if u["item"].get("aggregated_output"))
-    assert all(b.startswith(a) and len(b) > len(a) for a, b in zip(outputs, outputs[1:])), outputs
+    assert all(b.startswith(a) and len(b) > len(a) for a, b in itertools.pairwise(outputs)), outputs
     assert "tick 16" not in outputs[0]
     streamed = [u["timestamp"] for u in updates if u["item"].get("aggregated_output")]
     assert completed["timestamp"] - streamed[0] > 1.0, (streamed, completed["timestamp"])

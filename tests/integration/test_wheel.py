@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import ROOT, SIGNING_KEY
 from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
-
-from tests.integration.conftest import ROOT, SIGNING_KEY
 
 pytestmark = pytest.mark.integration
 

@@ -28,7 +28,7 @@ def test_a_line_may_not_name_a_system_or_shared_folder_as_its_workspace(tmp_path
     monkeypatch.chdir(tmp_path)
     refused = ("/etc", "/", "/usr/share", "/tmp", "//etc/.", "/tmp/../etc", "etc-link")
     entries = read_entries([json.dumps({"prompt": "p", "workspace": w}) for w in (*refused, "project", "linked")])
-    for entry, where in zip(entries, ("/etc", "/", "/usr/share", "/tmp", "//etc", "/etc", f"{tmp_path}/etc-link")):
+    for entry, where in zip(entries, ("/etc", "/", "/usr/share", "/tmp", "//etc", "/etc", f"{tmp_path}/etc-link"), strict=False):
         assert entry.problem == (
             f"line {entry.number}: workspace {where} is a system or shared directory, and the model's commands may "
             "write in their workspace: give a project's folder (--workspace, TOOLQ_WORKSPACE, or Session(workspace=))")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 
+from tests.unit.test_advert import declared, only
 from toolq.orchestrator import catalog_reader
 from toolq.orchestrator.catalog_reader import FleetCatalog, FleetSnapshot, WorkersStarting, unserved_message
 from toolq.orchestrator.workers_cmd import render_workers
 from toolq.workers.advert import ToolRef, WorkerAdvert
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.loader import load_catalog
-from tests.unit.test_advert import declared, only
 
 
 def worker(*specs: ToolSpec, **kw) -> WorkerAdvert:

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
 from toolq.orchestrator.client import (
     CONTEXT_WINDOW,
     HIGH_DEMAND,
@@ -44,7 +45,6 @@ from toolq.orchestrator.fake_model.builders import (
 )
 from toolq.orchestrator.protocol.events import Completed, ErrorEvent, Failed, Incomplete, OutputItemDone, Usage
 from toolq.orchestrator.protocol.items import CustomToolCallItem, FunctionCallItem, MessageItem, ReasoningItem
-from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
 
 BODY = build_request("gpt-test", [{"role": "user", "content": "hi"}], [])
 

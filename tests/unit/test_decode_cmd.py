@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from toolq.orchestrator.decode_cmd import decode_file
 from tests.paths import SSE_FIXTURES
+from toolq.orchestrator.decode_cmd import decode_file
 
 SSE = SSE_FIXTURES
 

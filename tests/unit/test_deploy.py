@@ -16,8 +16,9 @@ import shlex
 import shutil
 import subprocess
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -226,7 +227,7 @@ def test_readme_documents_every_setting_variable():
 
 
 def test_readme_names_only_real_subcommands():
-    commands = set(build_parser()._subparsers._group_actions[0].choices)  # noqa: SLF001 - argparse has no public way
+    commands = set(build_parser()._subparsers._group_actions[0].choices)
     named = set(re.findall(r"`toolq ([a-z][a-z-]*)", README.read_text() + DEPLOY_README.read_text()))
     assert named - commands == set()
 

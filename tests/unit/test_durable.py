@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from toolq.orchestrator.durable import Committed, TurnSettings, unanswered
 from toolq.orchestrator.calls import ToolName
+from toolq.orchestrator.durable import Committed, TurnSettings, unanswered
 
 
 def call(call_id: str, step: int, index: int) -> Committed:

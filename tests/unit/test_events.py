@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter
 
+from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
 from toolq.orchestrator.protocol.events import (
     Completed,
     ErrorEvent,
@@ -32,7 +33,6 @@ from toolq.orchestrator.protocol.items import (
     ReasoningItem,
     UnknownItem,
 )
-from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
 
 SSE = SSE_FIXTURES
 CODEX = CODEX_FIXTURES

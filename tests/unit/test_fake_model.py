@@ -12,6 +12,7 @@ import openai
 import pytest
 from openai.types.responses.response_stream_event import ResponseStreamEvent
 
+from tests.paths import SSE_FIXTURES
 from toolq.orchestrator.fake_model import FakeModel
 from toolq.orchestrator.fake_model.builders import (
     custom_tool_call,
@@ -31,7 +32,6 @@ from toolq.orchestrator.fake_model.builders import (
     web_search_call,
 )
 from toolq.orchestrator.protocol.events import EventDecoder, iter_sse_data
-from tests.paths import SSE_FIXTURES
 
 SSE = SSE_FIXTURES
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap

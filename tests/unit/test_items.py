@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
 from toolq.orchestrator.protocol.items import (
     CustomToolCallItem,
     FunctionCallItem,
@@ -17,7 +18,6 @@ from toolq.orchestrator.protocol.items import (
     decode_item,
     is_api_item,
 )
-from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
 
 
 def done_items(path):

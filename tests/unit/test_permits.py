@@ -11,6 +11,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from tests.unit.test_barrier import sync
 from toolq.orchestrator import keys
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.embedded import RedisServer
@@ -19,7 +20,6 @@ from toolq.orchestrator.permits import ACQUIRE, RATE, RELEASE, RENEW, Permit
 from toolq.orchestrator.tool_limits import ToolLimit
 from toolq.workers import permit as worker_permit
 from toolq.workers.catalog import ToolSpec
-from tests.unit.test_barrier import sync
 
 
 @pytest.fixture(scope="module")

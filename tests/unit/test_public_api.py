@@ -17,7 +17,7 @@ PUBLIC = ["CallState", "Fleet", "RespondToModel", "Runtime", "Session", "Setting
 
 
 def test_the_public_names_are_pinned_and_each_has_a_docstring():
-    assert toolq.__all__ == PUBLIC
+    assert toolq.__all__ == PUBLIC == sorted(toolq._EXPORTS)
     for name in PUBLIC:
         obj = getattr(toolq, name)
         doc = getattr(obj, "__doc__", None) if name != "TurnEvent" else "a discriminated union"

@@ -146,7 +146,7 @@ def test_kernel_attack_surface_fails_as_missing_and_the_rest_is_allowed(machine)
         assert verdict(prog, machine, nr[name]) == errno.ENOSYS, name
     assert {"io_uring_setup", "clone3", "openat2", "userfaultfd", "perf_event_open", "bpf"} <= set(cell_init.REFUSED)
     checked = set(cell_init.REFUSED) | {m[0] for m in cell_init.MODE_ARGS} | {n[0] for n in cell_init.NAMESPACE_ARGS}
-    for number in range(0, 460):
+    for number in range(460):
         if number not in {nr[name] for name in checked if name in nr}:
             assert verdict(prog, machine, number, 0o7777, 0o7777, 0o7777, 0o7777) == ALLOW, number
     assert verdict(prog, machine, nr["socket"], 1) == ALLOW

@@ -3,6 +3,7 @@ a caller that hangs up killing its command. The fleet side is in tests/integrati
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -13,10 +14,10 @@ import pytest
 
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.dispatch import FLOWER_COMMAND_CHARS, flower_args
+from toolq.workers.exec_output import format_exec_output
 from toolq.workers.sessions import client, start
 from toolq.workers.sessions.host import STDIN_CLOSED
 from toolq.workers.sessions.protocol import ExecRequest, WriteRequest
-from toolq.workers.exec_output import format_exec_output
 from toolq.workers.tools.write_stdin import WriteStdinArgs
 
 
@@ -178,7 +179,7 @@ def _inv(name: str, arguments: str) -> ToolInvocation:
 
 def test_flower_shows_the_command_line_cut_short_and_nothing_else():
     long = "echo " + "x" * 1000
-    shown = flower_args(_inv("exec_command", '{"cmd": "%s", "workdir": "secret-dir"}' % long))
+    shown = flower_args(_inv("exec_command", json.dumps({"cmd": long, "workdir": "secret-dir"})))
     assert "echo xxx" in shown and len(shown) < FLOWER_COMMAND_CHARS + 80 and "secret-dir" not in shown
     assert "chars=5" in flower_args(_inv("write_stdin", '{"session_id": 3, "chars": "hello"}'))
     assert "secret" not in flower_args(_inv("read_file", '{"path": "secret"}'))

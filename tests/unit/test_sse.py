@@ -137,7 +137,7 @@ def test_each_event_is_kept_whole_or_cut_at_the_bound(sizes, chunk, bound):
     events = [b"data: " + b"z" * n + b"\n\n" for n in sizes]
     out = frames_of(b"".join(events), max_event_bytes=bound, chunk=chunk)
     assert len(out) == len(events)
-    for n, frame in zip(sizes, out):
+    for n, frame in zip(sizes, out, strict=True):
         lines_bytes = len(b"data: ") + n + 1  # the blank line that ends it is not part of it
         if lines_bytes > bound:
             assert isinstance(frame, Oversize) and frame.size == lines_bytes

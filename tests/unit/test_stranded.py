@@ -8,16 +8,15 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from pydantic import BaseModel
 
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator import stranded as stranded_module
+from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.states import CallState
 from toolq.orchestrator.stranded import StrandedCalls
 from toolq.orchestrator.transport import CallWatch
-from toolq.workers.sessions.registry import SessionRecord
 from toolq.workers.catalog import Catalog, ToolContext, tool
+from toolq.workers.sessions.registry import SessionRecord
 
 
 class NoArgs(BaseModel):

@@ -8,12 +8,13 @@ import asyncio
 import base64
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
+from tests.unit.test_permits import r, server  # noqa: F401 - a real redis-server, flushed per test
 from toolq.orchestrator import keys
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.dispatch import Dispatcher, flower_args
@@ -25,7 +26,6 @@ from toolq.workers.catalog import ToolSpec
 from toolq.workers.config import make_app
 from toolq.workers.contracts import TIME_LIMIT_MARGIN, task_name
 from toolq.workers.signing import Signer
-from tests.unit.test_permits import r, server  # noqa: F401 - a real redis-server, flushed per test
 
 KEY = "k" * 32
 
@@ -57,7 +57,7 @@ def celery_published(inv: ToolInvocation, sp: ToolSpec, queue: str, signer: Sign
         task, body = task_name(sp.idempotent), inv.model_dump(mode="json")
         app.send_task(task, args=[body], kwargs={"signature": signer.sign_invocation(task, inv.task_id, body)},
                       task_id=inv.task_id, queue=queue,
-                      expires=datetime.fromtimestamp(inv.deadline, tz=timezone.utc),
+                      expires=datetime.fromtimestamp(inv.deadline, tz=UTC),
                       soft_time_limit=sp.timeout + TIME_LIMIT_MARGIN / 2, time_limit=sp.timeout + TIME_LIMIT_MARGIN,
                       shadow=f"tool:{sp.tool_name}", argsrepr=flower_args(inv), kwargsrepr="{}", reply_to=reply_to)
     finally:
@@ -92,7 +92,7 @@ def test_the_message_is_the_one_celery_send_task_publishes(idempotent):
                                      ours["body"][1]["signature"]) is None
 
 
-def ledger_run(server: RedisServer, fn):
+def ledger_run(server: RedisServer, fn):  # noqa: F811 - the fixture, passed on
     async def go():
         ledger = Ledger.from_url(server.url)
         try:

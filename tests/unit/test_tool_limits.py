@@ -9,6 +9,7 @@ import time
 import pytest
 from pydantic import BaseModel
 
+from tests.unit.test_barrier import sync
 from toolq.orchestrator.barrier import Step
 from toolq.orchestrator.binding import bind_item
 from toolq.orchestrator.calls import ToolInvocation, ToolResult
@@ -22,7 +23,6 @@ from toolq.orchestrator.states import CallState
 from toolq.orchestrator.tool_limits import Rate, ToolLimit, parse_tool_limits
 from toolq.orchestrator.turn_events import ItemCompleted, ItemUpdated
 from toolq.workers.catalog import Catalog, ToolContext, ToolSpec, tool
-from tests.unit.test_barrier import sync
 
 
 @pytest.mark.parametrize("text, calls, window", [("10/s", 10, 1.0), ("100/m", 100, 60.0), (" 3 / min ", 3, 60.0),

@@ -6,8 +6,16 @@ import json
 import time
 
 from toolq.orchestrator.states import CallState, codex_status
-from toolq.orchestrator.turn_events import (AgentMessageView, CommandExecutionView, ItemCompleted, ItemStarted,
-                                            ItemUpdated, ReasoningView, ToolCallView, TurnStarted)
+from toolq.orchestrator.turn_events import (
+    AgentMessageView,
+    CommandExecutionView,
+    ItemCompleted,
+    ItemStarted,
+    ItemUpdated,
+    ReasoningView,
+    ToolCallView,
+    TurnStarted,
+)
 from toolq.orchestrator.view import JsonView, LiveView
 
 

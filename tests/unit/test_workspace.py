@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.hostile import Flipper, race_tree
 from toolq.orchestrator.errors import RespondToModel
 from toolq.workers import workspace
 from toolq.workers.workspace import Workspace, resolve_in_workspace
-from tests.hostile import Flipper, race_tree
 
 
 def test_relative_path_resolves_inside_the_workspace(tmp_path):

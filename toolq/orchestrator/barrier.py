@@ -26,7 +26,15 @@ from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.states import CallState, codex_status
 from toolq.orchestrator.transport import CallRecords, CallWatch, DispatchError, TaskOutcome, Transport
 from toolq.orchestrator.truncate import bound_output
-from toolq.orchestrator.turn_events import Emit, ItemCompleted, ItemStarted, ItemUpdated, ToolCallView, TurnEvent, ignore
+from toolq.orchestrator.turn_events import (
+    Emit,
+    ItemCompleted,
+    ItemStarted,
+    ItemUpdated,
+    ToolCallView,
+    TurnEvent,
+    ignore,
+)
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.contracts import TIME_LIMIT_MARGIN
 from toolq.workers.streaming import STREAM_BYTES, STREAMED_TOOLS
@@ -234,7 +242,7 @@ class Step:
         assert entry.inv is not None
         try:
             await asyncio.wait_for(self._in_flight.acquire(), timeout=max(entry.inv.deadline - time.time(), 0.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 
@@ -296,7 +304,7 @@ class Step:
                 outcome = await asyncio.wait_for(asyncio.shield(watch.done),
                                                  timeout=max(0.05, min(WATCHDOG_INTERVAL, deadline - time.time())))
                 return self._from_outcome(entry, outcome)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             now = time.time()
             if now >= deadline:

@@ -20,9 +20,10 @@ import hashlib
 import io
 import signal
 import sys
+from collections.abc import Iterable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import IO, Any, Iterable, Literal
+from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 

@@ -83,7 +83,8 @@ class Progress:
         now = time.monotonic()
         try:
             if self.tty:
-                self.out.write("\r" + printable(self.line(self._width()), lines=False) + "\x1b[K" + ("\n" if final else ""))
+                line = printable(self.line(self._width()), lines=False)
+                self.out.write("\r" + line + "\x1b[K" + ("\n" if final else ""))
             elif final or now - self._last >= PLAIN_EVERY:
                 self.out.write(printable(self.line(), lines=False) + "\n")
             else:

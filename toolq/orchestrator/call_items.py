@@ -16,8 +16,14 @@ from typing import Any
 
 from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult
 from toolq.orchestrator.truncate import TruncationPolicy, truncate_text
-from toolq.orchestrator.turn_events import (CommandExecutionView, FileChangeView, FileUpdateChange, TodoItem,
-                                            TodoListView, ToolCallView)
+from toolq.orchestrator.turn_events import (
+    CommandExecutionView,
+    FileChangeView,
+    FileUpdateChange,
+    TodoItem,
+    TodoListView,
+    ToolCallView,
+)
 from toolq.workers.streaming import STREAM_BYTES
 
 #: `aggregated_output` is cut (head and tail kept) to this much.

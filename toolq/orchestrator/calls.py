@@ -8,12 +8,11 @@ by both the orchestrator and the workers.
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from toolq.orchestrator.permits import Permit
-from toolq.orchestrator.states import CallState
 from toolq.orchestrator.protocol import untrusted
 from toolq.orchestrator.protocol.items import (
     ContentPart,
@@ -24,6 +23,7 @@ from toolq.orchestrator.protocol.items import (
     ToolOutputBody,
     ToolSearchOutputItem,
 )
+from toolq.orchestrator.states import CallState
 
 PayloadKind = Literal["function", "custom", "tool_search"]
 
@@ -70,7 +70,7 @@ class ToolSearchPayload(BaseModel):
 
 
 ToolPayload = Annotated[
-    Union[FunctionPayload, CustomPayload, ToolSearchPayload], Field(discriminator="kind")
+    FunctionPayload | CustomPayload | ToolSearchPayload, Field(discriminator="kind")
 ]
 
 

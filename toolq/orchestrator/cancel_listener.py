@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 from collections import OrderedDict
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub

@@ -125,7 +125,7 @@ class FleetCatalog:
         ids = sorted(i.decode() for i in await self.r.smembers(keys.FLEET_WORKERS))
         raws = await self.r.mget([keys.fleet_worker(i) for i in ids]) if ids else []
         workers, gone = [], []
-        for instance, raw in zip(ids, raws):
+        for instance, raw in zip(ids, raws, strict=True):
             if raw is None:
                 gone.append(instance)
                 continue

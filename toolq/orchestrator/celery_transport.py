@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shlex
-from typing import Callable
+from collections.abc import Callable
 
 from toolq.orchestrator.calls import ToolInvocation
 from toolq.orchestrator.dispatch import Dispatcher
@@ -13,7 +13,6 @@ from toolq.orchestrator.stranded import StrandedCalls
 from toolq.orchestrator.transport import CallWatch
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.sessions.registry import SessionRecord
-
 
 #: How stale a fleet catalog read the lost-worker check may use (every running call asks each second).
 CATALOG_MAX_AGE = 1.0

@@ -219,7 +219,6 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     import asyncio
 
     from toolq.orchestrator.cancel import UnknownTarget, cancel
-
     from toolq.orchestrator.redis_faults import reaching
 
     settings = _settings(args)  # no REDIS_URL: cancel() looks in this user's running embedded stacks

@@ -27,7 +27,15 @@ from typing import Any
 
 import httpx
 
-from toolq.orchestrator.protocol.events import EventDecoder, StreamCut, StreamEvent
+from toolq.orchestrator.protocol.events import (
+    Completed,
+    ErrorEvent,
+    EventDecoder,
+    Failed,
+    Incomplete,
+    StreamCut,
+    StreamEvent,
+)
 from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES, aiter_frames
 
 log = logging.getLogger("toolq.client")
@@ -180,7 +188,8 @@ class ModelClient:
     """Async client for one Responses endpoint. `sleep` is injectable so tests need no clock."""
 
     def __init__(
-        self, settings: ModelSettings, transport: httpx.AsyncBaseTransport | None = None, *, sleep: Sleep = asyncio.sleep
+        self, settings: ModelSettings, transport: httpx.AsyncBaseTransport | None = None, *,
+        sleep: Sleep = asyncio.sleep,
     ) -> None:
         self.settings = settings
         self._sleep = sleep
@@ -220,14 +229,13 @@ class ModelClient:
                 event = decoder.decode(frame)
                 if event is None:
                     continue
-                kind = event.kind
-                if kind == "cut":  # an event over the bound that may have held a commit
+                if isinstance(event, StreamCut):  # an event over the bound that may have held a commit
                     raise ModelError(STREAM_DISCONNECTED + event_too_large(event), retryable=True)
-                if kind == "completed":
+                if isinstance(event, Completed):
                     # Stop here even if the server keeps the socket open (Codex does the same).
                     yield event
                     return
-                if kind == "failed":
+                if isinstance(event, Failed):
                     # A bare `response.failed` after an `error` event: the error event said why.
                     if pending is not None and event.code is None:
                         failure = pending
@@ -235,12 +243,12 @@ class ModelClient:
                         failure = stream_failure(event.code, event.message)
                     yield event
                     raise failure
-                if kind == "incomplete":
+                if isinstance(event, Incomplete):
                     yield event
                     raise ModelError(
                         f"Incomplete response returned, reason: {event.reason or 'unknown'}", retryable=False
                     )
-                if kind == "error":
+                if isinstance(event, ErrorEvent):
                     pending = stream_failure(event.code, event.message)
                 yield event
         except httpx.ReadTimeout:
@@ -344,7 +352,8 @@ def http_failure(status: int, headers: Mapping[str, str], body: str, url: str) -
     if status == 503 and code in ("server_is_overloaded", "slow_down"):
         return ModelError(AT_CAPACITY, retryable=False, status=status, code=code, detail=body)
     return ModelError(
-        f"unexpected status {status} {reason}: {body}, url: {url}", retryable=True, status=status, code=code, detail=body
+        f"unexpected status {status} {reason}: {body}, url: {url}",
+        retryable=True, status=status, code=code, detail=body,
     )
 
 

@@ -16,20 +16,26 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation
 from toolq.orchestrator import session_route
+from toolq.orchestrator.calls import FunctionPayload, ToolInvocation
 from toolq.orchestrator.catalog_reader import FleetCatalog
 from toolq.orchestrator.ledger import CONNECT_TIMEOUT, SOCKET_TIMEOUT, Ledger, Sent
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.states import CallState
-from toolq.orchestrator.task_message import (UNACKED_KEY, TaskMessage, anon_nodename, message_task_id, queue_key,
-                                             task_id_of)
+from toolq.orchestrator.task_message import (
+    UNACKED_KEY,
+    TaskMessage,
+    anon_nodename,
+    message_task_id,
+    queue_key,
+    task_id_of,
+)
 from toolq.orchestrator.transport import DispatchError
 from toolq.workers.advert import tool_queue
 from toolq.workers.catalog import ToolSpec

@@ -246,7 +246,7 @@ async def mark_orphans(r: aioredis.Redis, turns: list[tuple[str, dict[str, str]]
         for t, _ in running:
             p.exists(keys.turn_lease(t))
         leases = await p.execute()
-    for (_, h), leased in zip(running, leases):
+    for (_, h), leased in zip(running, leases, strict=True):
         if not leased:
             h["state"] = ORPHANED
 

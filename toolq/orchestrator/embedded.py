@@ -178,7 +178,7 @@ class ChildProcess:
             self.proc.wait(5)
             self.proc = None
 
-    def __enter__(self):  # noqa: ANN204 - returns the subclass
+    def __enter__(self):
         # `with X().start():` enters a started process: starting it again leaked the first one.
         return self if self.proc is not None else self.start()
 
@@ -282,8 +282,8 @@ class WorkerProcess(ChildProcess):
             pass
 
     def argv(self) -> list[str]:
-        argv = [*import_path.python_argv("-m", "toolq.orchestrator.cli"), "worker", "--concurrency", str(self.concurrency),
-                "--name", self.name, "--logfile", str(self.log)]
+        argv = [*import_path.python_argv("-m", "toolq.orchestrator.cli"), "worker",
+                "--concurrency", str(self.concurrency), "--name", self.name, "--logfile", str(self.log)]
         if self.queues:
             argv += ["--queues", ",".join(self.queues)]
         for t in self.tools:

@@ -12,9 +12,10 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import ModuleType
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any
 
 from pydantic import BaseModel
 

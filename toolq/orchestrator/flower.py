@@ -18,9 +18,10 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, TextIO
+from typing import TextIO
 
 import httpx
 import redis
@@ -107,8 +108,9 @@ def flower_launch(settings: Settings, *, port: int | None = None, address: str |
         raise ConfigurationError("refusing to start Flower without authentication; set "
                                  "FLOWER_USER and FLOWER_PASSWORD, or pass --unauthenticated-api (loopback only)")
     if not is_loopback(address):
-        warnings.append(f"Flower listens on {address or 'every interface'}: /metrics and /healthcheck answer without auth, and "
-                        "basic auth travels in clear text over plain HTTP; put it behind TLS or a firewall")
+        warnings.append(f"Flower listens on {address or 'every interface'}: /metrics and /healthcheck answer "
+                        "without auth, and basic auth travels in clear text over plain HTTP; put it behind TLS or "
+                        "a firewall")
 
     argv = [*import_path.python_argv("-m", "celery"), "--app", "toolq.workers.app", "flower",
             f"--address={address}", f"--port={port}"]

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from toolq.orchestrator.protocol.items import (
     CustomToolCallOutputItem,
@@ -143,7 +144,7 @@ class History:
         """Per pairing key: calls minus outputs (0 when paired)."""
         self._unpaired: set[str] = set()
         self._unreplayable = 0
-        for item, obj in zip(items, wire):
+        for item, obj in zip(items, wire, strict=True):
             self._append(item, obj)
 
     def _append(self, item: ResponseItem, obj: dict[str, Any]) -> None:
@@ -202,7 +203,7 @@ class History:
         """Drop reasoning items `can_replay` refuses; counted each time, logged the first time."""
         if not self._unreplayable:
             return
-        kept = [(item, obj) for item, obj in zip(self._items, self._wire) if can_replay(item)]
+        kept = [(item, obj) for item, obj in zip(self._items, self._wire, strict=True) if can_replay(item)]
         dropped = len(self._items) - len(kept)
         self._replace([item for item, _ in kept], [obj for _, obj in kept])
         self.repairs["reasoning_without_encrypted_content_dropped"] += dropped

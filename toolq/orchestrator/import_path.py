@@ -13,6 +13,7 @@ or holds part of it (a virtualenv inside the project), is refused (`workspace_on
 from __future__ import annotations
 
 import importlib.machinery
+import itertools
 import os
 import sys
 
@@ -49,7 +50,7 @@ def started_as_module() -> bool:
     directory first on sys.path, and toolq's package is being imported from the folder it found."""
     argv = sys.orig_argv
     named = any(flag == "-m" and (module == "toolq" or module.startswith("toolq."))
-                for flag, module in zip(argv, argv[1:]))
+                for flag, module in itertools.pairwise(argv))
     return sys.argv[:1] == ["-m"] and named
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from enum import IntEnum
-from typing import Any, Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -152,7 +153,7 @@ class Ledger:
             for i in ids:
                 p.hgetall(keys.turn(i))
             rows = await p.execute()
-        return [(i, _decode(h)) for i, h in zip(ids, rows)]
+        return [(i, _decode(h)) for i, h in zip(ids, rows, strict=True)]
 
     # --- calls -------------------------------------------------------------------------------
 

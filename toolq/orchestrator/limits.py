@@ -17,8 +17,9 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -165,7 +166,7 @@ class FleetLimits(Limits):
                 return False
             try:
                 await asyncio.wait_for(released.wait(), timeout=min(delay, remaining))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 delay = min(delay * 2, MAX_RETRY)
 
     async def _try(self, permit: Permit, task_id: str) -> bool:
@@ -211,7 +212,7 @@ class FleetLimits(Limits):
             except Exception as e:  # the lease may lapse meanwhile; the next beat tries again
                 log.warning("renewing %d permit(s) failed: %s", len(held), e)
                 continue
-            for (task_id, permit), ok in zip(held, renewed):
+            for (task_id, permit), ok in zip(held, renewed, strict=True):
                 if not ok and self._held.get(task_id) is permit:  # the worker released it, or it lapsed
                     del self._held[task_id]
 
@@ -257,7 +258,8 @@ class FleetLimits(Limits):
 
     async def _count(self, tool: str, rate: Rate, task_id: str) -> int:
         """0: the start is recorded in the window; else milliseconds until the window has room."""
-        return int(await self._rate(keys=[keys.limit_starts(tool)], args=[task_id, rate.calls, int(rate.window * 1000)]))
+        window_ms = int(rate.window * 1000)
+        return int(await self._rate(keys=[keys.limit_starts(tool)], args=[task_id, rate.calls, window_ms]))
 
     # --- lifetime ----------------------------------------------------------------------------------
 

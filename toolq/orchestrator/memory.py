@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from toolq.orchestrator.calls import ToolInvocation, ToolResult
 from toolq.orchestrator.states import CallState

@@ -160,7 +160,7 @@ class ResultRouter(Watches):
         ids = [t for t in (task_ids if task_ids is not None else list(self._watches)) if t in self._watches]
         if not ids:
             return
-        for task_id, raw in zip(ids, await self.r.mget([keys.celery_meta(t) for t in ids])):
+        for task_id, raw in zip(ids, await self.r.mget([keys.celery_meta(t) for t in ids]), strict=True):
             if raw is not None:
                 self._deliver(task_id, raw)
 

@@ -28,7 +28,6 @@ from toolq.orchestrator.terminal import printable
 from toolq.orchestrator.turn import Runtime, Session, TurnOutcome, new_turn_id
 from toolq.orchestrator.view import JsonView, LiveView
 
-
 #: How refusals name the conversation's file.
 SESSION = "session file"
 
@@ -88,8 +87,8 @@ def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path |
             print(f"\nworkspace {workspace}: hello.txt = {created.read_text().strip()!r}" if created.exists()
                   else f"\nworkspace {workspace}: hello.txt was not created")
             problems = [p for body in fake.requests for p in pairing_problems(body.get("input", []))]
-            print(f"{len(fake.requests)} model requests; "
-                  + ("every call was paired with exactly one output." if not problems else f"PAIRING PROBLEMS: {problems}"))
+            paired = f"PAIRING PROBLEMS: {problems}" if problems else "every call was paired with exactly one output."
+            print(f"{len(fake.requests)} model requests; {paired}")
     return outcome.exit_code
 
 

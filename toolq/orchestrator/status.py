@@ -16,8 +16,8 @@ from toolq.orchestrator.durable import mark_orphans
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.redis_faults import reaching
 from toolq.orchestrator.runtime_dir import ledger_urls, ledgers
-from toolq.orchestrator.settings import Settings, mask_url_password
 from toolq.orchestrator.session_route import live_sessions
+from toolq.orchestrator.settings import Settings, mask_url_password
 from toolq.orchestrator.states import parse_state
 from toolq.orchestrator.terminal import json_line, printable
 from toolq.workers.sessions.registry import SessionRecord
@@ -95,7 +95,7 @@ def render_table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
     cells = [[_cell(c, r) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
     lines = [[c.upper() for c in columns], *cells]
-    return "".join("  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() + "\n" for line in lines)
+    return "".join("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=False)).rstrip() + "\n" for line in lines)
 
 
 def render_json_lines(rows: list[dict[str, Any]], **extra: Any) -> str:
@@ -187,7 +187,7 @@ def turns_cmd(settings: Settings, *, limit: int = 20, as_json: bool = False, out
                 turns = await ledger.recent_turns(limit)
                 await mark_orphans(ledger.r, turns)
                 counts = [len(await ledger.calls(t)) for t, _ in turns]
-                found += [(t, h, n) for (t, h), n in zip(turns, counts)]
+                found += [(t, h, n) for (t, h), n in zip(turns, counts, strict=True)]
         return found
 
     now = time.time()

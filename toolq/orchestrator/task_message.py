@@ -17,7 +17,7 @@ import json
 import os
 import socket
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel
@@ -50,7 +50,7 @@ class TaskMessage(BaseModel):
                                                    "chord": None}])
         headers = {
             "lang": "py", "task": self.task, "id": self.task_id, "shadow": self.shadow, "eta": None,
-            "expires": datetime.fromtimestamp(self.expires, tz=timezone.utc).isoformat(),
+            "expires": datetime.fromtimestamp(self.expires, tz=UTC).isoformat(),
             "group": None, "group_index": None, "retries": 0, "timelimit": [self.time_limit, self.soft_time_limit],
             "root_id": self.task_id, "parent_id": None, "argsrepr": self.argsrepr, "kwargsrepr": self.kwargsrepr,
             "origin": self.origin, "ignore_result": None, "replaced_task_nesting": 0, "stamped_headers": None,

@@ -14,8 +14,9 @@ import errno
 import os
 import secrets
 import stat
+from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Iterable
+from typing import IO
 
 from toolq.orchestrator.errors import ConfigurationError
 

@@ -23,8 +23,7 @@ from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, backoff, build_request
 from toolq.orchestrator.conversation import ConversationLease, new_conversation_id
 from toolq.orchestrator.dispatch import Dispatcher
-from toolq.orchestrator.durable import (Committed, StoreBudget, TurnSettings, TurnStore, item_cost, unanswered,
-                                        wire_cost)
+from toolq.orchestrator.durable import Committed, StoreBudget, TurnSettings, TurnStore, item_cost, unanswered, wire_cost
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.fleet import Fleet, cancel_requested, new_turn_id, stop
 from toolq.orchestrator.history import History
@@ -389,7 +388,8 @@ class Session:
                 return
             if time.time() >= deadline:  # no request that could only queue calls already expired
                 outcome.status = "failed"
-                outcome.error = f"turn stopped: it ran past its deadline (TOOLQ_TURN_TIMEOUT={settings.turn_timeout:g}s)"
+                outcome.error = ("turn stopped: it ran past its deadline "
+                                 f"(TOOLQ_TURN_TIMEOUT={settings.turn_timeout:g}s)")
                 return
             if responses_with_calls >= settings.max_steps:
                 outcome.status = "failed"
@@ -447,7 +447,8 @@ class Session:
                         log.info("kept aside an item of unknown type %r", getattr(item, "type", None))
                         continue
                     call_id = getattr(item, "call_id", None)
-                    cost = (item_cost(event.size, event.escaped, item.type, call_id if isinstance(call_id, str) else None)
+                    call_id = call_id if isinstance(call_id, str) else None
+                    cost = (item_cost(event.size, event.escaped, item.type, call_id)
                             if event.size else wire_cost(item.to_wire()))
                     if not self._store.take(cost):  # not recorded, not queued: the turn stops after the barrier
                         raise ModelError(self._store.error, retryable=False)
@@ -470,7 +471,7 @@ class Session:
         if len(task_ids) != len(outputs):  # not this step's outputs, one per entry: no result to name
             task_ids = [None] * len(outputs)
         kept, dropped = [], []
-        for out, task_id in zip(outputs, task_ids):
+        for out, task_id in zip(outputs, task_ids, strict=True):
             cost = wire_cost(out.to_wire()) if hasattr(out, "to_wire") else 0
             if self._store.take(cost):
                 kept.append(out)

@@ -12,7 +12,8 @@ per line.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Callable, Literal, Union
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -105,8 +106,10 @@ class ReasoningView(_Json):
     text: str
 
 
-ItemView = Annotated[Union[ToolCallView, CommandExecutionView, FileChangeView, TodoListView, AgentMessageView,
-                           ReasoningView], Field(discriminator="type")]
+ItemView = Annotated[
+    ToolCallView | CommandExecutionView | FileChangeView | TodoListView | AgentMessageView | ReasoningView,
+    Field(discriminator="type"),
+]
 
 
 class TurnStarted(_Event):
@@ -164,7 +167,7 @@ class TurnAborted(_Event):
 
 
 TurnEvent = Annotated[
-    Union[TurnStarted, ItemStarted, ItemUpdated, ItemCompleted, ErrorEvent, TurnCompleted, TurnFailed, TurnAborted],
+    TurnStarted | ItemStarted | ItemUpdated | ItemCompleted | ErrorEvent | TurnCompleted | TurnFailed | TurnAborted,
     Field(discriminator="type"),
 ]
 

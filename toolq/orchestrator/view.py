@@ -1,7 +1,8 @@
 """What `toolq run` shows: a live line per call transition, or one JSON event per line.
 
 The JSON events follow `codex exec --json` (`turn.started`, `item.started`/`item.updated`/
-`item.completed`, `error`, `turn.completed`/`turn.failed`), with toolq's `tool_call` items; the events are typed in `toolq.orchestrator.turn_events`.
+`item.completed`, `error`, `turn.completed`/`turn.failed`), with toolq's `tool_call` items; the
+events are typed in `toolq.orchestrator.turn_events`.
 """
 
 from __future__ import annotations

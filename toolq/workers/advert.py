@@ -10,7 +10,8 @@ loaded, and the two declarations of a rolling upgrade never meet each other's wo
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from pydantic import BaseModel
 

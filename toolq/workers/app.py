@@ -17,22 +17,29 @@ import celery.utils.imports
 import redis
 from celery import Celery
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
-from celery.signals import (celeryd_after_setup, worker_process_init, worker_process_shutdown, worker_ready,
-                            worker_shutdown, worker_shutting_down)
+from celery.signals import (
+    celeryd_after_setup,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.states import FAILURE, CallState, celery_state
+from toolq.workers import isolation, kombu_acks, pool_exits, presence, signing, stopping
 from toolq.workers.catalog import Catalog
 from toolq.workers.config import configure_app, longest_timeout, make_app
 from toolq.workers.contracts import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, ToolCallFailed
-from toolq.workers.loader import load_catalog
-from toolq.workers import isolation, kombu_acks, pool_exits, presence, signing, stopping
 from toolq.workers.execute import StillRunning, execute
+from toolq.workers.loader import load_catalog
 from toolq.workers.mcp.worker import sync as sync_mcp_tools
 from toolq.workers.sandbox import install_sigterm_handler
+from toolq.workers.sessions import registry as session_registry
+from toolq.workers.sessions import start as session_host
 from toolq.workers.summary import returned
-from toolq.workers.sessions import registry as session_registry, start as session_host
 
 log = logging.getLogger("toolq.worker")
 

@@ -46,17 +46,17 @@ _SUCCESS_PREFIX = '{"status": "SUCCESS"'
 
 
 class NoSubscribeRedisBackend(RedisBackend):
-    def on_task_call(self, producer, task_id):  # noqa: ANN001 - Celery's signature
+    def on_task_call(self, producer, task_id):
         pass
 
-    def encode(self, data):  # noqa: ANN001 - Celery's signature
+    def encode(self, data):
         return super().encode(signing.seal_stored(self.app.conf.get(signing.CONF_KEY), data))
 
-    def _get_task_meta_for(self, task_id):  # noqa: ANN001 - Celery's signature
+    def _get_task_meta_for(self, task_id):
         meta = super()._get_task_meta_for(task_id)
         return signing.genuine_stored(self.app.conf.get(signing.CONF_KEY), task_id, meta)
 
-    def _store_result(self, task_id, result, state, traceback=None, request=None, **kwargs):  # noqa: ANN001
+    def _store_result(self, task_id, result, state, traceback=None, request=None, **kwargs):
         """Celery's `_store_result` (a stored genuine SUCCESS is never overwritten), in one round trip."""
         meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
         meta["task_id"] = bytes_to_str(task_id)

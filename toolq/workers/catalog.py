@@ -24,9 +24,10 @@ import hashlib
 import inspect
 import json
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 

@@ -8,11 +8,12 @@ Flower asks for them, a visibility timeout above the longest tool.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from toolq.orchestrator.settings import Settings
-from toolq.workers.catalog import ToolSpec
 from toolq.workers import kombu_clients, signing
+from toolq.workers.catalog import ToolSpec
 from toolq.workers.contracts import TIME_LIMIT_MARGIN
 
 if TYPE_CHECKING:  # Celery is imported by `make_app`, when an app is made: `longest_timeout` needs none

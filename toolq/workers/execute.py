@@ -13,8 +13,9 @@ import os
 import re
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import redis
 
@@ -25,8 +26,8 @@ from toolq.orchestrator.protocol.items import ToolOutputBody
 from toolq.orchestrator.settings import workspace_problem
 from toolq.orchestrator.states import TERMINAL, CallState, parse_state
 from toolq.orchestrator.truncate import bound_output
-from toolq.workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
 from toolq.workers import permit
+from toolq.workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
 from toolq.workers.sandbox import CallCancelled
 from toolq.workers.signing import Signer
 from toolq.workers.streaming import STREAMED_TOOLS, OutputStream
@@ -240,7 +241,8 @@ def run_invocation(inv: ToolInvocation, spec: ToolSpec | None, catalog: Catalog,
 def refusal(inv: ToolInvocation, spec: ToolSpec | None, hostname: str) -> Outcome | None:
     """Why this worker must not run the call (not loaded, declared differently, no workspace), if so."""
     if spec is None:
-        return CallState.REJECTED, f"tool {inv.tool_name} is not loaded on worker {hostname}; not run", {"success": False}
+        not_loaded = f"tool {inv.tool_name} is not loaded on worker {hostname}; not run"
+        return CallState.REJECTED, not_loaded, {"success": False}
     if spec.digest() != inv.spec_digest:
         return CallState.REJECTED, (
             f"tool {inv.tool_name} is declared differently on worker {hostname} than in the orchestrator "

@@ -14,7 +14,8 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import redis
 

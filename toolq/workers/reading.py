@@ -9,7 +9,7 @@ binary test), so time is bounded too.
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 CHUNK_BYTES = 1024 * 1024
 

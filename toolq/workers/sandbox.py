@@ -14,9 +14,10 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from toolq.workers.isolation import reaper
 
@@ -147,7 +148,7 @@ class HeadTailBuffer:
         return bytes(self.head + self.tail)
 
 
-def run_command(
+def run_command(  # noqa: C901 - one process's whole life (spawn, stream, bound, kill, reap) read top to bottom
     command: str | Sequence[str],
     *,
     cwd: Path | str,

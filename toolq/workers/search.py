@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from toolq.orchestrator.calls import ToolSearchPayload
 from toolq.orchestrator.errors import RespondToModel
@@ -38,7 +39,7 @@ def rank(specs: list[ToolSpec], query: list[str]) -> list[ToolSpec]:
         return []
     avg_len = sum(sum(d.values()) for d in docs) / len(docs) or 1.0
     scored = []
-    for spec, doc in zip(specs, docs):
+    for spec, doc in zip(specs, docs, strict=True):
         length = sum(doc.values())
         score = 0.0
         for term in set(query):

@@ -18,7 +18,7 @@ import codecs
 import json
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from toolq.workers.signing import Signer
 

@@ -29,9 +29,10 @@ import ctypes
 import errno
 import os
 import stat
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 from toolq.orchestrator.errors import RespondToModel
 
@@ -176,7 +177,7 @@ class Workspace:
                         raise
         return self._walk(rel.parts, flags, mode)
 
-    def _walk(self, parts: tuple[str, ...], flags: int, mode: int) -> int:
+    def _walk(self, parts: tuple[str, ...], flags: int, mode: int) -> int:  # noqa: C901 - path resolution, as the kernel's
         """Open `parts` one component at a time with O_NOFOLLOW, resolving symlinks here."""
         todo = list(parts)
         held: list[int] = []  # the directories below the root on the current path
@@ -388,7 +389,8 @@ def _is_git_dir(path: str) -> bool:
 
 
 def _protected(target: Target) -> RespondToModel:
-    return RespondToModel(f"path `{target.given}` is inside a `{PROTECTED_DIR}` directory, which file tools do not change")
+    return RespondToModel(f"path `{target.given}` is inside a `{PROTECTED_DIR}` directory, "
+                          "which file tools do not change")
 
 
 def open_entry(dir_fd: int, name: str, *, directory: bool = False) -> int:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolName, ToolSearchPayload
 from toolq.workers.catalog import Catalog, ToolContext, ToolSpec, call_handler, parse_arguments

@@ -8,13 +8,12 @@ import tracemalloc
 
 import pytest
 
-from toolq.orchestrator.errors import RespondToModel
 from tests.hostile import Flipper, deep_tree, race_tree
 from tests.unit.tools import call
+from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import ToolReturn
 from toolq.workers.tools import grep_files as grep_module
 from toolq.workers.tools.grep_files import grep_files
-
 
 LINEAR = " (grep_files matches in linear time, as rg does: no backreferences or lookaround)"
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from toolq.orchestrator.errors import RespondToModel
 from tests.hostile import deep_tree
 from tests.unit.tools import call
+from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.tools.list_dir import list_dir
 
 

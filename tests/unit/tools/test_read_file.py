@@ -8,8 +8,8 @@ import tracemalloc
 
 import pytest
 
-from toolq.orchestrator.errors import RespondToModel
 from tests.unit.tools import call
+from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.tools.read_file import read_file
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from toolq.orchestrator.errors import RespondToModel
 from tests.unit.tools import call
+from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.catalog import Catalog, ToolReturn, tool
 from toolq.workers.tools.tool_search import PARAMETERS, tool_search
 

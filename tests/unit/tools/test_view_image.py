@@ -8,9 +8,9 @@ import os
 
 import pytest
 
+from tests.unit.tools import call
 from toolq.orchestrator.errors import RespondToModel
 from toolq.orchestrator.protocol.items import InputImage
-from tests.unit.tools import call
 from toolq.workers.tools import view_image as module
 from toolq.workers.tools.view_image import view_image
 

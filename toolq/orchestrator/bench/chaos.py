@@ -36,10 +36,11 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 from toolq.orchestrator import import_path
 from toolq.orchestrator.bench.chaos_tools import end_file, pid_file, runs_file
@@ -347,10 +348,12 @@ class Campaign:
                "TOOLQ_TURN_LEASE": f"{LEASE:g}", "TOOLQ_TURN_TIMEOUT": f"{DEADLINE:g}",
                "TOOLQ_STREAM_IDLE_TIMEOUT": f"{IDLE_TIMEOUT:g}"}
         out = self.workdir / f"orchestrator-{plan.turn}.jsonl"
-        with open(out, "w") as stdout, open(out.with_suffix(".log"), "w") as stderr:
-            proc = subprocess.Popen([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "run", "--json",
-                                     "--workspace", str(self.workspace), "go"],
-                                    env=env, stdout=stdout, stderr=stderr, cwd=import_path.NEUTRAL_CWD)
+        # A local file and a fork: brief, and the bench's loop has nothing else to do meanwhile.
+        with open(out, "w") as stdout, open(out.with_suffix(".log"), "w") as stderr:  # noqa: ASYNC230
+            proc = subprocess.Popen(  # noqa: ASYNC220
+                [*import_path.python_argv("-m", "toolq.orchestrator.cli"), "run", "--json",
+                 "--workspace", str(self.workspace), "go"],
+                env=env, stdout=stdout, stderr=stderr, cwd=import_path.NEUTRAL_CWD)
             try:
                 pid = await asyncio.to_thread(wait_for_pid, pid_file(self.workspace, plan.hang_id), 20, proc)
                 if pid is not None:

@@ -13,9 +13,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 VERSION = "0.171.0"
 INSTALL = f"npm install -g @openai/codex@{VERSION}"

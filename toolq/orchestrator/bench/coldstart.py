@@ -21,9 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any
 
 import toolq
 from toolq.orchestrator import import_path
@@ -53,8 +54,8 @@ def _children_cpu() -> float:
 def one_run(env: dict[str, str], fake: FakeModel, workspace: str) -> dict[str, float]:
     """Launch `toolq run` once: seconds to its first model request, to its exit, and its CPU."""
     def launch() -> None:
-        proc = subprocess.run([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "run", "--workspace", workspace, "hi"],
-                              env=env, capture_output=True, text=True, timeout=120, cwd=import_path.NEUTRAL_CWD)
+        argv = [*import_path.python_argv("-m", "toolq.orchestrator.cli"), "run", "--workspace", workspace, "hi"]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=import_path.NEUTRAL_CWD)
         if proc.returncode != 0:
             raise RuntimeError(f"toolq run exited {proc.returncode}: {proc.stderr[-2000:]}")
 

@@ -9,9 +9,10 @@ import os
 import shutil
 import statistics
 import tempfile
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Awaitable, Callable, Iterator
+from typing import IO, Any
 
 from toolq.orchestrator.settings import Settings
 

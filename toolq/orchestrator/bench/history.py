@@ -93,8 +93,8 @@ def measure(settings: Any, steps: int) -> dict[str, list[float]]:
         path, log = Path(tmp) / "script.json", Path(tmp) / "fake.log"
         path.write_text(json.dumps(script(steps)))
         with log.open("w") as err:
-            server = subprocess.Popen([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "fake-model", "--script",
-                                       str(path)], stdout=subprocess.PIPE, stderr=err, text=True,
+            server = subprocess.Popen([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "fake-model",
+                                       "--script", str(path)], stdout=subprocess.PIPE, stderr=err, text=True,
                                       cwd=import_path.NEUTRAL_CWD)
             try:
                 assert server.stdout is not None

@@ -66,7 +66,7 @@ async def _limited_turns(rt: Runtime, ms: int) -> list[str]:
         await rt.router.watch_turn(t)
     try:
         await asyncio.gather(*(_step(rt, t, 0, "bench_limited", n, f'{{"ms": {ms}}}')
-                               for t, n in zip(turn_ids, TURN_SIZES)))
+                               for t, n in zip(turn_ids, TURN_SIZES, strict=True)))
     finally:
         for t in turn_ids:
             await rt.router.unwatch_turn(t)

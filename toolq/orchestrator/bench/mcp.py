@@ -13,11 +13,21 @@ import secrets
 import shlex
 import sys
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
-from toolq.orchestrator.bench.harness import (BENCH_QUEUE, BENCH_TOOLS, START_BENCH_WORKER, FleetNotReady, measured,
-                                              median, pct, require_queues, two_paths_report)
+from toolq.orchestrator.bench.harness import (
+    BENCH_QUEUE,
+    BENCH_TOOLS,
+    START_BENCH_WORKER,
+    FleetNotReady,
+    measured,
+    median,
+    pct,
+    require_queues,
+    two_paths_report,
+)
 from toolq.orchestrator.bench.pipeline import _toolq_calls
 from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.settings import Settings
@@ -96,7 +106,8 @@ def run(out: IO[str] = sys.stdout, rounds: int = 3, per_round: int = 100) -> dic
 
 def report(res: dict[str, Any]) -> list[str]:
     return two_paths_report(
-        res, GOAL, f"per-call round trip over {res['calls']} sequential no-op calls each (same worker, one Step per call):",
+        res, GOAL,
+        f"per-call round trip over {res['calls']} sequential no-op calls each (same worker, one Step per call):",
         ("built-in tool bench_noop", "builtin"), ("MCP tool bench.noop (stdio)", "mcp"), "ratio MCP/built-in (p50)")
 
 

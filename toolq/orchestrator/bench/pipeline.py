@@ -17,8 +17,16 @@ from typing import IO, Any
 
 from celery import Celery
 
-from toolq.orchestrator.bench.harness import (BENCH_QUEUE, BENCH_TOOLS, measured, median, pct, stack, two_paths_report,
-                                             workspace)
+from toolq.orchestrator.bench.harness import (
+    BENCH_QUEUE,
+    BENCH_TOOLS,
+    measured,
+    median,
+    pct,
+    stack,
+    two_paths_report,
+    workspace,
+)
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from toolq.orchestrator.protocol.items import FunctionCallItem
 from toolq.orchestrator.registry import StepContext

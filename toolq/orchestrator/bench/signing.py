@@ -3,7 +3,8 @@
 Per call, what a call does: the orchestrator signs the invocation and the worker checks it; the
 worker's backend seals two metas (STARTED, then SUCCESS) and the orchestrator checks both. The
 baseline, in the same run, is one `json.dumps` of the same invocation and metas, which every
-call pays already (kombu encodes each of them). Result sizes: a short output, and outputs near the truncation policy's size.
+call pays already (kombu encodes each of them). Result sizes: a short output, and outputs near
+the truncation policy's size.
 Each figure is the median of `repeats` timings of `loops` calls, in microseconds per call.
 """
 
@@ -14,7 +15,8 @@ import secrets
 import statistics
 import sys
 import time
-from typing import IO, Any, Callable
+from collections.abc import Callable
+from typing import IO, Any
 
 from toolq.workers.contracts import TASK
 from toolq.workers.signing import Signer
@@ -66,12 +68,12 @@ def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (100, 16_000, 64_000
         def signed() -> None:
             sig = signer.sign_invocation(TASK, TASK_ID, inv)
             assert signer.invocation_refusal(TASK, TASK_ID, inv, sig) is None
-            for meta in metas:
+            for meta in metas:  # noqa: B023 - called within this iteration
                 assert signer.meta_refusal(TASK_ID, signer.seal_meta(meta)) is None
 
         def baseline() -> None:
             json.dumps(inv)
-            for meta in metas:
+            for meta in metas:  # noqa: B023 - called within this iteration
                 json.dumps(meta)
 
         n = max(loops * 100 // max(size, 100), 50)  # fewer loops for big outputs, same wall time

@@ -61,7 +61,8 @@ def _request_times(settings: Any, responses: list[Any], emit: Emit = ignore) -> 
         path, log = Path(tmp) / "script.json", Path(tmp) / "fake.log"
         path.write_text(json.dumps(responses))
         with log.open("w") as err:
-            server = subprocess.Popen([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "fake-model", "--script", str(path)],
+            server = subprocess.Popen([*import_path.python_argv("-m", "toolq.orchestrator.cli"), "fake-model",
+                                       "--script", str(path)],
                                       stdout=subprocess.PIPE, stderr=err, text=True,
                                       cwd=import_path.NEUTRAL_CWD)
             try:
@@ -137,7 +138,8 @@ def report(results: dict[int, Any], steps: int, codex_path: str | None = None, s
     for n, r in results.items():
         line = f"  {n:>2} parallel exec_command: p50 {ms(r['p50'])}  p90 {ms(r['p90'])}"
         if "codex" in r:
-            line += _versus(r, r["codex"], GOAL.get(n), "Codex unsandboxed" if sandbox == "none" else "Codex in its sandbox")
+            codex = "Codex unsandboxed" if sandbox == "none" else "Codex in its sandbox"
+            line += _versus(r, r["codex"], GOAL.get(n), codex)
             if "unsandboxed" in r:
                 pair = r["unsandboxed"]
                 line += (f"; unsandboxed {ms(pair['toolq']['p50'])}"

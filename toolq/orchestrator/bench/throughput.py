@@ -118,7 +118,8 @@ def _bare_calls(fleet: Fleet, n: int) -> list[tuple[str, dict[str, Any]]]:
     call = ToolCall(tool_name=ToolName.plain("bench_noop"), call_id="call_b", payload=FunctionPayload(arguments="{}"))
     out = []
     for _ in range(n):
-        inv = fleet.registry.bind(call, StepContext(f"base-{uuid.uuid4().hex[:10]}", 0, time.time() + 300, workspace()), 0)
+        context = StepContext(f"base-{uuid.uuid4().hex[:10]}", 0, time.time() + 300, workspace())
+        inv = fleet.registry.bind(call, context, 0)
         out.append((inv.task_id, inv.model_dump(mode="json")))
     return out
 
@@ -199,7 +200,8 @@ def report(res: dict[str, Any]) -> list[str]:
             f"  K={k:<3} ({t['calls']} calls each, {r['steps']} steps per turn)",
             *(f"    {label:<12}: {p['calls_per_s']:7.0f} calls/s  p50 {ms(p['p50'])}  p99 {ms(p['p99'])}  "
               f"cpu {p['cpu_per_call'] * 1e6:5.0f} µs/call" for label, p in (("bare Celery", b), ("toolq", t))),
-            f"    toolq/bare  : calls/s {r['rate_ratio']:.2f}x ({rate_note}); cpu/call {r['cpu_ratio']:.2f}x ({cpu_note})",
+            f"    toolq/bare  : calls/s {r['rate_ratio']:.2f}x ({rate_note}); "
+            f"cpu/call {r['cpu_ratio']:.2f}x ({cpu_note})",
         ]
         if k > first:  # memory per concurrent turn: the slope of toolq's peak RSS from the smallest K
             r["rss_per_turn_mb"] = (t["rss_peak_mb"] - res["ks"][first]["toolq"]["rss_peak_mb"]) / (k - first)

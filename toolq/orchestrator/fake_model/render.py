@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from toolq.orchestrator.fake_model import builders
 
@@ -45,7 +45,7 @@ class Cut:
     clean: bool
 
 
-Op = Union[bytes, Stall, Gate, Cut]
+Op = bytes | Stall | Gate | Cut
 
 
 def normalize(entry: Any) -> dict[str, Any]:

@@ -152,7 +152,8 @@ class FakeModel:
         exhausted = index >= len(script)
         if self._log is not None:
             note = " (script exhausted)" if exhausted else f" (response {index + 1}/{len(script)})"
-            print(f"request {number}: {len(inputs)} input items{note} at {time.monotonic():.6f}", file=self._log, flush=True)
+            print(f"request {number}: {len(inputs)} input items{note} at {time.monotonic():.6f}",
+                  file=self._log, flush=True)
         if exhausted:
             return self._exhausted(script)
         return render(script[index], body, number, self._base_dir)
@@ -301,7 +302,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _error_json(message: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}).encode()
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    return json.dumps({"error": error}).encode()
 
 
 def serve_forever(port: int = 0, script: str | None = None, *, loop: bool = False) -> int:

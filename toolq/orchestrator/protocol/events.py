@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -151,19 +151,10 @@ class ErrorEvent(BaseModel):
 
 
 StreamEvent = Annotated[
-    Union[
-        ResponseCreated,
-        OutputItemAdded,
-        OutputItemDone,
-        TextDelta,
-        ReasoningDelta,
-        ToolInputDelta,
-        Completed,
-        Failed,
-        Incomplete,
-        ErrorEvent,
-        StreamCut,
-    ],
+    (
+        ResponseCreated | OutputItemAdded | OutputItemDone | TextDelta | ReasoningDelta | ToolInputDelta
+        | Completed | Failed | Incomplete | ErrorEvent | StreamCut
+    ),
     Field(discriminator="kind"),
 ]
 

@@ -8,7 +8,7 @@ types serve for items parsed from `response.output_item.done`, for history, and 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
 
@@ -58,18 +58,18 @@ def _part_tag(v: Any) -> str:
 _PART_TYPES = {"input_text", "output_text", "input_image", "refusal"}
 
 ContentPart = Annotated[
-    Union[
-        Annotated[InputText, Tag("input_text")],
-        Annotated[OutputText, Tag("output_text")],
-        Annotated[InputImage, Tag("input_image")],
-        Annotated[Refusal, Tag("refusal")],
-        Annotated[UnknownPart, Tag("unknown")],
-    ],
+    (
+        Annotated[InputText, Tag("input_text")]
+        | Annotated[OutputText, Tag("output_text")]
+        | Annotated[InputImage, Tag("input_image")]
+        | Annotated[Refusal, Tag("refusal")]
+        | Annotated[UnknownPart, Tag("unknown")]
+    ),
     Discriminator(_part_tag),
 ]
 
 #: A tool output is a plain string or a list of content parts (text and images).
-ToolOutputBody = Union[str, list[ContentPart]]
+ToolOutputBody = str | list[ContentPart]
 
 
 # --- items ---------------------------------------------------------------------------------
@@ -222,24 +222,24 @@ def _item_tag(v: Any) -> str:
 
 
 ResponseItem = Annotated[
-    Union[
-        Annotated[MessageItem, Tag("message")],
-        Annotated[ReasoningItem, Tag("reasoning")],
-        Annotated[FunctionCallItem, Tag("function_call")],
-        Annotated[CustomToolCallItem, Tag("custom_tool_call")],
-        Annotated[ToolSearchCallItem, Tag("tool_search_call")],
-        Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-        Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")],
-        Annotated[ToolSearchOutputItem, Tag("tool_search_output")],
-        Annotated[LocalShellCallItem, Tag("local_shell_call")],
-        Annotated[HostedToolItem, Tag("hosted")],
-        Annotated[UnknownItem, Tag("unknown")],
-    ],
+    (
+        Annotated[MessageItem, Tag("message")]
+        | Annotated[ReasoningItem, Tag("reasoning")]
+        | Annotated[FunctionCallItem, Tag("function_call")]
+        | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
+        | Annotated[ToolSearchCallItem, Tag("tool_search_call")]
+        | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+        | Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")]
+        | Annotated[ToolSearchOutputItem, Tag("tool_search_output")]
+        | Annotated[LocalShellCallItem, Tag("local_shell_call")]
+        | Annotated[HostedToolItem, Tag("hosted")]
+        | Annotated[UnknownItem, Tag("unknown")]
+    ),
     Discriminator(_item_tag),
 ]
 
-CallItem = Union[FunctionCallItem, CustomToolCallItem, ToolSearchCallItem, LocalShellCallItem]
-OutputItem = Union[FunctionCallOutputItem, CustomToolCallOutputItem, ToolSearchOutputItem]
+CallItem = FunctionCallItem | CustomToolCallItem | ToolSearchCallItem | LocalShellCallItem
+OutputItem = FunctionCallOutputItem | CustomToolCallOutputItem | ToolSearchOutputItem
 
 ResponseItemAdapter: TypeAdapter[ResponseItem] = TypeAdapter(ResponseItem)
 

@@ -164,7 +164,8 @@ def iter_frames(chunks: Iterable[bytes], max_event_bytes: int = DEFAULT_MAX_EVEN
         yield from reader.feed(chunk)
 
 
-async def aiter_frames(response: httpx.Response, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> AsyncIterator[Frame]:
+async def aiter_frames(response: httpx.Response,
+                       max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> AsyncIterator[Frame]:
     """The frames of a streamed response, read with bounded memory."""
     reader = SSEReader(max_event_bytes)
     async for chunk in response.aiter_bytes():

@@ -18,8 +18,9 @@ import socket
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
@@ -187,7 +188,8 @@ class Sandbox:
                 f"{lim.processes} processes [{limits.process_limit_mode()}], CPU {lim.cpu_seconds} s, "
                 f"files {lim.file_mb} MiB)")
 
-    def launch(self, argv: list[str], *, workspace: str, cwd: str, env: dict[str, str], in_slot: bool = False) -> Launch:
+    def launch(self, argv: list[str], *, workspace: str, cwd: str, env: dict[str, str],
+               in_slot: bool = False) -> Launch:
         """Raises SandboxUnavailable, or FileNotFoundError for a program that is not there. `in_slot`:
         spawned from a session-host slot's thread, where bubblewrap keeps a cell per workspace."""
         if self.unavailable:
@@ -211,7 +213,8 @@ class Sandbox:
         command_env = self.policy.command_env(env, home=tmpdir)
         try:
             _require_program(argv[0], command_env, self._shows(workspace))
-            ruleset = landlock.Ruleset(self.landlock_abi, read=[*self.policy.read_dirs, *self.policy.etc, "/proc", "/sys"],
+            readable = [*self.policy.read_dirs, *self.policy.etc, "/proc", "/sys"]
+            ruleset = landlock.Ruleset(self.landlock_abi, read=readable,
                                        write=[workspace, tmpdir], deny_tcp=self.policy.network == "none",
                                        hidden=self.policy.hidden)
         except BaseException:

@@ -12,8 +12,8 @@ would otherwise keep them all, and the command could `umount` a mask or remount 
 read-write (uid 0 in the sandbox is the host's root). Memory the command could fill outside its
 processes' address space is bounded: `/tmp` and `/dev/shm` are tmpfs of the call's memory limit,
 and the rest of `/dev` is read-only. `/proc/sys` is read-only too: uid 0 in the sandbox passes the
-sysctls' permission check, capabilities or not (it rewrote `vm.swappiness` of the host). A command that finds `.git` bound from anywhere but the
-workspace does not run.
+sysctls' permission check, capabilities or not (it rewrote `vm.swappiness` of the host). A
+command that finds `.git` bound from anywhere but the workspace does not run.
 
 Started through a `Gate` (what `Sandbox.launch` does), bwrap holds its sandbox before the command
 runs (`--block-fd`) while the worker sets the call's rlimits on it and checks, from outside, that
@@ -38,12 +38,13 @@ import socket
 import stat
 import struct
 import subprocess
-import threading
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from toolq.workers.isolation import cell_init, spawner
 from toolq.workers.isolation.policy import Policy

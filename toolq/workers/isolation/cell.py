@@ -27,8 +27,9 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from toolq.workers.isolation import bwrap, cell_init, limits
 from toolq.workers.isolation.policy import Policy
@@ -204,7 +205,7 @@ class CellProcess:
                     if not chunk:
                         break
                     self._data += chunk
-            except (socket.timeout, BlockingIOError):
+            except (TimeoutError, BlockingIOError):
                 return
             except OSError:
                 pass
@@ -288,7 +289,7 @@ def spawn(bwrap_path: str, policy: Policy, workspace: str, argv: list[str], env:
             except (BrokenPipeError, ConnectionResetError):
                 close_slot_cell()  # the cell died since it was last checked: once more with a new one
                 process = start()
-        except socket.timeout:
+        except TimeoutError:
             close_slot_cell()  # a cell that does not answer serves no later command either
             raise OSError(errno.ETIMEDOUT, "the sandbox cell did not start the command in time") from None
     except BaseException:

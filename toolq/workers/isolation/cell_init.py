@@ -34,7 +34,7 @@ import stat
 import struct
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNS, _CLONE_NEWPID, _CLONE_NEWIPC = 0x20000, 0x20000000, 0x8000000
@@ -235,8 +235,8 @@ NO_ATTRIBUTES = ("setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexa
                  "removexattrat", "file_setattr")
 
 
-def seccomp_program(deny_sockets: bool = False, machine: str | None = None, *, deny_unix: bool = False,
-                    metadata: bool = False) -> bytes | None:
+def seccomp_program(deny_sockets: bool = False, machine: str | None = None, *, deny_unix: bool = False,  # noqa: C901
+                    metadata: bool = False) -> bytes | None:  # one BPF program, its blocks in the order they run
     """The BPF filter every sandboxed command runs under (cells, bubblewrap per command, Landlock);
     None on an architecture not listed. A syscall of a foreign ABI (i386, x32) is refused too: it
     could reach the same calls by other numbers. `deny_sockets`: socket(2) fails with EACCES
@@ -518,8 +518,8 @@ def open_no_links(root: str | int, path: str) -> int:
 def bind_read_only(fd: int) -> None:
     """Mount the file or directory `fd` (O_PATH) names read-only over itself, by descriptor only:
     no path is looked up again, so nothing swapped in meanwhile (a link) can redirect it."""
-    tree = _check(_libc.syscall(_SYS_OPEN_TREE, fd, b"", _OPEN_TREE_CLONE | _AT_RECURSIVE | _AT_EMPTY_PATH | _O_CLOEXEC),
-                  "open_tree")
+    flags = _OPEN_TREE_CLONE | _AT_RECURSIVE | _AT_EMPTY_PATH | _O_CLOEXEC
+    tree = _check(_libc.syscall(_SYS_OPEN_TREE, fd, b"", flags), "open_tree")
     try:
         attr = ctypes.create_string_buffer(struct.pack("QQQQ", _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID |
                                                         _MOUNT_ATTR_NODEV, 0, 0, 0))

@@ -23,7 +23,8 @@ its parents are granted entry by entry around it (descriptors kept per process).
 
 Limits of this backend, compared with bubblewrap: `.git/` inside the workspace stays writable
 (Landlock rules only add rights, beneath a directory), a command cannot listen on a unix socket
-of its own (Python's multiprocessing forkserver and managers need one), and `/tmp` itself is not writable (TMPDIR points at the call's own directory).
+of its own (Python's multiprocessing forkserver and managers need one), and `/tmp` itself is not
+writable (TMPDIR points at the call's own directory).
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def _granted(top: str, hidden: tuple[str, ...]) -> tuple[tuple[str, bool], ...]:
     return ((top, True), *(g for path in sorted(entries) for g in _granted(path, hidden)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pinned(path: str) -> tuple[int, bool]:
     """An O_PATH descriptor of a granted system path, kept for the process's life (opening the
     ~150 entries of /etc for every call cost ~1.3 ms), and whether it is a directory; -1 if gone."""

@@ -109,9 +109,9 @@ class Policy:
                                      "under /etc, such as ssh/ssh_config")
         etc = tuple(p for p in dict.fromkeys(f"/etc/{n.strip('/')}" for n in (*ETC, *s.sandbox_etc))
                     if os.path.lexists(p) and (not os.path.islink(p) or _world_readable(os.path.realpath(p))))
-        return cls(requested=s.sandbox, network=s.sandbox_network, extra_env=tuple(s.sandbox_env), cells=s.sandbox_cells,
-                   read_dirs=tuple(dict.fromkeys(read)), etc=etc,
-                   hidden=private_entries(tuple(d for d in SITE_DIRS if any(d == r or d.startswith(r + "/") for r in read))),
+        site = tuple(d for d in SITE_DIRS if any(d == r or d.startswith(r + "/") for r in read))
+        return cls(requested=s.sandbox, network=s.sandbox_network, extra_env=tuple(s.sandbox_env),
+                   cells=s.sandbox_cells, read_dirs=tuple(dict.fromkeys(read)), etc=etc, hidden=private_entries(site),
                    limits=Limits(s.sandbox_memory_mb, s.sandbox_processes, s.sandbox_cpu_seconds, s.sandbox_file_mb,
                                  s.sandbox_worker_processes, s.sandbox_worker_memory_mb, s.sandbox_worker_cpus,
                                  s.sandbox_conversation_processes, s.sandbox_conversation_memory_mb))

@@ -13,7 +13,7 @@ import os
 import select
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from pydantic import BaseModel
 

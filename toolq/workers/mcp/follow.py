@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from toolq.workers.advert import ToolAdvert, ToolRef
 from toolq.workers.catalog import Catalog, ToolSpec
@@ -49,7 +49,7 @@ class Follower:
         self.consumed: set[str] | None = None
         self.generation: int | None = None
 
-    def __call__(self, advertiser) -> None:  # noqa: ANN001 - presence.Advertiser (presence imports no MCP)
+    def __call__(self, advertiser) -> None:
         if self.consumed is None:  # first beat: what the worker advertised and consumes since its start
             self.consumed = {t.route for t in advertiser.record.tools if t.namespace in self.servers}
             self.current = {s.digest(): s for s in self._listed()}

@@ -115,7 +115,8 @@ class Server:
             await closed.wait()
 
     async def _on_message(self, message: Any) -> None:
-        if isinstance(message, types.ServerNotification) and isinstance(message.root, types.ToolListChangedNotification):
+        notification = message.root if isinstance(message, types.ServerNotification) else None
+        if isinstance(notification, types.ToolListChangedNotification):
             # Not awaited here: the answer to tools/list arrives through this same receive loop.
             session = self.session
             if session is not None:
@@ -342,7 +343,8 @@ class Connection(asyncio.Protocol):
         exc = call.exception()
         if exc is not None:
             log.error("the MCP host failed a call", exc_info=exc)
-        self._send(call.result() if exc is None else CallReply(refusal=f"the MCP host failed the call: {describe(exc)}"))
+        failed = None if exc is None else CallReply(refusal=f"the MCP host failed the call: {describe(exc)}")
+        self._send(call.result() if failed is None else failed)
         self._next()
 
     def _send(self, reply: BaseModel) -> None:

@@ -7,7 +7,7 @@ which tells the server (`notifications/cancelled`).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, TypeAdapter
 
@@ -36,7 +36,7 @@ class CallRequest(BaseModel):
     timeout: float
 
 
-Request = Annotated[Union[ListRequest, CallRequest], Field(discriminator="op")]
+Request = Annotated[ListRequest | CallRequest, Field(discriminator="op")]
 REQUEST = TypeAdapter(Request)
 
 

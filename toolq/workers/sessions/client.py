@@ -7,7 +7,8 @@ import os
 import select
 import socket
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from toolq.workers.sessions.protocol import ExecRequest, OutputFrame, Reply, WriteRequest
 

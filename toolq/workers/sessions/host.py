@@ -37,11 +37,10 @@ from toolq.workers import hardening, isolation
 from toolq.workers.isolation import limits, reaper, spawner
 from toolq.workers.isolation.cell import CellProcess
 from toolq.workers.sandbox import DEFAULT_OUTPUT_CAP, DRAIN_TIMEOUT, POLL_INTERVAL, HeadTailBuffer, _killpg, flooded
-from toolq.workers.sessions.slots import Slot, Slots
 from toolq.workers.sessions.protocol import ExecRequest, OutputFrame, Reply, WriteRequest, parse_request
+from toolq.workers.sessions.registry import CONVERSATION_TTL, SessionRecord, conversation_key, next_id_key, sessions_key
+from toolq.workers.sessions.slots import Slot, Slots
 from toolq.workers.streaming import STREAM_BYTES
-from toolq.workers.sessions.registry import (CONVERSATION_TTL, SessionRecord, conversation_key, next_id_key,
-                                             sessions_key)
 
 log = logging.getLogger("toolq.sessions.host")
 
@@ -422,7 +421,7 @@ class Host:
             conversations = sorted({p.conversation for p in sessions})
             try:
                 alive = [self.r.exists(conversation_key(c)) for c in conversations]
-                ended = {c for c, a in zip(conversations, alive) if not a}
+                ended = {c for c, a in zip(conversations, alive, strict=True) if not a}
             except redis.RedisError:
                 ended = set()
         self._enforce_conversation_bounds(sessions, ended)

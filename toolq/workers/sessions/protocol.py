@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, TypeAdapter
 
@@ -31,7 +31,7 @@ class WriteRequest(_Request):
     chars: str = ""
 
 
-Request = Union[ExecRequest, WriteRequest]
+Request = ExecRequest | WriteRequest
 _REQUEST: TypeAdapter[Request] = TypeAdapter(Annotated[Request, Field(discriminator="op")])
 
 

@@ -16,9 +16,10 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from toolq.workers.isolation import cell, limits
 from toolq.workers.isolation.policy import Limits

@@ -18,9 +18,9 @@ matches everywhere ends in the model's error instead of gigabytes and minutes of
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable
 
 from toolq.orchestrator.errors import RespondToModel
 from toolq.workers.call_budget import CallBudget
@@ -69,6 +69,7 @@ eof_line: "*** End of File" LF
 %import common.LF
 """
 
+# Codex's words (the model was trained on them): a long first line, kept whole.
 DESCRIPTION = """Use the `apply_patch` tool to edit files. This is a FREEFORM tool: send the patch text itself, not JSON.
 
 A patch is an envelope of file operations:
@@ -334,7 +335,8 @@ def _read(ws: Workspace, state: Writes, target: Target, context: str, budget: Ca
             os.close(fd)
         if len(data) > cap:
             raise PatchError(f"{context} {path}: larger than {_mib(cap)} MiB"
-                             + ("" if cap == MAX_FILE_BYTES else f": the sandbox limits a call to {_mib(budget.memory)} MiB"))
+                             + ("" if cap == MAX_FILE_BYTES or budget is None
+                                else f": the sandbox limits a call to {_mib(budget.memory)} MiB"))
         if budget is not None:  # before the text is split: the lines are where the memory goes
             try:
                 budget.charge(len(data) * BYTES_PER_BYTE + data.count(b"\n") * BYTES_PER_LINE,

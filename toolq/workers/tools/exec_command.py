@@ -47,7 +47,8 @@ PARAMETERS: dict[str, Any] = {
             "description": "Maximum number of tokens of output to return (default 10000); the middle of "
             "longer output is cut.",
         },
-        "tty": {"type": "boolean", "description": "Whether to allocate a TTY for the command (stdin stays open for write_stdin)."},
+        "tty": {"type": "boolean",
+                "description": "Whether to allocate a TTY for the command (stdin stays open for write_stdin)."},
         "shell": {"type": "string", "description": "Shell binary to run the command with; defaults to bash."},
         "login": {"type": "boolean", "description": "Ignored: the shell never runs as a login shell."},
         "justification": {"type": "string", "description": "Ignored: no approval step exists."},

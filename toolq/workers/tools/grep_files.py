@@ -234,7 +234,7 @@ def _matching_braces(glob: str) -> dict[int, int]:
             pairs[open_at.pop()] = i
     depth = 0
     closes = set(pairs.values())
-    for i, c in enumerate(glob):
+    for i in range(len(glob)):
         if i in pairs:
             depth += 1
             if depth > MAX_BRACE_DEPTH:

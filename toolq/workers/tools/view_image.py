@@ -45,7 +45,9 @@ def view_image(args: ViewImageArgs, ctx: ToolContext) -> list[InputImage]:
         try:
             fd, status = ws.open_file(target)
         except FileNotFoundError:
-            raise RespondToModel(f"unable to locate image at `{path}`: No such file or directory (os error 2)") from None
+            # Codex's words for a missing image, which models know.
+            missing = f"unable to locate image at `{path}`: No such file or directory (os error 2)"
+            raise RespondToModel(missing) from None
         except (IsADirectoryError, NotARegularFile):
             raise RespondToModel(f"image path `{path}` is not a file") from None
         except OSError as e:

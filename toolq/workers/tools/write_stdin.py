@@ -27,8 +27,10 @@ PARAMETERS: dict[str, Any] = {
     "properties": {
         "session_id": {"type": "number", "description": "Identifier of the running unified exec session."},
         "chars": {"type": "string", "description": "Bytes to write to stdin (may be empty to poll)."},
-        "yield_time_ms": {"type": "number", "description": "How long to wait (in milliseconds) for output before yielding."},
-        "max_output_tokens": {"type": "number", "description": "Maximum number of tokens to return. Excess output will be truncated."},
+        "yield_time_ms": {"type": "number",
+                          "description": "How long to wait (in milliseconds) for output before yielding."},
+        "max_output_tokens": {"type": "number",
+                              "description": "Maximum number of tokens to return. Excess output will be truncated."},
     },
     "required": ["session_id"],
     "additionalProperties": False,
