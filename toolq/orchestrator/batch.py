@@ -209,7 +209,10 @@ class Batch:
             self.running.pop(turn_id, None)
             self.progress.running -= 1
             await session.close()
-        return BatchResult(key=entry.key, line=entry.number, turn_id=turn_id, status=outcome.status,
+        status = outcome.status
+        if status == "running":  # run_turn returns an ended turn; were one running, it is not a success
+            status = "failed"
+        return BatchResult(key=entry.key, line=entry.number, turn_id=turn_id, status=status,
                            final_message=outcome.final_message, usage=outcome.usage.model_dump(),
                            error=outcome.error, started=not outcome.could_not_start, **counted)
 

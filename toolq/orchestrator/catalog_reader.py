@@ -122,7 +122,7 @@ class FleetCatalog:
     async def read(self) -> FleetSnapshot:
         """Every live instance, now. Ids whose record has expired (a worker killed without a clean
         exit) are pruned from the index; a live worker's heartbeat re-adds its id if a race pruned it."""
-        ids = sorted(i.decode() for i in await self.r.smembers(keys.FLEET_WORKERS))
+        ids = sorted(keys.text(i) for i in await self.r.smembers(keys.FLEET_WORKERS))
         raws = await self.r.mget([keys.fleet_worker(i) for i in ids]) if ids else []
         workers, gone = [], []
         for instance, raw in zip(ids, raws, strict=True):

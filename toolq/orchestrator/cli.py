@@ -7,12 +7,14 @@ import gc
 import importlib
 import os
 import sys
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 from toolq.orchestrator import import_path
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+    from toolq.orchestrator.settings import Settings
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
@@ -56,7 +58,7 @@ def _cmd_workers(args: argparse.Namespace) -> int:
     return workers_cmd(Settings.load(), as_json=args.json)
 
 
-def _settings(args: argparse.Namespace, **extra: object):
+def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     from toolq.orchestrator.settings import Settings
 
     return Settings.load(
@@ -440,7 +442,7 @@ def import_quietly(module: str) -> None:
     while they are made cost 60 ms of a one-request `toolq run`'s 0.4 s, and frozen, no later
     collection scans them again. httpx's own command line (click and pygments, 11 ms) is kept
     out: toolq never calls it. Only for the command line: a library caller's process is its own."""
-    sys.modules.setdefault("httpx._main", None)  # `from ._main import main` fails; httpx stubs it
+    sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]  # None: `from ._main import main` fails, httpx stubs it
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -20,7 +20,7 @@ import random
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -214,7 +214,7 @@ class ModelClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def stream(self, body: dict[str, Any]) -> AsyncIterator[StreamEvent]:
+    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[StreamEvent, None]:
         """One sampling request. Ends after `Completed`; raises `ModelError` otherwise.
 
         `Failed` and `Incomplete` events are yielded before the error is raised; an `error`

@@ -134,7 +134,7 @@ class TurnStore:
     async def load(self, turn_id: str) -> tuple[dict[str, str], TurnSettings | None, list[Committed]]:
         """The turn's record, its settings (None: not a durable turn) and its items in order."""
         raw = await self.r.hgetall(keys.turn(turn_id))
-        record = {k.decode(): v.decode() for k, v in raw.items()}
+        record = keys.record(raw)
         settings = TurnSettings.model_validate_json(record["settings"]) if "settings" in record else None
         items = [Committed.model_validate(json.loads(x)) for x in await self.r.lrange(keys.turn_items(turn_id), 0, -1)]
         return record, settings, items

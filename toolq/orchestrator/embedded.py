@@ -451,7 +451,7 @@ class EmbeddedStack:
         try:
             client = redis.Redis.from_url(self.url, socket_timeout=2)
             try:
-                turns = [t.decode() for t in client.zrange(keys.TURNS, 0, -1)]
+                turns = [keys.text(t) for t in client.zrange(keys.TURNS, 0, -1)]
                 return any(client.hget(keys.turn(t), "state") == b"failed" for t in turns)
             finally:
                 client.close()

@@ -101,9 +101,9 @@ def _call_id(call: dict[str, Any]) -> str | None:
 
 
 def _aborted_output(call: dict[str, Any]) -> ResponseItem:
-    call_id = _call_id(call)
     if call["type"] == "tool_search_call":
-        return ToolSearchOutputItem(call_id=call_id)
+        return ToolSearchOutputItem(call_id=_call_id(call))
+    call_id = call["call_id"]  # these items cannot be made without one
     if call["type"] == "custom_tool_call":
         return CustomToolCallOutputItem(call_id=call_id, output=ABORTED)
     return FunctionCallOutputItem(call_id=call_id, output=ABORTED)
@@ -139,7 +139,9 @@ class History:
         return len(self._items)
 
     def _replace(self, items: list[ResponseItem], wire: list[dict[str, Any]]) -> None:
-        self._items, self._wire, self._roles = [], [], []
+        self._items: list[ResponseItem] = []
+        self._wire: list[dict[str, Any]] = []
+        self._roles: list[tuple[str, str] | None] = []
         self._counts: Counter[str] = Counter()
         """Per pairing key: calls minus outputs (0 when paired)."""
         self._unpaired: set[str] = set()

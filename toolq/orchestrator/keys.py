@@ -4,7 +4,24 @@ Celery's own keys (`celery-task-meta-<task id>`) belong to Celery; these are our
 written by the orchestrator, the workers and `toolq cancel`, so they must agree.
 """
 
+from collections.abc import Mapping
+
 PREFIX = "toolq"
+
+
+def text(raw: object) -> str:
+    """A key or value as Redis gave it (bytes: toolq's clients do not decode), as text. (redis-py
+    types every reply as any of its shapes; a member or a field is one of these two.)"""
+    if isinstance(raw, bytes):
+        return raw.decode()
+    if isinstance(raw, str):
+        return raw
+    raise TypeError(f"expected a Redis string, got {type(raw).__name__}")
+
+
+def record(raw: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
+    """A HASH as Redis gave it (HGETALL), as text."""
+    return {text(k): text(v) for k, v in raw.items()}
 
 #: ZSET of turn ids scored by start time, for `toolq turns`.
 TURNS = f"{PREFIX}:turns"

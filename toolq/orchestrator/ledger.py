@@ -98,10 +98,6 @@ CONNECT_TIMEOUT = 5.0
 HEALTH_CHECK_INTERVAL = 15
 
 
-def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in h.items()}
-
-
 class Ledger:
     def __init__(self, r: aioredis.Redis) -> None:
         self.r = r
@@ -139,21 +135,19 @@ class Ledger:
             await p.execute()
 
     async def finish_turn(self, turn_id: str, state: str, error: str | None = None) -> None:
-        fields: dict[str, Any] = {"state": state, "finished_at": time.time()}
-        if error:
-            fields["error"] = error[:2000]
-        await self.r.hset(keys.turn(turn_id), mapping=fields)
+        await self.r.hset(keys.turn(turn_id), mapping={"state": state, "finished_at": time.time(),
+                                                       **({"error": error[:2000]} if error else {})})
 
     async def turn(self, turn_id: str) -> dict[str, str]:
-        return _decode(await self.r.hgetall(keys.turn(turn_id)))
+        return keys.record(await self.r.hgetall(keys.turn(turn_id)))
 
     async def recent_turns(self, limit: int = 20) -> list[tuple[str, dict[str, str]]]:
-        ids = [i.decode() for i in await self.r.zrevrange(keys.TURNS, 0, limit - 1)]
+        ids = [keys.text(i) for i in await self.r.zrevrange(keys.TURNS, 0, limit - 1)]
         async with self.r.pipeline(transaction=False) as p:
             for i in ids:
                 p.hgetall(keys.turn(i))
             rows = await p.execute()
-        return [(i, _decode(h)) for i, h in zip(ids, rows, strict=True)]
+        return [(i, keys.record(h)) for i, h in zip(ids, rows, strict=True)]
 
     # --- calls -------------------------------------------------------------------------------
 
@@ -199,12 +193,12 @@ class Ledger:
         await self.r.hset(keys.call(task_id), mapping={k: str(v) for k, v in mapping.items()})
 
     async def calls(self, turn_id: str) -> list[dict[str, str]]:
-        ids = [i.decode() for i in await self.r.lrange(keys.turn_calls(turn_id), 0, -1)]
+        ids = [keys.text(i) for i in await self.r.lrange(keys.turn_calls(turn_id), 0, -1)]
         async with self.r.pipeline(transaction=False) as p:
             for i in ids:
                 p.hgetall(keys.call(i))
             rows = await p.execute()
-        return [_decode(h) for h in rows]
+        return [keys.record(h) for h in rows]
 
     async def started_at(self, task_id: str) -> float | None:
         """When the worker started the call, by the worker's own clock (None: not recorded)."""

@@ -158,7 +158,9 @@ def describe_schema_error(error: SchemaError) -> str:
     """Name the offending field, serde-style: "missing field `cmd`", "invalid type at `limit`: ..."."""
     path = ".".join(str(p) for p in error.absolute_path)
     if error.validator == "required":
-        missing = next((r for r in error.validator_value if r not in (error.instance or {})), None)
+        required = error.validator_value if isinstance(error.validator_value, list) else []
+        given = error.instance if isinstance(error.instance, dict) else {}
+        missing = next((r for r in required if r not in given), None)
         field = f"{path}.{missing}" if path else missing
         return f"missing field `{field}`"
     if error.validator == "additionalProperties":

@@ -17,7 +17,7 @@ import secrets
 import stat
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
@@ -169,7 +169,7 @@ def ledger_urls(redis_url: str | None) -> list[str]:
     return urls
 
 
-async def ledgers(redis_url: str | None) -> AsyncIterator[tuple[str, Ledger]]:
+async def ledgers(redis_url: str | None) -> AsyncGenerator[tuple[str, Ledger], None]:
     """(url, ledger) for REDIS_URL, or for each running embedded stack that answers; each ledger
     is closed once the caller moves on (use it under `contextlib.aclosing`). A stack whose server
     does not answer is skipped: its run is going down, and the others still count."""

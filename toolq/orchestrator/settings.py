@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import pwd
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,8 +71,8 @@ def workspace_problem(path: Path, *, must_exist: bool = True) -> str | None:
     except (OSError, RuntimeError) as e:  # a link loop, a folder we may not read
         return f"workspace {path} cannot be resolved: {e}"
     for where in dict.fromkeys((str(path), str(leads_to))):
-        home = where.startswith("/home/") and where.count("/") == 2  # a user's home itself
-        if home or where in TOO_WIDE or any(where == t or where.startswith(t + "/") for t in SYSTEM_TREES):
+        in_home = where.startswith("/home/") and where.count("/") == 2  # a user's home itself
+        if in_home or where in TOO_WIDE or any(where == t or where.startswith(t + "/") for t in SYSTEM_TREES):
             return (f"workspace {path} is a system or shared directory, and the model's commands may write in "
                     "their workspace: give a project's folder (--workspace, TOOLQ_WORKSPACE, or Session(workspace=))")
     for where in dict.fromkeys((str(path), str(leads_to))):
@@ -314,7 +315,7 @@ class Settings(BaseModel):
         return [s.strip() for s in v.splitlines() if s.strip()] if isinstance(v, str) else v
 
     @classmethod
-    def load(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
+    def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Environment first, then CLI overrides (None means "not given")."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}

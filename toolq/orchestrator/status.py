@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import aclosing
 from datetime import datetime
 from typing import Any, TextIO
@@ -108,7 +109,7 @@ def session_row(s: SessionRecord, now: float) -> dict[str, Any]:
 
 
 def render_status(turn_id: str, turn: dict[str, str], calls: list[dict[str, str]], now: float,
-                  as_json: bool = False, sessions: list[SessionRecord] = ()) -> str:
+                  as_json: bool = False, sessions: Sequence[SessionRecord] = ()) -> str:
     rows = [call_row(c, now) for c in sorted(calls, key=_call_order)]
     live = [session_row(s, now) for s in sessions]
     if as_json:  # sessions as lines of their own, marked, after the calls

@@ -48,7 +48,7 @@ class TaskMessage(BaseModel):
         """The kombu envelope of the message as `Channel._put` pushes it (body JSON, base64)."""
         body = json.dumps([self.args, self.kwargs, {"callbacks": None, "errbacks": None, "chain": None,
                                                    "chord": None}])
-        headers = {
+        headers: dict[str, Any] = {
             "lang": "py", "task": self.task, "id": self.task_id, "shadow": self.shadow, "eta": None,
             "expires": datetime.fromtimestamp(self.expires, tz=UTC).isoformat(),
             "group": None, "group_index": None, "retries": 0, "timelimit": [self.time_limit, self.soft_time_limit],

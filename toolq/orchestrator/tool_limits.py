@@ -90,7 +90,7 @@ def parse_tool_limits(value: Any) -> dict[str, ToolLimit]:
             return {}
         try:
             value = json.loads(value)
-        except ValueError as e:
+        except json.JSONDecodeError as e:
             raise ValueError(f'not JSON ({e.msg}); e.g. {{"exec_command": {{"max_concurrency": 4}}}}') from None
     if not isinstance(value, dict):
         raise ValueError('must be a JSON object of tool name -> {"max_concurrency": N, "rate_limit": "N/s"}')

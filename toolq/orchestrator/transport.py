@@ -103,8 +103,10 @@ class Watches:
 class Transport(Protocol):
     """Dispatch and results, behind one seam."""
 
-    #: monotonic time the result channel last came back after a lost connection (0: never)
-    reconnected_at: float
+    @property
+    def reconnected_at(self) -> float:
+        """Monotonic time the result channel last came back after a lost connection (0: never)."""
+        ...
 
     def watch(self, task_id: str, on_started: Callable[[CallWatch], None] | None = None) -> CallWatch:
         """Start listening for a task before it is sent, so no report is missed."""

@@ -323,10 +323,11 @@ def _delta(cls: type[TextDelta] | type[ReasoningDelta] | type[ToolInputDelta]) -
         delta = obj.get("delta")
         if not isinstance(delta, str):
             return None
-        fields = {"item_id": _opt_str(obj.get("item_id")), "output_index": _opt_int(obj.get("output_index"))}
-        if cls is ToolInputDelta:
-            fields["call_id"] = _opt_str(obj.get("call_id"))  # custom tool input deltas may carry it
-        return cls(**fields, delta=delta)
+        item_id, output_index = _opt_str(obj.get("item_id")), _opt_int(obj.get("output_index"))
+        if cls is ToolInputDelta:  # custom tool input deltas may carry a call_id
+            return ToolInputDelta(item_id=item_id, output_index=output_index, delta=delta,
+                                  call_id=_opt_str(obj.get("call_id")))
+        return cls(item_id=item_id, output_index=output_index, delta=delta)
 
     return handler
 

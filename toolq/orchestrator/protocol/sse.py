@@ -13,7 +13,7 @@ joined with LF; a blank line ends an event; an unterminated last event is droppe
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
 
 import httpx
@@ -72,9 +72,10 @@ class SSEReader:
         for line in lines:
             if self._line_len or self._over:  # the slow path: a line split across chunks, or a cut event
                 self._take(line)
-                line = self._finish_line()
-                if line is None:
+                finished = self._finish_line()
+                if finished is None:
                     continue
+                line = finished
             if not line:
                 frame = self._end_event()
                 if frame is not None:
@@ -165,7 +166,7 @@ def iter_frames(chunks: Iterable[bytes], max_event_bytes: int = DEFAULT_MAX_EVEN
 
 
 async def aiter_frames(response: httpx.Response,
-                       max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> AsyncIterator[Frame]:
+                       max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> AsyncGenerator[Frame, None]:
     """The frames of a streamed response, read with bounded memory."""
     reader = SSEReader(max_event_bytes)
     async for chunk in response.aiter_bytes():
