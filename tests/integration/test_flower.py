@@ -113,6 +113,21 @@ def test_flower_lists_a_turns_tasks_by_tool_name_with_call_id_state_worker_and_r
         assert set(task_ids.values()) <= set(by_name)
 
 
+def test_flower_shows_the_arguments_a_user_tool_declares_and_no_others(fleet, flower, drive, redis_server):
+    # Issue 25 item 4: `flower_args` is the declaration's, so a user tool is shown as exec_command is.
+    run = drive([[b.function_call("ticker", {"label": "build-42", "ticks": 1}, "call_flower_tick")], final()])
+    assert run.outcome.status == "completed"
+    (call,) = ledger_calls(redis_server.url, run.outcome.turn_id)
+    with httpx.Client(base_url=flower.url, auth=AUTH, timeout=5) as client:
+        def listed() -> dict[str, Any] | None:
+            task = client.get("/api/tasks").raise_for_status().json().get(call["task_id"])
+            return task if task and task["state"] == "SUCCESS" else None
+
+        task = eventually(listed, "Flower to list the ticker call")
+    assert task["args"] == f"(call_id='call_flower_tick', turn='{run.outcome.turn_id}', label='build-42')", task
+    assert "ticks" not in task["args"]
+
+
 def test_flower_api_needs_auth_and_its_metrics_carry_no_call_ids(fleet, flower, drive):
     run = drive([[b.function_call("sleep_echo", {"ms": 10}, "call_metrics_probe")], final()])
     assert run.outcome.status == "completed"

@@ -203,3 +203,16 @@ def test_with_streaming_off_a_poll_streams_nothing(fleet, drive):
     started, *updates, completed = events_of(run, "call_poll")
     assert not any(u["item"].get("aggregated_output") for u in updates)
     assert completed["item"]["aggregated_output"].endswith("tick 16\n")
+
+
+def test_a_user_tool_that_declares_streaming_streams_like_exec_command(fleet, drive):
+    # Issue 25 item 4: streaming is the declaration's (`streams_output=True`), not exec_command's name.
+    run = drive([[b.function_call("ticker", {"label": "tick"}, "call_ticker")], final()])
+    started, *updates, completed = events_of(run, "call_ticker")
+    assert started["item"]["type"] == "tool_call" and completed["item"]["type"] == "tool_call"
+    outputs = [u["item"]["output"] for u in updates if u["item"].get("output") and u["item"]["status"] == "in_progress"]
+    assert len(outputs) >= 3, outputs  # several while it ran
+    assert all(b.startswith(a) and len(b) > len(a) for a, b in itertools.pairwise(outputs)), outputs
+    assert outputs[0].startswith("tick 1\n") and "tick 5" not in outputs[0]
+    assert completed["item"]["output"] == "5 ticks"  # the model's output is the tool's result, as ever
+    assert run.outputs_of(1)[0]["output"] == "5 ticks"

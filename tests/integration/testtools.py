@@ -108,3 +108,18 @@ def rated_noop(args: NoArgs, ctx: ToolContext) -> str:
 def limited_hang(args: HangArgs, ctx: ToolContext) -> str:
     """One at a time across the fleet: write this process's pid, then sleep (the test kills it)."""
     return hang(args, ctx)
+
+
+class TickArgs(BaseModel):
+    label: str
+    ticks: int = 5
+
+
+@tool(streams_output=True, flower_args={"label": "value"})
+def ticker(args: TickArgs, ctx: ToolContext) -> str:
+    """Print a tick every 0.4 s; a watched turn sees them as they come (a user tool that streams)."""
+    for i in range(1, args.ticks + 1):
+        if ctx.output is not None:
+            ctx.output.write(f"{args.label} {i}\n".encode())
+        time.sleep(0.4)
+    return f"{args.ticks} ticks"

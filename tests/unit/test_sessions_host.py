@@ -177,13 +177,21 @@ def _inv(name: str, arguments: str) -> ToolInvocation:
                           payload=FunctionPayload(arguments=arguments), deadline=0)
 
 
+def _flower(name: str, arguments: str) -> str:
+    from toolq.workers.loader import load_catalog
+
+    spec = load_catalog().get(ToolName(name=name))
+    assert spec is not None
+    return flower_args(_inv(name, arguments), spec)
+
+
 def test_flower_shows_the_command_line_cut_short_and_nothing_else():
     long = "echo " + "x" * 1000
-    shown = flower_args(_inv("exec_command", json.dumps({"cmd": long, "workdir": "secret-dir"})))
+    shown = _flower("exec_command", json.dumps({"cmd": long, "workdir": "secret-dir"}))
     assert "echo xxx" in shown and len(shown) < FLOWER_COMMAND_CHARS + 80 and "secret-dir" not in shown
-    assert "chars=5" in flower_args(_inv("write_stdin", '{"session_id": 3, "chars": "hello"}'))
-    assert "secret" not in flower_args(_inv("read_file", '{"path": "secret"}'))
-    assert flower_args(_inv("exec_command", "not json")) == "(call_id='c', turn='t')"
+    assert _flower("write_stdin", '{"session_id": 3, "chars": "hello"}') == "(call_id='c', turn='t', session_id=3, chars=5)"
+    assert "secret" not in _flower("read_file", '{"path": "secret"}')
+    assert _flower("exec_command", "not json") == "(call_id='c', turn='t')"
 
 
 class Heard:

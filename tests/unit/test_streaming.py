@@ -93,6 +93,12 @@ def test_each_batch_is_signed_for_its_call_and_a_forged_or_replayed_one_is_dropp
     assert asyncio.run(heard()) == ["two"]
 
 
+def _spec(name: str):
+    from toolq.workers.loader import load_catalog
+
+    return load_catalog().get(ToolName(name=name))
+
+
 def _inv(name: str, **args) -> ToolInvocation:
     return ToolInvocation(turn_id="t", step=0, output_index=0, call_id="c", tool_name=ToolName(name=name),
                           payload=FunctionPayload(arguments=json.dumps(args)), deadline=0, workspace="/ws")
@@ -100,12 +106,12 @@ def _inv(name: str, **args) -> ToolInvocation:
 
 def test_items_come_from_the_calls_own_arguments():
     fields = dict(id="c", status="in_progress", state="running", step=0)
-    view = call_view("exec_command", _inv("exec_command", cmd="echo 'hi'", shell="sh"), "hi\n", None, **fields)
+    view = call_view(_spec("exec_command"), "exec_command", _inv("exec_command", cmd="echo 'hi'", shell="sh"), "hi\n", None, **fields)
     assert (view.type, view.command, view.aggregated_output) == ("command_execution", "sh -c 'echo '\"'\"'hi'\"'\"''", "hi\n")
-    plan = call_view("update_plan", _inv("update_plan", plan=[{"step": "a", "status": "completed"}]), "", None, **fields)
+    plan = call_view(_spec("update_plan"), "update_plan", _inv("update_plan", plan=[{"step": "a", "status": "completed"}]), "", None, **fields)
     assert plan.type == "todo_list" and [i.model_dump() for i in plan.items] == [{"text": "a", "completed": True}]
-    assert call_view("read_file", _inv("read_file"), "", None, **fields).type == "tool_call"
-    bad = call_view("exec_command", _inv("exec_command", nope=1), "", None, **fields)
+    assert call_view(_spec("read_file"), "read_file", _inv("read_file"), "", None, **fields).type == "tool_call"
+    bad = call_view(_spec("exec_command"), "exec_command", _inv("exec_command", nope=1), "", None, **fields)
     assert bad.type == "tool_call"  # arguments that are not a command stay a plain call
     assert [c.model_dump() for c in patch_changes("*** Begin Patch\n*** Update File: a/b.py\n*** Move to: c.py\n", "/ws")] \
         == [{"path": "/ws/a/b.py", "kind": "update"}]

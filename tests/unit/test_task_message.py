@@ -59,7 +59,7 @@ def celery_published(inv: ToolInvocation, sp: ToolSpec, queue: str, signer: Sign
                       task_id=inv.task_id, queue=queue,
                       expires=datetime.fromtimestamp(inv.deadline, tz=UTC),
                       soft_time_limit=sp.timeout + TIME_LIMIT_MARGIN / 2, time_limit=sp.timeout + TIME_LIMIT_MARGIN,
-                      shadow=f"tool:{sp.tool_name}", argsrepr=flower_args(inv), kwargsrepr="{}", reply_to=reply_to)
+                      shadow=f"tool:{sp.tool_name}", argsrepr=flower_args(inv, sp), kwargsrepr="{}", reply_to=reply_to)
     finally:
         memory.Channel._put = put  # type: ignore
         app.close()

@@ -152,14 +152,16 @@ def test_a_polls_command_line_shows_once_its_session_is_known():
 def test_a_write_stdin_call_is_a_command_execution_of_its_session():
     from toolq.orchestrator.call_items import call_view
     from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
+    from toolq.workers.loader import load_catalog
 
+    spec = load_catalog().get(ToolName(name="write_stdin"))
     inv = ToolInvocation(turn_id="t", step=0, output_index=0, call_id="c", tool_name=ToolName(name="write_stdin"),
                          payload=FunctionPayload(arguments='{"session_id": 1}'), deadline=0)
-    view = call_view("write_stdin", inv, "tick 3\n", None, session_command="bash -c 'make test'", id="c",
+    view = call_view(spec, "write_stdin", inv, "tick 3\n", None, session_command="bash -c 'make test'", id="c",
                      status="in_progress", state=CallState.RUNNING, step=0)
     assert isinstance(view, CommandExecutionView)
     assert (view.command, view.aggregated_output, view.exit_code) == ("bash -c 'make test'", "tick 3\n", None)
-    assert call_view("write_stdin", inv, "", None, id="c", status="in_progress", state=CallState.QUEUED,
+    assert call_view(spec, "write_stdin", inv, "", None, id="c", status="in_progress", state=CallState.QUEUED,
                      step=0).command == ""
 
 

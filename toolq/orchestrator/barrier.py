@@ -37,7 +37,7 @@ from toolq.orchestrator.turn_events import (
 )
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.contracts import TIME_LIMIT_MARGIN
-from toolq.workers.streaming import STREAM_BYTES, STREAMED_TOOLS
+from toolq.workers.streaming import STREAM_BYTES
 
 log = logging.getLogger("toolq.barrier")
 
@@ -271,7 +271,7 @@ class Step:
             self.emit(ItemUpdated(item=self._view(entry)))
 
         watch = entry.watch = self.transport.watch(inv.task_id, on_started=started)
-        if self.stream_output and str(inv.tool_name) in STREAMED_TOOLS:
+        if self.stream_output and spec.streams_output:
             inv = inv.model_copy(update={"stream_output": True})
             watch.on_output = lambda text: self._output(entry, text)
         try:
@@ -395,9 +395,9 @@ class Step:
             except Exception as e:  # the broker away: the calls are aborted here all the same, and a
                 # worker finds the turn's durable cancel (or its deadline) before it starts one
                 log.warning("could not revoke %d cancelled call(s): %s", len(revoke), e)
-        for e in unfinished:
-            if e.inv is not None:
-                self._background(self.records.set_state(e.inv.task_id, CallState.CANCELLED.value,
+        for entry in unfinished:
+            if entry.inv is not None:
+                self._background(self.records.set_state(entry.inv.task_id, CallState.CANCELLED.value,
                                                         finished_at=time.time()))
         return [e.output() for e in self.entries]
 
@@ -437,7 +437,7 @@ class Step:
 
     def _view(self, entry: CallEntry) -> ToolCallView:
         r = entry.result
-        view = call_view(entry.tool, entry.inv, entry.live_output, r,
+        view = call_view(entry.call.spec, entry.tool, entry.inv, entry.live_output, r,
                          session_command=entry.watch.session_command if entry.watch else None, id=entry.call_id,
                          status=codex_status(entry.state), state=entry.state, step=self.ctx.step, worker=entry.worker)
         if entry.queued_at is not None and entry.started_at is not None:
@@ -445,6 +445,8 @@ class Step:
         if r is None:
             if entry.state is CallState.THROTTLED:
                 view.reason = f"waiting for {entry.throttled_by}"
+            if entry.live_output and view.type == "tool_call":  # a streaming tool's output so far
+                view.output = entry.live_output[:VIEW_OUTPUT_CHARS]
             return view
         text = r.output_text()
         view.success, view.exit_code, view.output = r.success, r.exit_code, text[:VIEW_OUTPUT_CHARS]

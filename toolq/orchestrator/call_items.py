@@ -1,9 +1,11 @@
-"""What a call looks like to its watchers: Codex's item for the built-in tools that have one.
+"""What a call looks like to its watchers: Codex's item, for the tools whose declaration asks for one.
 
 `codex exec --json` shows a shell command as `command_execution` (its command line and output),
-a patch as `file_change` (the files it touches) and a plan as `todo_list`; every other call stays
-toolq's `tool_call`. Read from the call's own arguments and its result, never from a worker's
-word alone: the streamed output is shown while the call runs, the result's output once it ends.
+a patch as `file_change` (the files it touches) and a plan as `todo_list`; a tool declares which
+it is (`ToolSpec.view`: "command" reads its `cmd` and `shell` arguments, "file_change" its
+freeform patch, "todo_list" its `plan`), and every other call stays toolq's `tool_call`. Read
+from the call's own arguments and its result, never from a worker's word alone: the streamed
+output is shown while the call runs, the result's output once it ends.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from toolq.orchestrator.turn_events import (
     TodoListView,
     ToolCallView,
 )
+from toolq.workers.catalog import ToolSpec
 from toolq.workers.streaming import STREAM_BYTES
 
 #: `aggregated_output` is cut (head and tail kept) to this much.
@@ -34,21 +37,24 @@ _KINDS = {"Add": "add", "Delete": "delete", "Update": "update"}
 _OUTPUT_HEADER = "\nOutput:\n"
 
 
-def call_view(tool: str, inv: ToolInvocation | None, live_output: str, result: ToolResult | None,
-              session_command: str | None = None, **fields: Any) -> ToolCallView:
-    """The item for one call; `fields` are toolq's call fields (id, state, step, worker...).
-    `session_command`: a write_stdin's session's command line, once the call is routed."""
-    if inv is not None and inv.tool_name.namespace is None:
-        if tool == "exec_command" and (args := _arguments(inv)) is not None and isinstance(args.get("cmd"), str):
+def call_view(spec: ToolSpec | None, tool: str, inv: ToolInvocation | None, live_output: str,
+              result: ToolResult | None, session_command: str | None = None, **fields: Any) -> ToolCallView:
+    """The item for one call, as its declaration's `view` says; `fields` are toolq's call fields
+    (id, state, step, worker...). `session_command`: a session-routed call's session's command
+    line, once the call is routed."""
+    view = spec.view if spec is not None else "tool_call"
+    if inv is not None and view != "tool_call":
+        if view == "command" and spec is not None and spec.route == "session":
+            # Codex's exec --json has no item of its own for a write to a session: see ARCHITECTURE
+            return CommandExecutionView(tool=tool, command=session_command or "",
+                                        aggregated_output=_aggregated(live_output, result), **fields)
+        if view == "command" and (args := _arguments(inv)) is not None and isinstance(args.get("cmd"), str):
             shell = args.get("shell") if isinstance(args.get("shell"), str) else "bash"
             return CommandExecutionView(tool=tool, command=shlex.join([shell or "bash", "-c", args["cmd"]]),
                                         aggregated_output=_aggregated(live_output, result), **fields)
-        if tool == "write_stdin":  # Codex's exec --json has no item of its own for a poll: see ARCHITECTURE
-            return CommandExecutionView(tool=tool, command=session_command or "",
-                                        aggregated_output=_aggregated(live_output, result), **fields)
-        if tool == "apply_patch" and isinstance(inv.payload, CustomPayload):
+        if view == "file_change" and isinstance(inv.payload, CustomPayload):
             return FileChangeView(tool=tool, changes=patch_changes(inv.payload.input, inv.workspace), **fields)
-        if tool == "update_plan" and (args := _arguments(inv)) is not None and isinstance(args.get("plan"), list):
+        if view == "todo_list" and (args := _arguments(inv)) is not None and isinstance(args.get("plan"), list):
             return TodoListView(tool=tool, items=[TodoItem(text=str(s.get("step", "")),
                                                            completed=s.get("status") == "completed")
                                                   for s in args["plan"] if isinstance(s, dict)], **fields)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
-from toolq.orchestrator import session_route
+from toolq.orchestrator import keys, session_route
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation
 from toolq.orchestrator.catalog_reader import FleetCatalog
 from toolq.orchestrator.ledger import CONNECT_TIMEOUT, SOCKET_TIMEOUT, Ledger, Sent
@@ -67,16 +67,16 @@ __all__ = ["DispatchError", "Dispatcher"]
 #: asks the fleet, so they are bounded well below half the pool.
 CONTROL_CONCURRENCY = 4
 
-#: Flower's args column shows this much of an exec_command's command line.
+#: Flower's args column shows this much of an argument's value (a command line).
 FLOWER_COMMAND_CHARS = 300
 
 
-def flower_args(inv: ToolInvocation) -> str:
-    """The task's args as Flower shows them: the call, and for the unified exec tools what runs
-    (the command line, cut short; a session id). Never the environment, which no call carries."""
+def flower_args(inv: ToolInvocation, spec: ToolSpec) -> str:
+    """The task's args as Flower shows them: the call, and the arguments its declaration names
+    (`ToolSpec.flower_args`: a value cut short, or only a length). Never the environment, which no
+    call carries, nor any argument the declaration does not name."""
     base = f"call_id={inv.call_id!r}, turn={inv.turn_id!r}"
-    name = str(inv.tool_name)
-    if name not in ("exec_command", "write_stdin") or not isinstance(inv.payload, FunctionPayload):
+    if not spec.flower_args or not isinstance(inv.payload, FunctionPayload):
         return f"({base})"
     try:
         args = json.loads(inv.payload.arguments)
@@ -84,11 +84,16 @@ def flower_args(inv: ToolInvocation) -> str:
         return f"({base})"
     if not isinstance(args, dict):
         return f"({base})"
-    if name == "write_stdin":
-        return f"({base}, session_id={args.get('session_id')!r}, chars={len(str(args.get('chars', '')))})"
-    cmd = str(args.get("cmd", ""))
-    short = cmd if len(cmd) <= FLOWER_COMMAND_CHARS else cmd[:FLOWER_COMMAND_CHARS - 1] + "…"
-    return f"({base}, cmd={short!r})"
+    shown = [base]
+    for name, how in spec.flower_args:
+        value = args.get(name)
+        if how == "length":  # what is typed into a session may be a password
+            shown.append(f"{name}={len(str(value if value is not None else ''))}")
+        elif isinstance(value, str) and len(value) > FLOWER_COMMAND_CHARS:
+            shown.append(f"{name}={value[:FLOWER_COMMAND_CHARS - 1] + '…'!r}")
+        else:
+            shown.append(f"{name}={value!r}")
+    return f"({', '.join(shown)})"
 
 
 class Dispatcher:
@@ -147,9 +152,9 @@ class Dispatcher:
     async def dispatch(self, inv: ToolInvocation, spec: ToolSpec,
                        on_session: Callable[[SessionRecord], None] | None = None) -> bool:
         """Queue the call; False if it had been queued before (it is not sent again). `on_session`
-        hears the record of a write_stdin's session once it is routed (the view shows its command)."""
+        hears the record of a session-routed call's session once it is routed (the view shows its command)."""
         try:
-            if str(spec.tool_name) != session_route.TOOL and await self.fleet.serves(spec):
+            if spec.route != "session" and await self.fleet.serves(spec):
                 # The common case, in one round trip: claimed, queued and marked sent at once.
                 sent = await self._claim_and_send(inv, spec, tool_queue(spec))
                 if sent is Sent.CLAIMED_BEFORE:
@@ -179,7 +184,7 @@ class Dispatcher:
                      on_session: Callable[[SessionRecord], None] | None) -> str:
         """The queue of a claimed call: its session's worker, or its declaration's once a live
         worker serves it. DispatchError (the call's ledger record says why) if there is none."""
-        if str(spec.tool_name) == session_route.TOOL:  # sessions hook: to the worker holding it
+        if spec.route == "session":  # sessions hook: to the worker holding the session it names
             try:
                 session = await session_route.session_for(self.ledger.r, inv)
             except DispatchError:
@@ -208,7 +213,7 @@ class Dispatcher:
             expires=inv.deadline,  # a call still queued at the turn deadline never starts
             time_limit=spec.timeout + TIME_LIMIT_MARGIN, soft_time_limit=spec.timeout + TIME_LIMIT_MARGIN / 2,
             # Flower shows these: a low-cardinality name, the call id, and what a shell call runs.
-            shadow=f"tool:{spec.tool_name}", argsrepr=flower_args(inv), kwargsrepr="{}",
+            shadow=f"tool:{spec.tool_name}", argsrepr=flower_args(inv, spec), kwargsrepr="{}",
             origin=self._origin, reply_to=self._reply_to,
         ).encode(time.time())
 
@@ -248,7 +253,7 @@ class Dispatcher:
             except (ValueError, KeyError, IndexError, TypeError):  # not a kombu entry
                 continue
             if task_id is not None:
-                out[task_id] = tag.decode()
+                out[task_id] = keys.text(tag)
         return out
 
     async def held(self, task_ids: list[str], hostnames: set[str], timeout: float = 1.0) -> set[str] | None:
@@ -264,10 +269,10 @@ class Dispatcher:
 
     async def queued(self, task_ids: set[str], queues: set[str]) -> set[str]:
         """Which of the tasks wait on these queues (read whole: asked only after a worker died)."""
-        found = set()
+        found: set[str | None] = set()
         for queue in queues:
             found |= {message_task_id(raw) for raw in await self.ledger.r.lrange(queue_key(queue), 0, -1)}
-        return found & task_ids
+        return task_ids & found
 
     async def resend(self, inv: ToolInvocation, spec: ToolSpec) -> None:
         """Send a call again under its task id, at the head of its queue (where a restored message

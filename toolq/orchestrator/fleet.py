@@ -32,6 +32,7 @@ from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.results import ResultRouter
 from toolq.orchestrator.settings import Settings, workspace_problem
 from toolq.orchestrator.turn_events import Emit, ignore
+from toolq.orchestrator.turn_scope import TurnScope
 from toolq.workers.catalog import Catalog
 from toolq.workers.config import longest_timeout
 from toolq.workers.loader import load_catalog
@@ -47,39 +48,8 @@ def new_turn_id() -> str:
     return "turn-" + uuid.uuid4().hex[:12]
 
 
-async def cancel_requested(ledger: Ledger, turn_id: str) -> bool:
-    """True once the turn is cancelled from any process; False if Redis trouble stopped the
-    listening (Ctrl-C still works, and the calls are not held up)."""
-    try:
-        await ledger.wait_for_cancel(turn_id)
-        return True
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # redis-py may turn a cancel during a read into a connection error
-        log.warning("cancel listener stopped: %s", e)
-        return False
-
-
 #: How long a turn's result pattern outlives a `run_calls` (its next step then subscribes nothing).
 WATCH_LINGER = 30.0
-
-#: How long a cancelled helper task may take to close its connection.
-STOP_GRACE = 2.0
-
-
-#: How often a helper task that goes on is cancelled again.
-RECANCEL = 0.05
-
-
-async def stop(task: asyncio.Task) -> None:
-    """Cancel a helper task and let it finish (its Redis connection closes before ours does). A
-    cancel that lands inside a redis-py command can be swallowed there, and the task goes on to
-    its next await (a one-request `toolq run` waited out the whole grace at exit, every other run):
-    it is cancelled again until it ends."""
-    end = time.monotonic() + STOP_GRACE
-    while not task.done() and time.monotonic() < end:
-        task.cancel()
-        await asyncio.wait({task}, timeout=RECANCEL)
 
 
 class Fleet:
@@ -206,24 +176,18 @@ class Fleet:
         ctx = StepContext(turn_id, await self.ledger.next_step(turn_id), time.time() + self.settings.turn_timeout,
                           str(self.settings.workspace))
         step = self.step(ctx, emit)
-        await self.router.watch_turn(turn_id)
-        cancel = asyncio.create_task(cancel_requested(self.ledger, turn_id))
-        stop_hearing_calls = self.ledger.on_call_cancel(turn_id, step.cancel_unsent)  # `toolq cancel --call`
-        try:
+        async with TurnScope(self.ledger, self.router, turn_id, on_call_cancel=step.cancel_unsent,
+                             linger=WATCH_LINGER) as scope:
             for index, item in enumerate(decoded):
                 bound = self.bind(item, ctx, index)
                 if bound is not None:
                     step.add(bound)
             waiter = asyncio.create_task(step.wait())
-            await asyncio.wait({waiter, cancel}, return_when=asyncio.FIRST_COMPLETED)
-            if not waiter.done() and not cancel.result():  # no longer listening: just wait
-                await asyncio.wait({waiter})
+            cancelled = asyncio.create_task(scope.cancelled.wait())
+            await asyncio.wait({waiter, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+            cancelled.cancel()
             outputs = waiter.result() if waiter.done() else await step.abort()
             waiter.cancel()
-        finally:
-            stop_hearing_calls()
-            await stop(cancel)
-            await self.router.unwatch_turn(turn_id, linger=WATCH_LINGER)
         self.note_outputs(outputs)
         wire = [o.to_wire() for o in outputs]
         if step.fatal is not None:

@@ -1,4 +1,5 @@
-"""Where a `write_stdin` goes: to the one worker instance that holds its session.
+"""Where a session-routed call (`ToolSpec.route == "session"`: write_stdin) goes: to the one
+worker instance that holds the session its `session_id` argument names.
 
 The session's record (written by that worker's session host, toolq/workers/sessions/registry.py)
 names the instance; its own queue `toolq.w.<instance>` is consumed by it alone. An unknown id,
@@ -16,14 +17,11 @@ from toolq.orchestrator import keys
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation
 from toolq.orchestrator.states import CallState
 from toolq.orchestrator.transport import DispatchError
-from toolq.workers.sessions.registry import SessionRecord, sessions_key
-
-TOOL = "write_stdin"
+from toolq.workers.sessions.registry import SessionRecord, lost_session, sessions_key, unknown_session
 
 
 def unknown(session_id: object) -> DispatchError:
-    return DispatchError("unknown session", state=CallState.FAILED,
-                         output=f"write_stdin failed: Unknown process id {session_id}")
+    return DispatchError("unknown session", state=CallState.FAILED, output=unknown_session(session_id))
 
 
 async def session_for(r, inv: ToolInvocation) -> SessionRecord:
@@ -45,12 +43,6 @@ async def session_for(r, inv: ToolInvocation) -> SessionRecord:
         await r.hdel(sessions_key(inv.conversation or ""), str(session_id))
         raise DispatchError("session lost", state=CallState.FAILED, output=lost_session(record))
     return record
-
-
-def lost_session(record: SessionRecord) -> str:
-    """What a write_stdin to a session whose worker is gone is told."""
-    return (f"write_stdin failed: session {record.session_id} was lost with its worker {record.hostname} "
-            f"(the worker is gone; `{record.command[:80]}` is no longer running); start it again with exec_command")
 
 
 async def live_sessions(r, conversation: str) -> list[SessionRecord]:

@@ -30,11 +30,11 @@ from toolq.orchestrator.calls import ToolInvocation
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.results import ResultRouter
-from toolq.orchestrator.session_route import lost_session
 from toolq.orchestrator.states import CallState
 from toolq.orchestrator.transport import CallWatch, TaskOutcome
 from toolq.workers.advert import tool_queue
 from toolq.workers.catalog import ToolSpec
+from toolq.workers.sessions.registry import lost_session
 
 log = logging.getLogger("toolq.stranded")
 

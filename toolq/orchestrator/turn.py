@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from toolq.orchestrator import keys
 from toolq.orchestrator.barrier import Step, flush_background
@@ -25,7 +26,7 @@ from toolq.orchestrator.conversation import ConversationLease, new_conversation_
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.durable import Committed, StoreBudget, TurnSettings, TurnStore, item_cost, unanswered, wire_cost
 from toolq.orchestrator.errors import ConfigurationError
-from toolq.orchestrator.fleet import Fleet, cancel_requested, new_turn_id, stop
+from toolq.orchestrator.fleet import Fleet, new_turn_id
 from toolq.orchestrator.history import History
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.protocol.events import Usage
@@ -58,6 +59,7 @@ from toolq.orchestrator.turn_events import (
     TurnStarted,
     ignore,
 )
+from toolq.orchestrator.turn_scope import TurnScope, stop
 from toolq.workers.catalog import Catalog
 
 log = logging.getLogger("toolq.turn")
@@ -82,8 +84,8 @@ class CannotResume(ConfigurationError):
 @dataclass
 class TurnOutcome:
     turn_id: str
-    status: str
-    """completed | failed | cancelled"""
+    status: Literal["running", "completed", "failed", "cancelled"]
+    """running until the turn ends"""
     final_message: str | None = None
     error: str | None = None
     usage: Usage = field(default_factory=Usage)
@@ -159,6 +161,8 @@ class Session:
         self.turn_id: str | None = None
         """The running (or last) turn's id."""
         self._cancel = asyncio.Event()
+        self._scope: TurnScope | None = None
+        """The running turn's watch and cancel listeners (turn_scope.py), open from its start to its end."""
         self._step: Step | None = None
         self._lease: str | None = None
         """The token of this session's lease on the running turn (durable.py)."""
@@ -197,7 +201,7 @@ class Session:
             await self.rt.turns.save_settings(turn_id, self._turn_settings(deadline))
             if not self._store.full:  # else the loop stops the turn first, having written none of it
                 await self._durable([Committed(item=obj) for obj in self.history.to_json()])
-            await self.rt.router.watch_turn(turn_id)
+            await self._open_scope(turn_id)
         except REDIS_FAULTS as e:  # nothing ran: one line naming the server, and a turn.failed
             outcome.status, outcome.error = "failed", str(RedisUnreachable(settings.redis_url, e))
             outcome.could_not_start = True
@@ -236,7 +240,7 @@ class Session:
         emit(TurnStarted(turn_id=turn_id))
         await self.rt.follow_fleet_tools()  # MCP hook: the resumed turn offers what live workers host now
         await self._hold_conversation(turn_id)  # a new conversation: the dead one's sessions died with its lease
-        await self.rt.router.watch_turn(turn_id)
+        await self._open_scope(turn_id)
         pending = unanswered(committed)
         first_step = 1 + max((c.step for c in committed if c.step is not None), default=-1)
         return await self._drive(turn_id, outcome, emit,
@@ -248,11 +252,15 @@ class Session:
                             instructions=self.instructions, reasoning=self.reasoning, deadline=deadline,
                             loaded_tools=sorted(self.loaded_tools, key=str))
 
+    async def _open_scope(self, turn_id: str) -> None:
+        scope = TurnScope(self.rt.ledger, self.rt.router, turn_id, on_call_cancel=self._call_cancelled,
+                          cancelled=self._cancel)
+        await scope.__aenter__()  # left in `_drive`, whatever ends the turn
+        self._scope = scope
+
     async def _drive(self, turn_id: str, outcome: TurnOutcome, emit: Emit, loop: Any) -> TurnOutcome:
         """Run the loop under the lease, hear cancels, and end with exactly one terminal event."""
         heartbeat = asyncio.create_task(self.rt.turns.heartbeat(turn_id, self._lease)) if self._lease else None
-        listener = asyncio.create_task(self._listen_for_cancel(turn_id))
-        stop_hearing_calls = self.rt.ledger.on_call_cancel(turn_id, self._call_cancelled)
         inner = asyncio.create_task(loop)
         cancelled = asyncio.create_task(self._cancel.wait())
         started = time.monotonic()
@@ -275,9 +283,9 @@ class Session:
             outcome.status, outcome.error = "failed", f"toolq failed: {type(e).__name__}: {e}"
         finally:
             cancelled.cancel()
-            stop_hearing_calls()
-            await stop(listener)
-            await self.rt.router.unwatch_turn(turn_id)
+            if self._scope is not None:
+                scope, self._scope = self._scope, None
+                await scope.__aexit__(None, None, None)
         outcome = await self._end(turn_id, outcome, emit)
         if heartbeat is not None:
             await stop(heartbeat)
@@ -358,16 +366,8 @@ class Session:
         if self._step is not None:
             self._step.cancel_unsent(task_id)
 
-    async def _listen_for_cancel(self, turn_id: str) -> None:
-        """Hear `toolq cancel` from any process; the durable record covers a cancel sent earlier."""
-        delay = 0.5
-        while not await cancel_requested(self.rt.ledger, turn_id):  # Redis trouble: listen again
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
-        self._cancel.set()
-
     async def _loop(self, turn_id: str, outcome: TurnOutcome, emit: Emit, deadline: float, step_index: int = 0,
-                    pending: list[tuple[int, list[Committed]]] = ()) -> None:
+                    pending: Sequence[tuple[int, list[Committed]]] = ()) -> None:
         settings = self.rt.settings
         retries = 0
         responses_with_calls = 0

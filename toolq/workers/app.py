@@ -139,7 +139,7 @@ worker_shutdown.connect(lambda **_: presence.withdraw(), weak=False)
 # only this instance consumes, where each write_stdin for its sessions arrives.
 @celeryd_after_setup.connect
 def _session_host(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    if not Settings.load().sessions or "exec_command" not in {str(s.tool_name) for s in catalog()}:
+    if not Settings.load().sessions or not any(s.sessions for s in catalog()):
         return
     me = presence.instance_id()
     instance.app.amqp.queues.select_add(session_registry.instance_queue(me))

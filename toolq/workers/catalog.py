@@ -24,10 +24,10 @@ import hashlib
 import inspect
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
@@ -41,6 +41,19 @@ if TYPE_CHECKING:
     from toolq.workers.streaming import OutputStream
 
 DEFAULT_QUEUE = "toolq"
+
+#: How a call reaches a worker: by its declaration's queue, or to the one worker that holds the
+#: session its `session_id` argument names (write_stdin).
+Route = Literal["queue", "session"]
+#: What watchers (`toolq run --json`, the live view) see of a call: toolq's `tool_call`, or Codex's
+#: item for a shell command (from its `cmd` and `shell` arguments; a session-routed call shows its
+#: session's command), a patch (its freeform input) or a plan (its `plan` argument).
+View = Literal["tool_call", "command", "file_change", "todo_list"]
+#: How Flower's args column shows an argument: its value (a long text cut short), or its length only.
+Shown = Literal["value", "length"]
+ROUTES: tuple[Route, ...] = ("queue", "session")
+VIEWS: tuple[View, ...] = ("tool_call", "command", "file_change", "todo_list")
+SHOWN: tuple[Shown, ...] = ("value", "length")
 
 
 @dataclass
@@ -107,6 +120,16 @@ class ToolSpec:
     """Hidden from the model until a tool_search finds it."""
     shell_like: bool = False
     """Aborted shell calls read `Wall time: X seconds\\naborted by user`, like Codex's."""
+    # What the pipeline does differently for a tool is read from here, never from its name. None of
+    # it is in the digest: an orchestrator and a worker that differ here still agree on the call.
+    streams_output: bool = False
+    """Its handler writes what runs to `ctx.output` while it runs; a watched turn shows it live."""
+    route: Route = "queue"
+    sessions: bool = False
+    """It runs in the worker's session host (exec_command's sessions): a worker that loads one starts it."""
+    view: View = "tool_call"
+    flower_args: tuple[tuple[str, Shown], ...] = ()
+    """The arguments Flower's args column shows, in order, and how; no other argument is shown."""
     limit: ToolLimit = field(default=UNLIMITED, compare=False)
     """max_concurrency / rate_limit across the fleet (TOOLQ_TOOL_LIMITS overrides it); policy, not
     part of the declaration's digest: changing a limit never reroutes a call."""
@@ -216,6 +239,11 @@ def tool(
     idempotent: bool = False,
     deferred: bool = False,
     shell_like: bool = False,
+    streams_output: bool = False,
+    route: Route = "queue",
+    sessions: bool = False,
+    view: View = "tool_call",
+    flower_args: Mapping[str, Shown] | None = None,
     max_concurrency: int | None = None,
     rate_limit: str | None = None,
     catalog: Catalog | None = None,
@@ -235,6 +263,13 @@ def tool(
     `max_concurrency=N`: at most N calls of this tool run at once across the fleet; `rate_limit=
     "10/s"` (or `"100/m"`): at most that many start per second (minute) across the fleet. A call
     held back waits as `throttled`, never fails for it (toolq/orchestrator/limits.py).
+
+    What toolq does differently for the tool (none of it changes the declaration's digest):
+    `streams_output=True`: what it writes to `ctx.output` while it runs is shown live to a watched
+    turn; `flower_args={"url": "value", "token": "length"}`: Flower's args column shows these
+    arguments (a long value cut short, or only a length), and no others; `view=`: what watchers see
+    (`"command"` for a tool taking `cmd`, as exec_command); `route="session"`: the call goes to the
+    worker holding the session its `session_id` argument names. `sessions=True` is exec_command's.
     """
 
     def register(f: Handler) -> Handler:
@@ -243,6 +278,7 @@ def tool(
             limit = declared_limit(max_concurrency, rate_limit)
         except ValueError as e:
             raise ConfigurationError(f"tool {label}: {_first_error(e)}") from None
+        _check_capabilities(label, route, view, flower_args or {})
         args_model = _args_model(f)
         k = _payload_kind(label, f, kind, args_model, parameters, grammar)
         schema = parameters
@@ -264,6 +300,11 @@ def tool(
             idempotent=idempotent,
             deferred=deferred,
             shell_like=shell_like,
+            streams_output=streams_output,
+            route=route,
+            sessions=sessions,
+            view=view,
+            flower_args=tuple((flower_args or {}).items()),
             limit=limit,
             args_model=args_model,
             handler=f,
@@ -273,6 +314,16 @@ def tool(
         return f
 
     return register(fn) if fn is not None else register
+
+
+def _check_capabilities(label: str, route: str, view: str, flower_args: Mapping[str, str]) -> None:
+    """One clear error for a capability toolq does not know (a typo would silently do nothing)."""
+    for what, value, known in (("route", route, ROUTES), ("view", view, VIEWS)):
+        if value not in known:
+            raise ConfigurationError(f"tool {label}: {what}={value!r} is not one of {', '.join(known)}")
+    for arg, how in flower_args.items():
+        if how not in SHOWN:
+            raise ConfigurationError(f"tool {label}: flower_args[{arg!r}]={how!r} is not one of {', '.join(SHOWN)}")
 
 
 def _first_error(e: ValueError) -> str:

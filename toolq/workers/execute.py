@@ -30,7 +30,7 @@ from toolq.workers import permit
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
 from toolq.workers.sandbox import CallCancelled
 from toolq.workers.signing import Signer
-from toolq.workers.streaming import STREAMED_TOOLS, OutputStream
+from toolq.workers.streaming import OutputStream
 
 log = logging.getLogger("toolq.worker")
 
@@ -204,9 +204,12 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
 
     # DEBUG: Celery's own lines (received, succeeded in) say as much at INFO, once per call.
     log.debug("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
+    stream = output_stream(inv, spec, r, signer)
     try:
         status, output, extra = run_invocation(inv, spec, catalog, hostname, lambda: is_cancelled(r, inv),
-                                               time_limit_errors, output_stream(inv, r, signer))
+                                               time_limit_errors, stream)
+        if stream is not None:  # what a tool wrote last goes out before its result
+            stream.flush()
         _record_end(r, inv, status)
     finally:
         if inv.permit is not None:  # after finished_at is written: the next holder starts after it
@@ -215,9 +218,11 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
     return _result(inv, output, status, hostname, started_at=started_at, **extra)
 
 
-def output_stream(inv: ToolInvocation, r: redis.Redis, signer: Signer | None) -> OutputStream | None:
-    """Where the call's output streams while it runs, if its turn is watched (toolq/workers/streaming.py)."""
-    if not inv.stream_output or signer is None or str(inv.tool_name) not in STREAMED_TOOLS:
+def output_stream(inv: ToolInvocation, spec: ToolSpec | None, r: redis.Redis,
+                  signer: Signer | None) -> OutputStream | None:
+    """Where the call's output streams while it runs, if its turn is watched and its declaration
+    streams (toolq/workers/streaming.py)."""
+    if not inv.stream_output or signer is None or spec is None or not spec.streams_output:
         return None
     return OutputStream(r.publish, signer, inv.task_id, keys.call_output(inv.task_id))
 

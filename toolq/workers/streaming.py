@@ -32,9 +32,6 @@ BATCH_BYTES = 16 * 1024
 #: `aggregated_output`), so what a watcher reads grows with its square: 64 KiB keeps a command that
 #: prints a line every 100 ms under ~25 MB of `--json` before its stream stops.
 STREAM_BYTES = 64 * 1024
-#: The tools whose output streams: a command, and a write to or poll of its session (what the
-#: session prints while the write waits for its `yield_time_ms`).
-STREAMED_TOOLS = frozenset({"exec_command", "write_stdin"})
 
 Publish = Callable[[str, str], object]
 """`publish(channel, message)`: redis-py's `Redis.publish`."""

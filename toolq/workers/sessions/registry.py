@@ -35,6 +35,17 @@ def instance_queue(instance: str) -> str:
     return f"toolq.w.{instance}"
 
 
+def unknown_session(session_id: object) -> str:
+    """What a write to a session its conversation does not hold is told (Codex's words)."""
+    return f"write_stdin failed: Unknown process id {session_id}"
+
+
+def lost_session(record: SessionRecord) -> str:
+    """What a write to a session whose worker is gone is told."""
+    return (f"write_stdin failed: session {record.session_id} was lost with its worker {record.hostname} "
+            f"(the worker is gone; `{record.command[:80]}` is no longer running); start it again with exec_command")
+
+
 class SessionRecord(BaseModel):
     session_id: int
     instance: str

@@ -122,7 +122,8 @@ class PatchError(Exception):
     """A reason the patch cannot be applied, in Codex's words."""
 
 
-@tool(grammar={"type": "grammar", "syntax": "lark", "definition": GRAMMAR}, description=DESCRIPTION, parallel=False)
+@tool(grammar={"type": "grammar", "syntax": "lark", "definition": GRAMMAR}, description=DESCRIPTION, parallel=False,
+      view="file_change")
 def apply_patch(patch: str, ctx: ToolContext) -> str:
     budget = CallBudget(ctx, "apply_patch")
     with Workspace(ctx.workspace) as ws:

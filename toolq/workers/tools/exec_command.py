@@ -77,7 +77,8 @@ class ExecCommandArgs(BaseModel):
         return None if v is None else min(max(v, 250.0), 30_000.0)
 
 
-@tool(parameters=PARAMETERS, strict=False, shell_like=True, timeout=EXEC_TIMEOUT)
+@tool(parameters=PARAMETERS, strict=False, shell_like=True, timeout=EXEC_TIMEOUT, streams_output=True,
+      sessions=True, view="command", flower_args={"cmd": "value"})
 def exec_command(args: ExecCommandArgs, ctx: ToolContext) -> ToolReturn:
     """Runs a shell command in the workspace and returns its output (stdout and stderr merged) once it exits.
 

@@ -21,7 +21,7 @@ class UpdatePlanArgs(BaseModel):
     plan: list[PlanItem] = Field(description="The list of steps")
 
 
-@tool(parallel=False)
+@tool(parallel=False, view="todo_list")
 def update_plan(args: UpdatePlanArgs, ctx: ToolContext) -> str:
     """Records the plan for the current task: an optional explanation and the list of steps, each
     pending, in_progress or completed. Keep at most one step in_progress."""

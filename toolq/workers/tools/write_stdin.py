@@ -51,7 +51,8 @@ class WriteStdinArgs(BaseModel):
         return min(max(wanted, low), high)
 
 
-@tool(parameters=PARAMETERS, strict=False, shell_like=True, timeout=POLL_YIELD[1] / 1000 + 10)
+@tool(parameters=PARAMETERS, strict=False, shell_like=True, timeout=POLL_YIELD[1] / 1000 + 10, streams_output=True,
+      sessions=True, route="session", view="command", flower_args={"session_id": "value", "chars": "length"})
 def write_stdin(args: WriteStdinArgs, ctx: ToolContext) -> ToolReturn:
     """Writes characters to an existing unified exec session and returns recent output."""
     if not calls.available(ctx):

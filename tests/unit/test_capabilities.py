@@ -1,0 +1,91 @@
+"""Issue 25 item 4: the generic pipeline reads a tool's declaration, never its name. What a built-in
+does differently (its output streams, it is routed by session, Flower shows some of its arguments,
+watchers see it as a command) is declared in its `ToolSpec`, so a user tool can do the same."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import toolq
+from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.orchestrator.dispatch import flower_args
+from toolq.workers.catalog import Catalog, tool
+from toolq.workers.loader import load_catalog
+
+PIPELINE = Path(toolq.__file__).parent / "orchestrator"
+#: Modules outside the pipeline: the benchmarks and the fake model drive built-ins on purpose.
+NOT_PIPELINE = ("bench", "fake_model")
+
+
+def _builtin_names() -> set[str]:
+    """The built-ins' names; "tool_search" is also the Responses API's item and payload kind,
+    which the pipeline must name."""
+    return {spec.name for spec in load_catalog() if spec.namespace is None} - {"tool_search"}
+
+
+def test_no_built_in_tool_name_is_compared_or_looked_up_in_the_generic_pipeline():
+    names = _builtin_names()
+    assert {"exec_command", "write_stdin", "apply_patch", "update_plan"} <= names
+    found = []
+    for path in sorted(PIPELINE.rglob("*.py")):
+        if any(part in NOT_PIPELINE for part in path.relative_to(PIPELINE).parts):
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings:
+                found.append(f"{path.relative_to(PIPELINE.parent)}:{node.lineno}: {node.value!r}")
+    assert not found, found
+
+
+def test_the_built_ins_declare_what_the_pipeline_does_for_them():
+    specs = {spec.name: spec for spec in load_catalog() if spec.namespace is None}
+    assert specs["exec_command"].streams_output and specs["write_stdin"].streams_output
+    assert specs["write_stdin"].route == "session" and specs["exec_command"].route == "queue"
+    assert specs["exec_command"].sessions and specs["write_stdin"].sessions
+    assert (specs["exec_command"].view, specs["write_stdin"].view) == ("command", "command")
+    assert (specs["apply_patch"].view, specs["update_plan"].view) == ("file_change", "todo_list")
+    assert dict(specs["exec_command"].flower_args) == {"cmd": "value"}
+    assert dict(specs["write_stdin"].flower_args) == {"session_id": "value", "chars": "length"}
+    assert not [name for name, s in specs.items() if (s.streams_output or s.sessions or s.flower_args)
+                and name not in ("exec_command", "write_stdin")]
+
+
+def test_a_user_tool_declares_streaming_and_what_flower_shows():
+    from pydantic import BaseModel
+
+    class Args(BaseModel):
+        url: str
+        token: str
+
+    catalog = Catalog()
+
+    @tool(catalog=catalog, streams_output=True, flower_args={"url": "value", "token": "length"})
+    def fetch(args: Args) -> str:
+        """Fetch a page."""
+        return args.url
+
+    spec = fetch.tool_spec
+    assert spec.streams_output and spec.route == "queue" and spec.view == "tool_call"
+    inv = ToolInvocation(turn_id="t", step=0, output_index=0, call_id="c", tool_name=ToolName(name="fetch"),
+                         payload=FunctionPayload(arguments='{"url": "https://x", "token": "s3cret"}'), deadline=0)
+    assert flower_args(inv, spec) == "(call_id='c', turn='t', url='https://x', token=6)"
+    # What Flower shows and how a call is watched are not part of the declaration's digest:
+    # a worker and an orchestrator that disagree on them still agree on the call.
+    plain = tool(catalog=Catalog())(fetch).tool_spec  # the same function, declared without them
+    assert not plain.streams_output and not plain.flower_args
+    assert plain.digest() == spec.digest()
+
+
+def test_a_declaration_asks_for_a_known_capability():
+    from toolq.orchestrator.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="flower_args"):
+        tool(catalog=Catalog(), parameters={"type": "object"}, flower_args={"x": "all"})(lambda args: "")
+    with pytest.raises(ConfigurationError, match="route"):
+        tool(catalog=Catalog(), parameters={"type": "object"}, route="nowhere")(lambda args: "")
