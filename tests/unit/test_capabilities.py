@@ -89,3 +89,21 @@ def test_a_declaration_asks_for_a_known_capability():
         tool(catalog=Catalog(), parameters={"type": "object"}, flower_args={"x": "all"})(lambda args: "")
     with pytest.raises(ConfigurationError, match="route"):
         tool(catalog=Catalog(), parameters={"type": "object"}, route="nowhere")(lambda args: "")
+
+
+#: The built-ins' declaration digests and the task names as released: a worker and an orchestrator
+#: of different toolq versions agree on a call only while these stay (issue 25: moves change no
+#: behaviour). A deliberate change of a declaration updates this table, and says so.
+RELEASED_DIGESTS = {
+    "apply_patch": "1c377d6feeccf9c7", "exec_command": "1f039dcf0e1f2f05", "grep_files": "c07acd5c07fdf347",
+    "list_dir": "8db5835acad154bd", "read_file": "7f970183728ebea8", "tool_search": "94a6e38958333de3",
+    "update_plan": "a1f16d933da5d689", "view_image": "52f40d3593bf80c6", "write_stdin": "64fcc07397ca050c",
+}
+
+
+def test_the_built_ins_digests_and_the_task_names_are_the_released_ones():
+    from toolq.workers.contracts import TASK, TASK_IDEMPOTENT
+
+    digests = {spec.name: spec.digest() for spec in load_catalog() if spec.namespace is None}
+    assert digests == RELEASED_DIGESTS
+    assert (TASK, TASK_IDEMPOTENT) == ("toolq.run", "toolq.run_idempotent")
