@@ -57,7 +57,7 @@ def catalog() -> Catalog:
 # Celery imports task modules and its loader "from the current directory" (it puts the folder on
 # sys.path around each import), and a worker may be started in a workspace: toolq imports from
 # its explicit path only (toolq/orchestrator/import_path.py).
-celery.utils.imports.cwd_in_path = contextlib.nullcontext  # type: ignore[assignment]
+celery.utils.imports.cwd_in_path = contextlib.nullcontext
 app = make_app(Settings.load(), longest_timeout(catalog()), worker=True)
 kombu_acks.install()  # a call finishing after a Redis restart must not take the worker down
 pool_exits.install()  # nor a consumer restart just after a pool child died

@@ -98,7 +98,7 @@ def _still_running(r: redis.Redis, worker: str, pid: bytes | None, hostname: str
             return int(pid or b"0") > 0
         except (OSError, ValueError):
             return False
-    ids = [i.decode() for i in r.smembers(keys.FLEET_WORKERS)]
+    ids = [keys.text(i) for i in r.smembers(keys.FLEET_WORKERS)]
     for raw in r.mget([keys.fleet_worker(i) for i in ids]) if ids else []:
         try:
             if raw is not None and json.loads(raw).get("hostname") == worker:

@@ -46,5 +46,7 @@ def install() -> None:
         method._toolq_guarded = True  # type: ignore[attr-defined]
         return method
 
-    qos.ack = guarded(qos.ack, "ack", virtual.QoS.ack)  # local bookkeeping only
-    qos.restore_unacked = guarded(qos.restore_unacked, "restore", lambda self, *a: self._delivered.clear())
+    # Wrapping kombu's methods on purpose (mypy: method-assign).
+    qos.ack = guarded(qos.ack, "ack", virtual.QoS.ack)  # type: ignore[method-assign]  # local bookkeeping only
+    qos.restore_unacked = guarded(  # type: ignore[method-assign]
+qos.restore_unacked, "restore", lambda self, *a: self._delivered.clear())

@@ -36,4 +36,4 @@ def install() -> None:
         return client
 
     _create_client._toolq_cached = True  # type: ignore[attr-defined]
-    channel._create_client = _create_client
+    channel._create_client = _create_client  # type: ignore[method-assign]  # wrapping kombu's on purpose

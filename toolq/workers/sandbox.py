@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from toolq.workers.isolation import reaper
 
@@ -174,8 +174,8 @@ def run_command(  # noqa: C901 - one process's whole life (spawn, stream, bound,
     start = time.monotonic()
     launch: Launch | None = None
     try:
-        popen = dict(cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                     start_new_session=True, close_fds=True)
+        popen: dict[str, Any] = dict(cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
         if sandbox is not None:
             launch = sandbox.launch(argv, workspace=str(workspace or cwd), cwd=str(cwd), env=env or dict(os.environ))
             proc = launch.spawn(**popen)
@@ -239,12 +239,12 @@ def run_command(  # noqa: C901 - one process's whole life (spawn, stream, bound,
         if launch is not None:
             launch.close()
     exit_code = returncode if returncode >= 0 else 128 - returncode
-    output = buf.getvalue()
+    printed = buf.getvalue()
     return CommandResult(
         exit_code=exit_code,
-        output=output,
+        output=printed,
         limit_note=None if launch is None or sandbox is None else sandbox.explain(
-            launch, exit_code, output.decode("utf-8", errors="replace")),
+            launch, exit_code, printed.decode("utf-8", errors="replace")),
         wall_time=time.monotonic() - start,
         timed_out=timed_out,
         cancelled=cancelled,

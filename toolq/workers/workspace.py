@@ -29,7 +29,7 @@ import ctypes
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TypeVar
@@ -401,7 +401,7 @@ def open_entry(dir_fd: int, name: str, *, directory: bool = False) -> int:
 
 
 def walk(top: int, depth: int | None = None, enter: Callable[[os.DirEntry[str]], bool] = lambda entry: True,
-         ) -> Iterator[tuple[int, str, list[os.DirEntry[str]]]]:
+         ) -> Generator[tuple[int, str, list[os.DirEntry[str]]], None, None]:
     """Each directory of the tree open at `top`, top-down and depth-first in name order: its fd,
     its path relative to `top` ("" for `top`), and its entries sorted by name (types from lstat).
 

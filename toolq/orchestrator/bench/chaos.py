@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,7 +99,8 @@ class Deck:
     still meets every fault."""
 
     def __init__(self, rng: random.Random, choices: tuple[str, ...]) -> None:
-        self.rng, self.choices, self.left = rng, choices, []
+        self.rng, self.choices = rng, choices
+        self.left: list[str] = []
 
     def draw(self) -> str:
         if not self.left:
@@ -608,7 +609,7 @@ def parse_seeds(text: str) -> list[int]:
     return list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
 
 
-def run(out: IO[str] = sys.stdout, turns: int = 24, seeds: list[int] = (1,)) -> dict[str, Any]:
+def run(out: IO[str] = sys.stdout, turns: int = 24, seeds: Sequence[int] = (1,)) -> dict[str, Any]:
     # Faults make toolq warn by design (lost results, reconnects); the table says what matters.
     logging.getLogger("toolq").setLevel(logging.ERROR)
     tallies = []

@@ -9,7 +9,7 @@ import os
 import shutil
 import statistics
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -121,7 +121,8 @@ def two_paths_report(res: dict[str, Any], limit: float, title: str, baseline: tu
     ]
 
 
-def measured(stack_cm: Any, measure: Callable[..., Awaitable[dict[str, Any]]], report: Callable[..., list[str]],
+def measured(stack_cm: Any, measure: Callable[..., Coroutine[Any, Any, dict[str, Any]]],
+             report: Callable[..., list[str]],
              out: IO[str], *args: Any) -> dict[str, Any]:
     """Measure on the stack the context manager gives, print the report, return the figures."""
     with stack_cm as settings:

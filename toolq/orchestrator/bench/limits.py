@@ -16,7 +16,7 @@ import uuid
 from typing import IO, Any
 
 from toolq.orchestrator.bench.harness import BENCH_QUEUE, BENCH_TOOLS, goal, median, stack, workspace
-from toolq.orchestrator.protocol.items import FunctionCallItem
+from toolq.orchestrator.protocol.items import FunctionCallItem, FunctionCallOutputItem
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.turn import Runtime
 from toolq.workers.loader import load_catalog
@@ -40,9 +40,11 @@ def max_running(intervals: list[tuple[float, float]]) -> int:
 async def _step(rt: Runtime, turn_id: str, step: int, name: str, n: int, arguments: str = "{}") -> None:
     s = rt.step(StepContext(turn_id, step, time.time() + 120, workspace()))
     for i in range(n):
-        s.add(rt.bind(FunctionCallItem(call_id=f"call_{step}_{i}", name=name, arguments=arguments), s.ctx, i))
+        call = rt.bind(FunctionCallItem(call_id=f"call_{step}_{i}", name=name, arguments=arguments), s.ctx, i)
+        assert call is not None
+        s.add(call)
     outputs = await s.wait()
-    assert all(o.output == "ok" for o in outputs), outputs
+    assert all(isinstance(o, FunctionCallOutputItem) and o.output == "ok" for o in outputs), outputs
 
 
 async def _noop_rate(rt: Runtime, duration: float, parallel: int) -> tuple[float, float]:

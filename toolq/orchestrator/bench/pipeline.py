@@ -28,7 +28,7 @@ from toolq.orchestrator.bench.harness import (
     workspace,
 )
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
-from toolq.orchestrator.protocol.items import FunctionCallItem
+from toolq.orchestrator.protocol.items import FunctionCallItem, FunctionCallOutputItem
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.turn import Runtime
 from toolq.workers.config import celery_config
@@ -43,10 +43,12 @@ async def _toolq_calls(rt: Runtime, turn_id: str, n: int, step0: int, *, name: s
         item = FunctionCallItem(call_id=f"call_{i}", name=name, namespace=namespace, arguments="{}")
         t0 = time.perf_counter()
         step = rt.step(StepContext(turn_id, step0 + i, time.time() + 60, workspace()))
-        step.add(rt.bind(item, step.ctx, 0))
+        call = rt.bind(item, step.ctx, 0)
+        assert call is not None
+        step.add(call)
         (out,) = await step.wait()
         times.append(time.perf_counter() - t0)
-        assert out.output == "ok", out
+        assert isinstance(out, FunctionCallOutputItem) and out.output == "ok", out
     return times
 
 
@@ -56,7 +58,9 @@ def _baseline_calls(client: Celery, rt: Runtime, n: int) -> list[float]:
     for _ in range(n):
         inv = rt.registry.bind(call, StepContext(f"base-{uuid.uuid4().hex[:8]}", 0, time.time() + 60, workspace()), 0)
         invocation = inv.model_dump(mode="json")
-        signature = rt.dispatcher.signer.sign_invocation(TASK, inv.task_id, invocation)  # workers run signed calls only
+        signer = rt.dispatcher.signer
+        assert signer is not None  # a fleet's dispatcher signs
+        signature = signer.sign_invocation(TASK, inv.task_id, invocation)  # workers run signed calls only
         t0 = time.perf_counter()
         result = client.send_task(TASK, args=[invocation], kwargs={"signature": signature}, task_id=inv.task_id,
                                   queue=BENCH_QUEUE)

@@ -32,8 +32,8 @@ def _invocation() -> dict[str, Any]:
             "deadline": time.time() + 3600, "workspace": "/workspace/project", "spec_digest": "0123456789abcdef"}
 
 
-STARTED = {"status": "STARTED", "task_id": TASK_ID, "traceback": None, "children": [], "date_done": None,
-           "result": {"pid": 4242, "hostname": "worker@host"}}
+STARTED: dict[str, Any] = {"status": "STARTED", "task_id": TASK_ID, "traceback": None, "children": [],
+                           "date_done": None, "result": {"pid": 4242, "hostname": "worker@host"}}
 
 
 def _meta(output_chars: int) -> dict[str, Any]:

@@ -74,7 +74,7 @@ def _request_times(settings: Any, responses: list[Any], emit: Emit = ignore) -> 
         return [float(m) for m in re.findall(r"^request \d+: .* at ([0-9.]+)$", log.read_text(), re.M)]
 
 
-def step_times(settings: Any, n: int, steps: int, emit: Emit = ignore) -> dict[str, float]:
+def step_times(settings: Any, n: int, steps: int, emit: Emit = ignore) -> dict[str, Any]:
     """p50 and p90 of the time per step with `n` parallel `exec_command true`, after a warm-up step
     (`emit`: who watches the turn; nobody by default)."""
     return _per_step(_request_times(settings, script(n, steps), emit))
@@ -123,7 +123,7 @@ def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: i
             results[n] = step_times(settings, n, steps)
             if path:
                 results[n]["codex"] = codex_step_times(path, n, steps, sandboxed=sandbox != "none")
-            if unsandboxed is not None:
+            if unsandboxed is not None and path:
                 results[n]["unsandboxed"] = {"toolq": step_times(unsandboxed, n, steps),
                                              "codex": codex_step_times(path, n, steps, sandboxed=False)}
     print("\n".join(report(results, steps, path, sandbox)), file=out)

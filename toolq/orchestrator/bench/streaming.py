@@ -23,7 +23,7 @@ from toolq.orchestrator.view import JsonView
 GOAL_RATIO = 1.05
 
 
-class _Null(io.TextIOBase):
+class _Null(io.StringIO):
     def write(self, s: str) -> int:
         return len(s)
 

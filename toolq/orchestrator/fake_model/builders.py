@@ -10,6 +10,7 @@ is the same dicts (see `toolq.orchestrator.fake_model.server`).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ def message(text: str, *, id: str | None = None, phase: str | None = None) -> St
     return _with(item, id=id, phase=phase)
 
 
-def reasoning(summary: str | list[str] = (), *, encrypted_content: str | None = None, id: str | None = None) -> Step:
+def reasoning(summary: str | Sequence[str] = (), *, encrypted_content: str | None = None,
+              id: str | None = None) -> Step:
     parts = [summary] if isinstance(summary, str) else list(summary)
     item: Step = {"type": "reasoning", "summary": [{"type": "summary_text", "text": t} for t in parts]}
     return _with(item, id=id, encrypted_content=encrypted_content)

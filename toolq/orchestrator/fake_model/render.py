@@ -179,7 +179,7 @@ class _Renderer:
             item["summary"] = [{"type": "summary_text", "text": s} if isinstance(s, str) else s for s in summary or []]
         if kind == "function_call" and not isinstance(item.get("arguments", ""), str):
             item["arguments"] = json.dumps(item["arguments"])
-        item.setdefault("id", f"{_ID_PREFIX.get(kind, 'item')}_fake{self.number:04d}_{index}")
+        item.setdefault("id", f"{_ID_PREFIX.get(kind or '', 'item')}_fake{self.number:04d}_{index}")
         if kind in ("function_call", "custom_tool_call", "tool_search_call"):
             item.setdefault("call_id", f"call_fake{self.number:04d}_{index}")
         if kind != "reasoning":

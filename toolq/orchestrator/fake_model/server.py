@@ -133,7 +133,7 @@ class FakeModel:
         self.close()
 
     def _plan(self, body: dict[str, Any], headers: dict[str, str]) -> HttpError | list[Op]:
-        inputs = body.get("input") if isinstance(body.get("input"), list) else [body.get("input")]
+        inputs: list[Any] = body["input"] if isinstance(body.get("input"), list) else [body.get("input")]
         with self._lock:
             number = len(self.requests) + 1
             self.requests.append(body)

@@ -336,7 +336,8 @@ def nested_gits(workspace: str) -> list[tuple[str, Identity]]:
     """Git directories and `.git` files beneath `workspace` other than its top `.git`
     (`cell_init.GitScan`). Raises GateRefused past `cell_init.GITS_MOST` of them."""
     with _SCANS_LOCK:
-        scan, lock = _SCANS.pop(workspace, None) or (cell_init.GitScan(workspace), threading.Lock())
+        kept = _SCANS.pop(workspace, None)
+        scan, lock = kept if kept is not None else (cell_init.GitScan(workspace), threading.Lock())
         while len(_SCANS) >= _SCANS_KEPT:
             _SCANS.pop(next(iter(_SCANS)))
         _SCANS[workspace] = scan, lock  # the most recently used last

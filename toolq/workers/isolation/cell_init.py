@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import errno
 import gc
 import json
 import os
@@ -172,7 +173,7 @@ PRIVILEGE_BITS = 0o6000
 _O_CREAT, _O_TMPFILE = 0o100, 0o20000000
 _CLONE_NEWUSER = 0x10000000
 #: Per machine: syscall numbers (None: the architecture has no such call).
-_NR = {
+_NR: dict[str, dict[str, int | None]] = {
     "x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "io_uring_setup": 425, "io_uring_enter": 426,
                "io_uring_register": 427, "openat2": 437, "clone3": 435, "chmod": 90, "fchmod": 91,
                "fchmodat": 268, "fchmodat2": 452, "open": 2, "creat": 85, "openat": 257, "mkdir": 83,
@@ -319,6 +320,8 @@ def install_seccomp(program: bytes | None, listener: bool = False) -> int | None
         _check(_libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "seccomp")
         return None
     nr = _NR[os.uname().machine]["seccomp"]
+    if nr is None:  # every machine listed has it; seccomp_program returned None for the others
+        raise OSError(errno.ENOSYS, "seccomp(2) is not known on this machine")
     return _check(_libc.syscall(ctypes.c_long(nr), ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
                                 ctypes.c_long(_SECCOMP_FILTER_FLAG_NEW_LISTENER), ctypes.c_char_p(fprog)), "seccomp")
 
@@ -702,7 +705,8 @@ def serve(control: socket.socket, workspace: str | None = None) -> None:
     running: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, gate)
     control.sendall(b"ready")
     while True:
-        ready, _, _ = select.select([control, *running], [], [])
+        waitables: list[socket.socket | int] = [control, *running]
+        ready, _, _ = select.select(waitables, [], [])
         for pidfd in [fd for fd in ready if fd in running]:
             pid, gate = running.pop(pidfd)
             _, status = os.waitpid(pid, 0)

@@ -9,6 +9,7 @@ run, and says so; one the host never got (a connection it closed when it died) i
 from __future__ import annotations
 
 import errno
+import io
 import os
 import select
 import socket
@@ -42,7 +43,7 @@ class HostClient:
     def __init__(self, path: str) -> None:
         self.path = path
         self._sock: socket.socket | None = None
-        self._file = None
+        self._file: io.BufferedReader | None = None
         self._pid = 0
 
     def _connection(self, wait: float, is_cancelled: Callable[[], bool]) -> socket.socket:

@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -79,10 +80,10 @@ class McpServerConfig(BaseModel):
             return f"http: {self.url}"
         return "stdio: " + shlex.join([self.command, *self.args])
 
-    def environment(self, worker_env: dict[str, str] | None = None) -> dict[str, str]:
+    def environment(self, worker_env: Mapping[str, str] | None = None) -> dict[str, str]:
         """The whole environment the server starts with."""
-        worker_env = os.environ if worker_env is None else worker_env
-        out = {k: worker_env[k] for k in (*BASIC_ENV, *self.env_vars) if k in worker_env}
+        env = os.environ if worker_env is None else worker_env
+        out = {k: env[k] for k in (*BASIC_ENV, *self.env_vars) if k in env}
         out.update(self.env)
         return out
 

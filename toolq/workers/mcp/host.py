@@ -103,7 +103,9 @@ class Server:
             # The SDK does not say when a stdio server exits; its read stream ending does.
             closed = asyncio.Event()
             session = await stack.enter_async_context(
-                ClientSession(_Watched(read, closed), write, message_handler=self._on_message))
+                # _Watched has the read stream's interface; the SDK names its own class.
+                ClientSession(_Watched(read, closed), write,  # type: ignore[arg-type]
+                              message_handler=self._on_message))
             with anyio.fail_after(self.config.startup_timeout_sec):
                 await session.initialize()
                 await self._list_tools(session)

@@ -177,6 +177,7 @@ class Host:
             raise
         if slave is not None:
             os.close(slave)
+            assert master is not None  # a terminal's two ends are made together
             fd = master
         else:
             assert proc.stdout is not None
@@ -575,4 +576,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

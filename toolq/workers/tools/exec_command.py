@@ -96,7 +96,7 @@ def exec_command(args: ExecCommandArgs, ctx: ToolContext) -> ToolReturn:
         if reply.spawn_errno is not None:
             raise RespondToModel(spawn_failure_text(OSError(reply.spawn_errno, reply.spawn_strerror)))
         return sessions.to_return(reply, min(budget, MAX_OUTPUT_TOKENS_CAP))
-    limit = min(exec_command.tool_spec.timeout, ctx.remaining())  # type: ignore[attr-defined]
+    limit = min(exec_command.tool_spec.timeout, ctx.remaining())
     try:
         result = run_command(
             args.cmd,
