@@ -12,7 +12,7 @@ import time
 import pytest
 from pydantic import BaseModel
 
-from toolq.orchestrator import barrier
+from toolq.orchestrator import barrier, watchdog
 from toolq.orchestrator.barrier import Step, startable
 from toolq.orchestrator.binding import bind_item
 from toolq.orchestrator.calls import ToolInvocation, ToolResult, aborted_text
@@ -190,7 +190,7 @@ async def test_abort_with_the_broker_away_still_aborts_every_unfinished_call(tmp
 
 @sync
 async def test_a_call_past_its_deadline_is_stopped_and_says_so(tmp_path, monkeypatch):
-    monkeypatch.setattr(barrier, "TIME_LIMIT_MARGIN", 0.0)
+    monkeypatch.setattr(watchdog, "TIME_LIMIT_MARGIN", 0.0)
     h = Harness(tmp_path)
     h.add("call_slow", name="quick_timeout", seconds=30)
     (out,) = await asyncio.wait_for(h.step.wait(), 5)
@@ -201,7 +201,7 @@ async def test_a_call_past_its_deadline_is_stopped_and_says_so(tmp_path, monkeyp
 
 @sync
 async def test_a_call_whose_worker_stops_answering_is_lost(tmp_path, monkeypatch):
-    monkeypatch.setattr(barrier, "WATCHDOG_INTERVAL", 0.02)
+    monkeypatch.setattr(watchdog, "WATCHDOG_INTERVAL", 0.02)
     h = Harness(tmp_path)
     h.transport.alive[HOSTNAME] = False
     h.add("call_l", seconds=30)
@@ -218,7 +218,7 @@ async def test_a_redis_blip_during_a_call_is_no_evidence_the_call_failed(tmp_pat
     real result is its output (it used to read "toolq failed to run this call")."""
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    monkeypatch.setattr(barrier, "WATCHDOG_INTERVAL", 0.02)
+    monkeypatch.setattr(watchdog, "WATCHDOG_INTERVAL", 0.02)
     h = Harness(tmp_path)
     h.transport.probe_error = RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
     h.transport.reconnected_at = time.monotonic() - 10  # the "lost after a restart" check asks too
@@ -229,7 +229,7 @@ async def test_a_redis_blip_during_a_call_is_no_evidence_the_call_failed(tmp_pat
 
 @sync
 async def test_a_call_past_its_deadline_that_cannot_be_stopped_says_its_outcome_is_unknown(tmp_path, monkeypatch):
-    monkeypatch.setattr(barrier, "TIME_LIMIT_MARGIN", 0.0)
+    monkeypatch.setattr(watchdog, "TIME_LIMIT_MARGIN", 0.0)
     h = Harness(tmp_path)
     h.add("call_u", name="quick_timeout", seconds=30)
     h.transport.probe_error = ConnectionError("Redis is down")

@@ -14,9 +14,12 @@ import json
 import os
 import re
 import shlex
+import time
 from typing import Any
 
+from toolq.orchestrator.call_entry import CallEntry
 from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult
+from toolq.orchestrator.states import CallState, codex_status
 from toolq.orchestrator.truncate import TruncationPolicy, truncate_text
 from toolq.orchestrator.turn_events import (
     CommandExecutionView,
@@ -29,6 +32,8 @@ from toolq.orchestrator.turn_events import (
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.streaming import STREAM_BYTES
 
+#: The live view and `--json` show this much of a call's output.
+VIEW_OUTPUT_CHARS = 2000
 #: `aggregated_output` is cut (head and tail kept) to this much.
 AGGREGATED_POLICY = TruncationPolicy.bytes(STREAM_BYTES)
 _PATCH_HEADER = re.compile(r"^\*\*\* (Add|Delete|Update) File: (.+)$", re.MULTILINE)
@@ -59,6 +64,38 @@ def call_view(spec: ToolSpec | None, tool: str, inv: ToolInvocation | None, live
                                                            completed=s.get("status") == "completed")
                                                   for s in args["plan"] if isinstance(s, dict)], **fields)
     return ToolCallView(tool=tool, **fields)
+
+
+def entry_view(entry: CallEntry, step: int) -> ToolCallView:
+    """What watchers see of a call now, from its entry in the step (`call_view` plus toolq's fields)."""
+    r = entry.result
+    view = call_view(entry.spec, entry.tool, entry.inv, entry.live_output, r,
+                     session_command=entry.watch.session_command if entry.watch else None, id=entry.call_id,
+                     status=codex_status(entry.state), state=entry.state, step=step, worker=entry.worker)
+    if entry.queued_at is not None and entry.started_at is not None:
+        view.queue_wait = round(max(entry.started_at - entry.queued_at, 0.0), 4)
+    if r is None:
+        if entry.state is CallState.THROTTLED:
+            view.reason = f"waiting for {entry.throttled_by}"
+        if entry.live_output and view.type == "tool_call":  # a streaming tool's output so far
+            view.output = entry.live_output[:VIEW_OUTPUT_CHARS]
+        return view
+    text = r.output_text()
+    view.success, view.exit_code, view.output = r.success, r.exit_code, text[:VIEW_OUTPUT_CHARS]
+    view.worker = r.worker or entry.worker
+    view.run_time = None if r.duration is None else round(r.duration, 4)
+    view.round_trip = round((entry.finished_at or time.time()) - entry.added_at, 4)
+    if entry.state.failed:
+        view.reason = failure_reason(r)
+    return view
+
+
+def failure_reason(result: ToolResult) -> str:
+    """Why a call failed, in one line: its exit code, or the first line of its output."""
+    if result.exit_code not in (None, 0):
+        return f"exit code {result.exit_code}"
+    lines = result.output_text().strip().splitlines()
+    return lines[0][:200] if lines else str(result.status)
 
 
 def _aggregated(live_output: str, result: ToolResult | None) -> str:

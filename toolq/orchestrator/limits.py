@@ -46,6 +46,33 @@ class Admission:
     """Give back what was taken (idempotent; the worker releases the permit too)."""
 
 
+class TurnSlots:
+    """The turn's cap on calls in flight (TOOLQ_MAX_PARALLEL_CALLS; a turn's steps run one after
+    another, so one step's cap is the turn's), taken in call order."""
+
+    def __init__(self, cap: int | None) -> None:
+        self.cap = cap
+        self._slots = asyncio.Semaphore(cap) if cap else None
+
+    async def take(self, deadline: float, on_wait: OnWait) -> bool:
+        """One slot; False: the deadline passed while waiting (`on_wait` heard why it waits)."""
+        if self._slots is None:
+            return True
+        if not self._slots.locked():
+            await self._slots.acquire()  # taken at once, with no suspension: the next call sees it taken
+            return True
+        on_wait(f"the turn's cap of {self.cap} calls in flight (TOOLQ_MAX_PARALLEL_CALLS)")
+        try:
+            await asyncio.wait_for(self._slots.acquire(), timeout=max(deadline - time.time(), 0.0))
+        except TimeoutError:
+            return False
+        return True
+
+    def give_back(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+
+
 class Limits:
     """No fleet-wide limits: only the per-turn cap (the in-memory transport, `toolq.testing`)."""
 
