@@ -34,7 +34,7 @@ from toolq.workers import isolation
 from toolq.workers.loader import load_catalog
 
 CODEX_MS = {1: 59, 8: 111, 32: 322}
-#: 32: issue 14's fan-out goal (DESIGN.md's was 0.5x).
+#: 32: issue 14's fan-out goal (the original design asked 0.5x).
 GOAL = {1: 1.0, 8: 0.5, 32: 0.35}
 
 
