@@ -28,9 +28,9 @@ from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
+from toolq.orchestrator.mcp_tools import FleetMcpTools, mcp_namespaces
 from toolq.workers.catalog import Catalog
 from toolq.workers.loader import load_catalog
-from toolq.workers.mcp.fleet import FleetMcpTools, mcp_namespaces
 
 pytestmark = pytest.mark.integration
 

@@ -55,7 +55,7 @@ def test_the_toolq_run_path_loads_no_celery_until_a_call_is_sent():
     first model request needs none, and a turn without tool calls never loads it."""
     after = _imported_after("import toolq.orchestrator.cli, toolq.orchestrator.runner, toolq.orchestrator.embedded\n"
                             "import toolq.orchestrator.turn, toolq.orchestrator.fleet, toolq.orchestrator.dispatch\n"
-                            "import toolq.workers.mcp.fleet, toolq.workers.config")
+                            "import toolq.orchestrator.mcp_tools, toolq.workers.mcp.fleet, toolq.workers.config")
     loaded = [m for m in after["modules"] if m.split(".")[0] in ("celery", "kombu", "billiard", "amqp")]
     assert loaded == [], loaded
 
@@ -64,7 +64,7 @@ def test_the_toolq_run_path_loads_no_jsonschema_nor_the_mcp_worker_side():
     """The orchestrator follows the fleet's MCP tools from its catalog: the MCP host's client,
     its config and jsonschema (45 ms of a one-request `toolq run`) are the worker's alone."""
     after = _imported_after("import toolq.orchestrator.cli as cli\ncli.import_quietly('toolq.orchestrator.runner')\n"
-                            "import toolq.orchestrator.fleet, toolq.workers.mcp.fleet\n"
+                            "import toolq.orchestrator.fleet, toolq.orchestrator.mcp_tools, toolq.workers.mcp.fleet\n"
                             "from toolq.workers.loader import load_catalog\nload_catalog([])")
     loaded = [m for m in after["modules"] if m.split(".")[0] in ("jsonschema", "referencing", "mcp")
               or m.startswith(("toolq.workers.mcp.worker", "toolq.workers.mcp.client", "toolq.workers.mcp.config"))]

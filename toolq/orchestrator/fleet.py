@@ -77,8 +77,8 @@ class Fleet:
         self.turn_id = new_turn_id()
         """The turn `run_calls` uses when given none: `toolq cancel` it, `toolq status` it."""
         self._started_turns: set[str] = set()
-        # --- MCP hook (toolq/workers/mcp/fleet.py): the MCP servers' namespaces follow the fleet catalog
-        from toolq.workers.mcp.fleet import FleetMcpTools
+        # --- MCP hook (mcp_tools.py): the MCP servers' namespaces follow the fleet catalog
+        from toolq.orchestrator.mcp_tools import FleetMcpTools
 
         self.mcp_tools = FleetMcpTools(self.registry, dispatcher.fleet)
 
