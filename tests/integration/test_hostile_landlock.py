@@ -73,6 +73,12 @@ def _attacks(v: dict[str, Path]) -> dict[str, str]:
         "call_fchmod": f"{PY} \"import os; fd = os.open('{v['by_fd']}', os.O_RDONLY); os.fchmod(fd, 0o666)\"",
         "call_link": f"ln -s {v['by_link']} lnk && chmod 0666 lnk; chmod -h 0666 lnk; ls -l lnk",
         "call_proc": f"exec 3<{v['by_proc']}; chmod 0666 /proc/self/fd/3; chmod 0666 /proc/$$/fd/3",
+        # Through the command's own descriptor of (and cwd in) the victims' folder, which the worker
+        # now resolves as the command's: what it finds must still be inside the workspace.
+        "call_proc_dir": (f"exec 4<{v['by_proc'].parent}; chmod 0666 /proc/self/fd/4/by_proc; "
+                          f"chmod 0666 /proc/self/fd/4/../{v['by_proc'].parent.name}/by_proc; "
+                          f"touch /proc/self/fd/4/times; cd {v['by_proc'].parent} && chmod 0666 /proc/self/cwd/by_proc; "
+                          "chmod 0666 /proc/thread-self/cwd/plain; echo PROC-DIR-DONE"),
         "call_dirfd": (f"{PY} \"import os; d = os.open('{v['plain'].parent}', os.O_RDONLY | os.O_DIRECTORY); "
                        f"os.chmod('{v['plain'].name}', 0o666, dir_fd=d)\""),
         "call_touch": f"touch -d @5 {v['times']}; touch {v['times']}",
@@ -230,6 +236,8 @@ def test_a_landlock_command_changes_no_metadata_outside_its_workspace(drive, lan
         log.recv(100)  # nothing arrived
     log.close()
     assert "Operation not permitted" in out["call_linked"][1], out["call_linked"]
+    proc_dir = out["call_proc_dir"][1]
+    assert "PROC-DIR-DONE" in proc_dir and proc_dir.count("Operation not permitted") >= 4, proc_dir
 
 
 def test_a_landlock_command_cannot_reach_the_session_host(drive, landlock_worker, tmp_path):
