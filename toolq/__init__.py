@@ -31,13 +31,13 @@ _EXPORTS = {
     "tool": "toolq.workers.catalog",
     "ToolContext": "toolq.workers.catalog",
     "ToolReturn": "toolq.workers.catalog",
-    "RespondToModel": "toolq.orchestrator.errors",
+    "RespondToModel": "toolq.core.errors",
     "Settings": "toolq.orchestrator.settings",
     "Fleet": "toolq.orchestrator.fleet",
     "Session": "toolq.orchestrator.turn",
     "Runtime": "toolq.orchestrator.turn",
     "TurnOutcome": "toolq.orchestrator.turn",
-    "CallState": "toolq.orchestrator.states",
+    "CallState": "toolq.core.states",
     "TurnEvent": "toolq.orchestrator.turn_events",
     "ToolCallView": "toolq.orchestrator.turn_events",
 }
@@ -46,10 +46,10 @@ __all__ = ["CallState", "Fleet", "RespondToModel", "Runtime", "Session", "Settin
            "ToolReturn", "TurnEvent", "TurnOutcome", "tool"]
 
 if TYPE_CHECKING:
-    from toolq.orchestrator.errors import RespondToModel
+    from toolq.core.errors import RespondToModel
+    from toolq.core.states import CallState
     from toolq.orchestrator.fleet import Fleet
     from toolq.orchestrator.settings import Settings
-    from toolq.orchestrator.states import CallState
     from toolq.orchestrator.turn import Runtime, Session, TurnOutcome
     from toolq.orchestrator.turn_events import ToolCallView, TurnEvent
     from toolq.workers.catalog import ToolContext, ToolReturn, tool

@@ -269,7 +269,7 @@ def test_a_call_cancel_is_acted_on_only_with_its_durable_record_and_junk_keeps_t
     was not UTF-8 knocked the runtime's cancel subscription offline."""
     import redis as sync_redis
 
-    from toolq.orchestrator import keys
+    from toolq.core import keys
 
     heard: list[str] = []
 

@@ -22,7 +22,8 @@ import redis
 
 from tests.integration.conftest import ROOT
 from tests.integration.test_cancel import pids_matching
-from toolq.orchestrator import keys, runtime_dir
+from toolq.core import keys
+from toolq.orchestrator import runtime_dir
 from toolq.orchestrator.cancel import UnknownTarget, cancel
 from toolq.orchestrator.embedded import RedisServer
 from toolq.orchestrator.fake_model import builders as b

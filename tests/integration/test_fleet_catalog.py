@@ -24,7 +24,8 @@ from tests.integration.test_faults import wait_for_pid
 from tests.integration.test_flower import eventually
 from tests.integration.test_hostile_fleet import push
 from tests.integration.upgrade_tools import VERSION_ENV, declare
-from toolq.orchestrator import keys
+from toolq.core import keys
+from toolq.core.signing import Signer
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from toolq.orchestrator.catalog_reader import UNSERVED_GRACE, FleetCatalog
 from toolq.orchestrator.embedded import RedisServer, WorkerProcess
@@ -40,7 +41,6 @@ from toolq.workers.app import TASK
 from toolq.workers.catalog import Catalog
 from toolq.workers.loader import load_catalog
 from toolq.workers.presence import TTL
-from toolq.workers.signing import Signer
 
 pytestmark = pytest.mark.integration
 

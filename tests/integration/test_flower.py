@@ -19,12 +19,12 @@ from typing import Any
 import httpx
 import pytest
 
+from toolq.core.contracts import TASK, TASK_IDEMPOTENT
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.flower import FlowerProcess
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.status import status_cmd
-from toolq.workers.contracts import TASK, TASK_IDEMPOTENT
 
 pytestmark = pytest.mark.integration
 

@@ -24,14 +24,14 @@ from celery import Celery
 
 from tests.integration import conftest as c
 from tests.integration.test_flower import AUTH, eventually, flower  # noqa: F401 - the real Flower fixture
-from toolq.orchestrator import keys
+from toolq.core import keys
+from toolq.core.signing import Signer
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName, task_id_for
 from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.workers.app import TASK
 from toolq.workers.loader import load_catalog
-from toolq.workers.signing import Signer
 
 pytestmark = pytest.mark.integration
 

@@ -184,7 +184,7 @@ def test_cancelling_one_throttled_call_of_run_calls_answers_it_at_once(fleet, re
 
 def test_run_calls_refuses_a_system_folder_as_its_workspace(redis_server):
     """A red-team helper's `Fleet.connect(workspace="/etc")`: its commands wrote in /etc."""
-    from toolq.orchestrator.errors import ConfigurationError
+    from toolq.core.errors import ConfigurationError
 
     async def go():
         f = await Fleet.open(Settings(redis_url=redis_server.url, workspace="/etc", tools=[TEST_TOOLS],

@@ -23,7 +23,7 @@ import redis
 
 from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS, WORKER_ENV, run_session, settings_for
 from tests.integration.test_faults import wait_for_pid
-from toolq.orchestrator import keys
+from toolq.core import keys
 from toolq.orchestrator.bench.limits import max_running
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel

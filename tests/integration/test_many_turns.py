@@ -71,8 +71,8 @@ def test_128_turns_at_once_on_a_fresh_runtime_answer_every_call(fleet, redis_ser
 
 def test_turns_starting_at_once_on_a_fresh_router_share_its_one_subscription(redis_server):
     """Without the lock each `watch_turn` opened its own connection and all but one went unread."""
+    from toolq.core.signing import Signer
     from toolq.orchestrator.results import ResultRouter
-    from toolq.workers.signing import Signer
 
     async def main():
         router = ResultRouter(redis_server.url, Signer(c.SIGNING_KEY))

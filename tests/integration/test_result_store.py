@@ -9,9 +9,9 @@ import pytest
 import redis
 
 from tests.integration import conftest as c
-from toolq.orchestrator import keys
+from toolq.core import keys
+from toolq.core.signing import Signer
 from toolq.workers.config import make_app
-from toolq.workers.signing import Signer
 
 pytestmark = pytest.mark.integration
 

@@ -129,7 +129,7 @@ def test_an_orchestrator_whose_lease_another_took_stops_driving_the_turn(fleet, 
     the new driver (not revoked: it finishes on its worker)."""
     import asyncio
 
-    from toolq.orchestrator import keys
+    from toolq.core import keys
 
     async def during(session, runtime):
         end = time.monotonic() + 20

@@ -11,7 +11,7 @@ import redis
 import examples.search_tools  # noqa: F401  (the orchestrator side loads the same declarations)
 import tests.integration.mismatch_tools as mismatch_tools
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
-from toolq.orchestrator import keys
+from toolq.core import keys
 from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.fake_model import builders as b
 

@@ -12,6 +12,7 @@ import time
 import pytest
 from pydantic import BaseModel
 
+from toolq.core.states import CallState
 from toolq.orchestrator import barrier, watchdog
 from toolq.orchestrator.barrier import Step, startable
 from toolq.orchestrator.binding import bind_item
@@ -19,7 +20,6 @@ from toolq.orchestrator.calls import ToolInvocation, ToolResult, aborted_text
 from toolq.orchestrator.memory import HOSTNAME, MemoryRecords, MemoryTransport, catalog_runner
 from toolq.orchestrator.protocol.items import FunctionCallItem
 from toolq.orchestrator.registry import Registry, StepContext
-from toolq.orchestrator.states import CallState
 from toolq.orchestrator.transport import TaskOutcome
 from toolq.orchestrator.turn_events import ItemCompleted, ToolCallView
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, tool

@@ -89,7 +89,7 @@ def test_a_user_tool_declares_streaming_and_what_flower_shows():
 
 
 def test_a_declaration_asks_for_a_known_capability():
-    from toolq.orchestrator.errors import ConfigurationError
+    from toolq.core.errors import ConfigurationError
 
     with pytest.raises(ConfigurationError, match="flower_args"):
         tool(catalog=Catalog(), parameters={"type": "object"}, flower_args={"x": "all"})(lambda args: "")
@@ -108,7 +108,7 @@ RELEASED_DIGESTS = {
 
 
 def test_the_built_ins_digests_and_the_task_names_are_the_released_ones():
-    from toolq.workers.contracts import TASK, TASK_IDEMPOTENT
+    from toolq.core.contracts import TASK, TASK_IDEMPOTENT
 
     digests = {name: spec.digest() for name, spec in _builtins().items()}
     assert digests == RELEASED_DIGESTS

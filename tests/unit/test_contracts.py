@@ -1,6 +1,6 @@
-"""What both sides share (`toolq.workers.contracts`): a failed call's exception, as Flower shows it."""
+"""What both sides share (`toolq.core.contracts`): a failed call's exception, as Flower shows it."""
 
-from toolq.workers.contracts import TASK, TASK_IDEMPOTENT, ToolCallFailed, task_name
+from toolq.core.contracts import TASK, TASK_IDEMPOTENT, ToolCallFailed, task_name
 
 
 def test_a_failed_calls_exception_names_its_state_and_exit_code_but_never_its_output():

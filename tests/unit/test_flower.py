@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator import cli
-from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.flower import flower_launch, is_loopback
 from toolq.orchestrator.settings import Settings
 

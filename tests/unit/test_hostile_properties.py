@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
+from toolq.core.errors import Fatal, RespondToModel
 from toolq.orchestrator.calls import ToolResult, output_item
-from toolq.orchestrator.errors import Fatal, RespondToModel
 from toolq.orchestrator.history import History, pairing_problems
 from toolq.orchestrator.protocol.events import EventDecoder, iter_sse_data
 from toolq.orchestrator.protocol.items import is_call

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from toolq.orchestrator.errors import ConfigurationError
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
 from toolq.workers import isolation
 from toolq.workers.isolation import bwrap, choose, landlock, limits, spawner
@@ -518,7 +518,7 @@ def test_exec_command_refuses_with_the_reason_when_no_sandbox_works(tmp_path, mo
     import json
 
     from tests.unit.tools import call
-    from toolq.orchestrator.errors import RespondToModel
+    from toolq.core.errors import RespondToModel
     from toolq.workers import isolation
     from toolq.workers.tools.exec_command import exec_command
 

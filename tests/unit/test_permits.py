@@ -1,4 +1,4 @@
-"""The semaphore and the rate limiter on a real redis-server (toolq/orchestrator/permits.py, limits.py,
+"""The semaphore and the rate limiter on a real redis-server (toolq/core/permits.py, limits.py,
 toolq/workers/permit.py): leases that lapse, renewals, releases of one's own only, waits that are
 woken rather than spun, and a worker confirming the permit its orchestrator took."""
 
@@ -12,12 +12,12 @@ import redis
 import redis.asyncio as aioredis
 
 from tests.unit.test_barrier import sync
-from toolq.orchestrator import keys
+from toolq.core import keys
+from toolq.core.permits import ACQUIRE, RATE, RELEASE, RENEW, Permit
+from toolq.core.tool_limits import ToolLimit
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.embedded import RedisServer
 from toolq.orchestrator.limits import FleetLimits
-from toolq.orchestrator.permits import ACQUIRE, RATE, RELEASE, RENEW, Permit
-from toolq.orchestrator.tool_limits import ToolLimit
 from toolq.workers import permit as worker_permit
 from toolq.workers.catalog import ToolSpec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from toolq.orchestrator.errors import ConfigurationError
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator.protocol.reasoning import is_reasoning_model, reasoning_for
 from toolq.orchestrator.settings import Settings
 

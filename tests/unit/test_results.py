@@ -1,9 +1,9 @@
 """Celery's result format in, typed outcomes out (`results.outcome_from_meta`): the barrier never
 reads a meta."""
 
+from toolq.core.states import CallState
 from toolq.orchestrator.calls import ToolResult
 from toolq.orchestrator.results import outcome_from_meta
-from toolq.orchestrator.states import CallState
 
 FAILED = ToolResult(call_id="call_1", output="Process exited with code 3", status=CallState.FAILED, success=False,
                     exit_code=3).model_dump(mode="json")
@@ -17,7 +17,7 @@ def test_a_success_carries_the_workers_result():
 
 def test_a_tool_call_failed_failure_carries_the_result_unchanged():
     meta = {"status": "FAILURE", "result": {"exc_type": "ToolCallFailed", "exc_message": [FAILED],
-                                            "exc_module": "toolq.workers.contracts"}}
+                                            "exc_module": "toolq.core.contracts"}}
     outcome = outcome_from_meta(meta)
     assert outcome.state is CallState.FAILED
     assert outcome.result.model_dump(mode="json") == FAILED  # what the model reads is the worker's output

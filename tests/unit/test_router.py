@@ -2,8 +2,8 @@
 
 import pytest
 
+from toolq.core.errors import RespondToModel
 from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolName, ToolSearchPayload
-from toolq.orchestrator.errors import RespondToModel
 from toolq.orchestrator.protocol.items import decode_item
 from toolq.orchestrator.router import build_tool_call
 

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator import runtime_dir
-from toolq.orchestrator.errors import ConfigurationError
 
 NOBODY = 65534
 

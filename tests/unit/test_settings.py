@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator import cli
-from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import ENV, Settings, mask_url_password
 
 

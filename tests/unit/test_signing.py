@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from toolq.orchestrator.errors import ConfigurationError
+from toolq.core import signing
+from toolq.core.errors import ConfigurationError
+from toolq.core.signing import META_FIELD, Signer, genuine_stored, refuse_invocation, required_signer, seal_stored
 from toolq.orchestrator.settings import Settings
-from toolq.workers import signing
-from toolq.workers.signing import META_FIELD, Signer, genuine_stored, refuse_invocation, required_signer, seal_stored
 from toolq.workers.summary import Summarised
 
 KEY = secrets.token_hex(32)

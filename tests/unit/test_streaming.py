@@ -4,10 +4,10 @@ import asyncio
 import json
 import time
 
+from toolq.core.signing import Signer
 from toolq.orchestrator.call_items import call_view, patch_changes, result_output
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.transport import CallWatch
-from toolq.workers.signing import Signer
 from toolq.workers.streaming import OutputStream
 
 SIGNER = Signer("k" * 32)

@@ -15,7 +15,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.unit.test_permits import r, server  # noqa: F401 - a real redis-server, flushed per test
-from toolq.orchestrator import keys
+from toolq.core import keys
+from toolq.core.contracts import TIME_LIMIT_MARGIN, task_name
+from toolq.core.signing import Signer
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.dispatch import Dispatcher, flower_args
 from toolq.orchestrator.embedded import RedisServer
@@ -24,8 +26,6 @@ from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.task_message import anon_nodename
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.config import make_app
-from toolq.workers.contracts import TIME_LIMIT_MARGIN, task_name
-from toolq.workers.signing import Signer
 
 KEY = "k" * 32
 

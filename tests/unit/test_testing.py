@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from toolq import RespondToModel, ToolContext, ToolReturn, tool
-from toolq.orchestrator.states import CallState
+from toolq.core.states import CallState
 from toolq.testing import run_call
 from toolq.workers.catalog import Catalog
 

@@ -1,6 +1,6 @@
 """Head + tail truncation (contract 12, codex-contracts.md §8)."""
 
-from toolq.orchestrator.truncate import TruncationPolicy, formatted_truncate_text, truncate_text
+from toolq.core.truncate import TruncationPolicy, formatted_truncate_text, truncate_text
 
 
 def test_text_within_budget_is_unchanged():
@@ -44,7 +44,7 @@ def test_formatted_truncation_reports_total_lines_only_when_cut():
 
 
 def test_bound_text_is_idempotent_so_worker_and_orchestrator_can_both_cut():
-    from toolq.orchestrator.truncate import HISTORY_POLICY, MARKER_SLACK, bound_output, bound_text
+    from toolq.core.truncate import HISTORY_POLICY, MARKER_SLACK, bound_output, bound_text
 
     big = "é" + "x" * (5 * HISTORY_POLICY.byte_budget) + "end"
     once = bound_text(big)

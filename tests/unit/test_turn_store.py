@@ -20,6 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.unit.test_permits import r, server  # noqa: F401 - a real redis-server, flushed per test
+from toolq.core.signing import Signer
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.durable import MIB, Committed, StoreBudget, TurnStore, item_cost, store_error, wire_cost
@@ -28,7 +29,6 @@ from toolq.orchestrator.protocol.events import EventDecoder, OutputItemDone
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.task_message import queue_key
 from toolq.workers.catalog import ToolSpec
-from toolq.workers.signing import Signer
 
 KEY = "k" * 32
 N = 60_000

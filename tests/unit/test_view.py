@@ -5,7 +5,7 @@ import io
 import json
 import time
 
-from toolq.orchestrator.states import CallState, codex_status
+from toolq.core.states import CallState, codex_status
 from toolq.orchestrator.turn_events import (
     AgentMessageView,
     CommandExecutionView,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.hostile import Flipper, race_tree
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers import workspace
 from toolq.workers.workspace import Workspace, resolve_in_workspace
 

@@ -27,10 +27,10 @@ from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator import trusted_files
 from toolq.orchestrator.batch_progress import Progress, ended_call
 from toolq.orchestrator.catalog_reader import WorkersStarting
-from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.redis_faults import REDIS_FAULTS, RedisUnreachable
 from toolq.orchestrator.runner import CANCEL_SIGNALS, default_instructions, with_redis
 from toolq.orchestrator.settings import Settings, absolute_workspace, workspace_problem

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from toolq.core.errors import Fatal, RespondToModel
+from toolq.core.states import CallState
 from toolq.orchestrator.calls import PayloadKind, ToolInvocation, ToolResult, ToolSearchPayload
-from toolq.orchestrator.errors import Fatal, RespondToModel
 from toolq.orchestrator.protocol.items import (
     CustomToolCallItem,
     FunctionCallItem,
@@ -23,7 +24,6 @@ from toolq.orchestrator.protocol.items import (
 )
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.router import build_tool_call
-from toolq.orchestrator.states import CallState
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.search import search_catalog
 

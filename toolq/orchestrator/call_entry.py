@@ -12,12 +12,12 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from toolq.core.states import CallState
+from toolq.core.truncate import bound_output
 from toolq.orchestrator.binding import BoundCall
 from toolq.orchestrator.calls import ToolInvocation, ToolResult, aborted_text, output_item
 from toolq.orchestrator.protocol.items import OutputItem
-from toolq.orchestrator.states import CallState
 from toolq.orchestrator.transport import CallWatch
-from toolq.orchestrator.truncate import bound_output
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.streaming import STREAM_BYTES
 

@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from toolq.orchestrator.permits import Permit
+from toolq.core.permits import Permit
+from toolq.core.states import CallState
 from toolq.orchestrator.protocol import untrusted
 from toolq.orchestrator.protocol.items import (
     ContentPart,
@@ -23,7 +24,6 @@ from toolq.orchestrator.protocol.items import (
     ToolOutputBody,
     ToolSearchOutputItem,
 )
-from toolq.orchestrator.states import CallState
 
 PayloadKind = Literal["function", "custom", "tool_search"]
 
@@ -100,7 +100,7 @@ class ToolInvocation(BaseModel):
     """Someone watches the turn: publish a running command's output (toolq/workers/streaming.py)."""
     permit: Permit | None = None
     """The tool's max_concurrency permit the orchestrator took for this call: the worker renews it
-    while the call runs and releases it at the end (toolq/orchestrator/permits.py)."""
+    while the call runs and releases it at the end (toolq/core/permits.py)."""
 
     @property
     def task_id(self) -> str:
@@ -122,7 +122,7 @@ class ToolResult(BaseModel):
     call_id: str
     output: ToolOutputBody
     status: CallState = CallState.COMPLETED
-    """A terminal state (`toolq.orchestrator.states`)."""
+    """A terminal state (`toolq.core.states`)."""
     success: bool | None = None
     """Internal, like Codex's: never put on the wire."""
     exit_code: int | None = None

@@ -14,11 +14,11 @@ from __future__ import annotations
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from toolq.core.states import TERMINAL
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.runtime_dir import ledgers
 from toolq.orchestrator.settings import Settings
-from toolq.orchestrator.states import TERMINAL
 
 
 @dataclass

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 
-from toolq.orchestrator import keys
+from toolq.core import keys
 
 log = logging.getLogger("toolq.cancels")
 

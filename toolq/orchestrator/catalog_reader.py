@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from toolq.orchestrator import keys
+from toolq.core import keys
 from toolq.workers.advert import ToolAdvert, WorkerAdvert
 from toolq.workers.catalog import DEFAULT_QUEUE, ToolSpec
 

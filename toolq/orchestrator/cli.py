@@ -81,8 +81,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         return 2
     if args.logfile:
         worker_log(args.logfile, settings.workspace)
+    from toolq.core.signing import required_signer
     from toolq.workers import hardening
-    from toolq.workers.signing import required_signer
 
     required_signer(settings.signing_key, "a worker")
     hardening.harden()  # before any tool runs: its pool children, forked from here, keep it
@@ -97,7 +97,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
     mcp_queues = start_with_worker(settings, catalog(), args.logfile)  # MCP servers start before the pool forks
     configure(settings)
-    from toolq.orchestrator.errors import ConfigurationError
+    from toolq.core.errors import ConfigurationError
     from toolq.workers.isolation import worker_started
 
     queues = list(dict.fromkeys([*(settings.queues or catalog().queues()), *mcp_queues]))
@@ -403,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from toolq.orchestrator.errors import ConfigurationError
+    from toolq.core.errors import ConfigurationError
 
     if argv is None:  # the command line's process: nothing is imported from where it was started
         import_path.isolate()

@@ -22,12 +22,15 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
-from toolq.orchestrator import keys, session_route
+from toolq.core import keys
+from toolq.core.contracts import TIME_LIMIT_MARGIN, task_name
+from toolq.core.signing import Signer
+from toolq.core.states import CallState
+from toolq.orchestrator import session_route
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation
 from toolq.orchestrator.catalog_reader import FleetCatalog
 from toolq.orchestrator.ledger import CONNECT_TIMEOUT, SOCKET_TIMEOUT, Ledger, Sent
 from toolq.orchestrator.settings import Settings
-from toolq.orchestrator.states import CallState
 from toolq.orchestrator.task_message import (
     UNACKED_KEY,
     TaskMessage,
@@ -39,9 +42,7 @@ from toolq.orchestrator.task_message import (
 from toolq.orchestrator.transport import DispatchError
 from toolq.workers.advert import tool_queue
 from toolq.workers.catalog import ToolSpec
-from toolq.workers.contracts import TIME_LIMIT_MARGIN, task_name
 from toolq.workers.sessions.registry import SessionRecord, instance_queue
-from toolq.workers.signing import Signer
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -103,7 +104,7 @@ class Dispatcher:
         self._app: Celery | None = None
         self.ledger = ledger
         self.signer = signer
-        """Signs each invocation (toolq/workers/signing.py); None: this dispatcher only revokes."""
+        """Signs each invocation (toolq/core/signing.py); None: this dispatcher only revokes."""
         self.fleet = FleetCatalog(ledger.r)  # fleet catalog hook: who serves which declaration
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="toolq-dispatch")
         self._control = asyncio.Semaphore(CONTROL_CONCURRENCY)  # waiting here holds no pool thread

@@ -19,7 +19,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
-from toolq.orchestrator import keys
+from toolq.core import keys
 from toolq.orchestrator.calls import ToolName
 
 log = logging.getLogger("toolq.durable")

@@ -29,9 +29,10 @@ from typing import Any
 
 import redis
 
-from toolq.orchestrator import import_path, keys, runtime_dir
+from toolq.core import keys
+from toolq.core.errors import ConfigurationError
+from toolq.orchestrator import import_path, runtime_dir
 from toolq.orchestrator.catalog_reader import WorkersStarting
-from toolq.orchestrator.errors import ConfigurationError
 
 
 def free_port() -> int:

@@ -19,12 +19,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from toolq.core.errors import ConfigurationError, Fatal
+from toolq.core.signing import required_signer
 from toolq.orchestrator.barrier import Step, flush_background
 from toolq.orchestrator.binding import BoundCall, bind_item
 from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.celery_transport import CeleryTransport
 from toolq.orchestrator.dispatch import Dispatcher
-from toolq.orchestrator.errors import ConfigurationError, Fatal
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.limits import FleetLimits
 from toolq.orchestrator.protocol.items import OutputItem, ResponseItem, ToolSearchOutputItem, decode_item
@@ -36,7 +37,6 @@ from toolq.orchestrator.turn_scope import TurnScope
 from toolq.workers.catalog import Catalog
 from toolq.workers.config import longest_timeout
 from toolq.workers.loader import load_catalog
-from toolq.workers.signing import required_signer
 
 log = logging.getLogger("toolq.fleet")
 

@@ -26,9 +26,9 @@ from typing import TextIO
 import httpx
 import redis
 
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator import import_path
 from toolq.orchestrator.embedded import ChildProcess, free_port, wait_for
-from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings, mask_url_password
 
 #: Flower reads every `FLOWER_<option>` variable itself; these two we set (or clear) on purpose.

@@ -15,11 +15,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from toolq.orchestrator import keys
+from toolq.core import keys
+from toolq.core.states import CallState
 from toolq.orchestrator.calls import ToolInvocation
 from toolq.orchestrator.cancel_listener import CancelListener
 from toolq.orchestrator.redis_pool import DEFAULT_CONNECTIONS, blocking_client
-from toolq.orchestrator.states import CallState
 
 
 # KEYS: call record, turn's task list, turn's call_id index[, queue]. ARGV: ttl, task id, call id[, message],

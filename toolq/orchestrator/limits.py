@@ -23,10 +23,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from toolq.orchestrator import keys
+from toolq.core import keys
+from toolq.core.permits import ACQUIRE, RATE, RELEASE, RENEW, Permit
+from toolq.core.tool_limits import UNLIMITED, Rate, ToolLimit
 from toolq.orchestrator.calls import ToolInvocation
-from toolq.orchestrator.permits import ACQUIRE, RATE, RELEASE, RENEW, Permit
-from toolq.orchestrator.tool_limits import UNLIMITED, Rate, ToolLimit
 from toolq.workers.catalog import ToolSpec
 
 log = logging.getLogger("toolq.limits")
@@ -90,7 +90,7 @@ class Limits:
 
 
 class FleetLimits(Limits):
-    """max_concurrency and rate limits across the fleet, in Redis (toolq/orchestrator/permits.py)."""
+    """max_concurrency and rate limits across the fleet, in Redis (toolq/core/permits.py)."""
 
     def __init__(self, r: aioredis.Redis, *, max_parallel_calls: int | None, overrides: dict[str, ToolLimit],
                  lease: float) -> None:

@@ -9,8 +9,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator.dispatch import BROKER_ERRORS
-from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.settings import mask_url_password
 
 #: What a Redis that is down, restarting or refusing us raises (redis-py, kombu, the socket).

@@ -21,13 +21,13 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from toolq.orchestrator import keys
+from toolq.core import keys
+from toolq.core.contracts import ToolCallFailed
+from toolq.core.signing import Signer
+from toolq.core.states import FAILURE, REVOKED, STARTED, SUCCESS, CallState
 from toolq.orchestrator.calls import ToolResult
 from toolq.orchestrator.redis_pool import blocking_client
-from toolq.orchestrator.states import FAILURE, REVOKED, STARTED, SUCCESS, CallState
 from toolq.orchestrator.transport import TaskOutcome, Watches
-from toolq.workers.contracts import ToolCallFailed
-from toolq.workers.signing import Signer
 
 log = logging.getLogger("toolq.results")
 
@@ -68,7 +68,7 @@ class ResultRouter(Watches):
 
     def __init__(self, url: str, signer: Signer, *, stream_output: bool = True) -> None:
         self.signer = signer
-        """Checks every meta before it counts (toolq/workers/signing.py)."""
+        """Checks every meta before it counts (toolq/core/signing.py)."""
         self.stream_output = stream_output
         """Also hear the calls' streamed output (toolq/workers/streaming.py), on the same connection."""
         # The subscription holds one connection; catch-up reads take the others.

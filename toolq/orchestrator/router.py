@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from toolq.core.errors import RespondToModel
 from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolCall, ToolName, ToolSearchPayload
-from toolq.orchestrator.errors import RespondToModel
 from toolq.orchestrator.protocol.items import (
     CustomToolCallItem,
     FunctionCallItem,

@@ -17,10 +17,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator import trusted_files
 from toolq.orchestrator.catalog_reader import WorkersStarting
 from toolq.orchestrator.durable import TurnSettings, TurnStore
-from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.history import History, pairing_problems
 from toolq.orchestrator.redis_faults import reaching
 from toolq.orchestrator.settings import Settings, absolute_workspace, workspace_problem

@@ -23,8 +23,8 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator import trusted_files
-from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.ledger import Ledger
 
 ENTRY_PREFIX = "stack-"

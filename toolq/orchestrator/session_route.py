@@ -13,9 +13,9 @@ import json
 
 from pydantic import ValidationError
 
-from toolq.orchestrator import keys
+from toolq.core import keys
+from toolq.core.states import CallState
 from toolq.orchestrator.calls import FunctionPayload, ToolInvocation
-from toolq.orchestrator.states import CallState
 from toolq.orchestrator.transport import DispatchError
 from toolq.workers.sessions.registry import SessionRecord, lost_session, sessions_key, unknown_session
 

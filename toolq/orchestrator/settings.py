@@ -15,11 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
+from toolq.core.errors import ConfigurationError
+from toolq.core.tool_limits import ToolLimit, parse_tool_limits
 from toolq.orchestrator import import_path
-from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.protocol.reasoning import ReasoningSetting
 from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES
-from toolq.orchestrator.tool_limits import ToolLimit, parse_tool_limits
 
 DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
 
@@ -200,7 +200,7 @@ class Settings(BaseModel):
     so one response's fan-out cannot fill the queue ahead of other turns."""
     tool_limits: dict[str, ToolLimit] = Field(default_factory=dict)
     """Per tool name (`exec_command`, `git.git_log`): `max_concurrency` and `rate_limit` across the
-    fleet, over what the tool declares; JSON in TOOLQ_TOOL_LIMITS (toolq/orchestrator/tool_limits.py)."""
+    fleet, over what the tool declares; JSON in TOOLQ_TOOL_LIMITS (toolq/core/tool_limits.py)."""
     limit_lease: float = Field(default=10.0, ge=1.0, le=3600.0)
     """Seconds a max_concurrency permit outlives its holders' last renewal: a permit held by a
     crashed worker or orchestrator is free again after this."""
@@ -210,7 +210,7 @@ class Settings(BaseModel):
     flower_address: str = "127.0.0.1"
     signing_key: str | None = None
     """The fleet's shared HMAC key: the orchestrator signs calls, workers sign results
-    (toolq/workers/signing.py). Required with REDIS_URL; the embedded default generates one."""
+    (toolq/core/signing.py). Required with REDIS_URL; the embedded default generates one."""
     log_tool_output: bool = False
     """Debugging only: put tool output in the workers' task-succeeded log lines and Flower's
     results (by default they carry status and sizes)."""
@@ -293,7 +293,7 @@ class Settings(BaseModel):
     @field_validator("signing_key")
     @classmethod
     def _key_length(cls, v: str | None) -> str | None:
-        from toolq.workers.signing import GENERATE, MIN_KEY_CHARS
+        from toolq.core.signing import GENERATE, MIN_KEY_CHARS
 
         if v is not None and len(v) < MIN_KEY_CHARS:
             raise ValueError(f"must have at least {MIN_KEY_CHARS} characters; generate one with {GENERATE}")

@@ -13,13 +13,13 @@ from contextlib import aclosing
 from datetime import datetime
 from typing import Any, TextIO
 
+from toolq.core.errors import ConfigurationError
+from toolq.core.states import parse_state
 from toolq.orchestrator.durable import mark_orphans
-from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.redis_faults import reaching
 from toolq.orchestrator.runtime_dir import ledger_urls, ledgers
 from toolq.orchestrator.session_route import live_sessions
 from toolq.orchestrator.settings import Settings, mask_url_password
-from toolq.orchestrator.states import parse_state
 from toolq.orchestrator.terminal import json_line, printable
 from toolq.workers.sessions.registry import SessionRecord
 

@@ -26,11 +26,11 @@ import logging
 import time
 from dataclasses import dataclass
 
+from toolq.core.states import CallState
 from toolq.orchestrator.calls import ToolInvocation
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.results import ResultRouter
-from toolq.orchestrator.states import CallState
 from toolq.orchestrator.transport import CallWatch, TaskOutcome
 from toolq.workers.advert import tool_queue
 from toolq.workers.catalog import ToolSpec

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-from toolq.orchestrator.errors import ConfigurationError
+from toolq.core.errors import ConfigurationError
 
 #: No link followed; a FIFO planted at the name does not block the open (it is then refused).
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from toolq.orchestrator import keys
+from toolq.core import keys
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator.barrier import Step, flush_background
 from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, backoff, build_request
 from toolq.orchestrator.conversation import ConversationLease, new_conversation_id
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.durable import Committed, StoreBudget, TurnSettings, TurnStore, item_cost, unanswered, wire_cost
-from toolq.orchestrator.errors import ConfigurationError
 from toolq.orchestrator.fleet import Fleet, new_turn_id
 from toolq.orchestrator.history import History
 from toolq.orchestrator.ledger import Ledger

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from toolq.orchestrator.states import CallState
+from toolq.core.states import CallState
 
 
 class _Json(BaseModel):

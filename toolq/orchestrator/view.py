@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import IO
 
-from toolq.orchestrator.states import CallState
+from toolq.core.states import CallState
 from toolq.orchestrator.terminal import json_line, printable
 from toolq.orchestrator.turn_events import (
     AgentMessageView,

@@ -1,7 +1,7 @@
 """What a worker advertises in the fleet catalog, and the per-tool queues it routes by.
 
 Shared by both sides, with no I/O: workers write these records (`toolq.workers.presence`), the
-orchestrator reads them (`toolq.orchestrator.catalog_reader`). Keys: `toolq.orchestrator.keys`.
+orchestrator reads them (`toolq.orchestrator.catalog_reader`). Keys: `toolq.core.keys`.
 
 A call goes to the queue of its tool's exact declaration, `toolq.t.<tool>.<digest[:12]>`, which
 only workers that serve that declaration consume: a worker never receives a tool it has not

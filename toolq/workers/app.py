@@ -26,13 +26,13 @@ from celery.signals import (
     worker_shutting_down,
 )
 
-from toolq.orchestrator import keys
+from toolq.core import keys, signing
+from toolq.core.contracts import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, ToolCallFailed
+from toolq.core.states import FAILURE, CallState, celery_state
 from toolq.orchestrator.settings import Settings
-from toolq.orchestrator.states import FAILURE, CallState, celery_state
-from toolq.workers import isolation, kombu_acks, pool_exits, presence, signing, stopping
+from toolq.workers import isolation, kombu_acks, pool_exits, presence, stopping
 from toolq.workers.catalog import Catalog
 from toolq.workers.config import configure_app, longest_timeout, make_app
-from toolq.workers.contracts import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, ToolCallFailed
 from toolq.workers.execute import StillRunning, execute
 from toolq.workers.loader import load_catalog
 from toolq.workers.mcp.worker import sync as sync_mcp_tools

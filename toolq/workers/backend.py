@@ -5,7 +5,7 @@ when `get()` is called (celery-lab.md §3). toolq never calls `get()`: the orche
 owns its subscriptions (one pattern per turn), so sends must not pile up channels.
 
 Every meta a worker stores is signed with the fleet key, and a stored meta that fails the check
-reads as absent (toolq/workers/signing.py): the orchestrator only believes signed metas.
+reads as absent (toolq/core/signing.py): the orchestrator only believes signed metas.
 
 A store is one round trip, not Celery's two (GET to see whether a SUCCESS is already stored,
 then SET + PUBLISH): a script does the check and the write, and hands a stored SUCCESS back
@@ -21,7 +21,7 @@ from celery.backends.redis import RedisBackend
 from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
 
-from toolq.workers import signing
+from toolq.core import signing
 
 # KEYS: the meta. ARGV: the encoded meta, its TTL (0: none). Returns a stored SUCCESS, left in
 # place, or nil once the meta is stored and published. A genuine meta is kombu's JSON of Celery's

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers import isolation
 from toolq.workers.catalog import ToolContext
 from toolq.workers.sandbox import CallCancelled

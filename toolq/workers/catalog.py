@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from toolq.core.errors import ConfigurationError, RespondToModel
+from toolq.core.tool_limits import UNLIMITED, ToolLimit, declared_limit
 from toolq.orchestrator.calls import PayloadKind, ToolInvocation, ToolName
-from toolq.orchestrator.errors import ConfigurationError, RespondToModel
 from toolq.orchestrator.protocol import untrusted
 from toolq.orchestrator.protocol.items import ContentPart, ToolOutputBody
-from toolq.orchestrator.tool_limits import UNLIMITED, ToolLimit, declared_limit
 
 if TYPE_CHECKING:
     from toolq.workers.streaming import OutputStream

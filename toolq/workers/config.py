@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from toolq.core import signing
+from toolq.core.contracts import TIME_LIMIT_MARGIN
 from toolq.orchestrator.settings import Settings
-from toolq.workers import kombu_clients, signing
+from toolq.workers import kombu_clients
 from toolq.workers.catalog import ToolSpec
-from toolq.workers.contracts import TIME_LIMIT_MARGIN
 
 if TYPE_CHECKING:  # Celery is imported by `make_app`, when an app is made: `longest_timeout` needs none
     from celery import Celery

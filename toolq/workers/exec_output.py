@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import secrets
 
-from toolq.orchestrator.truncate import TruncationPolicy, approx_token_count, formatted_truncate_text
+from toolq.core.truncate import TruncationPolicy, approx_token_count, formatted_truncate_text
 
 
 def format_exec_output(content: str, exit_code: int | None, wall_time: float, max_tokens: int, *,

@@ -19,17 +19,17 @@ from typing import Any
 
 import redis
 
-from toolq.orchestrator import keys
+from toolq.core import keys
+from toolq.core.errors import RespondToModel, ToolTimedOut
+from toolq.core.signing import Signer
+from toolq.core.states import TERMINAL, CallState, parse_state
+from toolq.core.truncate import bound_output
 from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult, aborted_text
-from toolq.orchestrator.errors import RespondToModel, ToolTimedOut
 from toolq.orchestrator.protocol.items import ToolOutputBody
 from toolq.orchestrator.settings import workspace_problem
-from toolq.orchestrator.states import TERMINAL, CallState, parse_state
-from toolq.orchestrator.truncate import bound_output
 from toolq.workers import permit
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
 from toolq.workers.sandbox import CallCancelled
-from toolq.workers.signing import Signer
 from toolq.workers.streaming import OutputStream
 
 log = logging.getLogger("toolq.worker")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from toolq.orchestrator.errors import ConfigurationError
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator.import_path import TOOLS_PATH_ENV
 from toolq.workers.catalog import CATALOG, Catalog
 

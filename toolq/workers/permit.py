@@ -1,4 +1,4 @@
-"""A worker's side of a call's max_concurrency permit (toolq/orchestrator/permits.py).
+"""A worker's side of a call's max_concurrency permit (toolq/core/permits.py).
 
 The orchestrator took the permit before it sent the call; the worker confirms it as the call
 starts (the same script: held, so it is renewed), renews it from a thread while the handler runs,
@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import redis
 
-from toolq.orchestrator import keys
+from toolq.core import keys
+from toolq.core.permits import ACQUIRE, RELEASE, RENEW, Permit
 from toolq.orchestrator.calls import ToolInvocation
-from toolq.orchestrator.permits import ACQUIRE, RELEASE, RENEW, Permit
 
 log = logging.getLogger("toolq.worker")
 

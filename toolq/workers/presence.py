@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from toolq.orchestrator import keys
+from toolq.core import keys
 from toolq.orchestrator.settings import Settings
 from toolq.workers.advert import TOOL_QUEUE_PREFIX, ToolAdvert, ToolRef, WorkerAdvert, consumer_queues
 from toolq.workers.catalog import Catalog

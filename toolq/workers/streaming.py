@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from toolq.workers.signing import Signer
+from toolq.core.signing import Signer
 
 log = logging.getLogger("toolq.streaming")
 

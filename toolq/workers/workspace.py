@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TypeVar
 
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 
 T = TypeVar("T")
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from toolq.orchestrator.errors import ConfigurationError
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
 from toolq.workers.mcp.config import load_file, load_servers, parse_flag
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from toolq.core.errors import RespondToModel
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
-from toolq.orchestrator.errors import RespondToModel
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.workers.catalog import Catalog, ToolSpec
 from toolq.workers.mcp.specs import McpToolRecord, strict_allowed, tool_spec, unusable

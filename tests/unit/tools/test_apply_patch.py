@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.unit.tools import call
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers.tools import apply_patch as apply_patch_module
 from toolq.workers.tools.apply_patch import GRAMMAR, apply_patch
 

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from tests.unit.tools import call
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers.catalog import ToolReturn
 from toolq.workers.sandbox import CallCancelled
 from toolq.workers.tools.exec_command import ExecCommandArgs, exec_command

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.unit.tools import call
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers import isolation
 from toolq.workers.tools.apply_patch import apply_patch
 from toolq.workers.tools.grep_files import grep_files

@@ -7,7 +7,7 @@ import os
 
 from tests.unit.tools import call
 from tests.unit.tools.test_view_image import PNG
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers.tools.apply_patch import apply_patch
 from toolq.workers.tools.grep_files import grep_files
 from toolq.workers.tools.list_dir import list_dir

@@ -10,7 +10,7 @@ import pytest
 
 from tests.hostile import Flipper, deep_tree, race_tree
 from tests.unit.tools import call
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers.catalog import ToolReturn
 from toolq.workers.tools import grep_files as grep_module
 from toolq.workers.tools.grep_files import grep_files

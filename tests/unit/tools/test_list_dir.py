@@ -8,7 +8,7 @@ import pytest
 
 from tests.hostile import deep_tree
 from tests.unit.tools import call
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers.tools.list_dir import list_dir
 
 

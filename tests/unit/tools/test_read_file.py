@@ -9,7 +9,7 @@ import tracemalloc
 import pytest
 
 from tests.unit.tools import call
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers.tools.read_file import read_file
 
 

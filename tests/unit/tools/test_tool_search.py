@@ -6,7 +6,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.unit.tools import call
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers.catalog import Catalog, ToolReturn, tool
 from toolq.workers.tools.tool_search import PARAMETERS, tool_search
 

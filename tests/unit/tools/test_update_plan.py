@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.unit.tools import call
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers.tools.update_plan import update_plan
 
 PLAN = [{"step": "read the code", "status": "completed"}, {"step": "fix it", "status": "in_progress"}]

@@ -17,6 +17,7 @@ from typing import IO, Any
 
 from celery import Celery
 
+from toolq.core.contracts import TASK
 from toolq.orchestrator.bench.harness import (
     BENCH_QUEUE,
     BENCH_TOOLS,
@@ -32,7 +33,6 @@ from toolq.orchestrator.protocol.items import FunctionCallItem, FunctionCallOutp
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.turn import Runtime
 from toolq.workers.config import celery_config
-from toolq.workers.contracts import TASK
 from toolq.workers.loader import load_catalog
 
 

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from toolq.workers.contracts import TASK
-from toolq.workers.signing import Signer
+from toolq.core.contracts import TASK
+from toolq.core.signing import Signer
 
 TASK_ID = "turn-bench:0:0:0123456789ab"
 

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from toolq.core.contracts import TASK
 from toolq.orchestrator.bench.harness import BENCH_QUEUE, BENCH_TOOLS, goal, median, ms, pct, stack, workspace
 from toolq.orchestrator.bench.pipeline import baseline_client
 from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
@@ -34,7 +35,6 @@ from toolq.orchestrator.fleet import Fleet, new_turn_id
 from toolq.orchestrator.protocol.items import FunctionCallItem
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.turn_events import ItemCompleted, ToolCallView
-from toolq.workers.contracts import TASK
 from toolq.workers.loader import load_catalog
 
 KS = (1, 8, 32, 128)

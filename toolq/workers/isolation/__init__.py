@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from toolq.orchestrator.errors import ConfigurationError
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
 from toolq.workers.isolation import bwrap, cell, landlock, limits, metadata, reaper
 from toolq.workers.isolation.policy import Backend, Policy

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
-from toolq.orchestrator.errors import ConfigurationError
+from toolq.core.errors import ConfigurationError
 from toolq.orchestrator.settings import Settings
 
 Backend = Literal["bwrap", "landlock", "none"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, ToolReturn
 from toolq.workers.exec_output import format_exec_output
 from toolq.workers.sandbox import CallCancelled

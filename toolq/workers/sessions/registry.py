@@ -11,7 +11,7 @@ import time
 
 from pydantic import BaseModel
 
-from toolq.orchestrator.keys import PREFIX
+from toolq.core.keys import PREFIX
 
 #: How long a conversation key outlives the orchestrator's last refresh.
 CONVERSATION_TTL = 8

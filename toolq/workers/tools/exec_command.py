@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers import isolation
 from toolq.workers.catalog import ToolContext, ToolReturn, tool
 from toolq.workers.exec_output import format_exec_output

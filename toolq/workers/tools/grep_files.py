@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import re2
 from pydantic import BaseModel, Field
 
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers.call_budget import CallBudget
 from toolq.workers.catalog import ToolContext, ToolReturn, tool
 from toolq.workers.reading import line_blocks

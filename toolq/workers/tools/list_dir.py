@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers.call_budget import CallBudget
 from toolq.workers.catalog import ToolContext, tool
 from toolq.workers.workspace import Workspace, describe, walk

@@ -14,7 +14,7 @@ import os
 
 from pydantic import BaseModel, Field
 
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers.call_budget import CallBudget
 from toolq.workers.catalog import ToolContext, tool
 from toolq.workers.reading import bounded_lines

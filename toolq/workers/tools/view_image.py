@@ -12,7 +12,7 @@ import os
 
 from pydantic import BaseModel, Field
 
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.orchestrator.protocol.items import InputImage
 from toolq.workers.call_budget import CallBudget
 from toolq.workers.catalog import ToolContext, tool

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from toolq.orchestrator.errors import RespondToModel
+from toolq.core.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, ToolReturn, tool
 from toolq.workers.sessions import calls
 from toolq.workers.tools.exec_command import DEFAULT_MAX_OUTPUT_TOKENS, MAX_OUTPUT_TOKENS_CAP

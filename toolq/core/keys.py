@@ -143,7 +143,7 @@ def fleet_tool(digest: str) -> str:
     return f"{PREFIX}:fleet:tool:{digest}"
 
 
-# --- limits across the fleet (toolq/orchestrator/permits.py, limits.py) ---
+# --- limits across the fleet (toolq/core/permits.py, limits.py) ---
 
 
 def limit_holders(tool: str) -> str:

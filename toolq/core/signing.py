@@ -25,7 +25,7 @@ import time
 from functools import lru_cache
 from typing import Any
 
-from toolq.orchestrator.errors import ConfigurationError
+from toolq.core.errors import ConfigurationError
 
 log = logging.getLogger("toolq.signing")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from toolq.orchestrator import keys
+from toolq.core import keys
 
 # KEYS: holders. ARGV: task id, limit, lease ms. 1: held (taken or renewed), 0: every permit is taken.
 ACQUIRE = """
