@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from toolq.core.calls import ToolResult
+from toolq.core.items import CustomToolCallItem, FunctionCallItem, ToolSearchCallItem
 from toolq.orchestrator.binding import bind_item
-from toolq.orchestrator.calls import ToolResult
 from toolq.orchestrator.fake_model import builders
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.memory import HOSTNAME
-from toolq.orchestrator.protocol.items import CustomToolCallItem, FunctionCallItem, ToolSearchCallItem
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.workers.catalog import Catalog, ToolSpec
 from toolq.workers.execute import call_tool, refusal

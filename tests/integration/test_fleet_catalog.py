@@ -25,8 +25,8 @@ from tests.integration.test_flower import eventually
 from tests.integration.test_hostile_fleet import push
 from tests.integration.upgrade_tools import VERSION_ENV, declare
 from toolq.core import keys
+from toolq.core.calls import FunctionPayload, ToolCall, ToolName
 from toolq.core.signing import Signer
-from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from toolq.orchestrator.catalog_reader import UNSERVED_GRACE, FleetCatalog
 from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.fake_model import builders as b

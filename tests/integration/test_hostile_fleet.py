@@ -25,8 +25,8 @@ from celery import Celery
 from tests.integration import conftest as c
 from tests.integration.test_flower import AUTH, eventually, flower  # noqa: F401 - the real Flower fixture
 from toolq.core import keys
+from toolq.core.calls import FunctionPayload, ToolCall, ToolName, task_id_for
 from toolq.core.signing import Signer
-from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName, task_id_for
 from toolq.orchestrator.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.registry import Registry, StepContext

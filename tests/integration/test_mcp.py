@@ -23,8 +23,8 @@ import pytest
 
 import examples.search_tools  # noqa: F401  (the orchestrator loads the user's `search` too)
 from tests.integration.conftest import ROOT, TEST_TOOLS, WORKER_ENV, run_session, settings_for
+from toolq.core.calls import ToolName
 from toolq.orchestrator.bench.mcp import McpWorkerProcess
-from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems

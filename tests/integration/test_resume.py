@@ -172,8 +172,8 @@ def test_a_call_claimed_by_an_orchestrator_that_died_before_sending_it_runs_on_r
     sent is still never sent twice."""
     import asyncio
 
+    from toolq.core.items import decode_item
     from toolq.orchestrator.fleet import Fleet
-    from toolq.orchestrator.protocol.items import decode_item
     from toolq.orchestrator.registry import StepContext
     from toolq.orchestrator.settings import Settings
 

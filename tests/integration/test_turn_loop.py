@@ -10,11 +10,11 @@ import pytest
 import redis
 
 import tests.integration.conftest as c
-from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
+from toolq.core.calls import FunctionPayload, ToolCall, ToolName
+from toolq.core.items import FunctionCallItem
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.ledger import Ledger
-from toolq.orchestrator.protocol.items import FunctionCallItem
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.task_message import queue_key

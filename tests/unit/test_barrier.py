@@ -12,13 +12,13 @@ import time
 import pytest
 from pydantic import BaseModel
 
+from toolq.core.calls import ToolInvocation, ToolResult, aborted_text
+from toolq.core.items import FunctionCallItem
 from toolq.core.states import CallState
 from toolq.orchestrator import barrier, watchdog
 from toolq.orchestrator.barrier import Step, startable
 from toolq.orchestrator.binding import bind_item
-from toolq.orchestrator.calls import ToolInvocation, ToolResult, aborted_text
 from toolq.orchestrator.memory import HOSTNAME, MemoryRecords, MemoryTransport, catalog_runner
-from toolq.orchestrator.protocol.items import FunctionCallItem
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.transport import TaskOutcome
 from toolq.orchestrator.turn_events import ItemCompleted, ToolCallView

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
+from toolq.core.calls import ToolResult
 from toolq.core.states import CallState
 from toolq.orchestrator.binding import BoundCall
 from toolq.orchestrator.call_entry import CallEntry, startable
-from toolq.orchestrator.calls import ToolResult
 from toolq.orchestrator.transport import CallWatch
 from toolq.workers.streaming import STREAM_BYTES
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import toolq
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.dispatch import flower_args
 from toolq.workers.catalog import Catalog, ToolSpec, tool
 from toolq.workers.loader import load_catalog

@@ -10,8 +10,8 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field
 
+from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.core.errors import ConfigurationError, RespondToModel
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.workers.catalog import DEFAULT_QUEUE, Catalog, ToolContext, ToolSpec, call_handler, parse_arguments, tool
 
 LARK = {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}

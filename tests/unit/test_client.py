@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
+from toolq.core.items import CustomToolCallItem, FunctionCallItem, MessageItem, ReasoningItem
 from toolq.orchestrator.client import (
     CONTEXT_WINDOW,
     HIGH_DEMAND,
@@ -44,7 +45,6 @@ from toolq.orchestrator.fake_model.builders import (
     stall,
 )
 from toolq.orchestrator.protocol.events import Completed, ErrorEvent, Failed, Incomplete, OutputItemDone, Usage
-from toolq.orchestrator.protocol.items import CustomToolCallItem, FunctionCallItem, MessageItem, ReasoningItem
 
 BODY = build_request("gpt-test", [{"role": "user", "content": "hi"}], [])
 

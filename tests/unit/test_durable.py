@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from toolq.orchestrator.calls import ToolName
+from toolq.core.calls import ToolName
 from toolq.orchestrator.durable import Committed, TurnSettings, unanswered
 
 

@@ -9,6 +9,14 @@ import pytest
 from pydantic import TypeAdapter
 
 from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
+from toolq.core.items import (
+    CustomToolCallItem,
+    FunctionCallItem,
+    MalformedItem,
+    MessageItem,
+    ReasoningItem,
+    UnknownItem,
+)
 from toolq.orchestrator.protocol.events import (
     Completed,
     ErrorEvent,
@@ -24,14 +32,6 @@ from toolq.orchestrator.protocol.events import (
     ToolInputDelta,
     Usage,
     iter_sse_data,
-)
-from toolq.orchestrator.protocol.items import (
-    CustomToolCallItem,
-    FunctionCallItem,
-    MalformedItem,
-    MessageItem,
-    ReasoningItem,
-    UnknownItem,
 )
 
 SSE = SSE_FIXTURES

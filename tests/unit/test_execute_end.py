@@ -10,8 +10,8 @@ import time
 import redis
 from pydantic import BaseModel
 
+from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.core.states import CallState
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.embedded import RedisServer
 from toolq.workers.catalog import Catalog, ToolContext, tool
 from toolq.workers.execute import execute

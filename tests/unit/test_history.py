@@ -145,7 +145,7 @@ def test_each_item_is_serialised_once_and_paired_incrementally(monkeypatch):
     role is read once; a step's `for_prompt` does not walk the history again (main converted every
     item twice per step: 80,802 conversions over 200 steps)."""
     import toolq.orchestrator.history as history
-    from toolq.orchestrator.protocol.items import _Wire
+    from toolq.core.items import _Wire
 
     conversions, roles = [0], [0]
     to_wire, role = _Wire.to_wire, history._role

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
+from toolq.core.calls import ToolResult, output_item
 from toolq.core.errors import Fatal, RespondToModel
-from toolq.orchestrator.calls import ToolResult, output_item
+from toolq.core.items import is_call
 from toolq.orchestrator.history import History, pairing_problems
 from toolq.orchestrator.protocol.events import EventDecoder, iter_sse_data
-from toolq.orchestrator.protocol.items import is_call
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.router import build_tool_call
 from toolq.workers.catalog import Catalog, ToolContext, parse_arguments, tool

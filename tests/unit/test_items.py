@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
-from toolq.orchestrator.protocol.items import (
+from toolq.core.items import (
     CustomToolCallItem,
     FunctionCallItem,
     FunctionCallOutputItem,

@@ -6,8 +6,8 @@ import time
 import pytest
 from pydantic import BaseModel
 
+from toolq.core.calls import CustomPayload, FunctionPayload, ToolCall, ToolName
 from toolq.core.errors import ConfigurationError, Fatal, RespondToModel
-from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolCall, ToolName
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.workers.catalog import Catalog, tool
 

@@ -1,8 +1,8 @@
 """Celery's result format in, typed outcomes out (`results.outcome_from_meta`): the barrier never
 reads a meta."""
 
+from toolq.core.calls import ToolResult
 from toolq.core.states import CallState
-from toolq.orchestrator.calls import ToolResult
 from toolq.orchestrator.results import outcome_from_meta
 
 FAILED = ToolResult(call_id="call_1", output="Process exited with code 3", status=CallState.FAILED, success=False,

@@ -2,9 +2,9 @@
 
 import pytest
 
+from toolq.core.calls import CustomPayload, FunctionPayload, ToolName, ToolSearchPayload
 from toolq.core.errors import RespondToModel
-from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolName, ToolSearchPayload
-from toolq.orchestrator.protocol.items import decode_item
+from toolq.core.items import decode_item
 from toolq.orchestrator.router import build_tool_call
 
 

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.session_route import session_for
 from toolq.orchestrator.transport import DispatchError
 

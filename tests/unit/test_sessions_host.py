@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.dispatch import FLOWER_COMMAND_CHARS, flower_args
 from toolq.workers.exec_output import format_exec_output
 from toolq.workers.sessions import client, start

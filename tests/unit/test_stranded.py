@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 from pydantic import BaseModel
 
+from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.core.states import CallState
 from toolq.orchestrator import stranded as stranded_module
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.stranded import StrandedCalls
 from toolq.orchestrator.transport import CallWatch
 from toolq.workers.catalog import Catalog, ToolContext, tool

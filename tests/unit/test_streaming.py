@@ -4,9 +4,9 @@ import asyncio
 import json
 import time
 
+from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.core.signing import Signer
 from toolq.orchestrator.call_items import call_view, patch_changes, result_output
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.transport import CallWatch
 from toolq.workers.streaming import OutputStream
 
@@ -118,7 +118,7 @@ def test_items_come_from_the_calls_own_arguments():
 
 
 def test_the_completed_output_is_the_results_output_section():
-    from toolq.orchestrator.calls import ToolResult
+    from toolq.core.calls import ToolResult
 
     text = "Chunk ID: abc123\nWall time: 0.1 seconds\nProcess exited with code 0\nOriginal token count: 1\nOutput:\nhi\n"
     assert result_output(ToolResult(call_id="c", output=text)) == "hi\n"

@@ -16,9 +16,9 @@ import redis.asyncio as aioredis
 
 from tests.unit.test_permits import r, server  # noqa: F401 - a real redis-server, flushed per test
 from toolq.core import keys
+from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.core.contracts import TIME_LIMIT_MARGIN, task_name
 from toolq.core.signing import Signer
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.dispatch import Dispatcher, flower_args
 from toolq.orchestrator.embedded import RedisServer
 from toolq.orchestrator.ledger import Ledger, Sent

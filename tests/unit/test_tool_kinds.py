@@ -9,8 +9,8 @@ import time
 import pytest
 
 from tests.responses_schema import schema_errors
+from toolq.core.calls import FunctionPayload, ToolCall, ToolName
 from toolq.core.errors import ConfigurationError, RespondToModel
-from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.workers.catalog import Catalog, call_handler, parse_arguments, tool
 

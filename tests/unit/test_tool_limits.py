@@ -10,15 +10,15 @@ import pytest
 from pydantic import BaseModel
 
 from tests.unit.test_barrier import sync
+from toolq.core.calls import ToolInvocation, ToolResult
 from toolq.core.errors import ConfigurationError
+from toolq.core.items import FunctionCallItem
 from toolq.core.states import CallState
 from toolq.core.tool_limits import Rate, ToolLimit, parse_tool_limits
 from toolq.orchestrator.barrier import Step
 from toolq.orchestrator.binding import bind_item
-from toolq.orchestrator.calls import ToolInvocation, ToolResult
 from toolq.orchestrator.limits import Limits
 from toolq.orchestrator.memory import MemoryRecords, MemoryTransport, catalog_runner
-from toolq.orchestrator.protocol.items import FunctionCallItem
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn_events import ItemCompleted, ItemUpdated

@@ -20,8 +20,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.unit.test_permits import r, server  # noqa: F401 - a real redis-server, flushed per test
+from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.core.signing import Signer
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.durable import MIB, Committed, StoreBudget, TurnStore, item_cost, store_error, wire_cost
 from toolq.orchestrator.ledger import Ledger

@@ -150,8 +150,8 @@ def test_a_polls_command_line_shows_once_its_session_is_known():
 
 
 def test_a_write_stdin_call_is_a_command_execution_of_its_session():
+    from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
     from toolq.orchestrator.call_items import call_view
-    from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
     from toolq.workers.loader import load_catalog
 
     spec = load_catalog().get(ToolName(name="write_stdin"))

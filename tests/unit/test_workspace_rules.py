@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.core.states import CallState
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.settings import workspace_problem
 from toolq.workers.catalog import Catalog, ToolContext, tool
 from toolq.workers.execute import refusal

@@ -16,14 +16,14 @@ import logging
 import time
 from typing import Any
 
+from toolq.core.calls import ToolInvocation, ToolResult, task_id_for
 from toolq.core.errors import Fatal
+from toolq.core.items import OutputItem
 from toolq.core.states import CallState
 from toolq.orchestrator.binding import BoundCall
 from toolq.orchestrator.call_entry import CallEntry, startable
 from toolq.orchestrator.call_items import entry_view
-from toolq.orchestrator.calls import ToolInvocation, ToolResult, task_id_for
 from toolq.orchestrator.limits import Limits, TurnSlots
-from toolq.orchestrator.protocol.items import OutputItem
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.transport import CallRecords, CallWatch, DispatchError, Transport
 from toolq.orchestrator.turn_events import (

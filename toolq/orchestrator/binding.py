@@ -12,16 +12,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from toolq.core.calls import PayloadKind, ToolInvocation, ToolResult, ToolSearchPayload
 from toolq.core.errors import Fatal, RespondToModel
-from toolq.core.states import CallState
-from toolq.orchestrator.calls import PayloadKind, ToolInvocation, ToolResult, ToolSearchPayload
-from toolq.orchestrator.protocol.items import (
+from toolq.core.items import (
     CustomToolCallItem,
     FunctionCallItem,
     LocalShellCallItem,
     ResponseItem,
     ToolSearchCallItem,
 )
+from toolq.core.states import CallState
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.router import build_tool_call
 from toolq.workers.catalog import ToolSpec

@@ -12,11 +12,11 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from toolq.core.calls import ToolInvocation, ToolResult, aborted_text, output_item
+from toolq.core.items import OutputItem
 from toolq.core.states import CallState
 from toolq.core.truncate import bound_output
 from toolq.orchestrator.binding import BoundCall
-from toolq.orchestrator.calls import ToolInvocation, ToolResult, aborted_text, output_item
-from toolq.orchestrator.protocol.items import OutputItem
 from toolq.orchestrator.transport import CallWatch
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.streaming import STREAM_BYTES

@@ -17,10 +17,10 @@ import shlex
 import time
 from typing import Any
 
+from toolq.core.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult
 from toolq.core.states import CallState, codex_status
 from toolq.core.truncate import TruncationPolicy, truncate_text
 from toolq.orchestrator.call_entry import CallEntry
-from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult
 from toolq.orchestrator.turn_events import (
     CommandExecutionView,
     FileChangeView,

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 from redis.exceptions import RedisError
 
 from toolq.core import keys
+from toolq.core.calls import FunctionPayload, ToolInvocation
 from toolq.core.contracts import TIME_LIMIT_MARGIN, task_name
 from toolq.core.signing import Signer
 from toolq.core.states import CallState
 from toolq.orchestrator import session_route
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation
 from toolq.orchestrator.catalog_reader import FleetCatalog
 from toolq.orchestrator.ledger import CONNECT_TIMEOUT, SOCKET_TIMEOUT, Ledger, Sent
 from toolq.orchestrator.settings import Settings

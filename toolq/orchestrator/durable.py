@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from toolq.core import keys
-from toolq.orchestrator.calls import ToolName
+from toolq.core.calls import ToolName
 
 log = logging.getLogger("toolq.durable")
 

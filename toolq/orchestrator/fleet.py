@@ -19,16 +19,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from toolq.core.calls import ToolName
 from toolq.core.errors import ConfigurationError, Fatal
+from toolq.core.items import OutputItem, ResponseItem, ToolSearchOutputItem, decode_item
 from toolq.core.signing import required_signer
 from toolq.orchestrator.barrier import Step, flush_background
 from toolq.orchestrator.binding import BoundCall, bind_item
-from toolq.orchestrator.calls import ToolName
 from toolq.orchestrator.celery_transport import CeleryTransport
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.limits import FleetLimits
-from toolq.orchestrator.protocol.items import OutputItem, ResponseItem, ToolSearchOutputItem, decode_item
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.results import ResultRouter
 from toolq.orchestrator.settings import Settings, workspace_problem

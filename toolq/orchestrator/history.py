@@ -16,7 +16,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from toolq.orchestrator.protocol.items import (
+from toolq.core.items import (
     CustomToolCallOutputItem,
     FunctionCallOutputItem,
     ReasoningItem,

@@ -16,8 +16,8 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from toolq.core import keys
+from toolq.core.calls import ToolInvocation
 from toolq.core.states import CallState
-from toolq.orchestrator.calls import ToolInvocation
 from toolq.orchestrator.cancel_listener import CancelListener
 from toolq.orchestrator.redis_pool import DEFAULT_CONNECTIONS, blocking_client
 

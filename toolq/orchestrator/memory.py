@@ -12,8 +12,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from toolq.core.calls import ToolInvocation, ToolResult
 from toolq.core.states import CallState
-from toolq.orchestrator.calls import ToolInvocation, ToolResult
 from toolq.orchestrator.transport import DispatchError, TaskOutcome, Watches
 from toolq.workers.catalog import Catalog, ToolSpec
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from toolq.core.calls import FunctionPayload, ToolCall, ToolInvocation, ToolName
 from toolq.core.errors import Fatal, RespondToModel
-from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolInvocation, ToolName
 from toolq.workers.catalog import Catalog, ToolSpec, is_nullable, load_arguments, map_subschemas
 
 if TYPE_CHECKING:

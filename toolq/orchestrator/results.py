@@ -22,10 +22,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from toolq.core import keys
+from toolq.core.calls import ToolResult
 from toolq.core.contracts import ToolCallFailed
 from toolq.core.signing import Signer
 from toolq.core.states import FAILURE, REVOKED, STARTED, SUCCESS, CallState
-from toolq.orchestrator.calls import ToolResult
 from toolq.orchestrator.redis_pool import blocking_client
 from toolq.orchestrator.transport import TaskOutcome, Watches
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from toolq.core.calls import CustomPayload, FunctionPayload, ToolCall, ToolName, ToolSearchPayload
 from toolq.core.errors import RespondToModel
-from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolCall, ToolName, ToolSearchPayload
-from toolq.orchestrator.protocol.items import (
+from toolq.core.items import (
     CustomToolCallItem,
     FunctionCallItem,
     ResponseItem,

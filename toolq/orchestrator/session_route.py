@@ -14,8 +14,8 @@ import json
 from pydantic import ValidationError
 
 from toolq.core import keys
+from toolq.core.calls import FunctionPayload, ToolInvocation
 from toolq.core.states import CallState
-from toolq.orchestrator.calls import FunctionPayload, ToolInvocation
 from toolq.orchestrator.transport import DispatchError
 from toolq.workers.sessions.registry import SessionRecord, lost_session, sessions_key, unknown_session
 

@@ -26,8 +26,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from toolq.core.calls import ToolInvocation
 from toolq.core.states import CallState
-from toolq.orchestrator.calls import ToolInvocation
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.results import ResultRouter

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
+from toolq.core.calls import ToolInvocation, ToolResult
 from toolq.core.states import CallState
-from toolq.orchestrator.calls import ToolInvocation, ToolResult
 from toolq.workers.catalog import ToolSpec
 from toolq.workers.sessions.registry import SessionRecord
 

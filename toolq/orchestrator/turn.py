@@ -19,18 +19,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from toolq.core import keys
+from toolq.core.calls import ToolName
 from toolq.core.errors import ConfigurationError
-from toolq.orchestrator.barrier import Step, flush_background
-from toolq.orchestrator.calls import ToolName
-from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, backoff, build_request
-from toolq.orchestrator.conversation import ConversationLease, new_conversation_id
-from toolq.orchestrator.dispatch import Dispatcher
-from toolq.orchestrator.durable import Committed, StoreBudget, TurnSettings, TurnStore, item_cost, unanswered, wire_cost
-from toolq.orchestrator.fleet import Fleet, new_turn_id
-from toolq.orchestrator.history import History
-from toolq.orchestrator.ledger import Ledger
-from toolq.orchestrator.protocol.events import Usage
-from toolq.orchestrator.protocol.items import (
+from toolq.core.items import (
     CustomToolCallOutputItem,
     FunctionCallOutputItem,
     InputText,
@@ -41,6 +32,15 @@ from toolq.orchestrator.protocol.items import (
     decode_item,
     is_api_item,
 )
+from toolq.orchestrator.barrier import Step, flush_background
+from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, backoff, build_request
+from toolq.orchestrator.conversation import ConversationLease, new_conversation_id
+from toolq.orchestrator.dispatch import Dispatcher
+from toolq.orchestrator.durable import Committed, StoreBudget, TurnSettings, TurnStore, item_cost, unanswered, wire_cost
+from toolq.orchestrator.fleet import Fleet, new_turn_id
+from toolq.orchestrator.history import History
+from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.protocol.events import Usage
 from toolq.orchestrator.protocol.reasoning import reasoning_for
 from toolq.orchestrator.redis_faults import REDIS_FAULTS, RedisUnreachable
 from toolq.orchestrator.registry import StepContext

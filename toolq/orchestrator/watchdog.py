@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from toolq.core.calls import ToolResult, aborted_text
 from toolq.core.contracts import TIME_LIMIT_MARGIN
 from toolq.core.states import CallState
 from toolq.orchestrator.call_entry import CallEntry
-from toolq.orchestrator.calls import ToolResult, aborted_text
 from toolq.orchestrator.transport import CallRecords, CallWatch, TaskOutcome, Transport
 
 log = logging.getLogger("toolq.barrier")

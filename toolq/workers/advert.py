@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from toolq.orchestrator.calls import PayloadKind, ToolName
+from toolq.core.calls import PayloadKind, ToolName
 from toolq.workers.catalog import DEFAULT_QUEUE, Catalog, ToolSpec
 
 TOOL_QUEUE_PREFIX = "toolq.t."

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from toolq.core import untrusted
+from toolq.core.calls import PayloadKind, ToolInvocation, ToolName
 from toolq.core.errors import ConfigurationError, RespondToModel
+from toolq.core.items import ContentPart, ToolOutputBody
 from toolq.core.tool_limits import UNLIMITED, ToolLimit, declared_limit
-from toolq.orchestrator.calls import PayloadKind, ToolInvocation, ToolName
-from toolq.orchestrator.protocol import untrusted
-from toolq.orchestrator.protocol.items import ContentPart, ToolOutputBody
 
 if TYPE_CHECKING:
     from toolq.workers.streaming import OutputStream

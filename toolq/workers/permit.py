@@ -18,8 +18,8 @@ from collections.abc import Callable
 import redis
 
 from toolq.core import keys
+from toolq.core.calls import ToolInvocation
 from toolq.core.permits import ACQUIRE, RELEASE, RENEW, Permit
-from toolq.orchestrator.calls import ToolInvocation
 
 log = logging.getLogger("toolq.worker")
 

@@ -11,8 +11,8 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from toolq.core.calls import ToolSearchPayload
 from toolq.core.errors import RespondToModel
-from toolq.orchestrator.calls import ToolSearchPayload
 from toolq.workers.catalog import ToolSpec
 
 DEFAULT_LIMIT = 8

@@ -6,7 +6,7 @@ import json
 
 from mcp import types
 
-from toolq.orchestrator.protocol.items import InputImage, InputText
+from toolq.core.items import InputImage, InputText
 from toolq.workers.mcp.results import map_result
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from toolq.core.calls import FunctionPayload, ToolCall, ToolName
 from toolq.core.errors import RespondToModel
-from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.workers.catalog import Catalog, ToolSpec
 from toolq.workers.mcp.specs import McpToolRecord, strict_allowed, tool_spec, unusable
@@ -81,7 +81,7 @@ def test_a_tool_the_model_cannot_be_offered_is_skipped_with_the_reason(name, sch
 
 
 def test_a_deferred_server_is_found_by_tool_search_in_its_namespace():
-    from toolq.orchestrator.calls import ToolSearchPayload
+    from toolq.core.calls import ToolSearchPayload
     from toolq.workers.tools.tool_search import search_catalog
 
     registry = Registry(Catalog())

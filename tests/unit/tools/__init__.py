@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from toolq.orchestrator.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolName, ToolSearchPayload
+from toolq.core.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolName, ToolSearchPayload
 from toolq.workers.catalog import Catalog, ToolContext, ToolSpec, call_handler, parse_arguments
 
 

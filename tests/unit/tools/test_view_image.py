@@ -10,7 +10,7 @@ import pytest
 
 from tests.unit.tools import call
 from toolq.core.errors import RespondToModel
-from toolq.orchestrator.protocol.items import InputImage
+from toolq.core.items import InputImage
 from toolq.workers.tools import view_image as module
 from toolq.workers.tools.view_image import view_image
 

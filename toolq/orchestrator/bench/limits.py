@@ -15,8 +15,8 @@ import time
 import uuid
 from typing import IO, Any
 
+from toolq.core.items import FunctionCallItem, FunctionCallOutputItem
 from toolq.orchestrator.bench.harness import BENCH_QUEUE, BENCH_TOOLS, goal, median, stack, workspace
-from toolq.orchestrator.protocol.items import FunctionCallItem, FunctionCallOutputItem
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.turn import Runtime
 from toolq.workers.loader import load_catalog

@@ -17,7 +17,9 @@ from typing import IO, Any
 
 from celery import Celery
 
+from toolq.core.calls import FunctionPayload, ToolCall, ToolName
 from toolq.core.contracts import TASK
+from toolq.core.items import FunctionCallItem, FunctionCallOutputItem
 from toolq.orchestrator.bench.harness import (
     BENCH_QUEUE,
     BENCH_TOOLS,
@@ -28,8 +30,6 @@ from toolq.orchestrator.bench.harness import (
     two_paths_report,
     workspace,
 )
-from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
-from toolq.orchestrator.protocol.items import FunctionCallItem, FunctionCallOutputItem
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.turn import Runtime
 from toolq.workers.config import celery_config

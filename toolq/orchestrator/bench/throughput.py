@@ -27,12 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from toolq.core.calls import FunctionPayload, ToolCall, ToolName
 from toolq.core.contracts import TASK
+from toolq.core.items import FunctionCallItem
 from toolq.orchestrator.bench.harness import BENCH_QUEUE, BENCH_TOOLS, goal, median, ms, pct, stack, workspace
 from toolq.orchestrator.bench.pipeline import baseline_client
-from toolq.orchestrator.calls import FunctionPayload, ToolCall, ToolName
 from toolq.orchestrator.fleet import Fleet, new_turn_id
-from toolq.orchestrator.protocol.items import FunctionCallItem
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.turn_events import ItemCompleted, ToolCallView
 from toolq.workers.loader import load_catalog

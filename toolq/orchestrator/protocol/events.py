@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from toolq.orchestrator.protocol import untrusted
-from toolq.orchestrator.protocol.items import ResponseItem, decode_item
+from toolq.core import untrusted
+from toolq.core.items import ResponseItem, decode_item
 from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES, Frame, Oversize, iter_frames
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from mcp import types
 
-from toolq.orchestrator.protocol.items import ContentPart, InputImage, InputText
+from toolq.core.items import ContentPart, InputImage, InputText
 from toolq.workers.mcp.wire import McpOutput
 
 

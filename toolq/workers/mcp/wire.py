@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, TypeAdapter
 
-from toolq.orchestrator.protocol.items import ContentPart
+from toolq.core.items import ContentPart
 from toolq.workers.mcp.specs import McpToolRecord
 
 

@@ -17,8 +17,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from toolq.core.calls import ToolName
 from toolq.core.errors import ConfigurationError, RespondToModel, ToolTimedOut
-from toolq.orchestrator.calls import ToolName
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn
 from toolq.workers.mcp.client import HostClient, HostGone, HostUnavailable
 from toolq.workers.mcp.config import BASIC_ENV, McpServerConfig

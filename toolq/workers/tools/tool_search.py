@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from toolq.orchestrator.calls import ToolSearchPayload
+from toolq.core.calls import ToolSearchPayload
 from toolq.workers.catalog import CATALOG, ToolContext, ToolReturn, tool
 from toolq.workers.search import search_catalog
 

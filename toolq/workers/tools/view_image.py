@@ -13,7 +13,7 @@ import os
 from pydantic import BaseModel, Field
 
 from toolq.core.errors import RespondToModel
-from toolq.orchestrator.protocol.items import InputImage
+from toolq.core.items import InputImage
 from toolq.workers.call_budget import CallBudget
 from toolq.workers.catalog import ToolContext, tool
 from toolq.workers.reading import read_at_most

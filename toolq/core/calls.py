@@ -12,10 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from toolq.core.permits import Permit
-from toolq.core.states import CallState
-from toolq.orchestrator.protocol import untrusted
-from toolq.orchestrator.protocol.items import (
+from toolq.core import untrusted
+from toolq.core.items import (
     ContentPart,
     CustomToolCallOutputItem,
     FunctionCallOutputItem,
@@ -24,6 +22,8 @@ from toolq.orchestrator.protocol.items import (
     ToolOutputBody,
     ToolSearchOutputItem,
 )
+from toolq.core.permits import Permit
+from toolq.core.states import CallState
 
 PayloadKind = Literal["function", "custom", "tool_search"]
 
