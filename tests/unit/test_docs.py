@@ -44,3 +44,12 @@ def test_no_doc_cites_a_file_outside_the_repository():
 def test_the_readme_is_for_a_newcomer():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 250, len(lines)
+
+
+def test_the_configuration_doc_is_generated_from_the_settings_model():
+    from toolq.orchestrator import config_doc
+
+    assert config_doc.undocumented() == [], "document these settings in toolq/orchestrator/config_doc.py"
+    assert (ROOT / "docs" / "configuration.md").read_text() == config_doc.render(), (
+        "docs/configuration.md differs from the settings model: "
+        "run `.venv/bin/python -m toolq.orchestrator.config_doc > docs/configuration.md`")
