@@ -25,7 +25,7 @@ from toolq.core.items import CustomToolCallItem, FunctionCallItem, ToolSearchCal
 from toolq.orchestrator.binding import bind_item
 from toolq.orchestrator.fake_model import builders
 from toolq.orchestrator.fake_model.server import FakeModel
-from toolq.orchestrator.memory import HOSTNAME
+from toolq.orchestrator.memory_transport import HOSTNAME
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.workers.catalog import Catalog, ToolSpec
 from toolq.workers.execute import call_tool, refusal

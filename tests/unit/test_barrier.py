@@ -18,7 +18,7 @@ from toolq.core.states import CallState
 from toolq.orchestrator import barrier, watchdog
 from toolq.orchestrator.barrier import Step, startable
 from toolq.orchestrator.binding import bind_item
-from toolq.orchestrator.memory import HOSTNAME, MemoryRecords, MemoryTransport, catalog_runner
+from toolq.orchestrator.memory_transport import HOSTNAME, MemoryRecords, MemoryTransport, catalog_runner
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.transport import TaskOutcome
 from toolq.orchestrator.turn_events import ItemCompleted, ToolCallView

@@ -16,20 +16,6 @@ import pytest
 
 from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
 from toolq.core.items import CustomToolCallItem, FunctionCallItem, MessageItem, ReasoningItem
-from toolq.orchestrator.client import (
-    CONTEXT_WINDOW,
-    HIGH_DEMAND,
-    MISSING_KEY,
-    QUOTA_EXCEEDED,
-    ModelClient,
-    ModelError,
-    ModelSettings,
-    backoff,
-    build_request,
-    is_local,
-    retry_after,
-    try_again_in,
-)
 from toolq.orchestrator.fake_model import FakeModel
 from toolq.orchestrator.fake_model.builders import (
     cut_after,
@@ -43,6 +29,20 @@ from toolq.orchestrator.fake_model.builders import (
     raw_frame,
     replay,
     stall,
+)
+from toolq.orchestrator.model_client import (
+    CONTEXT_WINDOW,
+    HIGH_DEMAND,
+    MISSING_KEY,
+    QUOTA_EXCEEDED,
+    ModelClient,
+    ModelError,
+    ModelSettings,
+    backoff,
+    build_request,
+    is_local,
+    retry_after,
+    try_again_in,
 )
 from toolq.orchestrator.protocol.events import Completed, ErrorEvent, Failed, Incomplete, OutputItemDone, Usage
 

@@ -41,7 +41,7 @@ READ_ELSEWHERE = {
     "TMPDIR": "Python's tempfile: where `toolq demo` makes its temporary workspace",
     "PATH": "the shell, to find the toolq and celery scripts",
     "PYTHONUNBUFFERED": "the Python runtime: logs reach `docker logs` at once",
-    "TOOLQ_SANDBOX": "toolq.workers.sandbox: the worker's sandbox (auto|bwrap|landlock|none)",
+    "TOOLQ_SANDBOX": "toolq.workers.processes: the worker's sandbox (auto|bwrap|landlock|none)",
 }
 SANDBOXES = {"auto", "bwrap", "landlock", "none"}
 #: What the deploy files run workers with: Landlock works under the runtime's default seccomp

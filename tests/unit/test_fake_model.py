@@ -81,7 +81,7 @@ def test_records_every_request_and_answers_past_the_script_with_an_http_error_sa
 def test_the_toolq_client_ends_at_once_on_an_exhausted_script():
     import asyncio
 
-    from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, build_request
+    from toolq.orchestrator.model_client import ModelClient, ModelError, ModelSettings, build_request
 
     async def ask(base_url: str) -> ModelError:
         async with ModelClient(ModelSettings(base_url=base_url, api_key=None)) as client:

@@ -22,7 +22,7 @@ from toolq.workers import isolation
 from toolq.workers.isolation import bwrap, choose, landlock, limits, spawner
 from toolq.workers.isolation import policy as policy_module
 from toolq.workers.isolation.policy import Limits, Policy
-from toolq.workers.sandbox import run_command
+from toolq.workers.processes import run_command
 
 SECRET_ENV = {"REDIS_URL": "redis://:pw@h/0", "CELERY_BROKER_URL": "redis://:pw@h/0", "OPENAI_API_KEY": "sk-x",
               "FLOWER_PASSWORD": "f", "TOOLQ_SIGNING_KEY": "k", "AWS_SECRET_ACCESS_KEY": "a"}

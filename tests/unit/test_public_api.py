@@ -43,7 +43,7 @@ def _imported_after(code: str) -> dict:
 
 def test_importing_toolq_and_the_barrier_loads_no_celery_and_registers_no_tool():
     after = _imported_after("import toolq\nfrom toolq import tool, ToolContext, ToolReturn, RespondToModel\n"
-                            "import toolq.orchestrator.barrier, toolq.orchestrator.binding, toolq.orchestrator.memory")
+                            "import toolq.orchestrator.barrier, toolq.orchestrator.binding, toolq.orchestrator.memory_transport")
     loaded = [m for m in after["modules"] if m.split(".")[0] in ("celery", "kombu", "billiard")
               or m.startswith(("toolq.workers.app", "toolq.workers.tools"))]
     assert loaded == [], loaded
@@ -67,7 +67,7 @@ def test_the_toolq_run_path_loads_no_jsonschema_nor_the_mcp_worker_side():
                             "import toolq.orchestrator.fleet, toolq.orchestrator.mcp_tools, toolq.workers.mcp.fleet\n"
                             "from toolq.workers.loader import load_catalog\nload_catalog([])")
     loaded = [m for m in after["modules"] if m.split(".")[0] in ("jsonschema", "referencing", "mcp")
-              or m.startswith(("toolq.workers.mcp.worker", "toolq.workers.mcp.client", "toolq.workers.mcp.config"))]
+              or m.startswith(("toolq.workers.mcp.worker", "toolq.workers.mcp.host_client", "toolq.workers.mcp.config"))]
     assert loaded == [], loaded
 
 

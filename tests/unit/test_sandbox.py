@@ -1,4 +1,4 @@
-"""toolq.workers.sandbox: the process-group runner."""
+"""toolq.workers.processes: the process-group runner."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psutil
 
-from toolq.workers import sandbox
-from toolq.workers.sandbox import HeadTailBuffer, live_process_groups, run_command
+from toolq.workers import processes as sandbox
+from toolq.workers.processes import HeadTailBuffer, live_process_groups, run_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -132,7 +132,7 @@ def test_head_tail_buffer_drops_only_the_middle():
 _CHILD = textwrap.dedent(
     """
     import sys, threading, time
-    from toolq.workers import sandbox
+    from toolq.workers import processes as sandbox
 
     sandbox.install_sigterm_handler()
     threading.Thread(

@@ -15,7 +15,8 @@ import pytest
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.orchestrator.dispatch import FLOWER_COMMAND_CHARS, flower_args
 from toolq.workers.exec_output import format_exec_output
-from toolq.workers.sessions import client, start
+from toolq.workers.sessions import host_client as client
+from toolq.workers.sessions import start
 from toolq.workers.sessions.host import STDIN_CLOSED
 from toolq.workers.sessions.protocol import ExecRequest, WriteRequest
 from toolq.workers.tools.write_stdin import WriteStdinArgs

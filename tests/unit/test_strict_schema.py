@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from tests.responses_schema import schema_errors
 from toolq.core.calls import FunctionPayload, ToolCall, ToolName
-from toolq.orchestrator.client import build_request
+from toolq.orchestrator.model_client import build_request
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.workers.catalog import Catalog, ToolContext, parse_arguments, tool
 

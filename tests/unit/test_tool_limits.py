@@ -18,7 +18,7 @@ from toolq.core.tool_limits import Rate, ToolLimit, parse_tool_limits
 from toolq.orchestrator.barrier import Step
 from toolq.orchestrator.binding import bind_item
 from toolq.orchestrator.limits import Limits
-from toolq.orchestrator.memory import MemoryRecords, MemoryTransport, catalog_runner
+from toolq.orchestrator.memory_transport import MemoryRecords, MemoryTransport, catalog_runner
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn_events import ItemCompleted, ItemUpdated

@@ -153,7 +153,7 @@ def read_prompt(arg: str | None, stdin: IO[str]) -> str:
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from toolq.orchestrator.client import missing_api_key
+    from toolq.orchestrator.model_client import missing_api_key
     from toolq.orchestrator.runner import run_prompt
 
     prompt = read_prompt(args.prompt, sys.stdin)
@@ -179,7 +179,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from toolq.orchestrator.batch import run_batch
-    from toolq.orchestrator.client import missing_api_key
+    from toolq.orchestrator.model_client import missing_api_key
 
     if args.concurrency < 1:
         raise UsageError("--concurrency must be at least 1")

@@ -33,13 +33,13 @@ from toolq.core.items import (
     is_api_item,
 )
 from toolq.orchestrator.barrier import Step, flush_background
-from toolq.orchestrator.client import ModelClient, ModelError, ModelSettings, backoff, build_request
 from toolq.orchestrator.conversation import ConversationLease, new_conversation_id
 from toolq.orchestrator.dispatch import Dispatcher
 from toolq.orchestrator.durable import Committed, StoreBudget, TurnSettings, TurnStore, item_cost, unanswered, wire_cost
 from toolq.orchestrator.fleet import Fleet, new_turn_id
 from toolq.orchestrator.history import History
 from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.model_client import ModelClient, ModelError, ModelSettings, backoff, build_request
 from toolq.orchestrator.protocol.events import Usage
 from toolq.orchestrator.protocol.reasoning import reasoning_for
 from toolq.orchestrator.redis_faults import REDIS_FAULTS, RedisUnreachable

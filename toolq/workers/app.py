@@ -36,7 +36,7 @@ from toolq.workers.config import configure_app, longest_timeout, make_app
 from toolq.workers.execute import StillRunning, execute
 from toolq.workers.loader import load_catalog
 from toolq.workers.mcp.worker import sync as sync_mcp_tools
-from toolq.workers.sandbox import install_sigterm_handler
+from toolq.workers.processes import install_sigterm_handler
 from toolq.workers.sessions import registry as session_registry
 from toolq.workers.sessions import start as session_host
 from toolq.workers.summary import returned

@@ -14,7 +14,7 @@ import time
 from toolq.core.errors import RespondToModel
 from toolq.workers import isolation
 from toolq.workers.catalog import ToolContext
-from toolq.workers.sandbox import CallCancelled
+from toolq.workers.processes import CallCancelled
 
 MIB = 1024 * 1024
 

@@ -29,7 +29,7 @@ from toolq.core.truncate import bound_output
 from toolq.orchestrator.settings import workspace_problem
 from toolq.workers import permit
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
-from toolq.workers.sandbox import CallCancelled
+from toolq.workers.processes import CallCancelled
 from toolq.workers.streaming import OutputStream
 
 log = logging.getLogger("toolq.worker")

@@ -5,7 +5,7 @@ publishes each batch, signed like a result meta, on the call's pub/sub channel
 (`keys.call_output`), which the orchestrator's result reader hears under one pattern per turn.
 A call streams only when its invocation asks (`stream_output`: a watched turn, and
 `TOOLQ_STREAM_OUTPUT` on). At most `STREAM_BYTES` are published per call; past them the stream
-stops (the command reads on, under the flood throttle of `toolq.workers.sandbox`), so a flood
+stops (the command reads on, under the flood throttle of `toolq.workers.processes`), so a flood
 costs Redis and the orchestrator a bounded amount. A command done within `INTERVAL` publishes
 nothing. The call's output is still its signed result alone: a batch is never part of it.
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from toolq.workers.mcp.backoff import Backoff
-from toolq.workers.mcp.client import HostClient, HostGone, HostUnavailable
+from toolq.workers.mcp.host_client import HostClient, HostGone, HostUnavailable
 from toolq.workers.mcp.wire import CallReply, CallRequest, McpOutput
-from toolq.workers.sandbox import CallCancelled
+from toolq.workers.processes import CallCancelled
 
 REQUEST = CallRequest(server="s", tool="t", arguments={}, digest="d", timeout=5)
 OK = CallReply(result=McpOutput(output="ok")).model_dump_json().encode() + b"\n"

@@ -14,7 +14,7 @@ import pytest
 from tests.unit.tools import call
 from toolq.core.errors import RespondToModel
 from toolq.workers.catalog import ToolReturn
-from toolq.workers.sandbox import CallCancelled
+from toolq.workers.processes import CallCancelled
 from toolq.workers.tools.exec_command import ExecCommandArgs, exec_command
 
 HEADER = re.compile(

@@ -18,8 +18,8 @@ from typing import IO, Any
 
 from toolq.orchestrator import import_path
 from toolq.orchestrator.bench.harness import goal
-from toolq.orchestrator.client import ModelClient, ModelSettings, build_request
 from toolq.orchestrator.fake_model.render import replay_frames
+from toolq.orchestrator.model_client import ModelClient, ModelSettings, build_request
 
 # Package data (a copy of tests/fixtures/sse/sse-parallel-function-calls.txt, source noted there).
 FIXTURE = Path(__file__).resolve().parent / "recordings" / "sse-parallel-function-calls.txt"

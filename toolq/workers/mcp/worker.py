@@ -6,7 +6,7 @@ children inherit both. Before a child runs an MCP call it asks the host for the 
 (`sync`), so a tool list that changed since the fork is what `execute` checks the call's
 declaration digest against. The main process follows the listing too, for the fleet catalog
 (`follow.py`), and starts the host again should it die (`launch.py`); children reach it with
-`client.py`.
+`host_client.py`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 from toolq.core.calls import ToolName
 from toolq.core.errors import ConfigurationError, RespondToModel, ToolTimedOut
 from toolq.workers.catalog import Catalog, ToolContext, ToolReturn
-from toolq.workers.mcp.client import HostClient, HostGone, HostUnavailable
 from toolq.workers.mcp.config import BASIC_ENV, McpServerConfig
+from toolq.workers.mcp.host_client import HostClient, HostGone, HostUnavailable
 from toolq.workers.mcp.launch import HostProcess
 from toolq.workers.mcp.specs import mcp_queue, tool_spec
 from toolq.workers.mcp.wire import CallRequest, Listing

@@ -5,7 +5,7 @@ Why a session host process: a prefork pool child persists across tasks, but Cele
 worker's tasks to its children arbitrarily, so a `write_stdin` could never be sent to the child
 that started the command. Each worker therefore starts one small host process (`host.py`) from
 its main process, before the pool forks; every `exec_command` of that worker runs in it, and pool
-children talk to it over a unix socket in a 0700 directory (`client.py`). The host keeps the
+children talk to it over a unix socket in a 0700 directory (`host_client.py`). The host keeps the
 commands that outlive their call, and a per-instance queue `toolq.w.<instance>` (consumed by
 that worker only) brings each `write_stdin` to it (`toolq.orchestrator.session_route`).
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from toolq.core.errors import RespondToModel
 from toolq.workers.catalog import ToolContext, ToolReturn
 from toolq.workers.exec_output import format_exec_output
-from toolq.workers.sandbox import CallCancelled
-from toolq.workers.sessions import client
+from toolq.workers.processes import CallCancelled
+from toolq.workers.sessions import host_client
 from toolq.workers.sessions.protocol import ExecRequest, Reply, WriteRequest
 
 #: Slack for the host's reply over the yield time (it drains output after an exit).
@@ -18,7 +18,7 @@ REPLY_SLACK = 5.0
 
 def available(ctx: ToolContext) -> bool:
     """Sessions need a conversation to belong to, and a worker that runs a session host."""
-    return bool(ctx.invocation.conversation) and client.socket_path() is not None
+    return bool(ctx.invocation.conversation) and host_client.socket_path() is not None
 
 
 def exec_in_host(cmd: str, *, shell: str, cwd: Path, tty: bool, yield_ms: float, ctx: ToolContext) -> Reply:
@@ -37,10 +37,10 @@ def write_in_host(session_id: int, chars: str, yield_ms: float, ctx: ToolContext
 
 def _call(request: ExecRequest | WriteRequest, ctx: ToolContext, yield_ms: float, tool: str) -> Reply:
     try:
-        reply = client.call(request, ctx.cancelled, timeout=yield_ms / 1000 + REPLY_SLACK, output=ctx.output)
-    except client.Cancelled:
+        reply = host_client.call(request, ctx.cancelled, timeout=yield_ms / 1000 + REPLY_SLACK, output=ctx.output)
+    except host_client.Cancelled:
         raise CallCancelled(f"{tool} cancelled") from None
-    except client.HostUnavailable as e:
+    except host_client.HostUnavailable as e:
         raise RespondToModel(f"{tool} failed: {e}") from None
     if reply.error is not None:
         raise RespondToModel(reply.error)
@@ -48,7 +48,7 @@ def _call(request: ExecRequest | WriteRequest, ctx: ToolContext, yield_ms: float
 
 
 def to_return(reply: Reply, max_tokens: int) -> ToolReturn:
-    content = client.output_text(reply)
+    content = host_client.output_text(reply)
     if reply.limit_note:
         content += f"\n[{reply.limit_note}]\n"
     text = format_exec_output(content, reply.exit_code, reply.wall_time, max_tokens,

@@ -19,8 +19,8 @@ import threading
 
 from toolq.orchestrator import import_path
 from toolq.workers.isolation import limits
-from toolq.workers.sessions import client
-from toolq.workers.sessions.client import SOCKET_ENV
+from toolq.workers.sessions import host_client
+from toolq.workers.sessions.host_client import SOCKET_ENV
 
 log = logging.getLogger("toolq.sessions")
 
@@ -29,7 +29,7 @@ _host: subprocess.Popen | None = None
 _dir: str | None = None
 _stopping = threading.Event()
 _key = b""
-"""What every request to the host starts with (`client._key`)."""
+"""What every request to the host starts with (`host_client._key`)."""
 _booting: tuple[subprocess.Popen, str] | None = None
 """A launched host and its socket path, until `wait_ready` has seen it listen."""
 #: How long a host that exited 0 waits for the worker's own shutdown notice before it is restarted.
@@ -77,7 +77,7 @@ def start(*, instance: str, hostname: str, redis_url: str) -> str:
     _dir = tempfile.mkdtemp(prefix="toolq-sessions-")  # 0700: only this uid reaches the socket
     global _key
     _key = secrets.token_hex(32).encode()
-    client.set_key(_key)
+    host_client.set_key(_key)
     path = os.path.join(_dir, "host.sock")
     env = dict(os.environ, TOOLQ_SESSION_SOCKET=path, TOOLQ_SESSION_REDIS=redis_url,
                TOOLQ_SESSION_INSTANCE=instance, TOOLQ_SESSION_HOSTNAME=hostname)
@@ -146,4 +146,4 @@ def stop() -> None:
         except OSError:
             pass
     os.environ.pop(SOCKET_ENV, None)
-    client.set_key(None)
+    host_client.set_key(None)

@@ -17,7 +17,7 @@ from toolq.core.errors import RespondToModel
 from toolq.workers import isolation
 from toolq.workers.catalog import ToolContext, ToolReturn, tool
 from toolq.workers.exec_output import format_exec_output
-from toolq.workers.sandbox import CallCancelled, run_command
+from toolq.workers.processes import CallCancelled, run_command
 from toolq.workers.sessions import calls as sessions
 from toolq.workers.workspace import resolve_in_workspace
 

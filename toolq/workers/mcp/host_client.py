@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pydantic import BaseModel
 
 from toolq.workers.mcp.wire import CallReply, CallRequest, Listing, ListRequest
-from toolq.workers.sandbox import CallCancelled
+from toolq.workers.processes import CallCancelled
 
 #: How often a child waiting on a call checks whether the turn or the call was cancelled.
 CANCEL_POLL = 0.25
