@@ -16,6 +16,7 @@ import pytest
 
 import tests.integration.conftest as c
 from toolq.orchestrator.cancel import UnknownTarget, cancel
+from toolq.orchestrator.exits import exit_status
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
@@ -81,7 +82,7 @@ def test_cancelling_a_turn_kills_every_process_and_leaves_a_paired_history(fleet
             return outcomes[0], session
 
         outcome, session = asyncio.run(asyncio.wait_for(go(), 60))
-        assert outcome.status == "cancelled" and outcome.exit_code == 130
+        assert outcome.status == "cancelled" and exit_status(outcome) == 130
         assert len(fake.requests) == 1, "no model request after a cancel"
 
     deadline = time.monotonic() + 5

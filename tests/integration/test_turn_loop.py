@@ -12,6 +12,7 @@ import redis
 import tests.integration.conftest as c
 from toolq.core.calls import FunctionPayload, ToolCall, ToolName
 from toolq.core.items import FunctionCallItem
+from toolq.orchestrator.exits import exit_status
 from toolq.orchestrator.fake_model import builders as b
 from toolq.orchestrator.fake_model.server import FakeModel
 from toolq.orchestrator.ledger import Ledger
@@ -148,7 +149,7 @@ def test_a_retryable_stream_error_drains_calls_and_retries_with_their_outputs(fl
 
 def test_a_terminal_model_error_fails_the_turn_with_the_servers_words(fleet, drive):
     run = drive([[b.http_error(400, {"error": {"message": "bad request body", "type": "invalid_request_error"}})]])
-    assert run.outcome.status == "failed" and run.outcome.exit_code == 1
+    assert run.outcome.status == "failed" and exit_status(run.outcome) == 1
     assert "bad request body" in run.outcome.error
     assert run.events[-1]["type"] == "turn.failed"
 

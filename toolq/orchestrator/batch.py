@@ -31,10 +31,11 @@ from toolq.core.errors import ConfigurationError
 from toolq.orchestrator import trusted_files
 from toolq.orchestrator.batch_progress import Progress, ended_call
 from toolq.orchestrator.catalog_reader import WorkersStarting
+from toolq.orchestrator.exits import EXIT_CANCELLED, EXIT_FAILED
 from toolq.orchestrator.redis_faults import REDIS_FAULTS, RedisUnreachable
 from toolq.orchestrator.runner import CANCEL_SIGNALS, default_instructions, with_redis
 from toolq.orchestrator.settings import Settings, absolute_workspace, workspace_problem
-from toolq.orchestrator.turn import EXIT_CANCELLED, EXIT_FAILED, Runtime, Session, TurnOutcome, new_turn_id
+from toolq.orchestrator.turn import Runtime, Session, TurnOutcome, new_turn_id
 
 Status = Literal["completed", "failed", "cancelled", "invalid"]
 

@@ -21,6 +21,7 @@ from toolq.core.errors import ConfigurationError
 from toolq.orchestrator import trusted_files
 from toolq.orchestrator.catalog_reader import WorkersStarting
 from toolq.orchestrator.durable import TurnSettings, TurnStore
+from toolq.orchestrator.exits import exit_status
 from toolq.orchestrator.history import History, pairing_problems
 from toolq.orchestrator.redis_faults import reaching
 from toolq.orchestrator.settings import Settings, absolute_workspace, workspace_problem
@@ -45,7 +46,7 @@ def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, se
         save_session(session_file, history)
     if outcome.could_not_start and json_events:  # stdout is the events; the one line goes to stderr
         print(f"toolq run: {printable(str(outcome.error), lines=False)}", file=sys.stderr)
-    return outcome.exit_code
+    return exit_status(outcome)
 
 
 def load_session(path: Path) -> History:
@@ -89,7 +90,7 @@ def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path |
             problems = [p for body in fake.requests for p in pairing_problems(body.get("input", []))]
             paired = f"PAIRING PROBLEMS: {problems}" if problems else "every call was paired with exactly one output."
             print(f"{len(fake.requests)} model requests; {paired}")
-    return outcome.exit_code
+    return exit_status(outcome)
 
 
 def with_redis(settings: Settings, stack: ExitStack, quiet: bool) -> tuple[Settings, WorkersStarting | None]:
@@ -132,7 +133,7 @@ def resume_turn(settings: Settings, turn_id: str, *, json_events: bool = False,
     outcome, history = asyncio.run(_run(settings, "", json_events, turn_id=turn_id, resume=True))
     if session_file:
         save_session(session_file, history)
-    return outcome.exit_code
+    return exit_status(outcome)
 
 
 async def _saved_settings(settings: Settings, turn_id: str) -> TurnSettings | None:
@@ -184,7 +185,7 @@ async def _run(settings: Settings, prompt: str, json_events: bool, history: Hist
         await runtime.aclose()
 
 
-#: Each cancels the turn as Ctrl-C does (the exit status is then 130, `TurnOutcome.exit_code`).
+#: Each cancels the turn as Ctrl-C does (the exit status is then 130, `exits.exit_status`).
 CANCEL_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 

@@ -71,12 +71,6 @@ TURN_ABORTED = (
     "</turn_aborted>"
 )
 
-EXIT_FAILED = 1
-EXIT_UNSTARTED = 2
-EXIT_CANCELLED = 130
-EXIT_CODES = {"completed": 0, "failed": EXIT_FAILED, "cancelled": EXIT_CANCELLED}
-
-
 class CannotResume(ConfigurationError):
     """`toolq resume` was asked for a turn it may not take over (one line, exit 2)."""
 
@@ -91,15 +85,7 @@ class TurnOutcome:
     usage: Usage = field(default_factory=Usage)
     requests: int = 0
     could_not_start: bool = False
-    """Nothing ran (Redis unreachable at the start): exit status 2, as for bad settings."""
-
-    @property
-    def exit_code(self) -> int:
-        """`toolq run`'s exit status: 0 completed, 1 failed, 130 cancelled (Ctrl-C, SIGTERM,
-        SIGHUP or `toolq cancel`: the shell's 128 + SIGINT). 2 is kept for "could not start"."""
-        if self.could_not_start:
-            return EXIT_UNSTARTED
-        return EXIT_CODES.get(self.status, EXIT_FAILED)
+    """Nothing ran (Redis unreachable at the start); the command line exits 2 (`exits.py`)."""
 
 
 class Runtime(Fleet):
