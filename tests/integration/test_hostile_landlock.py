@@ -117,7 +117,12 @@ def _attacks(v: dict[str, Path]) -> dict[str, str]:
         # passed: same uid, no capability asked); then the command's own, which still works.
         "call_sched": (f"{PY} \"import ctypes, os\n"
                        "libc = ctypes.CDLL(None, use_errno=True)\n"
-                       "tries = dict(nice=lambda: os.setpriority(os.PRIO_PROCESS, os.getppid(), 19),\n"
+                       # A sibling thread's id: it could exit and its id go to another process
+                       # between the worker's check and the call (a red team timed it).
+                       "import threading\n"
+                       "ev = threading.Event(); sib = threading.Thread(target=ev.wait); sib.start()\n"
+                       "tries = dict(sibling=lambda: os.sched_setaffinity(sib.native_id, os.sched_getaffinity(0)),\n"
+                       "    nice=lambda: os.setpriority(os.PRIO_PROCESS, os.getppid(), 19),\n"
                        "    user=lambda: os.setpriority(os.PRIO_USER, 0, 19),\n"
                        "    cpus=lambda: os.sched_setaffinity(os.getppid(), {0}),\n"
                        "    idle=lambda: os.sched_setscheduler(os.getppid(), os.SCHED_IDLE, os.sched_param(0)),\n"
@@ -125,6 +130,7 @@ def _attacks(v: dict[str, Path]) -> dict[str, str]:
                        "for name, f in tries.items():\n"
                        "    try:\n        f(); print(name, 'CHANGED')\n"
                        "    except OSError as e:\n        print(name, 'errno', e.errno)\n"
+                       "ev.set(); sib.join()\n"
                        "os.nice(1); os.sched_setaffinity(0, os.sched_getaffinity(0))\n"
                        # Its own process and threads, by id (pthread_setaffinity_np passes a tid).
                        "import threading\n"
@@ -205,13 +211,19 @@ def test_a_landlock_command_changes_no_metadata_outside_its_workspace(drive, lan
     os.chown(others, *(unprivileged.ids() if os.stat(ws).st_uid == 0 else (0, 0)))
     others.chmod(0o666)
     os.utime(others, (MTIME, MTIME))
+    others_ro = ws / "others_ro"  # and one it may not write: touch-to-now is refused, root worker or not
+    others_ro.write_text("")
+    os.chown(others_ro, *(unprivileged.ids() if os.stat(ws).st_uid == 0 else (0, 0)))
+    others_ro.chmod(0o600)
+    os.utime(others_ro, (MTIME, MTIME))
     log = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # as /dev/log would be
     log_path = v["plain"].parent / "log.sock"
     log_path.unlink(missing_ok=True)
     log.bind(str(log_path))
     log_path.chmod(0o777)
     log.setblocking(False)
-    attacks = {**_attacks(v), "call_own_listener": f"python3 own_listener.py {v['plain']}"}
+    attacks = {**_attacks(v), "call_own_listener": f"python3 own_listener.py {v['plain']}",
+               "call_touch_ro": "touch others_ro; echo rc=$?"}
     if os.uname().machine != "x86_64":
         del attacks["call_own_listener"]  # its syscall numbers are x86_64's
     out = attack(drive, landlock_worker, ws, {**attacks, "call_control": CONTROL})
@@ -230,12 +242,14 @@ def test_a_landlock_command_changes_no_metadata_outside_its_workspace(drive, lan
     assert "rc=0" not in out["call_prlimit"][1] and "rc=1" in out["call_prlimit"][1], out["call_prlimit"]
     assert "ioctl errno 95" in out["call_ioctl"][1], out["call_ioctl"]
     sched = out["call_sched"][1]
-    assert "CHANGED" not in sched and sched.count("errno 1") == 5 and "OWN-OK" in sched, sched
+    assert "CHANGED" not in sched and sched.count("errno 1") == 6 and "OWN-OK" in sched, sched
     assert "dgram errno 13" in out["call_dgram"][1] and "PAIR-OK" in out["call_dgram"][1], out["call_dgram"]
     with pytest.raises(BlockingIOError):
         log.recv(100)  # nothing arrived
     log.close()
     assert "Operation not permitted" in out["call_linked"][1], out["call_linked"]
+    assert "Permission denied" in out["call_touch_ro"][1] and (ws / "others_ro").stat().st_mtime == MTIME, \
+        out["call_touch_ro"]
     proc_dir = out["call_proc_dir"][1]
     assert "PROC-DIR-DONE" in proc_dir and proc_dir.count("Operation not permitted") >= 4, proc_dir
 

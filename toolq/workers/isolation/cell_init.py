@@ -218,8 +218,8 @@ NAMESPACE_ARGS = (("unshare", 0), ("clone", 0))
 SUPERVISED = ("chown", "fchown", "lchown", "fchownat", "utime", "utimes", "futimesat", "utimensat")
 #: Under Landlock, calls that name another process by pid work on the caller only (argument
 #: index of the pid); the worker is a process of the same uid beside the command. A pid other
-#: than 0 goes to the worker's supervisor, which lets it through when it is one of the caller's
-#: own threads (`pthread_setaffinity_np` passes a thread id).
+#: than 0 goes to the worker's supervisor, which lets it through when it is the calling thread's
+#: own id or its process's (`pthread_setaffinity_np(pthread_self())` passes a thread id).
 OWN_PROCESS_ONLY = (("prlimit64", 0), ("sched_setparam", 0), ("sched_setscheduler", 0), ("sched_setaffinity", 0),
                     ("sched_setattr", 0))
 #: (call, the `which` naming one process): with any other `which` (a group, a user), refused:

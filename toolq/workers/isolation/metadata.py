@@ -239,6 +239,15 @@ def _allowed(fd: int, command: Command, *, owner: bool = True) -> os.stat_result
     return st
 
 
+def _may_write(st: os.stat_result, uid: int) -> bool:
+    """The mode grants `uid` (a capability-less process of it, with this process's groups) write."""
+    if st.st_uid == uid:
+        return bool(st.st_mode & stat.S_IWUSR)
+    if st.st_gid == os.getegid() or st.st_gid in os.getgroups():
+        return bool(st.st_mode & stat.S_IWGRP)
+    return bool(st.st_mode & stat.S_IWOTH)
+
+
 def _chmod(fd: int, command: Command, mode: int) -> None:
     st = _allowed(fd, command)
     if stat.S_ISLNK(st.st_mode):
@@ -257,10 +266,13 @@ def _chown(fd: int, command: Command, uid: int, gid: int) -> None:
 
 
 def _utime(fd: int, command: Command, times: bytes | None) -> None:
-    # Setting both times to now needs only write access, which the kernel checks on the call
-    # below (the worker has the command's uid): `touch` on a file of the workspace another uid owns.
+    # Setting both times to now needs only write access: `touch` on a file of the workspace
+    # another uid owns. Checked here by the mode bits, as for the command without capabilities:
+    # a root worker's call below would pass the kernel's check whatever the mode.
     now = times is None or _TIMESPECS.unpack(times)[1::2] == (UTIME_NOW, UTIME_NOW)
-    _allowed(fd, command, owner=not now)
+    st = _allowed(fd, command, owner=not now)
+    if now and st.st_uid != command.uid and not _may_write(st, command.uid):
+        raise _Refused(errno.EACCES)
     buffer = ctypes.create_string_buffer(times, len(times)) if times is not None else None
     _check(_libc.utimensat(fd, b"", buffer, AT_EMPTY_PATH))
 
@@ -290,12 +302,13 @@ _PROCESS_ARG = {**dict(cell_init.OWN_PROCESS_ONLY), **{name: 1 for name, _which 
 
 
 def own_thread(call: _Call, named: int) -> None:
-    """`named` (a pid or tid the call names) is one of the caller's own threads; else EPERM.
-    The kernel then makes the call as asked (CONTINUE): its arguments are numbers in registers,
-    which the caller cannot change after this check. (A thread that exits meanwhile leaves a tid
-    that the kernel hands out again only after the whole pid space went round.)"""
-    tgid = call.thread_group()
-    if named not in (call.pid, tgid) and not os.path.exists(f"/proc/{tgid}/task/{named}"):
+    """`named` (the pid or tid the call names) is the calling thread itself or its process; else
+    EPERM. The kernel then makes the call as asked (CONTINUE), looking the id up again: only these
+    two ids cannot be handed to another process meanwhile, as the caller is blocked in the call. A
+    sibling thread's id is refused: it may exit after the check and its id go to another process
+    of the uid, which a command times by reading `ns_last_pid` (a red team's finding, reproduced
+    on a root worker: a fresh process's limits lowered)."""
+    if named not in (call.pid, call.thread_group()):
         raise _Refused(errno.EPERM)
     call.still_waiting()
 
