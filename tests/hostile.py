@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -73,6 +74,17 @@ class Exchanger(Flipper):
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline() == "exchanging\n"
         return self
+
+
+def restore_flipped(ws: Path, name: str = "d") -> None:
+    """Put `ws/d` back as the directory a stopped Flipper may have left stashed (`d.real`)."""
+    d, stash = ws / name, ws / f"{name}.real"
+    if stash.exists():
+        if d.is_symlink():
+            d.unlink()
+        elif d.exists():
+            shutil.rmtree(d)
+        stash.rename(d)
 
 
 def race_tree(root: Path) -> tuple[Path, Path]:
