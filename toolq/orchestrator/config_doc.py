@@ -1,214 +1,273 @@
-"""docs/configuration.md, generated from the settings model (`Settings` and its `ENV` table), so the
-two cannot drift: every setting must have a row here, and the variables each row names come from
-`ENV`. tests/unit/test_docs.py fails when the file differs from `render()`; to write it:
+"""docs/configuration.md, generated from the settings model so that the two cannot drift.
+
+Each setting's row comes from `toolq.orchestrator.settings`: its environment variables from `ENV`,
+its default and its allowed values from the pydantic field, whether it is a secret from `SECRETS`,
+and its description from the docstring under the field. This module adds only what the model
+does not say: which table a setting belongs in (`GROUPS`), a description for a field that has no
+docstring and a practical note for some others (`NOTES`), and the command-line flag that
+overrides it (`FLAGS`). tests/unit/test_docs.py fails when the file differs from `render()`, or
+when a setting has no group or no description. To write the file:
 
     .venv/bin/python -m toolq.orchestrator.config_doc > docs/configuration.md
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ast
+import inspect
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
 
-from toolq.orchestrator.settings import ENV, Settings
+from annotated_types import Ge, Gt, Le
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
+from toolq.core.signing import GENERATE, MIN_KEY_CHARS
+from toolq.orchestrator import settings as settings_module
+from toolq.orchestrator.import_path import TOOLS_PATH_ENV
+from toolq.orchestrator.settings import ENV, SECRETS, Settings
 
-@dataclass(frozen=True)
-class Row:
-    """One line of the table: the settings it documents (their variables come from `ENV`), what
-    they do, and their default in words. `variables`: for one read outside `Settings`."""
+HEAD = """\
+# Configuration
 
-    settings: tuple[str, ...]
-    text: str
-    default: str
-    variables: tuple[str, ...] = ()
+Every setting, the environment variable that sets it, its default and what it does. This file is
+generated from the settings model (`toolq/orchestrator/settings.py`) by
+`toolq/orchestrator/config_doc.py`; do not edit it by hand.
 
+One settings model reads the environment, on the orchestrator and on the workers alike.
+Command-line flags override it. `toolq config` prints the values toolq will use, with secrets
+masked. A bad value stops the command with exit status 2 and one line that names the setting,
+such as `toolq: invalid setting concurrency (TOOLQ_CONCURRENCY): Input should be a valid
+integer, ...`. Where a setting has two variables, the first one set wins. Switches take `1` or
+`0` (also `true`/`false`); lists are comma-separated unless said otherwise; times are in seconds.
+"""
 
-HEAD = ('# Configuration\n\nEvery setting, the environment variable that sets it, and its default.\n\n\nOne '
-        'settings model (`toolq/orchestrator/settings.py`) reads the environment. Command-line flags\noverride '
-        'it. `toolq config` prints the values that toolq will use, with secrets masked. A bad\nvalue stops the '
-        'command with exit status 2 and one line that names the setting, such as\n`toolq: invalid setting '
-        'concurrency (TOOLQ_CONCURRENCY): Input should be a valid integer, ...`.\n')
-
-ROWS = [
-    Row(('redis_url',),
-        'broker and ledger: `redis://`, `rediss://` (add `?ssl_cert_reqs=required`) or `unix://`',
-        'unset: embedded server for `run`/`demo`'),
-    Row(('result_url',),
-        'Celery result backend',
-        "the broker's server, database 1"),
-    Row(('openai_base_url',),
-        'Responses endpoint',
-        '`https://api.openai.com/v1`'),
-    Row(('openai_api_key',),
-        'bearer token (masked in `toolq config`)',
-        'unset'),
-    Row(('model',),
-        'model name (`--model`)',
-        '`gpt-5.5`'),
-    Row(('instructions',),
-        "the request's `instructions` (`--instructions`)",
-        'a short one naming the workspace'),
-    Row(('reasoning_effort',),
-        ('`reasoning.effort` (`--reasoning-effort`): `none`…`xhigh`, `max`; `off` sends no `reasoning` field. '
-         'With reasoning on, toolq asks for `include: ["reasoning.encrypted_content"]`, which stateless '
-         '(`store: false`) requests need to carry reasoning back; a reasoning item without it is left out of '
-         'the next request (counted, logged once)'),
-        '`auto`: `medium` for gpt-5\\* and o-series models, no field for others'),
-    Row(('workspace',),
-        'directory the tools work in (`--workspace`)',
-        'the current directory'),
-    Row(('tools',),
-        'extra tool modules, comma-separated (`--tools`)',
-        'none'),
-    Row((), 'folders the tool modules are imported from, `:`-separated; never a workspace',
-        'none (installed packages and `PYTHONPATH`)', variables=('TOOLQ_TOOLS_PATH',)),
-    Row(('queues',),
-        'queues a worker consumes (`--queues`)',
-        'every queue of its tools'),
-    Row(('concurrency',),
-        'pool processes per worker (`--concurrency`)',
-        '4'),
-    Row(('turn_timeout',),
-        'seconds a turn may take',
-        '3600'),
-    Row(('turn_lease',),
-        ("seconds a running turn's lease outlives its orchestrator (then `orphaned`, and `toolq resume` may "
-         'take it)'),
-        '15'),
-    Row(('max_steps',),
-        'model responses with tool calls per turn',
-        '100'),
-    Row(('turn_store_mb',),
-        ('MiB one turn may make toolq keep in Redis (for `toolq resume`): the conversation it starts from, the '
-         "model's items, each call's task message and record, the tools' outputs; past it the turn stops with "
-         'one line naming this setting, every call still answered'),
-        '64'),
-    Row(('request_max_retries',),
-        'model HTTP retries before any SSE byte',
-        '4'),
-    Row(('stream_max_retries',),
-        'whole-request retries after a broken stream',
-        '5'),
-    Row(('stream_idle_timeout',),
-        'seconds without a byte before a stream counts as dead',
-        '300'),
-    Row(('max_sse_event_bytes',),
-        ('a bigger SSE event is dropped unread, so memory stays bounded; if it may have held a call, the stream '
-         'counts as broken and is retried'),
-        '8388608 (8 MiB)'),
-    Row(('flower_user', 'flower_password'),
-        "Flower's basic auth (password masked)",
-        'unset: Flower refuses to start'),
-    Row(('flower_address', 'flower_port'),
-        'where Flower listens',
-        '`127.0.0.1`, 5555'),
-    Row(('signing_key',),
-        ("the fleet's shared key that signs calls and results (masked); generate with `python3 -c 'import "
-         "secrets; print(secrets.token_hex(32))'`"),
-        'required with `REDIS_URL`; the embedded default makes one per run'),
-    Row(('mcp',),
-        "a worker's MCP servers, `NAME=COMMAND ARGS...` one per line (`--mcp`, repeatable)",
-        'none'),
-    Row(('mcp_config',),
-        "a worker's MCP servers from a file: JSON `mcpServers` or TOML `[mcp_servers.NAME]`",
-        'none'),
-    Row(('log_tool_output',),
-        "`1`: tool output in the workers' task-succeeded log lines and Flower's results, for debugging",
-        'off: they show status and sizes only'),
-    Row(('sandbox',),
-        ("sandbox of shell tools' commands: `auto`, `bwrap`, `landlock`, `none` "
-         '([operating.md](operating.md#the-sandbox-of-exec_command))'),
-        '`auto`'),
-    Row(('sandbox_network',),
-        '`none` (no network, the broker unreachable) or `host`',
-        '`none`'),
-    Row(('sandbox_env', 'sandbox_read'),
-        'extra variables a command sees; extra directories it may read',
-        'none'),
-    Row(('sandbox_worker_processes', 'sandbox_worker_memory_mb'),
-        ("processes and memory of all of a worker's commands and sessions together (a cgroup above the per-call "
-         'ones, where the worker may create one; else the processes alone, as one RLIMIT_NPROC ceiling for the '
-         "worker's uid)"),
-        '2048, 8192'),
-    Row(('sandbox_worker_cpus',),
-        ("CPUs all of a worker's commands and sessions may use together (a CFS quota; they always share the CPU "
-         'as one group beside the worker itself)'),
-        '0 (no quota)'),
-    Row(('sandbox_conversation_processes', 'sandbox_conversation_memory_mb'),
-        ("processes and memory of one conversation's commands and sessions together on a worker: past them its "
-         'next command is refused and its newest sessions are killed, each with one line (the memory bound is '
-         'off by default: see docs/security.md)'),
-        '1024, 0 (none)'),
-    Row(('sandbox_etc',),
-        'extra entries of `/etc` a command may read (names under `/etc`, such as `ssh/ssh_config`)',
-        'the allowlist (`policy.ETC`)'),
-    Row(('sandbox_memory_mb', 'sandbox_processes', 'sandbox_cpu_seconds', 'sandbox_file_mb'),
-        'per-call limits: address space, processes, CPU time, file size',
-        '2048, 256, 300, 1024'),
-    Row(('sandbox_cells',),
-        ('`0`: bubblewrap starts once per command instead of once per workspace and spawn slot '
-         '([operating.md](operating.md#the-sandbox-of-exec_command))'),
-        'on'),
-    Row(('sessions',),
-        ('`0`: a worker keeps no sessions: every command runs to completion in its pool process, and '
-         '`write_stdin` answers `Unknown process id`'),
-        'on'),
-    Row(('session_limit',),
-        'live `exec_command` sessions per conversation, across the fleet',
-        '64'),
-    Row(('session_idle', 'session_lifetime'),
-        'seconds without a `write_stdin`, and in all, after which a session is killed',
-        '1800, 14400'),
-    Row(('stream_output',),
-        ("`0`: a running command's output is not streamed to the live view and `--json` (it shows when the call "
-         'ends)'),
-        'on'),
-    Row(('max_parallel_calls',),
-        ('calls of one turn in flight at once; the rest wait `throttled`, in call order '
-         '([operating.md](operating.md#limits-across-the-fleet))'),
-        '16'),
-    Row(('tool_limits',),
-        ('fleet-wide limits by tool name, JSON: `{"exec_command": {"max_concurrency": 8}, "git.git_log": '
-         '{"rate_limit": "100/m"}}`; overrides what a tool declares (`null` removes a limit); a plain name no '
-         'loaded tool has is said in one warning'),
-        'none'),
-    Row(('limit_lease',),
-        ("seconds a `max_concurrency` permit outlives its holder's last renewal (a crashed worker's or "
-         "orchestrator's permit is free again after this)"),
-        '10'),
-    Row(('redis_connections',),
-        ('connections an orchestrator process opens for its ledger at most; more commands at once wait for one, '
-         'never fail (no turn holds one)'),
-        '64'),
-    Row(('worker_poll',),
-        ("seconds a worker's wait for a message on its queues lasts before it asks again; a warm shutdown waits "
-         "for the one in flight (the embedded stack's workers use 0.1)"),
-        '1'),
+#: The tables, in order: a title, who reads the settings, and the settings (field names).
+GROUPS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("Redis and the fleet", "Both sides. Every worker and orchestrator of one fleet needs the same values.",
+     ("redis_url", "result_url", "signing_key", "redis_connections")),
+    ("The model", "The orchestrator (`toolq run`, `resume`, `batch`, `Session`).",
+     ("openai_base_url", "openai_api_key", "model", "instructions", "reasoning_effort", "request_max_retries",
+      "stream_max_retries", "stream_idle_timeout", "max_sse_event_bytes")),
+    ("Turns", "The orchestrator; workers read `TOOLQ_TOOLS` too.",
+     ("workspace", "tools", "max_steps", "turn_timeout", "turn_lease", "turn_store_mb")),
+    ("Workers", "`toolq worker`.",
+     ("queues", "concurrency", "worker_poll", "log_tool_output")),
+    ("Limits across the fleet", "The orchestrator takes the limits; workers hold and renew a call's permit "
+     "([operating.md](operating.md#limits-across-the-fleet)).",
+     ("max_parallel_calls", "tool_limits", "limit_lease")),
+    ("Flower", "`toolq flower`.",
+     ("flower_user", "flower_password", "flower_address", "flower_port")),
+    ("The sandbox of shell commands", "Workers: each command of `exec_command` (and of a tool that asks for the "
+     "sandbox) runs in it ([operating.md](operating.md#the-sandbox-of-exec_command)).",
+     ("sandbox", "sandbox_network", "sandbox_env", "sandbox_read", "sandbox_etc", "sandbox_memory_mb",
+      "sandbox_processes", "sandbox_cpu_seconds", "sandbox_file_mb", "sandbox_worker_processes",
+      "sandbox_worker_memory_mb", "sandbox_worker_cpus", "sandbox_conversation_processes",
+      "sandbox_conversation_memory_mb", "sandbox_cells")),
+    ("Sessions and live output", "Workers, except `TOOLQ_STREAM_OUTPUT`, which the orchestrator sends with each call "
+     "([operating.md](operating.md#long-running-commands-sessions)).",
+     ("sessions", "session_limit", "session_idle", "session_lifetime", "stream_output")),
+    ("MCP servers", "Workers: the servers each one hosts "
+     "([operating.md](operating.md#mcp-servers-tools-on-the-fleet)).",
+     ("mcp", "mcp_config")),
 ]
 
-TAIL = ''
+#: What a field's docstring does not say: its whole description when it has none, else a note
+#: that follows the docstring.
+NOTES: dict[str, str] = {
+    "redis_url": "`redis://`, `rediss://` (add `?ssl_cert_reqs=required`) or `unix://`. `toolq worker` needs one: "
+                 "a worker never starts an embedded server. Sentinel is not supported yet.",
+    "openai_base_url": "The Responses API endpoint: OpenAI, or a local server such as vLLM or Ollama.",
+    "openai_api_key": "The bearer token. Only a loopback base URL may go without one.",
+    "model": "The model named in each request.",
+    "reasoning_effort": "A reasoning item that comes without its encrypted content is left out of the next "
+                        "request (counted, logged once).",
+    "workspace": "The directory the tools work in. It is made absolute where toolq starts, and must be visible to "
+                 "every worker at the same path. System and shared folders, users' homes and folders on toolq's "
+                 "import path are refused.",
+    "tools": "Module names, importable from `TOOLQ_TOOLS_PATH`, `PYTHONPATH` or an installed package.",
+    "concurrency": "Pool processes per worker: how many calls one worker runs at once.",
+    "turn_timeout": "How long a turn may take: past it no new model request is made, and the turn fails with "
+                    "one line naming this setting.",
+    "max_steps": "Model responses with tool calls per turn.",
+    "flower_user": "User of Flower's basic auth. Without a user and a password `toolq flower` refuses to start "
+                   "(except `--unauthenticated-api`, on loopback only).",
+    "flower_password": "Password of Flower's basic auth.",
+    "flower_address": "Where Flower listens. Any address but loopback is warned about.",
+    "flower_port": "Flower's port.",
+    "signing_key": f"At least {MIN_KEY_CHARS} characters; generate one with `{GENERATE}`.",
+    "sandbox": "The worker names its choice in its log and in `toolq config`.",
+    "sandbox_network": "`none`: commands have no network, so the broker is out of their reach too; `host`: "
+                       "the host's network.",
+    "sandbox_etc": "Such as `ssh/ssh_config`. The allowlist is `ETC` in `toolq/workers/isolation/policy.py`.",
+    "sandbox_memory_mb": "Memory of one call's command in MiB (a memory cgroup per pool process where the worker may "
+                         "create one, else the address space of each process).",
+    "sandbox_processes": "Processes of one call's command.",
+    "sandbox_cpu_seconds": "CPU time of one call's command.",
+    "sandbox_file_mb": "The largest file one call's command may write, in MiB.",
+    "sandbox_worker_processes": "Without a cgroup it is one RLIMIT_NPROC ceiling for the worker's uid.",
+    "sandbox_conversation_processes": "Past this or the memory bound the conversation's next command is refused "
+                                      "and its newest sessions are killed, each with one line.",
+    "sandbox_cells": "`TOOLQ_SESSIONS=0` starts bubblewrap per command too.",
+    "session_limit": "Past it, a command that would become a session is killed, with an output that says so.",
+    "mcp": "Streamable HTTP servers: `NAME=https://host/mcp`.",
+    "tool_limits": 'Example: `{"exec_command": {"max_concurrency": 8}, "git.git_log": {"rate_limit": "100/m"}}`; '
+                   "`null` removes a declared limit; a plain name no loaded tool has is said in one warning.",
+}
+
+#: Flags that override a setting: setting -> (the commands that take it, the flag).
+FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "model": (("run", "batch", "config"), "--model"),
+    "instructions": (("run", "batch"), "--instructions"),
+    "reasoning_effort": (("run", "batch"), "--reasoning-effort"),
+    "workspace": (("run", "batch", "demo", "config"), "--workspace"),
+    "tools": (("run", "batch", "worker", "config"), "--tools"),
+    "queues": (("worker", "config"), "--queues"),
+    "concurrency": (("worker", "config"), "--concurrency"),
+    "mcp": (("worker",), "--mcp"),
+    "flower_address": (("flower",), "--address"),
+    "flower_port": (("flower",), "--port"),
+}
+
+#: Variables read outside the settings model, and what reads them.
+ELSEWHERE: list[tuple[str, str]] = [
+    (TOOLS_PATH_ENV, "Folders the tool modules are imported from, separated by `:` "
+                     "(`toolq/orchestrator/import_path.py`). Never a workspace: toolq does not import from the "
+                     "current directory. Default: none (installed packages and `PYTHONPATH`)."),
+    ("TOOLQ_BENCH_CODEX", "The Codex CLI that `toolq bench steps` and `coldstart` run beside toolq "
+                          "(`toolq/orchestrator/bench/codex.py`). Default: `codex` on `PATH`, if any."),
+]
 
 
-def _variables(row: Row) -> str:
-    if row.variables:
-        return ", ".join(f"`{v}`" for v in row.variables)
-    cells = []
-    for name in row.settings:
-        first, *others = ENV[name]
-        cells.append(f"`{first}`" + (" (or " + ", ".join(f"`{v}`" for v in others) + ")" if others else ""))
-    return ", ".join(cells)
+def field_docstrings() -> dict[str, str]:
+    """The docstring under each field of `Settings`, one paragraph each."""
+    tree = ast.parse(inspect.getsource(settings_module))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Settings")
+    out, name = {}, None
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            name = node.target.id
+        elif (name and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+              and isinstance(node.value.value, str)):
+            out[name] = " ".join(inspect.cleandoc(node.value.value).split())
+            name = None
+        else:
+            name = None
+    return out
 
 
 def undocumented() -> list[str]:
-    """Settings no row documents (a new setting must be added here)."""
-    covered = {name for row in ROWS for name in row.settings}
-    return [name for name in Settings.model_fields if name not in covered]
+    """Settings that no table holds, that have no description, or whose flag is unknown: a new
+    setting needs a group here, and a docstring in settings.py (or a note here)."""
+    grouped = [name for _title, _who, names in GROUPS for name in names]
+    docs = field_docstrings()
+    problems = [f"{n}: in no group" for n in Settings.model_fields if n not in grouped]
+    problems += [f"{n}: in more than one group" for n in set(grouped) if grouped.count(n) > 1]
+    problems += [f"{n}: not a setting" for n in grouped if n not in Settings.model_fields]
+    problems += [f"{n}: no docstring in settings.py and no note" for n in Settings.model_fields
+                 if n not in docs and n not in NOTES]
+    problems += [f"{n}: no variable in ENV" for n in Settings.model_fields if n not in ENV]
+    problems += [f"{n}: a note or flag for no setting" for n in {*NOTES, *FLAGS} if n not in Settings.model_fields]
+    return sorted(problems)
+
+
+def _escape(text: str) -> str:
+    """Markdown for a table cell: `|` escaped everywhere, `*`, `<` and `_` outside code spans."""
+    parts = text.replace("|", "\\|").split("`")
+    for i in range(0, len(parts), 2):  # outside code spans
+        parts[i] = parts[i].replace("*", "\\*").replace("<", "&lt;")
+    return "`".join(parts)
+
+
+def _number(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _default(name: str, field: FieldInfo) -> str:
+    if field.default_factory is not None:
+        made = field.default_factory()  # type: ignore[call-arg]  # none of Settings' factories takes the data
+        if isinstance(made, Path):
+            return "the current directory"
+        return "none" if not made else f"`{made}`"
+    value = field.default
+    if value is None or value is PydanticUndefined:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (int, float)):
+        text = _number(value)
+        if name.endswith("_bytes") and value % (1024 * 1024) == 0:
+            text += f" ({value // (1024 * 1024)} MiB)"
+        return text
+    return f"`{value}`"
+
+
+def _kind(annotation: Any) -> str:
+    """What a value may be, from the field's type."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (types.UnionType, typing.Union):
+        inner = [a for a in args if a is not type(None)]
+        return _kind(inner[0]) if len(inner) == 1 else "text"
+    if typing.get_origin(annotation) is Literal:
+        return " ".join(f"`{a}`" for a in args)
+    if typing.get_origin(annotation) is list:
+        return "list"
+    if typing.get_origin(annotation) is dict:
+        return "JSON object"
+    return {bool: "switch", int: "integer", float: "number", str: "text", Path: "path"}.get(annotation, "text")
+
+
+def _values(name: str, field: FieldInfo) -> str:
+    kind = "one per line" if name == "mcp" else _kind(field.annotation)
+    low = next((m for m in field.metadata if isinstance(m, (Ge, Gt))), None)
+    high = next((m.le for m in field.metadata if isinstance(m, Le)), None)
+    if isinstance(low, Ge) and high is not None:
+        kind += f", {_number(low.ge)} to {_number(high)}"
+    elif isinstance(low, Ge):
+        kind += f", at least {_number(low.ge)}"
+    elif isinstance(low, Gt):
+        kind += f", above {_number(low.gt)}"
+    elif high is not None:
+        kind += f", at most {_number(high)}"
+    return kind + ("; secret, masked" if name in SECRETS else "")
+
+
+def _variables(name: str) -> str:
+    first, *others = ENV[name]
+    return f"`{first}`" + (" (or " + ", ".join(f"`{v}`" for v in others) + ")" if others else "")
+
+
+def _meaning(name: str, docs: dict[str, str]) -> str:
+    text = " ".join(t for t in (docs.get(name), NOTES.get(name)) if t)
+    # A docstring names other settings by field: the reader sets their variables.
+    text = re.sub(r"`([a-z_]+)`", lambda m: f"`{ENV[m[1]][0]}`" if m[1] in ENV and m[1] != name else m[0], text)
+    if name in FLAGS:
+        commands, flag = FLAGS[name]
+        text += f" Flag: `{flag}` ({', '.join(commands)})."
+    return _escape(text)
 
 
 def render() -> str:
-    table = ["| variable | setting | default |", "|---|---|---|"]
-    table += [f"| {_variables(row)} | {row.text} | {row.default} |" for row in ROWS]
-    return HEAD + "\n" + "\n".join(table) + "\n" + TAIL
+    docs = field_docstrings()
+    out = [HEAD]
+    grouped = {n for _title, _who, names in GROUPS for n in names}
+    leftover = tuple(n for n in Settings.model_fields if n not in grouped and n in ENV)
+    for title, who, names in [*GROUPS, *([("Other settings", "", leftover)] if leftover else [])]:
+        out += [f"## {title}", ""]
+        if who:
+            out += [who, ""]
+        out += ["| variable | default | values | what it does |", "|---|---|---|---|"]
+        for name in names:
+            field = Settings.model_fields[name]
+            out.append(f"| {_variables(name)} | {_default(name, field)} | {_escape(_values(name, field))} "
+                       f"| {_meaning(name, docs)} |")
+        out.append("")
+    out += ["## Read outside the settings model", "", "| variable | what it does |", "|---|---|"]
+    out += [f"| `{var}` | {_escape(text)} |" for var, text in ELSEWHERE]
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
