@@ -5,6 +5,7 @@ watchers see it as a command) is declared in its `ToolSpec`, so a user tool can 
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,19 @@ def test_the_built_ins_digests_and_the_task_names_are_the_released_ones():
     digests = {name: spec.digest() for name, spec in _builtins().items()}
     assert digests == RELEASED_DIGESTS
     assert (TASK, TASK_IDEMPOTENT) == ("toolq.run", "toolq.run_idempotent")
+
+
+def test_what_flower_shows_of_hostile_arguments_stays_bounded():
+    # The model chooses the values: a huge list where a string was expected, or many long strings,
+    # must not make the task message's argsrepr (kept twice, counted by the turn's store budget) grow.
+    from toolq.orchestrator.dispatch import FLOWER_COMMAND_CHARS
+
+    catalog = Catalog()
+    spec = tool(catalog=catalog, name="shown", parameters={"type": "object"},
+                flower_args={"a": "value", "b": "value", "c": "length"})(lambda args: "").tool_spec
+    hostile = {"a": [["\u202e" * 50]] * 20_000, "b": "\x1b" * 100_000, "c": "y" * 10**6}
+    inv = ToolInvocation(turn_id="t", step=0, output_index=0, call_id="c", tool_name=ToolName(name="shown"),
+                         payload=FunctionPayload(arguments=json.dumps(hostile)), deadline=0)
+    shown = flower_args(inv, spec)
+    assert len(shown) <= len("(call_id='c', turn='t', a=, b=, c=)") + FLOWER_COMMAND_CHARS + 16, len(shown)
+    assert shown.endswith("c=1000000)")  # a length is always shown whole

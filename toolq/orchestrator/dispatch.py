@@ -68,7 +68,8 @@ __all__ = ["DispatchError", "Dispatcher"]
 #: asks the fleet, so they are bounded well below half the pool.
 CONTROL_CONCURRENCY = 4
 
-#: Flower's args column shows this much of an argument's value (a command line).
+#: Flower's args column shows this much of the arguments' values in all (a command line); the
+#: task message carries it twice, and the turn's store budget counts it so (durable.ARGSREPR_BYTES).
 FLOWER_COMMAND_CHARS = 300
 
 
@@ -85,15 +86,18 @@ def flower_args(inv: ToolInvocation, spec: ToolSpec) -> str:
         return f"({base})"
     if not isinstance(args, dict):
         return f"({base})"
-    shown = [base]
+    shown, room = [base], FLOWER_COMMAND_CHARS
     for name, how in spec.flower_args:
         value = args.get(name)
         if how == "length":  # what is typed into a session may be a password
-            shown.append(f"{name}={len(str(value if value is not None else ''))}")
-        elif isinstance(value, str) and len(value) > FLOWER_COMMAND_CHARS:
-            shown.append(f"{name}={value[:FLOWER_COMMAND_CHARS - 1] + '…'!r}")
-        else:
-            shown.append(f"{name}={value!r}")
+            text = str(len(str(value if value is not None else "")))
+        elif isinstance(value, str):  # cut, then quoted: a command line reads as one
+            text = repr(value if len(value) <= room else value[:max(room - 1, 0)] + "…")
+        else:  # the model's JSON, whatever it holds: its repr is cut instead
+            text = repr(value)
+            text = text if len(text) <= room else text[:max(room - 1, 0)] + "…"
+        shown.append(f"{name}={text}")
+        room = max(room - len(text), 0)
     return f"({', '.join(shown)})"
 
 
