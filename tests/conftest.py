@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from tests.paths import ROOT
-from toolq.orchestrator.import_path import TOOLS_PATH_ENV
+from toolq.core.import_path import TOOLS_PATH_ENV
 
 _given = [p for p in os.environ.get(TOOLS_PATH_ENV, "").split(os.pathsep) if p]
 os.environ[TOOLS_PATH_ENV] = os.pathsep.join(dict.fromkeys([str(ROOT), *_given]))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 
 if sys.argv[:1] == ["-m"]:  # `python -m toolq...`: before any import the current directory could answer
-    from toolq.orchestrator import import_path
+    from toolq.core import import_path
 
     if import_path.started_as_module():
         import_path.isolate()
@@ -28,11 +28,11 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it
 _EXPORTS = {
-    "tool": "toolq.workers.catalog",
-    "ToolContext": "toolq.workers.catalog",
-    "ToolReturn": "toolq.workers.catalog",
+    "tool": "toolq.core.catalog",
+    "ToolContext": "toolq.core.catalog",
+    "ToolReturn": "toolq.core.catalog",
     "RespondToModel": "toolq.core.errors",
-    "Settings": "toolq.orchestrator.settings",
+    "Settings": "toolq.core.settings",
     "Fleet": "toolq.orchestrator.fleet",
     "Session": "toolq.orchestrator.turn",
     "Runtime": "toolq.orchestrator.turn",
@@ -46,13 +46,13 @@ __all__ = ["CallState", "Fleet", "RespondToModel", "Runtime", "Session", "Settin
            "ToolReturn", "TurnEvent", "TurnOutcome", "tool"]
 
 if TYPE_CHECKING:
+    from toolq.core.catalog import ToolContext, ToolReturn, tool
     from toolq.core.errors import RespondToModel
+    from toolq.core.settings import Settings
     from toolq.core.states import CallState
     from toolq.orchestrator.fleet import Fleet
-    from toolq.orchestrator.settings import Settings
     from toolq.orchestrator.turn import Runtime, Session, TurnOutcome
     from toolq.orchestrator.turn_events import ToolCallView, TurnEvent
-    from toolq.workers.catalog import ToolContext, ToolReturn, tool
 
 
 def __getattr__(name: str) -> Any:

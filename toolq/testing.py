@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from toolq.core.calls import ToolResult
+from toolq.core.catalog import Catalog, ToolSpec
 from toolq.core.items import CustomToolCallItem, FunctionCallItem, ToolSearchCallItem
+from toolq.dev.fake_model import builders
+from toolq.dev.fake_model.server import FakeModel
 from toolq.orchestrator.binding import bind_item
-from toolq.orchestrator.fake_model import builders
-from toolq.orchestrator.fake_model.server import FakeModel
-from toolq.orchestrator.memory_transport import HOSTNAME
 from toolq.orchestrator.registry import Registry, StepContext
-from toolq.workers.catalog import Catalog, ToolSpec
+from toolq.orchestrator.transport.memory import HOSTNAME
 from toolq.workers.execute import call_tool, refusal
 
 __all__ = ["FakeModel", "arun_call", "builders", "run_call"]

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from tests.responses_schema import schema_errors
-from toolq.orchestrator.embedded import RedisServer, WorkerProcess
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.core.settings import Settings
+from toolq.dev.fake_model.server import FakeModel
+from toolq.local.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.history import pairing_problems
-from toolq.orchestrator.settings import Settings
 from toolq.orchestrator.turn import Runtime, Session, TurnOutcome
 from toolq.workers.loader import load_catalog
 

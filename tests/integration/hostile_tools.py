@@ -9,7 +9,7 @@ import os
 
 from pydantic import BaseModel
 
-from toolq.workers.catalog import ToolContext, tool
+from toolq.core.catalog import ToolContext, tool
 
 QUEUE = "hostile"
 NAME = b"caf\xe9-latin1.txt"

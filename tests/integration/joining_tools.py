@@ -7,7 +7,7 @@ import os
 
 from pydantic import BaseModel
 
-from toolq.workers.catalog import ToolContext, tool
+from toolq.core.catalog import ToolContext, tool
 
 
 class JoinArgs(BaseModel):

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 import tests.integration.conftest as c
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
-from toolq.orchestrator.ledger import Ledger
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
+from toolq.orchestrator.transport.ledger import Ledger
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 def toolq_process(*args: str, env: dict[str, str]) -> subprocess.Popen:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TOOLQ_", "REDIS_", "CELERY_"))}
     base["TOOLQ_TOOLS_PATH"] = os.environ["TOOLQ_TOOLS_PATH"]  # the tests' tool modules (tests/conftest.py)
-    return subprocess.Popen([sys.executable, "-m", "toolq.orchestrator.cli", *args], cwd=c.ROOT, text=True,
+    return subprocess.Popen([sys.executable, "-m", "toolq.cli.main", *args], cwd=c.ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**base, **env})
 
 
@@ -95,7 +95,7 @@ def test_twenty_turns_one_failing_one_cancelled_then_a_rerun_skips_the_finished(
                              env={**env, "OPENAI_BASE_URL": fake.base_url})
         wait_for(lambda: (hang_ws / "hang-call_hang.pid").exists(), "the hanging call to start")
         turn = turn_with_prompt(env["REDIS_URL"], "hang here")
-        cancel = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "cancel", turn], cwd=c.ROOT,
+        cancel = subprocess.run([sys.executable, "-m", "toolq.cli.main", "cancel", turn], cwd=c.ROOT,
                                 capture_output=True, text=True, env={**os.environ, **env}, timeout=30)
         assert cancel.returncode == 0, cancel.stderr
         stdout, stderr = proc.communicate(timeout=120)

@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from toolq.orchestrator.bench import cancel, coldstart, history, limits, pipeline, steps, streaming, throughput
+from toolq.dev.bench import cancel, coldstart, history, limits, pipeline, steps, streaming, throughput
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ def test_history_bench_reports_each_checkpoint():
 @pytest.fixture
 def own_redis(monkeypatch):
     """A fleet's broker of its own, so no shared worker answers for it."""
-    from toolq.orchestrator.embedded import RedisServer
+    from toolq.local.embedded import RedisServer
 
     with RedisServer() as server:
         monkeypatch.setenv("REDIS_URL", server.url)
@@ -78,21 +78,21 @@ def own_redis(monkeypatch):
 
 
 def test_bench_on_a_fleet_without_bench_workers_says_in_one_line_what_to_start(own_redis, capsys):
-    from toolq.orchestrator import cli
+    from toolq.cli import main as cli
 
     assert cli.main(["bench", "pipeline", "steps"]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err == [
         "toolq bench pipeline: no worker on REDIS_URL consumes queue toolq-bench (no worker answered); "
-        "start one with `toolq worker --tools toolq.orchestrator.bench.tools` on that broker",
+        "start one with `toolq worker --tools toolq.dev.bench.tools` on that broker",
         "toolq bench steps: no worker on REDIS_URL consumes queue toolq (no worker answered); "
-        "start one with `toolq worker --tools toolq.orchestrator.bench.tools` on that broker",
+        "start one with `toolq worker --tools toolq.dev.bench.tools` on that broker",
     ]
 
 
 def test_pipeline_bench_runs_on_a_fleet_whose_worker_loads_the_bench_tools(own_redis, tmp_path):
-    from toolq.orchestrator.bench.harness import BENCH_TOOLS
-    from toolq.orchestrator.embedded import WorkerProcess
+    from toolq.dev.bench.harness import BENCH_TOOLS
+    from toolq.local.embedded import WorkerProcess
 
     worker = WorkerProcess(own_redis.url, tools=[BENCH_TOOLS], logdir=tmp_path, name="bench1@test").start()
     try:

@@ -10,11 +10,11 @@ import redis
 from tests.integration.conftest import TEST_TOOLS, run_session, settings_for
 from toolq.core import keys
 from toolq.core.calls import task_id_for
+from toolq.core.settings import Settings
 from toolq.core.truncate import HISTORY_POLICY, MARKER_SLACK
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
-from toolq.orchestrator.settings import Settings
 from toolq.workers.loader import load_catalog
 
 BIG_TOOLS = "tests.integration.big_tools"

@@ -1,5 +1,5 @@
 """A short seeded fault campaign (issue 13, item 6), the same one `toolq bench chaos` runs longer
-(toolq/orchestrator/bench/chaos.py): turns on a real Redis (AOF for odd seeds, none for even),
+(toolq/dev/bench/chaos.py): turns on a real Redis (AOF for odd seeds, none for even),
 a real worker and the fake model, with stream faults (HTTP 500/429, a cut stream, a malformed
 frame, a stalled stream), fleet faults (cancels of the turn mid-call, mid-stream and before any
 call, a cancel of one call, a SIGKILLed pool child mid-call, a SIGKILLed worker mid-call
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from toolq.orchestrator.bench import chaos
+from toolq.dev.bench import chaos
 
 pytestmark = pytest.mark.integration
 

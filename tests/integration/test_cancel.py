@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 import tests.integration.conftest as c
-from toolq.orchestrator.cancel import UnknownTarget, cancel
-from toolq.orchestrator.exits import exit_status
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.cli.cancel import UnknownTarget, cancel
+from toolq.cli.exits import exit_status
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
-from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.transport.ledger import Ledger
 from toolq.orchestrator.turn import TURN_ABORTED
 
 pytestmark = pytest.mark.integration
@@ -70,7 +70,7 @@ def test_cancelling_a_turn_kills_every_process_and_leaves_a_paired_history(fleet
                                      for e in events), what="the first call")
         settings = runtime.settings
         # from another process, as a user would
-        subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "cancel", session.turn_id], check=True,
+        subprocess.run([sys.executable, "-m", "toolq.cli.main", "cancel", session.turn_id], check=True,
                        env={**os.environ, "REDIS_URL": settings.redis_url}, capture_output=True, timeout=30)
 
     events: list = []
@@ -201,7 +201,7 @@ def test_a_signal_to_toolq_run_cancels_the_turn_and_the_session_continues(fleet,
     with FakeModel(script) as fake:
         env = {**os.environ, "REDIS_URL": fleet[0].redis_url, "OPENAI_BASE_URL": fake.base_url,
                "OPENAI_API_KEY": "test", "PYTHONPATH": c.WORKER_ENV["PYTHONPATH"]}
-        argv = [sys.executable, "-m", "toolq.orchestrator.cli", "run", "--json", "--workspace", str(tmp_path),
+        argv = [sys.executable, "-m", "toolq.cli.main", "run", "--json", "--workspace", str(tmp_path),
                 "--session", str(session_file)]
         proc = subprocess.Popen(argv + ["go"], env=env, stdout=subprocess.PIPE, text=True)
         end = time.monotonic() + 30

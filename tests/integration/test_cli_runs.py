@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import tests.integration.conftest as c
-from toolq.orchestrator.fake_model import FakeModel
-from toolq.orchestrator.fake_model.builders import http_error, message
+from toolq.dev.fake_model import FakeModel
+from toolq.dev.fake_model.builders import http_error, message
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 def toolq(*args: str, env: dict[str, str], stdin: str | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TOOLQ_", "REDIS_", "CELERY_"))}
     base["TOOLQ_TOOLS_PATH"] = os.environ["TOOLQ_TOOLS_PATH"]  # the tests' tool modules (tests/conftest.py)
-    return subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", *args], input=stdin, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "toolq.cli.main", *args], input=stdin, capture_output=True,
                           text=True, env={**base, **env}, timeout=timeout)
 
 
@@ -85,7 +85,7 @@ def one_message_script(tmp_path) -> Path:
 
 
 def serve(script: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "toolq.orchestrator.cli", "fake-model", "--script", str(script),
+    proc = subprocess.Popen([sys.executable, "-m", "toolq.cli.main", "fake-model", "--script", str(script),
                              *flags], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     return proc, proc.stdout.readline().strip()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from toolq.orchestrator.fake_model import builders as b
+from toolq.dev.fake_model import builders as b
 
 pytestmark = pytest.mark.integration
 

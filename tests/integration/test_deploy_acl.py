@@ -23,11 +23,11 @@ import yaml
 import tests.integration.conftest as c
 from tests.integration.test_cancel import pids_matching
 from tests.unit.test_deploy import COMPOSE, K8S
-from toolq.orchestrator.embedded import RedisServer, WorkerProcess
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
-from toolq.orchestrator.flower import FlowerProcess
-from toolq.orchestrator.settings import Settings
+from toolq.cli.flower import FlowerProcess
+from toolq.core.settings import Settings
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
+from toolq.local.embedded import RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +96,7 @@ def test_the_roles_run_a_whole_turn_and_nothing_that_could_wipe_or_stop_the_serv
         orchestrator_env = {**os.environ, "REDIS_URL": url(server, "orchestrator")}
 
         def toolq(*args: str) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", *args], env=orchestrator_env,
+            return subprocess.run([sys.executable, "-m", "toolq.cli.main", *args], env=orchestrator_env,
                                   capture_output=True, text=True, timeout=60)
 
         async def during(session, runtime):

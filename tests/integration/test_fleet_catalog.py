@@ -25,20 +25,20 @@ from tests.integration.test_flower import eventually
 from tests.integration.test_hostile_fleet import push
 from tests.integration.upgrade_tools import VERSION_ENV, declare
 from toolq.core import keys
+from toolq.core.advert import WorkerAdvert, tool_queue
 from toolq.core.calls import FunctionPayload, ToolCall, ToolName
+from toolq.core.catalog import Catalog
+from toolq.core.settings import Settings
 from toolq.core.signing import Signer
-from toolq.orchestrator.catalog_reader import UNSERVED_GRACE, FleetCatalog
-from toolq.orchestrator.embedded import RedisServer, WorkerProcess
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
+from toolq.local.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.registry import Registry, StepContext
-from toolq.orchestrator.results import outcome_from_meta
-from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.transport.catalog_reader import UNSERVED_GRACE, FleetCatalog
+from toolq.orchestrator.transport.results import outcome_from_meta
 from toolq.orchestrator.turn import Runtime, Session
-from toolq.workers.advert import WorkerAdvert, tool_queue
 from toolq.workers.app import TASK
-from toolq.workers.catalog import Catalog
 from toolq.workers.loader import load_catalog
 from toolq.workers.presence import TTL
 
@@ -134,7 +134,7 @@ def test_a_call_no_live_worker_serves_is_answered_within_seconds_with_what_to_st
 
 def toolq_workers(url: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "REDIS_URL": url, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "workers", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "toolq.cli.main", "workers", *args], env=env,
                           capture_output=True, text=True, timeout=30)
 
 
@@ -163,7 +163,7 @@ def test_toolq_workers_lists_each_live_instance_with_its_tools(fleet):
 
 def test_toolq_workers_without_redis_url_says_what_to_set():
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL")}
-    done = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "workers"], env=env,
+    done = subprocess.run([sys.executable, "-m", "toolq.cli.main", "workers"], env=env,
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2
     assert done.stderr.startswith("toolq workers: set REDIS_URL")

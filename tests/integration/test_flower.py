@@ -19,12 +19,12 @@ from typing import Any
 import httpx
 import pytest
 
+from toolq.cli.flower import FlowerProcess
+from toolq.cli.status import status_cmd
 from toolq.core.contracts import TASK, TASK_IDEMPOTENT
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.flower import FlowerProcess
-from toolq.orchestrator.ledger import Ledger
-from toolq.orchestrator.settings import Settings
-from toolq.orchestrator.status import status_cmd
+from toolq.core.settings import Settings
+from toolq.dev.fake_model import builders as b
+from toolq.orchestrator.transport.ledger import Ledger
 
 pytestmark = pytest.mark.integration
 

@@ -34,7 +34,7 @@ import pytest
 from tests.integration.test_builtin_tools import outputs
 from tests.integration.test_cancel import wait_until
 from tests.integration.test_hostile_exec import hostile_workers, locked_redis_server
-from toolq.orchestrator.fake_model import builders as b
+from toolq.dev.fake_model import builders as b
 from toolq.workers.isolation import limits
 
 pytestmark = pytest.mark.integration

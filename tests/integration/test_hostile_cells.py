@@ -37,9 +37,9 @@ from tests.integration.test_hostile_exec import (  # noqa: F401
     locked_redis,
     no_secret,
 )
-from toolq.orchestrator.embedded import WorkerProcess
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.settings import Settings
+from toolq.core.settings import Settings
+from toolq.dev.fake_model import builders as b
+from toolq.local.embedded import WorkerProcess
 from toolq.workers.isolation import choose
 from toolq.workers.isolation.policy import Policy
 

@@ -26,10 +26,10 @@ import tests.integration.conftest as c
 from tests.integration import unprivileged
 from tests.integration.test_builtin_tools import exec_parts, outputs
 from tests.integration.test_cancel import pids_matching, wait_until
-from toolq.orchestrator.embedded import WorkerProcess, free_port, redis_server_binary, wait_for
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
-from toolq.orchestrator.settings import Settings
+from toolq.core.settings import Settings
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
+from toolq.local.embedded import WorkerProcess, free_port, redis_server_binary, wait_for
 from toolq.workers.isolation import choose, limits
 from toolq.workers.isolation.policy import Policy
 

@@ -18,8 +18,8 @@ import pytest
 
 from tests.hostile import Flipper, race_tree
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
-from toolq.orchestrator.embedded import RedisServer, WorkerProcess
-from toolq.orchestrator.fake_model import builders as b
+from toolq.dev.fake_model import builders as b
+from toolq.local.embedded import RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -27,8 +27,8 @@ from tests.integration.test_flower import AUTH, eventually, flower  # noqa: F401
 from toolq.core import keys
 from toolq.core.calls import FunctionPayload, ToolCall, ToolName, task_id_for
 from toolq.core.signing import Signer
-from toolq.orchestrator.embedded import RedisServer, WorkerProcess
-from toolq.orchestrator.fake_model import builders as b
+from toolq.dev.fake_model import builders as b
+from toolq.local.embedded import RedisServer, WorkerProcess
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.workers.app import TASK
 from toolq.workers.loader import load_catalog

@@ -28,9 +28,9 @@ import tests.integration.conftest as c
 from tests.integration import unprivileged
 from tests.integration.test_hostile_exec import locked_redis  # noqa: F401 - fixture
 from tests.integration.test_mcp import EDGES
-from toolq.orchestrator.embedded import WorkerProcess
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
+from toolq.local.embedded import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +121,7 @@ def test_no_toolq_process_imports_what_the_model_planted(planted, tmp_path, redi
             by_hand.mkdir()
             plant(by_hand, markers, package=False)
             for args in (["turns"], ["status", turn_id], ["config"]):
-                assert run([sys.executable, "-m", "toolq.orchestrator.cli", *args], by_hand, fleet_env).returncode == 0
+                assert run([sys.executable, "-m", "toolq.cli.main", *args], by_hand, fleet_env).returncode == 0
         finally:
             worker.stop()
     demo = run([TOOLQ, "demo", "--workspace", str(workspace)], workspace, base, timeout=180)

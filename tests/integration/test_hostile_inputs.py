@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import tests.integration.hostile_tools as hostile_tools
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
-from toolq.orchestrator.embedded import WorkerProcess
-from toolq.orchestrator.fake_model import builders as b
+from toolq.dev.fake_model import builders as b
+from toolq.local.embedded import WorkerProcess
 
 pytestmark = pytest.mark.integration
 

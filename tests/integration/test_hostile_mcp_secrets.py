@@ -25,7 +25,7 @@ from tests.integration.test_hostile_exec import (  # noqa: F401
     hostile_workers,
     locked_redis,
 )
-from toolq.orchestrator.fake_model import builders as b
+from toolq.dev.fake_model import builders as b
 
 pytestmark = pytest.mark.integration
 

@@ -25,10 +25,10 @@ import pytest
 import redis
 
 from tests.integration.conftest import pairing_problems, run_session, settings_for
-from toolq.orchestrator.embedded import RedisServer
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
-from toolq.orchestrator.settings import _with_db
+from toolq.core.settings import _with_db
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
+from toolq.local.embedded import RedisServer
 
 pytestmark = pytest.mark.integration
 

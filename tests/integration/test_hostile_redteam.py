@@ -23,7 +23,7 @@ import pytest
 
 from tests.hostile import Flipper, race_tree, restore_flipped
 from tests.integration.test_hostile_exec import attack, hostile_workers, locked_redis  # noqa: F401 - fixtures
-from toolq.orchestrator.fake_model import builders as b
+from toolq.dev.fake_model import builders as b
 from toolq.workers.isolation import limits
 
 pytestmark = pytest.mark.integration

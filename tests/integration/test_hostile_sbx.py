@@ -17,7 +17,7 @@ import pytest
 
 from tests.hostile import Exchanger
 from tests.integration.test_hostile_exec import attack, hostile_workers, locked_redis  # noqa: F401 - fixtures
-from toolq.orchestrator.fake_model import builders as b
+from toolq.dev.fake_model import builders as b
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
 
 pytestmark = pytest.mark.integration
 

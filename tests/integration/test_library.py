@@ -14,9 +14,9 @@ from openai.types.responses import ResponseFunctionToolCall
 
 from tests.integration.conftest import ROOT, SIGNING_KEY, TEST_TOOLS
 from toolq import Fleet, Settings
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.dev.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
-from toolq.orchestrator.ledger import Ledger
+from toolq.orchestrator.transport.ledger import Ledger
 from toolq.orchestrator.turn_events import ItemCompleted
 from toolq.workers.loader import load_catalog
 

@@ -23,14 +23,14 @@ import redis
 
 from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS, WORKER_ENV, run_session, settings_for
 from tests.integration.test_faults import wait_for_pid
+from toolq.cli.status import status_cmd
 from toolq.core import keys
-from toolq.orchestrator.bench.limits import max_running
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.core.settings import Settings
+from toolq.dev.bench.limits import max_running
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
-from toolq.orchestrator.ledger import Ledger
-from toolq.orchestrator.settings import Settings
-from toolq.orchestrator.status import status_cmd
+from toolq.orchestrator.transport.ledger import Ledger
 
 pytestmark = pytest.mark.integration
 
@@ -134,7 +134,7 @@ def test_the_per_turn_cap_holds_and_throttled_calls_show_in_toolq_status(redis_s
 def test_cancelling_one_throttled_call_answers_it_at_once_and_it_never_runs(redis_server, fleet, drive):
     """A new user's `toolq cancel TURN --call CALL` on a throttled call took effect only once the
     limit let the call go (then the worker refused it): here it ends before the call ahead of it."""
-    from toolq.orchestrator.cancel import cancel
+    from toolq.cli.cancel import cancel
 
     async def during(session, runtime):
         for _ in range(200):
@@ -213,7 +213,7 @@ def test_a_sigkilled_orchestrator_leaves_its_running_call_holding_the_permit_unt
         env = {**os.environ, "REDIS_URL": redis_server.url, "OPENAI_BASE_URL": fake.base_url, "OPENAI_API_KEY": "t",
                "TOOLQ_SIGNING_KEY": SIGNING_KEY, "TOOLQ_TOOLS": TEST_TOOLS, "TOOLQ_LIMIT_LEASE": "1",
                "PYTHONPATH": WORKER_ENV["PYTHONPATH"]}
-        proc = subprocess.Popen([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--json", "--workspace",
+        proc = subprocess.Popen([sys.executable, "-m", "toolq.cli.main", "run", "--json", "--workspace",
                                  str(tmp_path), "go"], env=env, stdout=subprocess.PIPE, text=True)
         orphaned_turn = json.loads(proc.stdout.readline())["turn_id"]
         wait_for_pid(tmp_path / "hang-call_orphan.pid")

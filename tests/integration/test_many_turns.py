@@ -15,8 +15,8 @@ import pytest
 import redis
 
 import tests.integration.conftest as c
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
 from toolq.orchestrator.turn import Runtime, Session
 from toolq.workers.loader import load_catalog
 
@@ -72,7 +72,7 @@ def test_128_turns_at_once_on_a_fresh_runtime_answer_every_call(fleet, redis_ser
 def test_turns_starting_at_once_on_a_fresh_router_share_its_one_subscription(redis_server):
     """Without the lock each `watch_turn` opened its own connection and all but one went unread."""
     from toolq.core.signing import Signer
-    from toolq.orchestrator.results import ResultRouter
+    from toolq.orchestrator.transport.results import ResultRouter
 
     async def main():
         router = ResultRouter(redis_server.url, Signer(c.SIGNING_KEY))
@@ -93,8 +93,8 @@ def test_the_one_cancel_subscription_comes_back_after_a_redis_restart(worker, tm
     """Three turns on one runtime, Redis restarted under them; then one is cancelled from
     another client: that one ends cancelled (heard on the re-taken subscription, or found in
     its durable record), the others complete."""
-    from toolq.orchestrator.embedded import RedisServer
-    from toolq.orchestrator.ledger import Ledger
+    from toolq.local.embedded import RedisServer
+    from toolq.orchestrator.transport.ledger import Ledger
 
     hang = {"by_prompt": {"*": [[b.function_call("hang", {"seconds": 4}, "call_h")], [b.message("done")]]}}
 
@@ -130,7 +130,7 @@ def test_the_one_cancel_subscription_comes_back_after_a_redis_restart(worker, tm
 def test_step_numbers_come_in_blocks_and_never_collide_across_processes(redis_server):
     """`Fleet.run_calls` numbers its steps from the ledger: one round trip per block, and two
     orchestrators driving one turn never get the same number."""
-    from toolq.orchestrator.ledger import STEP_BLOCK, Ledger
+    from toolq.orchestrator.transport.ledger import STEP_BLOCK, Ledger
 
     async def main():
         a, b_ = Ledger.from_url(redis_server.url), Ledger.from_url(redis_server.url)

@@ -24,12 +24,12 @@ import pytest
 import examples.search_tools  # noqa: F401  (the orchestrator loads the user's `search` too)
 from tests.integration.conftest import ROOT, TEST_TOOLS, WORKER_ENV, run_session, settings_for
 from toolq.core.calls import ToolName
-from toolq.orchestrator.bench.mcp import McpWorkerProcess
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.core.catalog import Catalog
+from toolq.dev.bench.mcp import McpWorkerProcess
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.mcp_tools import FleetMcpTools, mcp_namespaces
-from toolq.workers.catalog import Catalog
 from toolq.workers.loader import load_catalog
 
 pytestmark = pytest.mark.integration
@@ -76,7 +76,7 @@ def fleet_mcp_tools(redis_url: str) -> dict[str, dict[str, Any]]:
     """What the fleet catalog offers now: each MCP server's tools, by name, as specs."""
     import redis.asyncio as aioredis
 
-    from toolq.orchestrator.catalog_reader import FleetCatalog
+    from toolq.orchestrator.transport.catalog_reader import FleetCatalog
 
     async def read():
         r = aioredis.Redis.from_url(redis_url)
@@ -182,8 +182,8 @@ def test_git_and_time_tools_reach_the_model_and_answer_through_the_fleet(mcp_wor
     assert json.loads(out["call_time"])["timezone"] == "Europe/Oslo"
     assert completed(events)["call_status"]["worker"] == NAME
     assert "Task tool:git.git_status[" in mcp_worker.log.read_text()  # the name Flower shows
-    from toolq.orchestrator.settings import Settings
-    from toolq.orchestrator.status import status_cmd
+    from toolq.cli.status import status_cmd
+    from toolq.core.settings import Settings
 
     table = io.StringIO()
     status_cmd(Settings(redis_url=redis_server.url), outcome.turn_id, as_json=True, out=table)
@@ -311,8 +311,8 @@ def test_a_tool_listed_anew_mid_turn_is_refused_as_declared_differently(mcp_work
 def test_a_server_no_live_worker_hosts_leaves_the_registry(redis_server, evidence, tmp_path):
     import redis.asyncio as aioredis
 
-    from toolq.orchestrator.catalog_reader import FleetCatalog
     from toolq.orchestrator.registry import Registry
+    from toolq.orchestrator.transport.catalog_reader import FleetCatalog
 
     registry = Registry(Catalog())
     tools = FleetMcpTools(registry, None)  # type: ignore[arg-type]  # one per turn's event loop, below
@@ -344,7 +344,7 @@ def test_a_server_no_live_worker_hosts_leaves_the_registry(redis_server, evidenc
 
 def test_bad_mcp_config_is_one_line_at_worker_start(redis_server, tmp_path):
     env = {**os.environ, **WORKER_ENV, "REDIS_URL": redis_server.url}
-    proc = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "worker", "--mcp", "bad name=x"],
+    proc = subprocess.run([sys.executable, "-m", "toolq.cli.main", "worker", "--mcp", "bad name=x"],
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "server name" in proc.stderr
@@ -386,7 +386,7 @@ enabled = false
 
 
 def test_a_streamable_http_server_by_url(redis_server, evidence, tmp_path):
-    from toolq.orchestrator.embedded import free_port
+    from toolq.local.embedded import free_port
 
     port = free_port()
     server = subprocess.Popen([sys.executable, str(EDGES), "web", str(evidence), str(port)],
@@ -507,7 +507,7 @@ def test_toolq_run_offers_the_fleets_mcp_tools_and_runs_a_call(mcp_worker, redis
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TOOLQ_", "REDIS_", "CELERY_"))}
     base["TOOLQ_TOOLS_PATH"] = os.environ["TOOLQ_TOOLS_PATH"]  # the tests' tool modules (tests/conftest.py)
     with FakeModel(script) as fake:
-        proc = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--json", "what time is it?"],
+        proc = subprocess.run([sys.executable, "-m", "toolq.cli.main", "run", "--json", "what time is it?"],
                               env={**base, "REDIS_URL": redis_server.url, "TOOLQ_SIGNING_KEY": SIGNING_KEY,
                                    "TOOLQ_WORKSPACE": str(tmp_path), "OPENAI_BASE_URL": fake.base_url},
                               capture_output=True, text=True, timeout=90)

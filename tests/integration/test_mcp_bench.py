@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from toolq.orchestrator.bench import mcp
+from toolq.dev.bench import mcp
 
 pytestmark = pytest.mark.integration
 
@@ -18,8 +18,8 @@ def test_mcp_bench_measures_both_tools(monkeypatch):
 
 
 def test_mcp_bench_on_a_fleet_without_its_worker_says_what_to_start(monkeypatch, capsys):
-    from toolq.orchestrator import cli
-    from toolq.orchestrator.embedded import RedisServer
+    from toolq.cli import main as cli
+    from toolq.local.embedded import RedisServer
 
     with RedisServer() as server:
         monkeypatch.setenv("REDIS_URL", server.url)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS, WORKER_ENV, run_session, settings_for
-from toolq.orchestrator.embedded import RedisServer, WorkerProcess
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
+from toolq.local.embedded import RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.integration
 

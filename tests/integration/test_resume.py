@@ -13,15 +13,15 @@ import time
 import pytest
 
 import tests.integration.conftest as c
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
 
 pytestmark = pytest.mark.integration
 
 
 def toolq(*args: str, env: dict[str, str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "toolq.cli.main", *args], env=env, capture_output=True,
                           text=True, timeout=90, **kw)
 
 
@@ -35,7 +35,7 @@ def start_run(fleet, fake: FakeModel, workspace, *, lease: float) -> tuple[dict[
     env = {**os.environ, "REDIS_URL": fleet[0].redis_url, "OPENAI_BASE_URL": fake.base_url,
            "OPENAI_API_KEY": "test", "TOOLQ_SIGNING_KEY": c.SIGNING_KEY, "TOOLQ_TURN_LEASE": f"{lease:g}",
            "PYTHONPATH": c.WORKER_ENV["PYTHONPATH"]}
-    proc = subprocess.Popen([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--json", "--workspace",
+    proc = subprocess.Popen([sys.executable, "-m", "toolq.cli.main", "run", "--json", "--workspace",
                              str(workspace), "go"], env=env, stdout=subprocess.PIPE, text=True)
     return env, proc, json.loads(proc.stdout.readline())["turn_id"]
 
@@ -146,7 +146,7 @@ def test_an_orchestrator_whose_lease_another_took_stops_driving_the_turn(fleet, 
     assert len(run.requests) == 1
 
     async def ledger_view():
-        from toolq.orchestrator.ledger import Ledger
+        from toolq.orchestrator.transport.ledger import Ledger
 
         ledger = Ledger.from_url(fleet[0].redis_url)
         try:
@@ -173,9 +173,9 @@ def test_a_call_claimed_by_an_orchestrator_that_died_before_sending_it_runs_on_r
     import asyncio
 
     from toolq.core.items import decode_item
+    from toolq.core.settings import Settings
     from toolq.orchestrator.fleet import Fleet
     from toolq.orchestrator.registry import StepContext
-    from toolq.orchestrator.settings import Settings
 
     async def go():
         settings = Settings(redis_url=fleet[0].redis_url, workspace=tmp_path, tools=[c.TEST_TOOLS],

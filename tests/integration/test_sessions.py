@@ -21,12 +21,12 @@ import time
 import pytest
 
 from tests.integration.conftest import TEST_TOOLS, settings_for
-from toolq.orchestrator.embedded import RedisServer
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.cli.status import status_cmd
+from toolq.core.settings import Settings
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
+from toolq.local.embedded import RedisServer
 from toolq.orchestrator.history import pairing_problems
-from toolq.orchestrator.settings import Settings
-from toolq.orchestrator.status import status_cmd
 from toolq.orchestrator.turn import Runtime, Session
 from toolq.workers.loader import load_catalog
 

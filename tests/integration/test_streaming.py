@@ -17,7 +17,7 @@ import redis
 from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS
 from tests.integration.test_builtin_tools import exec_parts
 from toolq.core import keys
-from toolq.orchestrator.fake_model import builders as b
+from toolq.dev.fake_model import builders as b
 from toolq.orchestrator.fleet import Fleet
 from toolq.workers.streaming import STREAM_BYTES
 

@@ -10,17 +10,17 @@ import pytest
 import redis
 
 import tests.integration.conftest as c
+from toolq.cli.exits import exit_status
+from toolq.core.advert import tool_queue
 from toolq.core.calls import FunctionPayload, ToolCall, ToolName
 from toolq.core.items import FunctionCallItem
-from toolq.orchestrator.exits import exit_status
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
-from toolq.orchestrator.ledger import Ledger
+from toolq.core.settings import Settings
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
 from toolq.orchestrator.registry import StepContext
-from toolq.orchestrator.settings import Settings
-from toolq.orchestrator.task_message import queue_key
+from toolq.orchestrator.transport.ledger import Ledger
+from toolq.orchestrator.transport.task_message import queue_key
 from toolq.orchestrator.turn import Runtime
-from toolq.workers.advert import tool_queue
 from toolq.workers.loader import load_catalog
 
 pytestmark = pytest.mark.integration

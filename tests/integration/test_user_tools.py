@@ -12,8 +12,8 @@ import examples.search_tools  # noqa: F401  (the orchestrator side loads the sam
 import tests.integration.mismatch_tools as mismatch_tools
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
 from toolq.core import keys
-from toolq.orchestrator.embedded import RedisServer, WorkerProcess
-from toolq.orchestrator.fake_model import builders as b
+from toolq.dev.fake_model import builders as b
+from toolq.local.embedded import RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import ROOT, SIGNING_KEY
-from toolq.orchestrator.embedded import RedisServer, WorkerProcess
-from toolq.orchestrator.fake_model import builders as b
-from toolq.orchestrator.fake_model.server import FakeModel
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
+from toolq.local.embedded import RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -92,7 +92,7 @@ class InstalledWorker(WorkerProcess):
 
     def argv(self) -> list[str]:
         argv = super().argv()
-        return [str(self.bin_dir / "toolq"), *argv[argv.index("worker"):]]  # not `python -P -m toolq.orchestrator.cli`
+        return [str(self.bin_dir / "toolq"), *argv[argv.index("worker"):]]  # not `python -P -m toolq.cli.main`
 
     def start(self, wait: bool = True) -> InstalledWorker:
         self.log.write_text("")

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 import toolq
-from toolq.orchestrator.embedded import WorkerProcess
+from toolq.local.embedded import WorkerProcess
 
 USER = "nobody"
 #: A second unprivileged uid, for "another local user runs what the worker's command left".

@@ -7,7 +7,7 @@ import os
 
 from pydantic import BaseModel
 
-from toolq.workers.catalog import Catalog, ToolContext, ToolSpec, tool
+from toolq.core.catalog import Catalog, ToolContext, ToolSpec, tool
 
 VERSION_ENV = "TOOLQ_TEST_UPGRADE"
 

@@ -1,12 +1,12 @@
-"""The fleet catalog's records and per-tool queues (toolq/workers/advert.py)."""
+"""The fleet catalog's records and per-tool queues (toolq/core/advert.py)."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import BaseModel
 
-from toolq.workers.advert import ToolAdvert, ToolRef, WorkerAdvert, consumer_queues, tool_queue
-from toolq.workers.catalog import Catalog, ToolContext, tool
+from toolq.core.advert import ToolAdvert, ToolRef, WorkerAdvert, consumer_queues, tool_queue
+from toolq.core.catalog import Catalog, ToolContext, tool
 from toolq.workers.loader import load_catalog
 
 

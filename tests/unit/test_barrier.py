@@ -13,16 +13,16 @@ import pytest
 from pydantic import BaseModel
 
 from toolq.core.calls import ToolInvocation, ToolResult, aborted_text
+from toolq.core.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, tool
 from toolq.core.items import FunctionCallItem
 from toolq.core.states import CallState
 from toolq.orchestrator import barrier, watchdog
 from toolq.orchestrator.barrier import Step, startable
 from toolq.orchestrator.binding import bind_item
-from toolq.orchestrator.memory_transport import HOSTNAME, MemoryRecords, MemoryTransport, catalog_runner
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.transport import TaskOutcome
+from toolq.orchestrator.transport.memory import HOSTNAME, MemoryRecords, MemoryTransport, catalog_runner
 from toolq.orchestrator.turn_events import ItemCompleted, ToolCallView
-from toolq.workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, tool
 
 S, P = True, False
 

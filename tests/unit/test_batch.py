@@ -3,7 +3,7 @@ tests/integration/test_batch.py)."""
 
 import json
 
-from toolq.orchestrator.batch import BatchResult, Results, latest_statuses, line_key, read_entries, read_lines
+from toolq.cli.batch import BatchResult, Results, latest_statuses, line_key, read_entries, read_lines
 
 
 def test_each_line_is_a_turn_or_one_line_naming_every_problem(tmp_path):
@@ -85,7 +85,7 @@ def test_progress_counts_invalid_lines_apart_and_fits_the_terminal():
     terminal, where a carriage return no longer redraws it in place."""
     import io
 
-    from toolq.orchestrator.batch_progress import Progress
+    from toolq.cli.batch_progress import Progress
 
     progress = Progress(total=4, out=io.StringIO())
     for status in ("invalid", "invalid", "failed", "completed"):

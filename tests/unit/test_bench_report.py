@@ -1,7 +1,7 @@
 """The benchmarks' printouts: a figure that misses its goal says so (no timing is judged here)."""
 
-from toolq.orchestrator.bench import limits, pipeline, steps
-from toolq.orchestrator.bench.harness import START_BENCH_WORKER, goal, missing_queues_line
+from toolq.dev.bench import limits, pipeline, steps
+from toolq.dev.bench.harness import START_BENCH_WORKER, goal, missing_queues_line
 
 
 def test_goal_is_met_at_the_limit_and_missed_past_it():
@@ -51,7 +51,7 @@ def test_steps_printout_says_when_codex_could_not_run_and_judges_nothing():
 def test_a_fleet_without_bench_workers_is_told_what_to_start():
     line = missing_queues_line(["toolq-bench"], 2)
     assert "\n" not in line and "queue toolq-bench" in line and "2 worker(s) answered" in line
-    assert START_BENCH_WORKER in line and START_BENCH_WORKER == "toolq worker --tools toolq.orchestrator.bench.tools"
+    assert START_BENCH_WORKER in line and START_BENCH_WORKER == "toolq worker --tools toolq.dev.bench.tools"
 
 
 def test_limits_printout_marks_a_slowed_fleet_or_a_third_running_call_missed():
@@ -71,7 +71,7 @@ def test_max_running_counts_overlaps_and_a_finish_before_a_start_at_the_same_ins
 
 
 def test_coldstart_printout_marks_each_goal():
-    from toolq.orchestrator.bench import coldstart
+    from toolq.dev.bench import coldstart
 
     res = {"runs": 3, "imports": 0.15, "imports_load_celery": False,
            "external": {"first_request": 0.2, "exit": 0.3, "cpu": 0.2},
@@ -85,7 +85,7 @@ def test_coldstart_printout_marks_each_goal():
 
 
 def test_coldstart_printout_sets_the_floor_beside_codex():
-    from toolq.orchestrator.bench import coldstart
+    from toolq.dev.bench import coldstart
 
     res = {"runs": 3, "imports": 0.25, "imports_load_celery": False,
            "external": {"first_request": 0.34, "exit": 0.36, "cpu": 0.35},
@@ -99,7 +99,7 @@ def test_coldstart_printout_sets_the_floor_beside_codex():
 
 
 def test_history_printout_compares_the_last_step_with_the_first():
-    from toolq.orchestrator.bench import history
+    from toolq.dev.bench import history
 
     step = {"around": 0.002, "inside": 0.003, "wall": 0.04}
     res = {"steps": 200, "window": 10, "at": {1: step, 200: {**step, "around": 0.0023}}}
@@ -107,7 +107,7 @@ def test_history_printout_compares_the_last_step_with_the_first():
 
 
 def test_callcpu_counts_each_process_kind_per_call_and_reads_this_process():
-    from toolq.orchestrator.bench import callcpu
+    from toolq.dev.bench import callcpu
 
     before = {1: ("pool child", 1.0, 0.0), 2: ("session host", 2.0, 5.0)}
     after = {1: ("pool child", 1.5, 0.0), 2: ("session host", 2.25, 5.5), 3: ("pool child", 0.25, 0.0)}
@@ -120,7 +120,7 @@ def test_callcpu_counts_each_process_kind_per_call_and_reads_this_process():
 
 
 def test_the_codex_baseline_is_its_native_binary_not_the_npm_wrapper(tmp_path, monkeypatch):
-    from toolq.orchestrator.bench import codex
+    from toolq.dev.bench import codex
 
     scope = tmp_path / "node_modules" / "@openai"
     wrapper = scope / "codex" / "bin" / "codex.js"

@@ -12,8 +12,8 @@ import pytest
 
 import toolq
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
-from toolq.orchestrator.dispatch import flower_args
-from toolq.workers.catalog import Catalog, ToolSpec, tool
+from toolq.core.catalog import Catalog, ToolSpec, tool
+from toolq.orchestrator.transport.dispatch import flower_args
 from toolq.workers.loader import load_catalog
 
 PIPELINE = Path(toolq.__file__).parent / "orchestrator"
@@ -119,7 +119,7 @@ def test_the_built_ins_digests_and_the_task_names_are_the_released_ones():
 def test_what_flower_shows_of_hostile_arguments_stays_bounded():
     # The model chooses the values: a huge list where a string was expected, or many long strings,
     # must not make the task message's argsrepr (kept twice, counted by the turn's store budget) grow.
-    from toolq.orchestrator.dispatch import FLOWER_COMMAND_CHARS
+    from toolq.orchestrator.transport.dispatch import FLOWER_COMMAND_CHARS
 
     catalog = Catalog()
     spec = tool(catalog=catalog, name="shown", parameters={"type": "object"},

@@ -1,4 +1,4 @@
-"""The `@tool` decorator, strict schemas, declaration digests and `parse_arguments` (toolq/workers/catalog.py)."""
+"""The `@tool` decorator, strict schemas, declaration digests and `parse_arguments` (toolq/core/catalog.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.core.catalog import DEFAULT_QUEUE, Catalog, ToolContext, ToolSpec, call_handler, parse_arguments, tool
 from toolq.core.errors import ConfigurationError, RespondToModel
-from toolq.workers.catalog import DEFAULT_QUEUE, Catalog, ToolContext, ToolSpec, call_handler, parse_arguments, tool
 
 LARK = {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}
 
@@ -81,7 +81,7 @@ def test_explicit_name_namespace_and_routing_are_kept():
 
 
 def test_bare_decorator_registers_in_the_process_catalog():
-    from toolq.workers.catalog import CATALOG
+    from toolq.core.catalog import CATALOG
 
     @tool
     def catalog_test_bare_tool(args: SearchArgs, ctx: ToolContext) -> str:

@@ -7,11 +7,12 @@ import asyncio
 import json
 
 from tests.unit.test_advert import declared, only
-from toolq.orchestrator import catalog_reader
-from toolq.orchestrator.catalog_reader import FleetCatalog, FleetSnapshot, WorkersStarting, unserved_message
-from toolq.orchestrator.workers_cmd import render_workers
-from toolq.workers.advert import ToolRef, WorkerAdvert
-from toolq.workers.catalog import ToolSpec
+from toolq.cli.workers import render_workers
+from toolq.core.advert import ToolRef, WorkerAdvert
+from toolq.core.catalog import ToolSpec
+from toolq.local.starting import WorkersStarting
+from toolq.orchestrator.transport import catalog_reader
+from toolq.orchestrator.transport.catalog_reader import FleetCatalog, FleetSnapshot, unserved_message
 from toolq.workers.loader import load_catalog
 
 

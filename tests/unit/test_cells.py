@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from toolq.orchestrator.settings import Settings
+from toolq.core.settings import Settings
 from toolq.workers import isolation
 from toolq.workers.isolation import cell, limits
 from toolq.workers.isolation.policy import Policy

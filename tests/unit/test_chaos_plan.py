@@ -1,12 +1,12 @@
-"""The fault campaign's plans (toolq/orchestrator/bench/chaos.py): seeded, every fleet fault met
+"""The fault campaign's plans (toolq/dev/bench/chaos.py): seeded, every fleet fault met
 in a short campaign, each turn's evidence counts matching its script."""
 
 from collections import Counter
 
 import pytest
 
-from toolq.orchestrator import cli
-from toolq.orchestrator.bench import chaos
+from toolq.cli import main as cli
+from toolq.dev.bench import chaos
 
 
 def steps(response) -> list:

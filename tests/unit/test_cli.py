@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from toolq.orchestrator import cli
-from toolq.orchestrator.settings import Settings
+from toolq.cli import main as cli
+from toolq.core.settings import Settings
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_cancel_without_redis_says_what_to_set(capsys, monkeypatch, tmp_path):
 
 
 def test_a_session_file_round_trips_a_paired_history(tmp_path):
-    from toolq.orchestrator.runner import load_session, save_session
+    from toolq.cli.run import load_session, save_session
 
     path = tmp_path / "s.json"
     assert load_session(path).items == []  # a new file starts a new conversation
@@ -90,7 +90,7 @@ def test_every_argument_and_option_has_help_text():
 def test_version_prints_the_installed_version():
     from importlib import metadata
 
-    out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "--version"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "toolq.cli.main", "--version"], capture_output=True, text=True)
     assert (out.returncode, out.stdout) == (0, f"toolq {metadata.version('toolq')}\n")
 
 
@@ -122,14 +122,14 @@ def test_no_prompt_or_an_empty_one_is_refused(arg, stdin, said):
 
 
 def test_toolq_run_refuses_an_empty_piped_prompt_in_one_line_before_starting_anything():
-    out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "run"], input="\n", capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "toolq.cli.main", "run"], input="\n", capture_output=True,
                          text=True, env={"PATH": "/usr/bin:/bin", "OPENAI_API_KEY": "sk-x"}, timeout=60)
     assert (out.returncode, out.stdout, out.stderr) == (2, "", "toolq run: the prompt is empty\n")
 
 
 def test_toolq_run_without_a_key_for_a_remote_url_fails_in_one_line_before_starting_anything(monkeypatch, tmp_path):
     env = {"PATH": "/usr/bin:/bin", "OPENAI_BASE_URL": "https://api.example.com/v1"}
-    out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "run", "--workspace", str(tmp_path), "hi"],
+    out = subprocess.run([sys.executable, "-m", "toolq.cli.main", "run", "--workspace", str(tmp_path), "hi"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert (out.returncode, out.stdout) == (2, "")
     assert out.stderr == ("toolq run: no API key for https://api.example.com/v1: set the OPENAI_API_KEY environment "
@@ -164,7 +164,7 @@ def test_workers_and_batch_on_an_unreachable_redis_say_so_in_one_line_and_write_
     (tmp_path / "ws").mkdir()
     (tmp_path / "b.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
     for argv in (["workers"], ["batch", "b.jsonl", "--out", "r.jsonl"]):
-        out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", *argv], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "toolq.cli.main", *argv], capture_output=True, text=True,
                              env=env, cwd=tmp_path, timeout=60)
         assert out.returncode == 2, out.stderr
         assert re.fullmatch(rf"toolq: cannot reach Redis at {url}: .*\n", out.stderr), out.stderr
@@ -174,8 +174,8 @@ def test_workers_and_batch_on_an_unreachable_redis_say_so_in_one_line_and_write_
 def test_the_live_view_shows_the_final_error_once():
     from pydantic import TypeAdapter
 
+    from toolq.cli.view import LiveView
     from toolq.orchestrator.turn_events import TurnEvent
-    from toolq.orchestrator.view import LiveView
 
     out = io.StringIO()
     live, as_event = LiveView(out), TypeAdapter(TurnEvent).validate_python
@@ -197,7 +197,7 @@ def test_the_live_view_shows_the_final_error_once():
 
 def test_a_redis_that_refuses_the_database_is_one_line_exit_2(tmp_path):
     """A red-team helper's REDIS_URL=.../99: `DB index is out of range` was a traceback."""
-    from toolq.orchestrator.embedded import RedisServer
+    from toolq.local.embedded import RedisServer
 
     (tmp_path / "b.jsonl").write_text('{"prompt": "a"}\n')
     with RedisServer() as server:
@@ -206,7 +206,7 @@ def test_a_redis_that_refuses_the_database_is_one_line_exit_2(tmp_path):
                "TOOLQ_WORKSPACE": str(tmp_path / "ws")}  # the results outside the workspace
         (tmp_path / "ws").mkdir()
         for argv in (["workers"], ["batch", "b.jsonl", "--out", "r.jsonl"], ["status", "turn-x"]):
-            out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", *argv], capture_output=True,
+            out = subprocess.run([sys.executable, "-m", "toolq.cli.main", *argv], capture_output=True,
                                  text=True, env=env, cwd=tmp_path, timeout=60)
             assert (out.returncode, out.stderr.splitlines()[-1:]) == (2, [
                 "toolq: Redis refused: DB index is out of range (check REDIS_URL: its database number, user and "

@@ -16,8 +16,8 @@ import pytest
 
 from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
 from toolq.core.items import CustomToolCallItem, FunctionCallItem, MessageItem, ReasoningItem
-from toolq.orchestrator.fake_model import FakeModel
-from toolq.orchestrator.fake_model.builders import (
+from toolq.dev.fake_model import FakeModel
+from toolq.dev.fake_model.builders import (
     cut_after,
     error_event,
     failed,

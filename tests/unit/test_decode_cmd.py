@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from tests.paths import SSE_FIXTURES
-from toolq.orchestrator.decode_cmd import decode_file
+from toolq.cli.decode import decode_file
 
 SSE = SSE_FIXTURES
 
@@ -76,7 +76,7 @@ def test_missing_file_is_an_error_not_a_traceback(tmp_path):
 def test_cli_runs_decode():
     path = recording("sse-custom-tool-call.txt")
     proc = subprocess.run(
-        [sys.executable, "-m", "toolq.orchestrator.cli", "decode", str(path)], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "toolq.cli.main", "decode", str(path)], capture_output=True, text=True, check=True
     )
     items = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [i["type"] for i in items] == ["reasoning", "custom_tool_call"]

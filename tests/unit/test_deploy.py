@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import yaml
 
-from toolq.orchestrator.cli import build_parser
-from toolq.orchestrator.settings import ENV
-from toolq.workers.catalog import DEFAULT_QUEUE
+from toolq.cli.main import build_parser
+from toolq.core.catalog import DEFAULT_QUEUE
+from toolq.core.settings import ENV
 from toolq.workers.loader import load_catalog
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,7 +172,7 @@ def test_every_toolq_command_line_parses_with_the_real_cli(where, argv):
     try:
         args = build_parser().parse_args(argv)
     except SystemExit:
-        pytest.fail(f"{where}: `toolq {' '.join(argv)}` is refused by toolq.orchestrator.cli.build_parser()")
+        pytest.fail(f"{where}: `toolq {' '.join(argv)}` is refused by toolq.cli.main.build_parser()")
     assert callable(args.func)
 
 
@@ -246,7 +246,7 @@ def test_readme_quickstart_is_the_two_dev_commands_first():
 def test_image_entrypoint_is_the_toolq_console_script():
     assert dockerfile_json("ENTRYPOINT") == ["tini", "--", "toolq"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["toolq"] == "toolq.orchestrator.cli:main"
+    assert scripts["toolq"] == "toolq.cli.main:main"
 
 
 def dockerfile_args() -> dict[str, str]:

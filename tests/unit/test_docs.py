@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from toolq.orchestrator import config_doc
-from toolq.orchestrator.cli import build_parser
+from toolq.cli.main import build_parser
+from toolq.dev import config_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -27,7 +27,7 @@ REPO_PATH = re.compile(rf"(?<![\w./~-])((?:{'|'.join(TOP)})/[\w./-]*[\w/])")
 #: Notes kept outside the repository that docs once cited.
 OUTSIDE = re.compile(r"\.\./shared/|\bseeds/|\bDESIGN\b|\bSTYLE\.md|celery-lab|codex-reference|codex-contracts"
                      r"|responses-protocol")
-REGENERATE = ".venv/bin/python -m toolq.orchestrator.config_doc > docs/configuration.md"
+REGENERATE = ".venv/bin/python -m toolq.dev.config_doc > docs/configuration.md"
 
 
 def _ids(docs: list[Path]) -> list[str]:
@@ -137,7 +137,7 @@ def test_the_readme_library_snippet_streams_as_the_fake_model_answers():
 
 
 def test_the_configuration_doc_is_generated_from_the_settings_model():
-    assert config_doc.undocumented() == [], "document these settings in toolq/orchestrator/config_doc.py"
+    assert config_doc.undocumented() == [], "document these settings in toolq/dev/config_doc.py"
     assert (ROOT / "docs" / "configuration.md").read_text() == config_doc.render(), (
         f"docs/configuration.md differs from the settings model: run `{REGENERATE}`")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from toolq.core.calls import ToolName
-from toolq.orchestrator.durable import Committed, TurnSettings, unanswered
+from toolq.orchestrator.transport.durable import Committed, TurnSettings, unanswered
 
 
 def call(call_id: str, step: int, index: int) -> Committed:

@@ -11,9 +11,9 @@ import redis
 from pydantic import BaseModel
 
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.core.catalog import Catalog, ToolContext, tool
 from toolq.core.states import CallState
-from toolq.orchestrator.embedded import RedisServer
-from toolq.workers.catalog import Catalog, ToolContext, tool
+from toolq.local.embedded import RedisServer
 from toolq.workers.execute import execute
 
 

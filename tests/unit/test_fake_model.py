@@ -13,8 +13,8 @@ import pytest
 from openai.types.responses.response_stream_event import ResponseStreamEvent
 
 from tests.paths import SSE_FIXTURES
-from toolq.orchestrator.fake_model import FakeModel
-from toolq.orchestrator.fake_model.builders import (
+from toolq.dev.fake_model import FakeModel
+from toolq.dev.fake_model.builders import (
     custom_tool_call,
     cut_after,
     error_event,
@@ -333,7 +333,7 @@ def test_built_in_demo_is_the_documented_deterministic_conversation():
 @pytest.mark.parametrize("loop", [False, True])
 def test_toolq_fake_model_prints_its_base_url_and_serves_the_demo(loop):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "toolq.orchestrator.cli", "fake-model", "--port", "0", *(["--loop"] if loop else [])],
+        [sys.executable, "-m", "toolq.cli.main", "fake-model", "--port", "0", *(["--loop"] if loop else [])],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

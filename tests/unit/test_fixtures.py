@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from tests.paths import FIXTURES, ROOT, SSE_FIXTURES
-from toolq.orchestrator.bench import decode
+from toolq.dev.bench import decode
 
 
 def test_every_fixture_the_readme_lists_is_checked_in():

@@ -6,10 +6,10 @@ import subprocess
 
 import pytest
 
+from toolq.cli import main as cli
+from toolq.cli.flower import flower_launch, is_loopback
 from toolq.core.errors import ConfigurationError
-from toolq.orchestrator import cli
-from toolq.orchestrator.flower import flower_launch, is_loopback
-from toolq.orchestrator.settings import Settings
+from toolq.core.settings import Settings
 
 URL = "redis://127.0.0.1:6390/0"
 

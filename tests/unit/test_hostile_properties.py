@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from toolq.core.calls import ToolResult, output_item
+from toolq.core.catalog import Catalog, ToolContext, parse_arguments, tool
 from toolq.core.errors import Fatal, RespondToModel
 from toolq.core.items import is_call
 from toolq.orchestrator.history import History, pairing_problems
 from toolq.orchestrator.protocol.events import EventDecoder, iter_sse_data
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.router import build_tool_call
-from toolq.workers.catalog import Catalog, ToolContext, parse_arguments, tool
 
 settings.register_profile("ci", max_examples=60, derandomize=True, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -259,7 +259,7 @@ def test_every_tool_result_is_valid_utf8(output):
 def test_nan_infinity_and_overflowing_numbers_are_refused_at_argument_parsing():
     """Issue 24: Python's json takes them and they reached the tools (an OverflowError, a session
     host that hung up); serde_json, which Codex parses with, refuses them, and so does toolq."""
-    from toolq.workers.catalog import load_arguments
+    from toolq.core.catalog import load_arguments
 
     for raw in ('{"yield_time_ms": NaN}', '{"x": Infinity}', '{"x": [-Infinity]}', '{"session_id": 1e400}',
                 '{"x": -1e309}'):

@@ -98,23 +98,53 @@ def test_the_circle_finder_finds_a_circle_through_a_deferred_import():
     assert circles({"a": {"b"}, "b": set()}) == []
 
 
-def test_core_imports_nothing_above_it():
-    """`toolq.core` is what both processes share: it may import only itself (issue 25 item 1).
-    The rest of the layer rule (workers import only core; the orchestrator core and named worker
-    modules) is the move still under way: its remaining edges are listed by the next test."""
-    above = {(name, target) for name, targets in import_graph().items() if name.startswith("toolq.core")
-             for target in targets if not target.startswith("toolq.core")}
-    assert above == set(), sorted(above)
+#: The layers, bottom to top (issue 25 item 1). A module imports its own layer and those below;
+#: the orchestrator reaches into the worker layer only through the modules named below. `cli` and
+#: `dev` share the top: the CLI's `bench`/`fake-model`/`demo` run dev's code, and a benchmark may
+#: measure a command's own renderer.
+LAYERS = {"toolq.core": 0, "toolq.workers": 1, "toolq.local": 2, "toolq.orchestrator": 3,
+          "toolq.cli": 4, "toolq.dev": 4, "toolq.testing": 5, "toolq": 5}
+
+#: What the orchestrator and the embedded stack use of the worker layer: the Celery app's
+#: configuration (both ends of a queue build it), loading tool modules, running one call in
+#: process (the in-memory transport), and the stale pool cgroups an embedded stack clears.
+WORKER_MODULES_ABOVE = {"toolq.workers.config", "toolq.workers.loader", "toolq.workers.execute",
+                        "toolq.workers.isolation.limits"}
 
 
-def test_the_layer_rule_names_its_remaining_exceptions():
-    """Workers importing the orchestrator: each edge left is listed here, so a new one fails this
-    test and an edge removed must be struck from the list (it can only shrink)."""
-    edges = {(name, target) for name, targets in import_graph().items()
-             if name.startswith("toolq.workers") for target in targets if target.startswith("toolq.orchestrator")}
-    assert len(edges) <= WORKERS_TO_ORCHESTRATOR, (len(edges), sorted(edges))
+def layer_of(module: str) -> str:
+    return max((name for name in LAYERS if module == name or module.startswith(name + ".")), key=len)
 
 
-#: Edges (module to module) from toolq.workers to toolq.orchestrator left: 15 (29 after the first
-#: move to core, 64 before it). What remains: the settings, the import path, the trusted files.
-WORKERS_TO_ORCHESTRATOR = 15
+def layer_breaches(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    breaches = set()
+    for name, targets in graph.items():
+        mine = layer_of(name)
+        for target in targets:
+            theirs = layer_of(target)
+            if LAYERS[theirs] > LAYERS[mine]:
+                breaches.add((name, target))
+            elif theirs == "toolq.workers" and mine != theirs and LAYERS[mine] <= LAYERS["toolq.orchestrator"] \
+                    and target not in WORKER_MODULES_ABOVE:
+                breaches.add((name, target))
+    return breaches
+
+
+def test_every_import_goes_down_the_layers():
+    assert layer_breaches(import_graph()) == set()
+
+
+def test_the_layer_rule_catches_an_import_going_up():
+    graph = {"toolq.core.keys": {"toolq.workers.app"}, "toolq.workers.app": {"toolq.orchestrator.barrier"},
+             "toolq.orchestrator.barrier": {"toolq.workers.processes", "toolq.workers.config"},
+             "toolq.local.embedded": {"toolq.cli.run"}, "toolq.cli.run": {"toolq.dev.bench"},
+             "toolq.dev.bench": {"toolq.cli.view", "toolq.workers.processes"}}
+    assert layer_breaches(graph) == {("toolq.core.keys", "toolq.workers.app"),
+                                     ("toolq.workers.app", "toolq.orchestrator.barrier"),
+                                     ("toolq.orchestrator.barrier", "toolq.workers.processes"),
+                                     ("toolq.local.embedded", "toolq.cli.run")}
+
+
+def test_every_package_of_toolq_has_a_layer():
+    packages = {name.split(".")[1] for name in import_graph() if name.count(".") >= 1}
+    assert {f"toolq.{p}" for p in packages} <= set(LAYERS), packages

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from toolq.orchestrator import import_path
+from toolq.core import import_path
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def test_python_m_toolq_drops_the_folder_it_was_started_in_before_toolq_imports_
 
     (tmp_path / "typing.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n")
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    out = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "config"], cwd=tmp_path, env=env,
+    out = subprocess.run([sys.executable, "-m", "toolq.cli.main", "config"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert not (tmp_path / "imported").exists()

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from toolq.core.errors import ConfigurationError
-from toolq.orchestrator.settings import Settings
+from toolq.core.settings import Settings
 from toolq.workers import isolation
 from toolq.workers.isolation import bwrap, choose, landlock, limits, spawner
 from toolq.workers.isolation import policy as policy_module
@@ -475,7 +475,7 @@ def test_a_worker_with_shell_tools_refuses_to_start_when_no_sandbox_works(tmp_pa
     env = {"PATH": str(tmp_path), "REDIS_URL": "redis://127.0.0.1:1/0", "TOOLQ_SANDBOX": "bwrap",
            "TOOLQ_SIGNING_KEY": "k" * 64,
            "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, "-m", "toolq.orchestrator.cli", "worker"], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "toolq.cli.main", "worker"], env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

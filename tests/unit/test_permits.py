@@ -14,12 +14,12 @@ import redis.asyncio as aioredis
 from tests.unit.test_barrier import sync
 from toolq.core import keys
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.core.catalog import ToolSpec
 from toolq.core.permits import ACQUIRE, RATE, RELEASE, RENEW, Permit
 from toolq.core.tool_limits import ToolLimit
-from toolq.orchestrator.embedded import RedisServer
+from toolq.local.embedded import RedisServer
 from toolq.orchestrator.limits import FleetLimits
 from toolq.workers import permit as worker_permit
-from toolq.workers.catalog import ToolSpec
 
 
 @pytest.fixture(scope="module")

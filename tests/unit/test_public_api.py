@@ -35,7 +35,7 @@ def test_fleet_offers_connect_tool_specs_and_run_calls():
 
 def _imported_after(code: str) -> dict:
     probe = (f"import sys, json\n{code}\n"
-             "from toolq.workers.catalog import CATALOG\n"
+             "from toolq.core.catalog import CATALOG\n"
              "print(json.dumps({'modules': sorted(sys.modules), 'tools': [str(s.tool_name) for s in CATALOG]}))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     return json.loads(out)
@@ -43,7 +43,7 @@ def _imported_after(code: str) -> dict:
 
 def test_importing_toolq_and_the_barrier_loads_no_celery_and_registers_no_tool():
     after = _imported_after("import toolq\nfrom toolq import tool, ToolContext, ToolReturn, RespondToModel\n"
-                            "import toolq.orchestrator.barrier, toolq.orchestrator.binding, toolq.orchestrator.memory_transport")
+                            "import toolq.orchestrator.barrier, toolq.orchestrator.binding, toolq.orchestrator.transport.memory")
     loaded = [m for m in after["modules"] if m.split(".")[0] in ("celery", "kombu", "billiard")
               or m.startswith(("toolq.workers.app", "toolq.workers.tools"))]
     assert loaded == [], loaded
@@ -53,8 +53,8 @@ def test_importing_toolq_and_the_barrier_loads_no_celery_and_registers_no_tool()
 def test_the_toolq_run_path_loads_no_celery_until_a_call_is_sent():
     """Celery (0.1 s of imports) is loaded by the first dispatch, not by `toolq run` starting: the
     first model request needs none, and a turn without tool calls never loads it."""
-    after = _imported_after("import toolq.orchestrator.cli, toolq.orchestrator.runner, toolq.orchestrator.embedded\n"
-                            "import toolq.orchestrator.turn, toolq.orchestrator.fleet, toolq.orchestrator.dispatch\n"
+    after = _imported_after("import toolq.cli.main, toolq.cli.run, toolq.local.embedded\n"
+                            "import toolq.orchestrator.turn, toolq.orchestrator.fleet, toolq.orchestrator.transport.dispatch\n"
                             "import toolq.orchestrator.mcp_tools, toolq.workers.mcp.fleet, toolq.workers.config")
     loaded = [m for m in after["modules"] if m.split(".")[0] in ("celery", "kombu", "billiard", "amqp")]
     assert loaded == [], loaded
@@ -63,7 +63,7 @@ def test_the_toolq_run_path_loads_no_celery_until_a_call_is_sent():
 def test_the_toolq_run_path_loads_no_jsonschema_nor_the_mcp_worker_side():
     """The orchestrator follows the fleet's MCP tools from its catalog: the MCP host's client,
     its config and jsonschema (45 ms of a one-request `toolq run`) are the worker's alone."""
-    after = _imported_after("import toolq.orchestrator.cli as cli\ncli.import_quietly('toolq.orchestrator.runner')\n"
+    after = _imported_after("import toolq.cli.main as cli\ncli.import_quietly('toolq.cli.run')\n"
                             "import toolq.orchestrator.fleet, toolq.orchestrator.mcp_tools, toolq.workers.mcp.fleet\n"
                             "from toolq.workers.loader import load_catalog\nload_catalog([])")
     loaded = [m for m in after["modules"] if m.split(".")[0] in ("jsonschema", "referencing", "mcp")
@@ -72,9 +72,9 @@ def test_the_toolq_run_path_loads_no_jsonschema_nor_the_mcp_worker_side():
 
 
 def test_the_command_line_imports_its_runtime_with_the_gc_on_again_and_no_httpx_command_line():
-    after = _imported_after("import gc, toolq.orchestrator.cli as cli\ncli.import_quietly('toolq.orchestrator.runner')\n"
+    after = _imported_after("import gc, toolq.cli.main as cli\ncli.import_quietly('toolq.cli.run')\n"
                             "assert gc.isenabled() and gc.get_freeze_count() > 0")
-    assert "toolq.orchestrator.runner" in after["modules"]
+    assert "toolq.cli.run" in after["modules"]
     assert not {"click", "pygments", "rich"} & {m.split(".")[0] for m in after["modules"]}
 
 
@@ -93,29 +93,30 @@ def _rel(path: Path) -> str:
     return path.relative_to(PACKAGE).as_posix()
 
 
-#: dispatch.py is the orchestrator's door into Celery; the pipeline benchmark's baseline is bare Celery.
-CELERY_ALLOWED = {"orchestrator/dispatch.py", "orchestrator/bench/pipeline.py"}
+#: dispatch.py is the orchestrator's door into Celery.
+CELERY_ALLOWED = {"orchestrator/transport/dispatch.py"}
+#: The layers below the commands: none builds a Celery app or registers the built-in tools.
+BELOW_THE_COMMANDS = ("core", "local", "orchestrator")
 
 
 def test_no_orchestrator_module_imports_celery_but_dispatch():
     offenders = {_rel(p): sorted(m for m in _imports(p) if m.split(".")[0] in ("celery", "kombu"))
-                 for p in (PACKAGE / "orchestrator").rglob("*.py")}
+                 for layer in BELOW_THE_COMMANDS for p in (PACKAGE / layer).rglob("*.py")}
     assert {f: m for f, m in offenders.items() if m and f not in CELERY_ALLOWED} == {}
 
 
 def test_the_orchestrator_reaches_the_workers_only_through_their_import_safe_modules():
     """`workers.app` builds the Celery app and `workers.tools` registers the built-ins: only the
-    `toolq worker` command (cli.py) and the catalog loader may import them."""
-    hosts = {"orchestrator/cli.py"}
+    `toolq worker` command (cli/main.py) and the catalog loader may import them."""
     offenders = {}
-    for p in (PACKAGE / "orchestrator").rglob("*.py"):
+    for p in (p for layer in BELOW_THE_COMMANDS for p in (PACKAGE / layer).rglob("*.py")):
         bad = sorted(m for m in _imports(p) if m.startswith(("toolq.workers.app", "toolq.workers.tools")))
-        if bad and _rel(p) not in hosts:
+        if bad:
             offenders[_rel(p)] = bad
     assert offenders == {}
 
 
 def test_the_catalog_does_not_import_the_tools_that_import_it():
-    catalog = PACKAGE / "workers" / "catalog.py"
+    catalog = PACKAGE / "core" / "catalog.py"
     assert not any(m.startswith("toolq.workers.tools") for m in _imports(catalog))
     assert "toolq.workers.tools" not in catalog.read_text()  # nor by name, through importlib

@@ -1,12 +1,12 @@
-"""Which models get reasoning settings by default (toolq/orchestrator/protocol/reasoning.py)."""
+"""Which models get reasoning settings by default (toolq/core/reasoning.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from toolq.core.errors import ConfigurationError
-from toolq.orchestrator.protocol.reasoning import is_reasoning_model, reasoning_for
-from toolq.orchestrator.settings import Settings
+from toolq.core.reasoning import is_reasoning_model, reasoning_for
+from toolq.core.settings import Settings
 
 
 @pytest.mark.parametrize("model", ["gpt-5", "gpt-5.5", "gpt-5-mini", "gpt-5.1-codex", "o1", "o3", "o3-pro",

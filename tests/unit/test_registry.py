@@ -7,9 +7,9 @@ import pytest
 from pydantic import BaseModel
 
 from toolq.core.calls import CustomPayload, FunctionPayload, ToolCall, ToolName
+from toolq.core.catalog import Catalog, tool
 from toolq.core.errors import ConfigurationError, Fatal, RespondToModel
 from toolq.orchestrator.registry import Registry, StepContext
-from toolq.workers.catalog import Catalog, tool
 
 
 class SearchArgs(BaseModel):

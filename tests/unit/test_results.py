@@ -3,7 +3,7 @@ reads a meta."""
 
 from toolq.core.calls import ToolResult
 from toolq.core.states import CallState
-from toolq.orchestrator.results import outcome_from_meta
+from toolq.orchestrator.transport.results import outcome_from_meta
 
 FAILED = ToolResult(call_id="call_1", output="Process exited with code 3", status=CallState.FAILED, success=False,
                     exit_code=3).model_dump(mode="json")

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from toolq.core.errors import ConfigurationError
-from toolq.orchestrator import runtime_dir
+from toolq.local import runtime_dir
 
 NOBODY = 65534
 

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
-from toolq.orchestrator.session_route import session_for
 from toolq.orchestrator.transport import DispatchError
+from toolq.orchestrator.transport.session_route import session_for
 
 
 @pytest.mark.parametrize("arguments", ['{"session_id": 1e400}', '{"session_id": "x"}', '{}', "[1]", "{"])

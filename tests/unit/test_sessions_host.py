@@ -13,7 +13,7 @@ import time
 import pytest
 
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
-from toolq.orchestrator.dispatch import FLOWER_COMMAND_CHARS, flower_args
+from toolq.orchestrator.transport.dispatch import FLOWER_COMMAND_CHARS, flower_args
 from toolq.workers.exec_output import format_exec_output
 from toolq.workers.sessions import host_client as client
 from toolq.workers.sessions import start
@@ -97,7 +97,7 @@ def test_a_command_answered_within_the_first_wait_costs_no_cancel_check(host, mo
 def test_only_a_subreaper_host_looks_for_orphans_after_a_command(tmp_path, monkeypatch, subreaper):
     # Elsewhere its only children are the leaders: reading every thread's children list
     # (~20 files) after each command was a quarter of the host's CPU per command.
-    from toolq.orchestrator.settings import Settings
+    from toolq.core.settings import Settings
     from toolq.workers import isolation
     from toolq.workers.sessions import host as host_module
 

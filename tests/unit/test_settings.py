@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from toolq.cli import main as cli
 from toolq.core.errors import ConfigurationError
-from toolq.orchestrator import cli
-from toolq.orchestrator.settings import ENV, Settings, mask_url_password
+from toolq.core.settings import ENV, Settings, mask_url_password
 
 
 def test_every_setting_can_be_set_from_the_environment():

@@ -13,8 +13,8 @@ import pytest
 
 from toolq.core import signing
 from toolq.core.errors import ConfigurationError
+from toolq.core.settings import Settings
 from toolq.core.signing import META_FIELD, Signer, genuine_stored, refuse_invocation, required_signer, seal_stored
-from toolq.orchestrator.settings import Settings
 from toolq.workers.summary import Summarised
 
 KEY = secrets.token_hex(32)
@@ -173,14 +173,14 @@ def test_the_key_is_required_and_never_shown():
 def test_the_signing_bench_measures_both_sides():
     import io
 
-    from toolq.orchestrator.bench import signing as bench
+    from toolq.dev.bench import signing as bench
 
     res = bench.run(io.StringIO(), sizes=(100,), loops=5, repeats=1)
     assert res[100]["signed_us"] > 0 and res[100]["json_us"] > 0
 
 
 def test_a_worker_with_a_broker_but_no_key_refuses_to_start_with_one_line(monkeypatch, capsys):
-    from toolq.orchestrator.cli import main
+    from toolq.cli.main import main
 
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
     monkeypatch.delenv("TOOLQ_SIGNING_KEY", raising=False)

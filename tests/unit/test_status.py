@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import json
 
-from toolq.orchestrator.settings import Settings
-from toolq.orchestrator.status import call_row, render_status, render_turns, status_cmd, turn_row, turns_cmd
+from toolq.cli.status import call_row, render_status, render_turns, status_cmd, turn_row, turns_cmd
+from toolq.core.settings import Settings
 
 NOW = 1_700_000_100.0
 
@@ -29,7 +29,7 @@ def test_duration_is_finished_minus_started():
 
 
 def test_durations_keep_short_calls_visible():
-    from toolq.orchestrator.status import _cell
+    from toolq.cli.status import _cell
 
     assert [_cell("duration", {"duration": d}) for d in (0.0123, 2.25, 100.0)] == ["12ms", "2.25s", "100.0s"]
 

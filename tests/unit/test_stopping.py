@@ -8,7 +8,7 @@ import os
 
 from kombu.asynchronous import Hub
 
-from toolq.orchestrator.settings import Settings
+from toolq.core.settings import Settings
 from toolq.workers import stopping
 from toolq.workers.config import celery_config
 

@@ -11,12 +11,12 @@ import pytest
 from pydantic import BaseModel
 
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.core.catalog import Catalog, ToolContext, tool
+from toolq.core.session_records import SessionRecord
 from toolq.core.states import CallState
-from toolq.orchestrator import stranded as stranded_module
-from toolq.orchestrator.stranded import StrandedCalls
 from toolq.orchestrator.transport import CallWatch
-from toolq.workers.catalog import Catalog, ToolContext, tool
-from toolq.workers.sessions.registry import SessionRecord
+from toolq.orchestrator.transport import stranded as stranded_module
+from toolq.orchestrator.transport.stranded import StrandedCalls
 
 
 class NoArgs(BaseModel):

@@ -1,4 +1,4 @@
-"""Strict schemas for argument names that are also JSON Schema keywords (toolq/workers/catalog.py).
+"""Strict schemas for argument names that are also JSON Schema keywords (toolq/core/catalog.py).
 
 The schema is walked by keyword: the keys of `properties` (and `$defs`) are names, and values
 such as `default` or `examples` are data, so none of them may be stripped or rewritten.
@@ -15,9 +15,9 @@ from pydantic import BaseModel, Field
 
 from tests.responses_schema import schema_errors
 from toolq.core.calls import FunctionPayload, ToolCall, ToolName
+from toolq.core.catalog import Catalog, ToolContext, parse_arguments, tool
 from toolq.orchestrator.model_client import build_request
 from toolq.orchestrator.registry import Registry, StepContext
-from toolq.workers.catalog import Catalog, ToolContext, parse_arguments, tool
 
 KEYWORDS = ["title", "description", "default", "type", "properties", "items", "required"]
 

@@ -17,14 +17,14 @@ import redis.asyncio as aioredis
 from tests.unit.test_permits import r, server  # noqa: F401 - a real redis-server, flushed per test
 from toolq.core import keys
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.core.catalog import ToolSpec
 from toolq.core.contracts import TIME_LIMIT_MARGIN, task_name
+from toolq.core.settings import Settings
 from toolq.core.signing import Signer
-from toolq.orchestrator.dispatch import Dispatcher, flower_args
-from toolq.orchestrator.embedded import RedisServer
-from toolq.orchestrator.ledger import Ledger, Sent
-from toolq.orchestrator.settings import Settings
-from toolq.orchestrator.task_message import anon_nodename
-from toolq.workers.catalog import ToolSpec
+from toolq.local.embedded import RedisServer
+from toolq.orchestrator.transport.dispatch import Dispatcher, flower_args
+from toolq.orchestrator.transport.ledger import Ledger, Sent
+from toolq.orchestrator.transport.task_message import anon_nodename
 from toolq.workers.config import make_app
 
 KEY = "k" * 32

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from toolq import RespondToModel, ToolContext, ToolReturn, tool
+from toolq.core.catalog import Catalog
 from toolq.core.states import CallState
 from toolq.testing import run_call
-from toolq.workers.catalog import Catalog
 
 CAT = Catalog()  # kept out of the process-wide catalog
 

@@ -10,9 +10,9 @@ import pytest
 
 from tests.responses_schema import schema_errors
 from toolq.core.calls import FunctionPayload, ToolCall, ToolName
+from toolq.core.catalog import Catalog, call_handler, parse_arguments, tool
 from toolq.core.errors import ConfigurationError, RespondToModel
 from toolq.orchestrator.registry import Registry, StepContext
-from toolq.workers.catalog import Catalog, call_handler, parse_arguments, tool
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
           "required": ["city"]}

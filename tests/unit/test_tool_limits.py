@@ -11,18 +11,18 @@ from pydantic import BaseModel
 
 from tests.unit.test_barrier import sync
 from toolq.core.calls import ToolInvocation, ToolResult
+from toolq.core.catalog import Catalog, ToolContext, ToolSpec, tool
 from toolq.core.errors import ConfigurationError
 from toolq.core.items import FunctionCallItem
+from toolq.core.settings import Settings
 from toolq.core.states import CallState
 from toolq.core.tool_limits import Rate, ToolLimit, parse_tool_limits
 from toolq.orchestrator.barrier import Step
 from toolq.orchestrator.binding import bind_item
 from toolq.orchestrator.limits import Limits
-from toolq.orchestrator.memory_transport import MemoryRecords, MemoryTransport, catalog_runner
 from toolq.orchestrator.registry import Registry, StepContext
-from toolq.orchestrator.settings import Settings
+from toolq.orchestrator.transport.memory import MemoryRecords, MemoryTransport, catalog_runner
 from toolq.orchestrator.turn_events import ItemCompleted, ItemUpdated
-from toolq.workers.catalog import Catalog, ToolContext, ToolSpec, tool
 
 
 @pytest.mark.parametrize("text, calls, window", [("10/s", 10, 1.0), ("100/m", 100, 60.0), (" 3 / min ", 3, 60.0),
@@ -221,7 +221,7 @@ async def test_a_throttled_call_past_its_deadline_times_out_and_says_it_was_neve
 
 
 def test_toolq_config_shows_the_limits_and_a_bad_one_exits_2_in_one_line(monkeypatch, capsys):
-    from toolq.orchestrator.cli import main
+    from toolq.cli.main import main
 
     monkeypatch.setenv("TOOLQ_TOOL_LIMITS", '{"git.git_log": {"rate_limit": "100/m"}}')
     assert main(["config"]) == 0

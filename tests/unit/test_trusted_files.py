@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from toolq.cli.main import main
+from toolq.core import trusted_files
 from toolq.core.errors import ConfigurationError
-from toolq.orchestrator import trusted_files
-from toolq.orchestrator.cli import main
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
 

@@ -21,14 +21,22 @@ import redis.asyncio as aioredis
 
 from tests.unit.test_permits import r, server  # noqa: F401 - a real redis-server, flushed per test
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.core.catalog import ToolSpec
+from toolq.core.settings import Settings
 from toolq.core.signing import Signer
-from toolq.orchestrator.dispatch import Dispatcher
-from toolq.orchestrator.durable import MIB, Committed, StoreBudget, TurnStore, item_cost, store_error, wire_cost
-from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.protocol.events import EventDecoder, OutputItemDone
-from toolq.orchestrator.settings import Settings
-from toolq.orchestrator.task_message import queue_key
-from toolq.workers.catalog import ToolSpec
+from toolq.orchestrator.transport.dispatch import Dispatcher
+from toolq.orchestrator.transport.durable import (
+    MIB,
+    Committed,
+    StoreBudget,
+    TurnStore,
+    item_cost,
+    store_error,
+    wire_cost,
+)
+from toolq.orchestrator.transport.ledger import Ledger
+from toolq.orchestrator.transport.task_message import queue_key
 
 KEY = "k" * 32
 N = 60_000

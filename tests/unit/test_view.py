@@ -5,6 +5,7 @@ import io
 import json
 import time
 
+from toolq.cli.view import JsonView, LiveView
 from toolq.core.states import CallState, codex_status
 from toolq.orchestrator.turn_events import (
     AgentMessageView,
@@ -16,7 +17,6 @@ from toolq.orchestrator.turn_events import (
     ToolCallView,
     TurnStarted,
 )
-from toolq.orchestrator.view import JsonView, LiveView
 
 
 class GoneReader(io.StringIO):
@@ -184,7 +184,7 @@ def test_nothing_the_model_or_a_tool_says_reaches_the_terminal_as_a_control():
 
 
 def test_status_and_turns_tables_are_printable():
-    from toolq.orchestrator.terminal import printable
+    from toolq.cli.terminal import printable
 
     assert printable("a" + HOSTILE + "b\nc\td") == "a\ufffd\ufffdb\nc\td"
     assert "\n" not in printable("one\ntwo", lines=False)
@@ -192,7 +192,7 @@ def test_status_and_turns_tables_are_printable():
 
 def test_json_lines_keep_text_readable_and_escape_what_a_terminal_obeys():
     # JSON escapes C0 controls itself; with ensure_ascii=False it left C1 controls and bidi raw.
-    from toolq.orchestrator.status import render_json_lines
+    from toolq.cli.status import render_json_lines
 
     out = io.StringIO()
     JsonView(out)(ItemCompleted(item=AgentMessageView(id="m", text="héllo" + HOSTILE)))

@@ -1,5 +1,5 @@
 """Which folders may be a turn's workspace, checked where the turn starts and again on the worker
-where each call runs (toolq/orchestrator/settings.py `workspace_problem`, toolq/workers/execute.py)."""
+where each call runs (toolq/core/settings.py `workspace_problem`, toolq/workers/execute.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.core.catalog import Catalog, ToolContext, tool
+from toolq.core.settings import workspace_problem
 from toolq.core.states import CallState
-from toolq.orchestrator.settings import workspace_problem
-from toolq.workers.catalog import Catalog, ToolContext, tool
 from toolq.workers.execute import refusal
 
 
@@ -68,7 +68,7 @@ def password_database(monkeypatch):
     """Stand-in users for the workspace rules (their homes are read once per process)."""
     import pwd
 
-    from toolq.orchestrator import settings
+    from toolq.core import settings
 
     def users(*entries: tuple[str, str]) -> None:
         rows = [pwd.struct_passwd((name, "x", 1000 + i, 1000 + i, "", home, "/bin/bash"))

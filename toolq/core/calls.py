@@ -27,6 +27,9 @@ from toolq.core.states import CallState
 
 PayloadKind = Literal["function", "custom", "tool_search"]
 
+#: Codex's `functions` namespace also names the top-level tools (`functions.exec_command`).
+FUNCTIONS_NAMESPACE = "functions"
+
 
 class ToolName(BaseModel):
     """Registry identity: `search` and `workspace/search` are different tools."""

@@ -16,6 +16,12 @@ TASK_IDEMPOTENT = "toolq.run_idempotent"
 #: Slack between a tool's own timeout and Celery's hard kill, and above it for redelivery.
 TIME_LIMIT_MARGIN = 5.0
 
+#: A call's live output published at most (worker) and shown at most (orchestrator). Each
+#: `item.updated` carries all of it so far (Codex's `aggregated_output`), so what a watcher reads
+#: grows with its square: 64 KiB keeps a command that prints a line every 100 ms under ~25 MB of
+#: `--json` before its stream stops.
+STREAM_BYTES = 64 * 1024
+
 
 def task_name(idempotent: bool) -> str:
     return TASK_IDEMPOTENT if idempotent else TASK
@@ -26,7 +32,7 @@ class ToolCallFailed(Exception):
     "Failed" filter lists it) while the result, model-visible output included, travels unchanged.
 
     Celery's JSON result format keeps `exc_type` and `exc_message` (the args): `args[0]` is the
-    `ToolResult` as JSON, which `toolq.orchestrator.results` reads back."""
+    `ToolResult` as JSON, which `toolq.orchestrator.transport.results` reads back."""
 
     def __init__(self, result: dict[str, Any]) -> None:
         super().__init__(result)

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from toolq.core.calls import PayloadKind, ToolInvocation, ToolResult, ToolSearchPayload
+from toolq.core.catalog import ToolSpec
 from toolq.core.errors import Fatal, RespondToModel
 from toolq.core.items import (
     CustomToolCallItem,
@@ -21,11 +22,10 @@ from toolq.core.items import (
     ResponseItem,
     ToolSearchCallItem,
 )
+from toolq.core.search import search_catalog
 from toolq.core.states import CallState
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.router import build_tool_call
-from toolq.workers.catalog import ToolSpec
-from toolq.workers.search import search_catalog
 
 log = logging.getLogger("toolq.binding")
 

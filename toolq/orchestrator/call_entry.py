@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass, field
 
 from toolq.core.calls import ToolInvocation, ToolResult, aborted_text, output_item
+from toolq.core.catalog import ToolSpec
+from toolq.core.contracts import STREAM_BYTES
 from toolq.core.items import OutputItem
 from toolq.core.states import CallState
 from toolq.core.truncate import bound_output
 from toolq.orchestrator.binding import BoundCall
 from toolq.orchestrator.transport import CallWatch
-from toolq.workers.catalog import ToolSpec
-from toolq.workers.streaming import STREAM_BYTES
 
 #: Held by this process, never sent: nothing to revoke, and a cancel answers them here.
 UNSENT = (CallState.PENDING, CallState.THROTTLED)

@@ -18,6 +18,8 @@ import time
 from typing import Any
 
 from toolq.core.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult
+from toolq.core.catalog import ToolSpec
+from toolq.core.contracts import STREAM_BYTES
 from toolq.core.states import CallState, codex_status
 from toolq.core.truncate import TruncationPolicy, truncate_text
 from toolq.orchestrator.call_entry import CallEntry
@@ -29,8 +31,6 @@ from toolq.orchestrator.turn_events import (
     TodoListView,
     ToolCallView,
 )
-from toolq.workers.catalog import ToolSpec
-from toolq.workers.streaming import STREAM_BYTES
 
 #: The live view and `--json` show this much of a call's output.
 VIEW_OUTPUT_CHARS = 2000

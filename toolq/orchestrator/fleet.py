@@ -20,21 +20,21 @@ from typing import Any
 from pydantic import BaseModel
 
 from toolq.core.calls import ToolName
+from toolq.core.catalog import Catalog
 from toolq.core.errors import ConfigurationError, Fatal
 from toolq.core.items import OutputItem, ResponseItem, ToolSearchOutputItem, decode_item
+from toolq.core.settings import Settings, workspace_problem
 from toolq.core.signing import required_signer
 from toolq.orchestrator.barrier import Step, flush_background
 from toolq.orchestrator.binding import BoundCall, bind_item
-from toolq.orchestrator.celery_transport import CeleryTransport
-from toolq.orchestrator.dispatch import Dispatcher
-from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.limits import FleetLimits
 from toolq.orchestrator.registry import Registry, StepContext
-from toolq.orchestrator.results import ResultRouter
-from toolq.orchestrator.settings import Settings, workspace_problem
+from toolq.orchestrator.transport.celery import CeleryTransport
+from toolq.orchestrator.transport.dispatch import Dispatcher
+from toolq.orchestrator.transport.ledger import Ledger
+from toolq.orchestrator.transport.results import ResultRouter
 from toolq.orchestrator.turn_events import Emit, ignore
 from toolq.orchestrator.turn_scope import TurnScope
-from toolq.workers.catalog import Catalog
 from toolq.workers.config import longest_timeout
 from toolq.workers.loader import load_catalog
 
@@ -132,7 +132,7 @@ class Fleet:
         async with AsyncExitStack() as stack:
             embedded = None
             if not base.redis_url:
-                from toolq.orchestrator.embedded import EmbeddedStack
+                from toolq.local.embedded import EmbeddedStack
 
                 # The workers boot while the caller makes its first request (as for `toolq run`).
                 embedded = EmbeddedStack(workers=2, concurrency=4, tools=base.tools,

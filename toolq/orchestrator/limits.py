@@ -25,9 +25,9 @@ import redis.asyncio as aioredis
 
 from toolq.core import keys
 from toolq.core.calls import ToolInvocation
+from toolq.core.catalog import ToolSpec
 from toolq.core.permits import ACQUIRE, RATE, RELEASE, RENEW, Permit
 from toolq.core.tool_limits import UNLIMITED, Rate, ToolLimit
-from toolq.workers.catalog import ToolSpec
 
 log = logging.getLogger("toolq.limits")
 

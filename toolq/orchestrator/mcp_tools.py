@@ -4,10 +4,10 @@ catalog lists it (workers advertise their servers' tools as full declarations on
 
 from __future__ import annotations
 
-from toolq.orchestrator.catalog_reader import FleetCatalog
+from toolq.core.catalog import ToolSpec
+from toolq.core.mcp_specs import MCP_QUEUE_PREFIX
 from toolq.orchestrator.registry import Registry
-from toolq.workers.catalog import ToolSpec
-from toolq.workers.mcp.specs import MCP_QUEUE_PREFIX
+from toolq.orchestrator.transport.catalog_reader import FleetCatalog
 
 
 def mcp_namespaces(declarations: list[ToolSpec]) -> dict[str, list[ToolSpec]]:

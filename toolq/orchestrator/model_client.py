@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from toolq.core.settings import DEFAULT_MAX_EVENT_BYTES
 from toolq.orchestrator.protocol.events import (
     Completed,
     ErrorEvent,
@@ -36,7 +37,7 @@ from toolq.orchestrator.protocol.events import (
     StreamCut,
     StreamEvent,
 )
-from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES, aiter_frames
+from toolq.orchestrator.protocol.sse import aiter_frames
 
 log = logging.getLogger("toolq.client")
 

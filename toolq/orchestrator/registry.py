@@ -10,16 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from toolq.core.calls import FunctionPayload, ToolCall, ToolInvocation, ToolName
+from toolq.core.calls import FUNCTIONS_NAMESPACE, FunctionPayload, ToolCall, ToolInvocation, ToolName
+from toolq.core.catalog import Catalog, ToolSpec, is_nullable, load_arguments, map_subschemas
 from toolq.core.errors import Fatal, RespondToModel
-from toolq.workers.catalog import Catalog, ToolSpec, is_nullable, load_arguments, map_subschemas
 
 if TYPE_CHECKING:
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import ValidationError as SchemaError
-
-#: Codex's `functions` namespace also names the top-level tools (codex-reference S7).
-FUNCTIONS_NAMESPACE = "functions"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from toolq.core import keys
 from toolq.core.calls import ToolName
+from toolq.core.catalog import Catalog
 from toolq.core.errors import ConfigurationError
 from toolq.core.items import (
     CustomToolCallOutputItem,
@@ -32,20 +33,28 @@ from toolq.core.items import (
     decode_item,
     is_api_item,
 )
+from toolq.core.reasoning import reasoning_for
+from toolq.core.settings import Settings, absolute_workspace, workspace_problem
 from toolq.orchestrator.barrier import Step, flush_background
-from toolq.orchestrator.conversation import ConversationLease, new_conversation_id
-from toolq.orchestrator.dispatch import Dispatcher
-from toolq.orchestrator.durable import Committed, StoreBudget, TurnSettings, TurnStore, item_cost, unanswered, wire_cost
 from toolq.orchestrator.fleet import Fleet, new_turn_id
 from toolq.orchestrator.history import History
-from toolq.orchestrator.ledger import Ledger
 from toolq.orchestrator.model_client import ModelClient, ModelError, ModelSettings, backoff, build_request
 from toolq.orchestrator.protocol.events import Usage
-from toolq.orchestrator.protocol.reasoning import reasoning_for
-from toolq.orchestrator.redis_faults import REDIS_FAULTS, RedisUnreachable
 from toolq.orchestrator.registry import StepContext
-from toolq.orchestrator.results import ResultRouter
-from toolq.orchestrator.settings import Settings, absolute_workspace, workspace_problem
+from toolq.orchestrator.transport.conversation import ConversationLease, new_conversation_id
+from toolq.orchestrator.transport.dispatch import Dispatcher
+from toolq.orchestrator.transport.durable import (
+    Committed,
+    StoreBudget,
+    TurnSettings,
+    TurnStore,
+    item_cost,
+    unanswered,
+    wire_cost,
+)
+from toolq.orchestrator.transport.ledger import Ledger
+from toolq.orchestrator.transport.redis_faults import REDIS_FAULTS, RedisUnreachable
+from toolq.orchestrator.transport.results import ResultRouter
 from toolq.orchestrator.turn_events import (
     AgentMessageView,
     Emit,
@@ -60,7 +69,6 @@ from toolq.orchestrator.turn_events import (
     ignore,
 )
 from toolq.orchestrator.turn_scope import TurnScope, stop
-from toolq.workers.catalog import Catalog
 
 log = logging.getLogger("toolq.turn")
 

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from toolq.orchestrator.ledger import Ledger
-from toolq.orchestrator.results import ResultRouter
+from toolq.orchestrator.transport.ledger import Ledger
+from toolq.orchestrator.transport.results import ResultRouter
 
 log = logging.getLogger("toolq.fleet")
 

@@ -27,17 +27,17 @@ from celery.signals import (
 )
 
 from toolq.core import keys, signing
+from toolq.core import session_records as session_registry
+from toolq.core.catalog import Catalog
 from toolq.core.contracts import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, ToolCallFailed
+from toolq.core.settings import Settings
 from toolq.core.states import FAILURE, CallState, celery_state
-from toolq.orchestrator.settings import Settings
 from toolq.workers import isolation, kombu_acks, pool_exits, presence, stopping
-from toolq.workers.catalog import Catalog
 from toolq.workers.config import configure_app, longest_timeout, make_app
 from toolq.workers.execute import StillRunning, execute
 from toolq.workers.loader import load_catalog
 from toolq.workers.mcp.worker import sync as sync_mcp_tools
 from toolq.workers.processes import install_sigterm_handler
-from toolq.workers.sessions import registry as session_registry
 from toolq.workers.sessions import start as session_host
 from toolq.workers.summary import returned
 
@@ -56,7 +56,7 @@ def catalog() -> Catalog:
 
 # Celery imports task modules and its loader "from the current directory" (it puts the folder on
 # sys.path around each import), and a worker may be started in a workspace: toolq imports from
-# its explicit path only (toolq/orchestrator/import_path.py).
+# its explicit path only (toolq/core/import_path.py).
 celery.utils.imports.cwd_in_path = contextlib.nullcontext
 app = make_app(Settings.load(), longest_timeout(catalog()), worker=True)
 kombu_acks.install()  # a call finishing after a Redis restart must not take the worker down

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 
+from toolq.core.catalog import ToolContext
 from toolq.core.errors import RespondToModel
 from toolq.workers import isolation
-from toolq.workers.catalog import ToolContext
 from toolq.workers.processes import CallCancelled
 
 MIB = 1024 * 1024

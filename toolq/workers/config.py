@@ -1,5 +1,5 @@
 """Celery's configuration for toolq, for both sides: the workers' app and each orchestrator's
-sending app (`toolq.orchestrator.dispatch`). Building an app here loads no tool and starts nothing.
+sending app (`toolq.orchestrator.transport.dispatch`). Building an app here loads no tool and starts nothing.
 
 Settings follow celery-lab.md's measurements: JSON only, prefork, `acks_late` + prefetch 1 (fair,
 and queued revokes are honoured), STARTED tracked (to tell lost from queued), task events when
@@ -12,10 +12,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from toolq.core import signing
+from toolq.core.catalog import ToolSpec
 from toolq.core.contracts import TIME_LIMIT_MARGIN
-from toolq.orchestrator.settings import Settings
+from toolq.core.settings import Settings
 from toolq.workers import kombu_clients
-from toolq.workers.catalog import ToolSpec
 
 if TYPE_CHECKING:  # Celery is imported by `make_app`, when an app is made: `longest_timeout` needs none
     from celery import Celery

@@ -21,14 +21,14 @@ import redis
 
 from toolq.core import keys
 from toolq.core.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult, aborted_text
+from toolq.core.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
 from toolq.core.errors import RespondToModel, ToolTimedOut
 from toolq.core.items import ToolOutputBody
+from toolq.core.settings import workspace_problem
 from toolq.core.signing import Signer
 from toolq.core.states import TERMINAL, CallState, parse_state
 from toolq.core.truncate import bound_output
-from toolq.orchestrator.settings import workspace_problem
 from toolq.workers import permit
-from toolq.workers.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
 from toolq.workers.processes import CallCancelled
 from toolq.workers.streaming import OutputStream
 

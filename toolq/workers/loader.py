@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import importlib
 
+from toolq.core.catalog import CATALOG, Catalog
 from toolq.core.errors import ConfigurationError
-from toolq.orchestrator.import_path import TOOLS_PATH_ENV
-from toolq.workers.catalog import CATALOG, Catalog
+from toolq.core.import_path import TOOLS_PATH_ENV
 
 
 def load_catalog(modules: list[str] | tuple[str, ...] = ()) -> Catalog:

@@ -1,7 +1,7 @@
 """A worker's presence in the fleet catalog: advertised when it is ready, kept alive by a
 heartbeat, marked draining at warm shutdown, withdrawn at a clean exit.
 
-Records (`toolq.workers.advert`) live in Redis with a TTL that the heartbeat thread refreshes, so
+Records (`toolq.core.advert`) live in Redis with a TTL that the heartbeat thread refreshes, so
 a worker that dies without a clean exit (SIGKILL, a lost machine) drops out after `TTL` seconds.
 The hooks in `toolq.workers.app` call this module from Celery's signals; it imports no Celery.
 """
@@ -20,10 +20,10 @@ from typing import Any
 import redis
 
 from toolq.core import keys
-from toolq.orchestrator.settings import Settings
-from toolq.workers.advert import TOOL_QUEUE_PREFIX, ToolAdvert, ToolRef, WorkerAdvert, consumer_queues
-from toolq.workers.catalog import Catalog
-from toolq.workers.sessions.registry import instance_queue
+from toolq.core.advert import TOOL_QUEUE_PREFIX, ToolAdvert, ToolRef, WorkerAdvert, consumer_queues
+from toolq.core.catalog import Catalog
+from toolq.core.session_records import instance_queue
+from toolq.core.settings import Settings
 
 log = logging.getLogger("toolq.worker.presence")
 

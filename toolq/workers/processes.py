@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from toolq.workers.isolation import reaper
 
 if TYPE_CHECKING:
+    from toolq.core.catalog import LiveOutput
     from toolq.workers.isolation import Launch, Sandbox
-    from toolq.workers.streaming import OutputStream
 
 #: Output kept per command (Codex's `DEFAULT_OUTPUT_BYTES_CAP`): half head, half tail.
 DEFAULT_OUTPUT_CAP = 1024 * 1024
@@ -159,7 +159,7 @@ def run_command(  # noqa: C901 - one process's whole life (spawn, stream, bound,
     shell: str = "bash",
     sandbox: Sandbox | None = None,
     workspace: Path | str | None = None,
-    output: OutputStream | None = None,
+    output: LiveOutput | None = None,
 ) -> CommandResult:
     """Run `command` (a script for `shell -c`, or an argv) in its own process group.
 

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from toolq.core.contracts import STREAM_BYTES
 from toolq.core.signing import Signer
 
 log = logging.getLogger("toolq.streaming")
@@ -28,10 +29,6 @@ log = logging.getLogger("toolq.streaming")
 INTERVAL = 0.1
 #: A batch this big goes out at once.
 BATCH_BYTES = 16 * 1024
-#: Output published per call at most. Each `item.updated` carries all of it so far (Codex's
-#: `aggregated_output`), so what a watcher reads grows with its square: 64 KiB keeps a command that
-#: prints a line every 100 ms under ~25 MB of `--json` before its stream stops.
-STREAM_BYTES = 64 * 1024
 
 Publish = Callable[[str, str], object]
 """`publish(channel, message)`: redis-py's `Redis.publish`."""

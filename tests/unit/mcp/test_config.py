@@ -7,7 +7,7 @@ import json
 import pytest
 
 from toolq.core.errors import ConfigurationError
-from toolq.orchestrator.settings import Settings
+from toolq.core.settings import Settings
 from toolq.workers.mcp.config import load_file, load_servers, parse_flag
 
 

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from toolq.workers.advert import ToolAdvert, ToolRef, WorkerAdvert, tool_queue
-from toolq.workers.catalog import Catalog, ToolSpec
+from toolq.core.advert import ToolAdvert, ToolRef, WorkerAdvert, tool_queue
+from toolq.core.catalog import Catalog, ToolSpec
+from toolq.core.mcp_specs import McpToolRecord, tool_spec
 from toolq.workers.mcp.follow import GRACE, Follower
-from toolq.workers.mcp.specs import McpToolRecord, tool_spec
 from toolq.workers.mcp.wire import Listing, ServerState
 from toolq.workers.mcp.worker import HostClient, HostUnavailable
 

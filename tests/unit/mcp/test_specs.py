@@ -7,10 +7,10 @@ import json
 import pytest
 
 from toolq.core.calls import FunctionPayload, ToolCall, ToolName
+from toolq.core.catalog import Catalog, ToolSpec
 from toolq.core.errors import RespondToModel
+from toolq.core.mcp_specs import McpToolRecord, strict_allowed, tool_spec, unusable
 from toolq.orchestrator.registry import Registry, StepContext
-from toolq.workers.catalog import Catalog, ToolSpec
-from toolq.workers.mcp.specs import McpToolRecord, strict_allowed, tool_spec, unusable
 
 OPEN = {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
         "required": ["query"]}

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from toolq.core.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolName, ToolSearchPayload
-from toolq.workers.catalog import Catalog, ToolContext, ToolSpec, call_handler, parse_arguments
+from toolq.core.catalog import Catalog, ToolContext, ToolSpec, call_handler, parse_arguments
 
 
 def make_ctx(

@@ -12,8 +12,8 @@ import psutil
 import pytest
 
 from tests.unit.tools import call
+from toolq.core.catalog import ToolReturn
 from toolq.core.errors import RespondToModel
-from toolq.workers.catalog import ToolReturn
 from toolq.workers.processes import CallCancelled
 from toolq.workers.tools.exec_command import ExecCommandArgs, exec_command
 

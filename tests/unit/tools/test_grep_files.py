@@ -10,8 +10,8 @@ import pytest
 
 from tests.hostile import Flipper, deep_tree, race_tree
 from tests.unit.tools import call
+from toolq.core.catalog import ToolReturn
 from toolq.core.errors import RespondToModel
-from toolq.workers.catalog import ToolReturn
 from toolq.workers.tools import grep_files as grep_module
 from toolq.workers.tools.grep_files import grep_files
 

@@ -6,8 +6,8 @@ import pytest
 from pydantic import BaseModel
 
 from tests.unit.tools import call
+from toolq.core.catalog import Catalog, ToolReturn, tool
 from toolq.core.errors import RespondToModel
-from toolq.workers.catalog import Catalog, ToolReturn, tool
 from toolq.workers.tools.tool_search import PARAMETERS, tool_search
 
 

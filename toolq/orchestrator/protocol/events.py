@@ -23,7 +23,8 @@ from pydantic import BaseModel, Field
 
 from toolq.core import untrusted
 from toolq.core.items import ResponseItem, decode_item
-from toolq.orchestrator.protocol.sse import DEFAULT_MAX_EVENT_BYTES, Frame, Oversize, iter_frames
+from toolq.core.settings import DEFAULT_MAX_EVENT_BYTES
+from toolq.orchestrator.protocol.sse import Frame, Oversize, iter_frames
 
 
 class Usage(BaseModel):

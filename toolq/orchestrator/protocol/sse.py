@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import httpx
 
+from toolq.core.settings import DEFAULT_MAX_EVENT_BYTES
+
 #: The default bound (TOOLQ_MAX_SSE_EVENT_BYTES): far above any real event (a response.completed
 #: repeats the whole output), far below what would hurt a small orchestrator.
-DEFAULT_MAX_EVENT_BYTES = 8 * 1024 * 1024
 #: How much of a cut event is kept: enough to read its `type`, which servers send first.
 HEAD_BYTES = 512
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolq.core.errors import ConfigurationError
-from toolq.orchestrator.settings import Settings
+from toolq.core.settings import Settings
 from toolq.workers.isolation import bwrap, cell, landlock, limits, metadata, reaper
 from toolq.workers.isolation.policy import Backend, Policy
 

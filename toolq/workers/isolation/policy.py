@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from toolq.core.errors import ConfigurationError
-from toolq.orchestrator.settings import Settings
+from toolq.core.settings import Settings
 
 Backend = Literal["bwrap", "landlock", "none"]
 

@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from toolq.core.calls import FUNCTIONS_NAMESPACE
 from toolq.core.errors import ConfigurationError
-from toolq.orchestrator.registry import FUNCTIONS_NAMESPACE
 
 #: A server name is a Responses API namespace, so it takes the characters a function name does.
 SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from toolq.orchestrator.settings import Settings
-from toolq.workers.catalog import Catalog
+from toolq.core.catalog import Catalog
+from toolq.core.settings import Settings
 
 log = logging.getLogger("toolq.worker")
 

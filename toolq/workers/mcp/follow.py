@@ -18,8 +18,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from toolq.workers.advert import ToolAdvert, ToolRef
-from toolq.workers.catalog import Catalog, ToolSpec
+from toolq.core.advert import ToolAdvert, ToolRef
+from toolq.core.catalog import Catalog, ToolSpec
 from toolq.workers.mcp.wire import Listing
 
 log = logging.getLogger("toolq.worker")

@@ -26,12 +26,12 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamablehttp_client
 from pydantic import BaseModel, ValidationError
 
+from toolq.core.mcp_specs import DEFER_ABOVE, McpToolRecord, tool_spec, unusable
 from toolq.workers import hardening
 from toolq.workers.mcp.backoff import Backoff
 from toolq.workers.mcp.checks import OutputCheck, SchemaError, output_check
 from toolq.workers.mcp.config import McpServerConfig
 from toolq.workers.mcp.results import map_result
-from toolq.workers.mcp.specs import DEFER_ABOVE, McpToolRecord, tool_spec, unusable
 from toolq.workers.mcp.wire import REQUEST, CallReply, CallRequest, Listing, ListRequest, ServerState
 
 log = logging.getLogger("toolq.mcp")

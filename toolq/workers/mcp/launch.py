@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from toolq.core import import_path, trusted_files
 from toolq.core.errors import ConfigurationError
-from toolq.orchestrator import import_path, trusted_files
 from toolq.workers.mcp.backoff import Backoff
 from toolq.workers.mcp.wire import Listing
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, TypeAdapter
 
 from toolq.core.items import ContentPart
-from toolq.workers.mcp.specs import McpToolRecord
+from toolq.core.mcp_specs import McpToolRecord
 
 
 class McpOutput(BaseModel):

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolq.core.calls import ToolName
+from toolq.core.catalog import Catalog, ToolContext, ToolReturn
 from toolq.core.errors import ConfigurationError, RespondToModel, ToolTimedOut
-from toolq.workers.catalog import Catalog, ToolContext, ToolReturn
+from toolq.core.mcp_specs import mcp_queue, tool_spec
 from toolq.workers.mcp.config import BASIC_ENV, McpServerConfig
 from toolq.workers.mcp.host_client import HostClient, HostGone, HostUnavailable
 from toolq.workers.mcp.launch import HostProcess
-from toolq.workers.mcp.specs import mcp_queue, tool_spec
 from toolq.workers.mcp.wire import CallRequest, Listing
 
 log = logging.getLogger("toolq.worker")

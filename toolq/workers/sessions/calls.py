@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from toolq.core.catalog import ToolContext, ToolReturn
 from toolq.core.errors import RespondToModel
-from toolq.workers.catalog import ToolContext, ToolReturn
 from toolq.workers.exec_output import format_exec_output
 from toolq.workers.processes import CallCancelled
 from toolq.workers.sessions import host_client

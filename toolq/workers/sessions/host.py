@@ -32,15 +32,15 @@ from dataclasses import dataclass, field
 
 import redis
 
-from toolq.orchestrator.settings import Settings
+from toolq.core.contracts import STREAM_BYTES
+from toolq.core.session_records import CONVERSATION_TTL, SessionRecord, conversation_key, next_id_key, sessions_key
+from toolq.core.settings import Settings
 from toolq.workers import hardening, isolation
 from toolq.workers.isolation import limits, reaper, spawner
 from toolq.workers.isolation.cell import CellProcess
 from toolq.workers.processes import DEFAULT_OUTPUT_CAP, DRAIN_TIMEOUT, POLL_INTERVAL, HeadTailBuffer, _killpg, flooded
 from toolq.workers.sessions.protocol import ExecRequest, OutputFrame, Reply, WriteRequest, parse_request
-from toolq.workers.sessions.registry import CONVERSATION_TTL, SessionRecord, conversation_key, next_id_key, sessions_key
 from toolq.workers.sessions.slots import Slot, Slots
-from toolq.workers.streaming import STREAM_BYTES
 
 log = logging.getLogger("toolq.sessions.host")
 

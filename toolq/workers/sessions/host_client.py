@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from toolq.workers.sessions.protocol import ExecRequest, OutputFrame, Reply, WriteRequest
 
 if TYPE_CHECKING:
-    from toolq.workers.streaming import OutputStream
+    from toolq.core.catalog import LiveOutput
 
 SOCKET_ENV = "TOOLQ_SESSION_SOCKET"
 #: The key a request must start with (`start.start` makes it; the host gets it on its stdin, the
@@ -45,7 +45,7 @@ def socket_path() -> str | None:
 
 
 def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], timeout: float,
-         output: OutputStream | None = None) -> Reply:
+         output: LiveOutput | None = None) -> Reply:
     """`output`: where the frames of a streaming request go (and it is ticked while waiting)."""
     path = socket_path()
     if path is None:

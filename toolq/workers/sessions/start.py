@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 import threading
 
-from toolq.orchestrator import import_path
+from toolq.core import import_path
 from toolq.workers.isolation import limits
 from toolq.workers.sessions import host_client
 from toolq.workers.sessions.host_client import SOCKET_ENV

@@ -1,6 +1,6 @@
-"""The built-in tools. Importing this package registers each of them in `toolq.workers.catalog.CATALOG`."""
+"""The built-in tools. Importing this package registers each of them in `toolq.core.catalog.CATALOG`."""
 
-from toolq.workers import catalog
+from toolq.core import catalog
 
 catalog.CHECKED_PACKAGES.add(__name__ + ".")  # before the tools declare themselves (see there)
 

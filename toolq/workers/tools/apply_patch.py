@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from toolq.core.catalog import ToolContext, tool
 from toolq.core.errors import RespondToModel
 from toolq.workers.call_budget import CallBudget
-from toolq.workers.catalog import ToolContext, tool
 from toolq.workers.reading import read_at_most
 from toolq.workers.workspace import Target, Workspace, describe
 

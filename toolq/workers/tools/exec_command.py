@@ -13,9 +13,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from toolq.core.catalog import ToolContext, ToolReturn, tool
 from toolq.core.errors import RespondToModel
 from toolq.workers import isolation
-from toolq.workers.catalog import ToolContext, ToolReturn, tool
 from toolq.workers.exec_output import format_exec_output
 from toolq.workers.processes import CallCancelled, run_command
 from toolq.workers.sessions import calls as sessions

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import re2
 from pydantic import BaseModel, Field
 
+from toolq.core.catalog import ToolContext, ToolReturn, tool
 from toolq.core.errors import RespondToModel
 from toolq.workers.call_budget import CallBudget
-from toolq.workers.catalog import ToolContext, ToolReturn, tool
 from toolq.workers.reading import line_blocks
 from toolq.workers.workspace import Workspace, describe, open_entry, walk
 

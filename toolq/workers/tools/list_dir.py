@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
+from toolq.core.catalog import ToolContext, tool
 from toolq.core.errors import RespondToModel
 from toolq.workers.call_budget import CallBudget
-from toolq.workers.catalog import ToolContext, tool
 from toolq.workers.workspace import Workspace, describe, walk
 
 MAX_ENTRY_BYTES = 500

@@ -14,9 +14,9 @@ import os
 
 from pydantic import BaseModel, Field
 
+from toolq.core.catalog import ToolContext, tool
 from toolq.core.errors import RespondToModel
 from toolq.workers.call_budget import CallBudget
-from toolq.workers.catalog import ToolContext, tool
 from toolq.workers.reading import bounded_lines
 from toolq.workers.workspace import Workspace, describe
 

@@ -2,7 +2,7 @@
 
 Deferred tools (`deferred=True`) are left out of the request's tool list; the model searches them
 by keywords and the matching specs come back in the `tool_search_output`. The ranking lives in
-`toolq.workers.search`, which the orchestrator imports without registering this tool.
+`toolq.core.search`, which the orchestrator imports without registering this tool.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from toolq.core.calls import ToolSearchPayload
-from toolq.workers.catalog import CATALOG, ToolContext, ToolReturn, tool
-from toolq.workers.search import search_catalog
+from toolq.core.catalog import CATALOG, ToolContext, ToolReturn, tool
+from toolq.core.search import search_catalog
 
 PARAMETERS: dict[str, Any] = {
     "type": "object",

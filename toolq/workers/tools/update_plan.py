@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from toolq.workers.catalog import ToolContext, tool
+from toolq.core.catalog import ToolContext, tool
 
 
 class PlanItem(BaseModel):

@@ -12,10 +12,10 @@ import os
 
 from pydantic import BaseModel, Field
 
+from toolq.core.catalog import ToolContext, tool
 from toolq.core.errors import RespondToModel
 from toolq.core.items import InputImage
 from toolq.workers.call_budget import CallBudget
-from toolq.workers.catalog import ToolContext, tool
 from toolq.workers.reading import read_at_most
 from toolq.workers.workspace import NotARegularFile, Workspace, describe
 

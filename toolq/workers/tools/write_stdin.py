@@ -1,7 +1,7 @@
 """`write_stdin`: type into, or poll, an exec_command session (Codex's unified exec).
 
 The call reaches the worker that holds the session through that worker's own queue
-(`toolq.orchestrator.session_route`); the session host there writes the characters and returns
+(`toolq.orchestrator.transport.session_route`); the session host there writes the characters and returns
 the output since the previous call (toolq/workers/sessions).
 """
 
@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from toolq.core.catalog import ToolContext, ToolReturn, tool
 from toolq.core.errors import RespondToModel
-from toolq.workers.catalog import ToolContext, ToolReturn, tool
 from toolq.workers.sessions import calls
 from toolq.workers.tools.exec_command import DEFAULT_MAX_OUTPUT_TOKENS, MAX_OUTPUT_TOKENS_CAP
 

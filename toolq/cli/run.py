@@ -1,0 +1,197 @@
+"""`toolq run` and `toolq demo`: settings + (embedded stack) + runtime + session + view.
+
+Ctrl-C, SIGTERM and SIGHUP (a closed terminal, `timeout`, systemd, a deleted Kubernetes Job)
+cancel the turn the way `toolq cancel` does: the durable record first (so no worker starts a
+call of this turn), then the running calls are revoked and given aborted outputs, and the session
+is written. SIGKILL leaves no handler: the embedded stack dies by its parent-death signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from toolq.cli.exits import exit_status
+from toolq.cli.terminal import printable
+from toolq.cli.view import JsonView, LiveView
+from toolq.core import trusted_files
+from toolq.core.errors import ConfigurationError
+from toolq.core.settings import Settings, absolute_workspace, workspace_problem
+from toolq.local.starting import WorkersStarting
+from toolq.orchestrator.history import History, pairing_problems
+from toolq.orchestrator.transport.durable import TurnSettings, TurnStore
+from toolq.orchestrator.transport.redis_faults import reaching
+from toolq.orchestrator.turn import Runtime, Session, TurnOutcome, new_turn_id
+
+#: How refusals name the conversation's file.
+SESSION = "session file"
+
+
+def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, session_file: Path | None = None) -> int:
+    if problem := workspace_problem(settings.workspace):
+        raise ConfigurationError(problem)
+    if session_file:
+        trusted_files.refuse_inside(session_file, [settings.workspace], SESSION)
+    history = load_session(session_file) if session_file else None
+    with ExitStack() as stack:
+        settings, starting = with_redis(settings, stack, json_events)
+        outcome, history = asyncio.run(_run(settings, prompt, json_events, history, starting=starting))
+    if session_file:
+        save_session(session_file, history)
+    if outcome.could_not_start and json_events:  # stdout is the events; the one line goes to stderr
+        print(f"toolq run: {printable(str(outcome.error), lines=False)}", file=sys.stderr)
+    return exit_status(outcome)
+
+
+def load_session(path: Path) -> History:
+    """A conversation saved by an earlier `toolq run --session` (empty if the file is new)."""
+    data = trusted_files.read_bytes(path, SESSION)
+    if data is None:
+        return History()
+    try:
+        items = json.loads(data)
+        if not isinstance(items, list):
+            raise ValueError("not a JSON list of items")
+    except ValueError as e:
+        raise ConfigurationError(f"session file {path} is not a toolq session: {e}") from None
+    return History(items)
+
+
+def save_session(path: Path, history: History) -> None:
+    """Paired before it is written, so the next turn starts from a valid history."""
+    trusted_files.replace(path, json.dumps(history.for_prompt(), indent=1).encode(), SESSION)
+
+
+def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path | None = None) -> int:
+    from toolq.dev.fake_model.server import FakeModel
+
+    if workspace is not None:
+        workspace = absolute_workspace(workspace)
+        if problem := workspace_problem(workspace):
+            raise ConfigurationError(problem)
+    with ExitStack() as stack:
+        if workspace is None:
+            workspace = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="toolq-demo-")))
+        fake = stack.enter_context(FakeModel())
+        settings = settings.model_copy(update={"openai_base_url": fake.base_url, "openai_api_key": "demo",
+                                               "workspace": workspace})
+        settings, starting = with_redis(settings, stack, json_events)
+        outcome, _ = asyncio.run(_run(settings, "Show me what toolq can do.", json_events, starting=starting))
+        if not json_events:
+            created = workspace / "hello.txt"
+            print(f"\nworkspace {workspace}: hello.txt = {created.read_text().strip()!r}" if created.exists()
+                  else f"\nworkspace {workspace}: hello.txt was not created")
+            problems = [p for body in fake.requests for p in pairing_problems(body.get("input", []))]
+            paired = f"PAIRING PROBLEMS: {problems}" if problems else "every call was paired with exactly one output."
+            print(f"{len(fake.requests)} model requests; {paired}")
+    return exit_status(outcome)
+
+
+def with_redis(settings: Settings, stack: ExitStack, quiet: bool) -> tuple[Settings, WorkersStarting | None]:
+    """No REDIS_URL: start a private server and workers for this run (stopped on exit). The
+    workers boot while the first model request goes out (the first call waits for them), except
+    with MCP servers configured: the model's first tool list needs their tools, which the workers
+    advertise when ready."""
+    if settings.redis_url:
+        return settings, None
+    from toolq.local.embedded import EmbeddedStack
+
+    if not quiet:
+        print("no REDIS_URL: starting an embedded Redis-protocol server and 2 workers...", file=sys.stderr)
+    embedded = stack.enter_context(EmbeddedStack(workers=2, concurrency=4, tools=settings.tools,
+                                                 wait_for_workers=bool(settings.mcp or settings.mcp_config)))
+    settings = settings.model_copy(update={"redis_url": embedded.url, "signing_key": embedded.signing_key})
+    return settings, embedded.starting
+
+
+def default_instructions(settings: Settings) -> str:
+    return (
+        f"You are a coding agent. Your tools run on a fleet of workers that share the workspace "
+        f"{settings.workspace}; relative paths resolve there. Independent tool calls may be made in "
+        "parallel. Answer with a short summary once the task is done."
+    )
+
+
+def resume_turn(settings: Settings, turn_id: str, *, json_events: bool = False,
+                session_file: Path | None = None) -> int:
+    """`toolq resume TURN_ID`: finish an orphaned turn (its orchestrator died) from Redis alone."""
+    if not settings.redis_url:
+        raise ConfigurationError("toolq resume needs REDIS_URL: an embedded stack's Redis ends with its `toolq run`")
+    with reaching(settings.redis_url):
+        saved = asyncio.run(_saved_settings(settings, turn_id))
+    if saved is not None:  # the tools, workspace and model the turn was started with
+        settings = settings.model_copy(update={"tools": saved.tools, "workspace": Path(saved.workspace),
+                                               "model": saved.model})
+    if session_file:
+        trusted_files.refuse_inside(session_file, [settings.workspace], SESSION)
+    outcome, history = asyncio.run(_run(settings, "", json_events, turn_id=turn_id, resume=True))
+    if session_file:
+        save_session(session_file, history)
+    return exit_status(outcome)
+
+
+async def _saved_settings(settings: Settings, turn_id: str) -> TurnSettings | None:
+    from toolq.orchestrator.transport.ledger import Ledger
+
+    ledger = Ledger.from_url(settings.redis_url or "")
+    try:
+        return (await TurnStore(ledger.r, settings.turn_lease).load(turn_id))[1]
+    finally:
+        await ledger.aclose()
+
+
+async def _run(settings: Settings, prompt: str, json_events: bool, history: History | None = None, *,
+               turn_id: str | None = None, resume: bool = False,
+               starting: WorkersStarting | None = None) -> tuple[TurnOutcome, History]:
+    view: Any = JsonView() if json_events else LiveView()
+    runtime = await Runtime.create(settings)
+    runtime.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
+    try:
+        session = Session(runtime, instructions=settings.instructions or default_instructions(settings))
+    except BaseException:  # a refused workspace (a resumed turn's): the one line, and nothing left open
+        await runtime.aclose()
+        raise
+    if history is not None:
+        session.history = history
+    turn_id = turn_id or new_turn_id()
+    loop = asyncio.get_running_loop()
+    pending: set[asyncio.Task] = set()
+
+    def interrupt(sig: signal.Signals) -> None:
+        # Durable first, so a call still in the queue never starts; then stop this turn.
+        task = loop.create_task(_record_cancel(runtime, turn_id, sig))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        session.cancel()
+
+    for sig in CANCEL_SIGNALS:
+        loop.add_signal_handler(sig, interrupt, sig)
+    try:
+        if resume:
+            return await session.resume(turn_id, view), session.history
+        return await session.run_turn(prompt, view, turn_id=turn_id), session.history
+    finally:
+        for sig in CANCEL_SIGNALS:
+            loop.remove_signal_handler(sig)
+        if pending:
+            await asyncio.wait(pending, timeout=2.0)
+        await session.close()  # the conversation ends with `toolq run`: so do its sessions
+        await runtime.aclose()
+
+
+#: Each cancels the turn as Ctrl-C does (the exit status is then 130, `exits.exit_status`).
+CANCEL_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+async def _record_cancel(runtime: Runtime, turn_id: str, sig: signal.Signals) -> None:
+    """The durable cancel record; with Redis down the turn still ends here, unrecorded."""
+    try:
+        await runtime.ledger.cancel_turn(turn_id, reason=sig.name)
+    except Exception as e:
+        print(f"toolq run: could not record the cancel in Redis: {e}", file=sys.stderr)

@@ -1,0 +1,70 @@
+"""`toolq workers`: the fleet catalog, one row (or JSON line) per live worker process instance.
+
+Rendering is pure (records in, text out); only `workers_cmd` touches Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import Any, TextIO
+
+import redis.asyncio as aioredis
+
+from toolq.cli.status import render_json_lines, render_table
+from toolq.cli.terminal import printable
+from toolq.core.advert import WorkerAdvert
+from toolq.core.settings import Settings
+from toolq.orchestrator.transport.catalog_reader import FleetCatalog
+from toolq.orchestrator.transport.redis_faults import reaching
+
+WORKER_COLUMNS = ("worker", "instance", "state", "pid", "host", "concurrency", "up", "sandbox", "tools")
+#: The tools cell is cut to this many characters in the table (JSON lists every tool).
+TOOLS_WIDTH = 60
+
+
+def _uptime(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def worker_row(w: WorkerAdvert, now: float) -> dict[str, Any]:
+    names = ", ".join(str(t.tool_name) for t in w.tools)
+    tools = f"{len(w.tools)}: {names}" if names else "0"
+    return {"worker": w.hostname, "instance": w.instance[:8], "state": "draining" if w.draining else "ready",
+            "pid": w.pid, "host": w.host, "concurrency": w.concurrency, "up": _uptime(max(now - w.started_at, 0.0)),
+            "sandbox": w.sandbox, "tools": tools if len(tools) <= TOOLS_WIDTH else tools[:TOOLS_WIDTH - 1] + "…"}
+
+
+def render_workers(workers: list[WorkerAdvert], now: float, as_json: bool = False) -> str:
+    if as_json:
+        return render_json_lines([{**w.model_dump(mode="json"), "state": "draining" if w.draining else "ready"}
+                                  for w in workers])
+    if not workers:
+        return "no live workers in the fleet catalog (start one with `toolq worker`)\n"
+    return render_table([worker_row(w, now) for w in workers], WORKER_COLUMNS)
+
+
+def workers_cmd(settings: Settings, *, as_json: bool = False, out: TextIO = sys.stdout,
+                err: TextIO = sys.stderr) -> int:
+    if not settings.redis_url:
+        print("toolq workers: set REDIS_URL (or CELERY_BROKER_URL) to the broker the workers use", file=err)
+        return 2
+    url = settings.redis_url
+
+    async def read() -> list[WorkerAdvert]:
+        r = aioredis.Redis.from_url(url, client_name="toolq-workers")
+        try:
+            return await FleetCatalog(r).workers()
+        finally:
+            await r.aclose()
+
+    with reaching(url):  # one line, exit 2 (the CLI's ConfigurationError), as `toolq status`
+        workers = asyncio.run(read())
+    shown = render_workers(workers, time.time(), as_json)
+    out.write(shown if as_json else printable(shown))  # names and tools are the fleet's, not ours
+    return 0

@@ -1,0 +1,498 @@
+"""The tool catalog: each tool declared once, read by both sides.
+
+The orchestrator reads it for model-visible specs and validation (`toolq.orchestrator.registry`);
+workers read it to execute (`toolq.workers.app`). A tool is a function with a `@tool` declaration:
+
+    class SearchArgs(BaseModel):
+        query: str
+
+    @tool(namespace="workspace", queue="search")
+    def search(args: SearchArgs, ctx: ToolContext) -> str:
+        "Search the workspace."
+        ...
+
+Function tools take a pydantic args model (rendered to a strict JSON Schema unless an explicit
+`parameters` schema is given) or, with `parameters=` alone, a dict; custom tools take `grammar=`
+(or a `str` input) and receive the freeform text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import inspect
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ValidationError
+
+from toolq.core import untrusted
+from toolq.core.calls import PayloadKind, ToolInvocation, ToolName
+from toolq.core.errors import ConfigurationError, RespondToModel
+from toolq.core.items import ContentPart, ToolOutputBody
+from toolq.core.tool_limits import UNLIMITED, ToolLimit, declared_limit
+
+
+class LiveOutput(Protocol):
+    """Where a running tool writes its output while it runs (the worker's `OutputStream`)."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def tick(self) -> None:
+        """Publish what is due though nothing new came (a batch waits at most a tenth of a second)."""
+
+
+DEFAULT_QUEUE = "toolq"
+
+#: How a call reaches a worker: by its declaration's queue, or to the one worker that holds the
+#: session its `session_id` argument names (write_stdin).
+Route = Literal["queue", "session"]
+#: What watchers (`toolq run --json`, the live view) see of a call: toolq's `tool_call`, or Codex's
+#: item for a shell command (from its `cmd` and `shell` arguments; a session-routed call shows its
+#: session's command), a patch (its freeform input) or a plan (its `plan` argument).
+View = Literal["tool_call", "command", "file_change", "todo_list"]
+#: How Flower's args column shows an argument: its value (a long text cut short), or its length only.
+Shown = Literal["value", "length"]
+ROUTES: tuple[Route, ...] = ("queue", "session")
+VIEWS: tuple[View, ...] = ("tool_call", "command", "file_change", "todo_list")
+SHOWN: tuple[Shown, ...] = ("value", "length")
+
+
+@dataclass
+class ToolReturn:
+    """What a tool hands back when it has more to say than its output text."""
+
+    output: ToolOutputBody | list[ContentPart]
+    success: bool = True
+    exit_code: int | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class ToolContext:
+    """What a running tool may know about its call. Built by the worker."""
+
+    invocation: ToolInvocation
+    workspace: Path
+    is_cancelled: Callable[[], bool] = lambda: False
+    catalog: Catalog | None = None
+    output: LiveOutput | None = None
+    """Where a running command's output goes while it runs, when the turn is watched (shown only)."""
+
+    @property
+    def call_id(self) -> str:
+        return self.invocation.call_id
+
+    @property
+    def deadline(self) -> float:
+        return self.invocation.deadline
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.time())
+
+    def cancelled(self) -> bool:
+        """Long tools poll this: True once the turn (or this call) was cancelled."""
+        return self.is_cancelled()
+
+
+Handler = Callable[..., Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolSpec:
+    """One tool's declaration. Shaped like pydantic-ai's `ToolDefinition`."""
+
+    name: str
+    namespace: str | None = None
+    description: str = ""
+    kind: PayloadKind = "function"
+    """The payload kind the tool accepts; any other kind is a Fatal mismatch."""
+    parameters: dict[str, Any] | None = None
+    """JSON Schema (Draft 2020-12) of a function tool's arguments."""
+    strict: bool = False
+    grammar: dict[str, Any] | None = None
+    """A custom tool's `format` (e.g. `{"type": "grammar", "syntax": "lark", "definition": ...}`)."""
+    parallel: bool = True
+    """Safe to run beside other calls of its step; serial tools run alone, in call order."""
+    queue: str = DEFAULT_QUEUE
+    timeout: float = 60.0
+    idempotent: bool = False
+    """Only idempotent tools are redelivered after a worker dies mid-call."""
+    deferred: bool = False
+    """Hidden from the model until a tool_search finds it."""
+    shell_like: bool = False
+    """Aborted shell calls read `Wall time: X seconds\\naborted by user`, like Codex's."""
+    # What the pipeline does differently for a tool is read from here, never from its name. None of
+    # it is in the digest: an orchestrator and a worker that differ here still agree on the call.
+    streams_output: bool = False
+    """Its handler writes what runs to `ctx.output` while it runs; a watched turn shows it live."""
+    route: Route = "queue"
+    sessions: bool = False
+    """It runs in the worker's session host (exec_command's sessions): a worker that loads one starts it."""
+    view: View = "tool_call"
+    flower_args: tuple[tuple[str, Shown], ...] = ()
+    """The arguments Flower's args column shows, in order, and how; no other argument is shown."""
+    limit: ToolLimit = field(default=UNLIMITED, compare=False)
+    """max_concurrency / rate_limit across the fleet (TOOLQ_TOOL_LIMITS overrides it); policy, not
+    part of the declaration's digest: changing a limit never reroutes a call."""
+    args_model: type[BaseModel] | None = field(default=None, compare=False)
+    handler: Handler | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def tool_name(self) -> ToolName:
+        return ToolName(namespace=self.namespace, name=self.name)
+
+    def model_spec(self) -> dict[str, Any]:
+        """The tool as the model sees it (a namespace groups its tools one level up)."""
+        if self.kind == "custom":
+            spec: dict[str, Any] = {"type": "custom", "name": self.name, "description": self.description}
+            if self.grammar:
+                spec["format"] = self.grammar
+            return spec
+        if self.kind == "tool_search":
+            return {
+                "type": "tool_search",
+                "execution": "client",
+                "description": self.description,
+                "parameters": self.parameters,
+            }
+        return {
+            "type": "function",
+            "name": self.name,
+            "description": self.description,
+            "strict": self.strict,
+            "parameters": self.parameters or {"type": "object", "properties": {}, "additionalProperties": False},
+        }
+
+    def declaration(self) -> dict[str, Any]:
+        """Everything both sides must agree on; its digest travels with each invocation."""
+        return {
+            "namespace": self.namespace,
+            "spec": self.model_spec(),
+            "kind": self.kind,
+            "parallel": self.parallel,
+            "queue": self.queue,
+            "timeout": self.timeout,
+            "idempotent": self.idempotent,
+            "deferred": self.deferred,
+        }
+
+    @functools.cached_property
+    def _digest(self) -> str:
+        blob = json.dumps(self.declaration(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def digest(self) -> str:
+        """Checked on both sides of every call, so computed once per spec."""
+        return self._digest
+
+
+class Catalog:
+    """Tools keyed by (namespace, name). Registering a name twice is a configuration error."""
+
+    def __init__(self, specs: list[ToolSpec] | None = None) -> None:
+        self._specs: dict[ToolName, ToolSpec] = {}
+        for spec in specs or []:
+            self.add(spec)
+
+    def add(self, spec: ToolSpec) -> ToolSpec:
+        if spec.tool_name in self._specs:
+            raise ConfigurationError(f"duplicate tool: {spec.tool_name} is already registered")
+        self._specs[spec.tool_name] = spec
+        return spec
+
+    def replace_namespace(self, namespace: str, specs: list[ToolSpec]) -> None:
+        """A namespace's tools become exactly `specs` (an MCP server listed its tools anew)."""
+        for name in [n for n in self._specs if n.namespace == namespace]:
+            del self._specs[name]
+        for spec in specs:
+            self.add(spec)
+
+    def get(self, name: ToolName) -> ToolSpec | None:
+        return self._specs.get(name)
+
+    def __iter__(self) -> Iterator[ToolSpec]:
+        return iter(self._specs.values())
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def queues(self) -> list[str]:
+        return sorted({s.queue for s in self})
+
+
+#: The process-wide catalog that `@tool` fills; `toolq.workers.loader.load_catalog` adds the built-ins.
+CATALOG = Catalog()
+
+
+def tool(
+    fn: Handler | None = None,
+    *,
+    name: str | None = None,
+    namespace: str | None = None,
+    description: str | None = None,
+    parameters: dict[str, Any] | None = None,
+    grammar: dict[str, Any] | None = None,
+    kind: PayloadKind | None = None,
+    strict: bool | None = None,
+    parallel: bool = True,
+    queue: str = DEFAULT_QUEUE,
+    timeout: float = 60.0,
+    idempotent: bool = False,
+    deferred: bool = False,
+    shell_like: bool = False,
+    streams_output: bool = False,
+    route: Route = "queue",
+    sessions: bool = False,
+    view: View = "tool_call",
+    flower_args: Mapping[str, Shown] | None = None,
+    max_concurrency: int | None = None,
+    rate_limit: str | None = None,
+    catalog: Catalog | None = None,
+) -> Any:
+    """Declare a function (sync or async) as a tool and register it.
+
+    The handler's first parameter says what the tool takes:
+    - a pydantic `BaseModel` annotation: a function tool; its arguments arrive as that model and
+      its schema is the model's, in strict form (or `parameters=` when given, sent as given);
+    - `parameters=` (a JSON Schema dict) with no args model: a function tool whose arguments
+      arrive as the parsed JSON `dict`, checked against that schema (jsonschema) before dispatch;
+    - `str` (or `grammar=`): a custom (freeform) tool that receives the model's text.
+    The kind is never changed silently: `parameters=` together with `grammar=`, `kind="custom"`
+    or a `str` input is refused with a `ConfigurationError`, as is a schema that is not valid
+    JSON Schema. The docstring is the description.
+
+    `max_concurrency=N`: at most N calls of this tool run at once across the fleet; `rate_limit=
+    "10/s"` (or `"100/m"`): at most that many start per second (minute) across the fleet. A call
+    held back waits as `throttled`, never fails for it (toolq/orchestrator/limits.py).
+
+    What toolq does differently for the tool (none of it changes the declaration's digest):
+    `streams_output=True`: what it writes to `ctx.output` while it runs is shown live to a watched
+    turn; `flower_args={"url": "value", "token": "length"}`: Flower's args column shows these
+    arguments (a long value cut short, or only a length), and no others; `view=`: what watchers see
+    (`"command"` for a tool taking `cmd`, as exec_command); `route="session"`: the call goes to the
+    worker holding the session its `session_id` argument names. `sessions=True` is exec_command's.
+    """
+
+    def register(f: Handler) -> Handler:
+        label = name or f.__name__
+        try:
+            limit = declared_limit(max_concurrency, rate_limit)
+        except ValueError as e:
+            raise ConfigurationError(f"tool {label}: {_first_error(e)}") from None
+        _check_capabilities(label, route, view, flower_args or {})
+        args_model = _args_model(f)
+        k = _payload_kind(label, f, kind, args_model, parameters, grammar)
+        schema = parameters
+        if k == "function" and schema is None:
+            if args_model is None:
+                raise ConfigurationError(f"tool {label}: a function tool needs an args model")
+            schema = strict_json_schema(args_model)
+        spec = ToolSpec(
+            name=label,
+            namespace=namespace,
+            description=description or inspect.cleandoc(f.__doc__ or ""),
+            kind=k,
+            parameters=schema,
+            strict=(parameters is None) if strict is None else strict,
+            grammar=grammar,
+            parallel=parallel,
+            queue=queue,
+            timeout=timeout,
+            idempotent=idempotent,
+            deferred=deferred,
+            shell_like=shell_like,
+            streams_output=streams_output,
+            route=route,
+            sessions=sessions,
+            view=view,
+            flower_args=tuple((flower_args or {}).items()),
+            limit=limit,
+            args_model=args_model,
+            handler=f,
+        )
+        (catalog if catalog is not None else CATALOG).add(spec)
+        f.tool_spec = spec  # type: ignore[attr-defined]
+        return f
+
+    return register(fn) if fn is not None else register
+
+
+def _check_capabilities(label: str, route: str, view: str, flower_args: Mapping[str, str]) -> None:
+    """One clear error for a capability toolq does not know (a typo would silently do nothing)."""
+    for what, value, known in (("route", route, ROUTES), ("view", view, VIEWS)):
+        if value not in known:
+            raise ConfigurationError(f"tool {label}: {what}={value!r} is not one of {', '.join(known)}")
+    for arg, how in flower_args.items():
+        if how not in SHOWN:
+            raise ConfigurationError(f"tool {label}: flower_args[{arg!r}]={how!r} is not one of {', '.join(SHOWN)}")
+
+
+def _first_error(e: ValueError) -> str:
+    if isinstance(e, ValidationError):
+        err = e.errors()[0]
+        return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}".lstrip(": ")
+    return str(e)
+
+
+def _payload_kind(label: str, f: Handler, kind: PayloadKind | None, args_model: type[BaseModel] | None,
+                  parameters: dict[str, Any] | None, grammar: dict[str, Any] | None) -> PayloadKind:
+    """The kind a declaration asks for, or one clear error when its parts disagree."""
+    if parameters is not None:
+        if grammar is not None or kind == "custom":
+            raise ConfigurationError(f"tool {label}: parameters= declares a function tool's JSON arguments; a custom "
+                                     "tool takes freeform text (grammar=), so give one or the other")
+        if args_model is None and _first_annotation(f) is str:
+            raise ConfigurationError(f"tool {label}: parameters= makes a function tool, whose handler gets the "
+                                     "arguments as a dict (or an args model), but its input is annotated str")
+        if not f.__module__.startswith(tuple(CHECKED_PACKAGES)):
+            _check_schema(label, parameters)
+    if kind is not None:
+        return kind
+    if grammar is not None:
+        return "custom"
+    return "function" if args_model is not None or parameters is not None else "custom"
+
+
+#: Packages whose `parameters=` schemas toolq's own suite checks (test_strict_schema) instead of
+#: every start-up: the built-in tools' package adds itself, so declaring them needs no jsonschema
+#: (~25 ms of every `toolq run`). A user's declaration is always checked.
+CHECKED_PACKAGES: set[str] = set()
+
+
+def _check_schema(label: str, parameters: dict[str, Any]) -> None:
+    from jsonschema import Draft202012Validator  # here: only a user's parameters= declaration needs it
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(parameters)
+    except SchemaError as e:
+        raise ConfigurationError(f"tool {label}: parameters= is not a valid JSON Schema: {e.message}") from None
+
+
+def _first_annotation(f: Handler) -> Any:
+    params = list(inspect.signature(f).parameters.values())
+    if not params:
+        return None
+    ann = params[0].annotation
+    if isinstance(ann, str):  # `from __future__ import annotations`
+        ann = {"str": str, "dict": dict}.get(ann) or f.__globals__.get(ann, ann)
+    return ann
+
+
+def _args_model(f: Handler) -> type[BaseModel] | None:
+    ann = _first_annotation(f)
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def strict_json_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """A model's JSON Schema in the Responses strict-mode subset (responses-protocol.md §8):
+    every object closed and every key required; optional keys become nullable."""
+    return _strictify(model.model_json_schema())
+
+
+# JSON Schema keywords whose values are subschemas. Everything else (`default`, `enum`, `const`,
+# `examples`, `required`, ...) is data, and the keys of `properties` are argument names: a walk
+# that treated every dict key as a keyword would strip an argument named `title`.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+
+
+def map_subschemas(node: dict[str, Any], fn: Callable[[Any], Any], drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A copy of one schema node with `fn` applied to each of its direct subschemas (and the
+    keywords in `drop` left out); every other value is copied as it is."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in drop:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: fn(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            value = [fn(sub) for sub in value]
+        elif key in _SCHEMA_ONE:
+            value = [fn(sub) for sub in value] if isinstance(value, list) else fn(value)
+        out[key] = value
+    return out
+
+
+def _strictify(node: Any) -> Any:
+    """One schema node in strict form; pydantic's annotation `title`s go."""
+    if not isinstance(node, dict):
+        return node  # `true`/`false` schemas
+    out = map_subschemas(node, _strictify, drop=("title",))
+    if out.get("type") == "object" or "properties" in out:
+        props = out.get("properties", {})
+        required = set(out.get("required", []))
+        for key, sub in props.items():
+            if key not in required and isinstance(sub, dict) and not is_nullable(sub):
+                sub = {k: v for k, v in sub.items() if k != "default"}
+                props[key] = {"anyOf": [sub, {"type": "null"}]}
+        out["required"] = list(props)
+        out["additionalProperties"] = False
+    if "default" in out and out["default"] is None:
+        del out["default"]
+    return out
+
+
+def is_nullable(schema: dict[str, Any]) -> bool:
+    t = schema.get("type")
+    if t == "null" or (isinstance(t, list) and "null" in t):
+        return True
+    return any(is_nullable(s) for s in schema.get("anyOf", []) if isinstance(s, dict))
+
+
+def parse_arguments(spec: ToolSpec, raw: str) -> BaseModel | Any:
+    """Parse a function call's raw JSON with the tool's own args model (Codex's `parse_arguments`);
+    a tool declared with `parameters=` alone gets the parsed JSON (the registry has checked it
+    against that schema before dispatch)."""
+    obj = load_arguments(raw)
+    if spec.args_model is None:
+        return obj
+    if isinstance(obj, dict):
+        # Strict schemas make optional keys nullable: a null means "use the default".
+        obj = {k: v for k, v in obj.items() if v is not None}
+    try:
+        return spec.args_model.model_validate(obj)
+    except ValidationError as e:
+        raise RespondToModel(f"failed to parse function arguments: {describe_validation_error(e)}") from None
+
+
+def load_arguments(raw: str) -> Any:
+    """A function call's `arguments` as JSON, or `RespondToModel` naming what is wrong with them.
+
+    Refused like serde_json (which Codex parses with) refuses them: past its nesting limit, or
+    with a lone surrogate, which would raise `UnicodeEncodeError` wherever the value went next
+    (a file path, a Celery message, the next request)."""
+    try:
+        obj = untrusted.loads(raw)
+    except ValueError as e:
+        raise RespondToModel(f"failed to parse function arguments: {e}") from None
+    if untrusted.may_hold_surrogate(raw):
+        bad = untrusted.first_surrogate(obj)
+        if bad is not None:
+            raise RespondToModel(f"failed to parse function arguments: {untrusted.describe_surrogate(bad)}")
+    return obj
+
+
+def describe_validation_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "missing":
+        return f"missing field `{where}`"
+    return f"invalid value for `{where}`: {err['msg']}" if where else err["msg"]
+
+
+async def call_handler(spec: ToolSpec, args: Any, ctx: ToolContext) -> Any:
+    """Run a handler, sync or async. Sync handlers run inline: a pool child runs one call at a time."""
+    assert spec.handler is not None
+    result = spec.handler(args, ctx)
+    if asyncio.iscoroutine(result):
+        result = await result
+    return result
