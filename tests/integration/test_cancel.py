@@ -126,7 +126,7 @@ def test_the_session_continues_after_a_cancel(fleet, tmp_path):
 def test_cancelling_one_call_aborts_it_and_the_turn_goes_on(fleet, drive):
     async def during(session, runtime):
         await wait_until(lambda: session.turn_id is not None, what="the turn")
-        ledger = runtime.ledger
+        ledger = runtime.fleet.ledger
 
         async def started():
             return any(c.get("call_id") == "call_long" and c.get("state") == "running"
@@ -161,7 +161,7 @@ def test_a_cancel_with_no_worker_online_prevents_the_call_from_running(worker, d
     async def during(session, runtime):
         await wait_until(lambda: session.turn_id is not None, what="the turn")
         end = time.monotonic() + 20
-        while not await runtime.ledger.calls(session.turn_id):
+        while not await runtime.fleet.ledger.calls(session.turn_id):
             assert time.monotonic() < end
             await asyncio.sleep(0.02)
         await cancel(runtime.settings, session.turn_id)

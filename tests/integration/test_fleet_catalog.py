@@ -225,7 +225,7 @@ def test_a_worker_in_warm_shutdown_is_listed_draining_and_offered_no_new_call(wo
         await asyncio.to_thread(wait_for_pid, tmp_path / "hang-call_drain.pid")
         w.proc.send_signal(signal.SIGTERM)  # warm shutdown: the running call finishes
         seen["record"] = await asyncio.to_thread(eventually, draining, "the record to say draining")
-        snapshot = await FleetCatalog(runtime.ledger.r).read()
+        snapshot = await FleetCatalog(runtime.fleet.ledger.r).read()
         seen["servers"] = [s.hostname for s in snapshot.servers(hang)]
 
     run = drive([[b.function_call("hang", {"seconds": 4}, "call_drain")], [b.message("done")]], during=during)

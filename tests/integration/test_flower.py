@@ -158,8 +158,8 @@ def test_a_revoke_through_flower_aborts_the_call_and_the_turn_goes_on(fleet, flo
         async with httpx.AsyncClient(base_url=flower.url, auth=AUTH, timeout=5) as client:
             while True:  # the call has started on a worker, and Flower has seen it start
                 assert time.monotonic() < deadline, "the long call never showed up as started in Flower"
-                turn_id = next((t for t, _ in await runtime.ledger.recent_turns(1)), None)
-                task_id = turn_id and next((c["task_id"] for c in await runtime.ledger.calls(turn_id)
+                turn_id = next((t for t, _ in await runtime.fleet.ledger.recent_turns(1)), None)
+                task_id = turn_id and next((c["task_id"] for c in await runtime.fleet.ledger.calls(turn_id)
                                             if c.get("call_id") == "call_long" and c.get("state") == "running"), None)
                 if task_id:
                     info = await client.get(f"/api/task/info/{task_id}")

@@ -64,7 +64,7 @@ async def started_task(runtime, session, call_id: str, timeout: float = 15) -> s
     while time.monotonic() < deadline:
         if session.turn_id:
             task_id = task_id_for(session.turn_id, 0, 0, call_id)
-            raw = await runtime.router.r.get(keys.celery_meta(task_id))
+            raw = await runtime.fleet.router.r.get(keys.celery_meta(task_id))
             if raw and json.loads(raw).get("status") == "STARTED":
                 return task_id
         await asyncio.sleep(0.02)

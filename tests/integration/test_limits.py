@@ -112,7 +112,7 @@ def test_the_per_turn_cap_holds_and_throttled_calls_show_in_toolq_status(redis_s
     async def during(session, runtime):  # `toolq status TURN_ID --json` while the turn runs
         for _ in range(100):
             await asyncio.sleep(0.05)
-            if session.turn_id and await runtime.ledger.calls(session.turn_id):
+            if session.turn_id and await runtime.fleet.ledger.calls(session.turn_id):
                 break
         out = io.StringIO()
         code = await asyncio.to_thread(status_cmd, Settings(redis_url=redis_server.url), session.turn_id,
@@ -139,7 +139,7 @@ def test_cancelling_one_throttled_call_answers_it_at_once_and_it_never_runs(redi
     async def during(session, runtime):
         for _ in range(200):
             await asyncio.sleep(0.05)
-            calls = await runtime.ledger.calls(session.turn_id) if session.turn_id else []
+            calls = await runtime.fleet.ledger.calls(session.turn_id) if session.turn_id else []
             if any(c.get("call_id") == "call_c2" and c.get("state") == "throttled" for c in calls):
                 break
         await cancel(Settings(redis_url=redis_server.url), session.turn_id, "call_c2")
@@ -187,7 +187,7 @@ def test_a_32_call_turn_does_not_starve_4_small_turns_beside_it(redis_server, fl
     big_started = threading.Event()
 
     async def fanned_out(session, runtime):  # all 32 are sent or throttled (listed either way): now the small ones
-        while not (session.turn_id and len(await runtime.ledger.calls(session.turn_id)) >= 32):
+        while not (session.turn_id and len(await runtime.fleet.ledger.calls(session.turn_id)) >= 32):
             await asyncio.sleep(0.02)
         big_started.set()
 

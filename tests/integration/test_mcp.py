@@ -100,14 +100,14 @@ def wait_until_the_fleet_offers(redis_url: str, check, what: str) -> None:
 async def _run(settings, prompts, during=None, feed=None):
     async def hold_a_declaration_of_its_own(runtime):
         """`feed(registry)` after each turn's start: an orchestrator whose copy differs from the fleet's."""
-        follow = runtime.follow_fleet_tools
+        follow = runtime.fleet.follow_fleet_tools
 
         async def followed_then_fed():
             n = await follow()
-            feed(runtime.registry)
+            feed(runtime.fleet.registry)
             return n
 
-        runtime.follow_fleet_tools = followed_then_fed
+        runtime.fleet.follow_fleet_tools = followed_then_fed
 
     events: list[dict] = []
     outcomes, _ = await run_session(settings, prompts, events, during,
@@ -140,7 +140,7 @@ async def in_the_servers_hands(session, runtime) -> None:
     """Returns once the turn's (slow) call is running, and a little more: it reached the server."""
     end = time.monotonic() + 20
     while not (session.turn_id and any(c.get("state") == "running"
-                                       for c in await runtime.ledger.calls(session.turn_id))):
+                                       for c in await runtime.fleet.ledger.calls(session.turn_id))):
         assert time.monotonic() < end, "the slow call never started"
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.3)

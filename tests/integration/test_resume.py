@@ -133,10 +133,10 @@ def test_an_orchestrator_whose_lease_another_took_stops_driving_the_turn(fleet, 
 
     async def during(session, runtime):
         end = time.monotonic() + 20
-        while not any(c.get("state") == "running" for c in await runtime.ledger.calls(session.turn_id or "")):
+        while not any(c.get("state") == "running" for c in await runtime.fleet.ledger.calls(session.turn_id or "")):
             assert time.monotonic() < end, "the call never started"
             await asyncio.sleep(0.05)
-        await runtime.ledger.r.set(keys.turn_lease(session.turn_id), "another-orchestrator", px=60_000)
+        await runtime.fleet.ledger.r.set(keys.turn_lease(session.turn_id), "another-orchestrator", px=60_000)
 
     started = time.monotonic()
     run = drive([[b.function_call("sleep_echo", {"ms": 6000, "text": "slow"}, "call_slow")],

@@ -164,12 +164,12 @@ def test_dispatch_is_at_most_once_per_call(fleet, tmp_path):
         try:
             call = ToolCall(tool_name=ToolName.plain("sleep_echo"), call_id="call_once",
                             payload=FunctionPayload(arguments='{"ms": 300}'))
-            inv = rt.registry.bind(call, StepContext("turn-once-" + str(time.time_ns()), 0, time.time() + 30,
+            inv = rt.fleet.registry.bind(call, StepContext("turn-once-" + str(time.time_ns()), 0, time.time() + 30,
                                                      str(tmp_path)), 0)
-            spec = rt.registry.lookup(call.tool_name)
-            first = await rt.dispatcher.dispatch(inv, spec)
-            second = await rt.dispatcher.dispatch(inv, spec)
-            return first, second, await rt.ledger.calls(inv.turn_id)
+            spec = rt.fleet.registry.lookup(call.tool_name)
+            first = await rt.fleet.dispatcher.dispatch(inv, spec)
+            second = await rt.fleet.dispatcher.dispatch(inv, spec)
+            return first, second, await rt.fleet.ledger.calls(inv.turn_id)
         finally:
             await rt.aclose()
 
@@ -201,7 +201,7 @@ def test_the_barrier_owns_its_subscriptions_and_many_calls_pile_up_none(fleet, d
     async def during(session, runtime):
         end = time.monotonic() + 30
         while not session.turn_id or not any(
-                c.get("state") == "completed" for c in await runtime.ledger.calls(session.turn_id)):
+                c.get("state") == "completed" for c in await runtime.fleet.ledger.calls(session.turn_id)):
             assert time.monotonic() < end, "no call finished"
             await asyncio.sleep(0.01)
         client = redis.Redis.from_url(fleet[0].redis_url)
@@ -246,8 +246,8 @@ def test_requests_are_stateless_and_carry_instructions_and_reasoning(fleet, tmp_
 
 
 def _one_call_step(rt, turn_id, tmp_path, call_id):
-    step = rt.step(StepContext(turn_id, 0, time.time() + 30, str(tmp_path)))
-    step.add(rt.bind(FunctionCallItem(call_id=call_id, name="count_runs", arguments="{}"), step.ctx, 0))
+    step = rt.fleet.step(StepContext(turn_id, 0, time.time() + 30, str(tmp_path)))
+    step.add(rt.fleet.bind(FunctionCallItem(call_id=call_id, name="count_runs", arguments="{}"), step.ctx, 0))
     return step
 
 
@@ -264,12 +264,12 @@ def test_a_restarted_orchestrator_finds_the_finished_call_and_does_not_run_it_ag
 
     async def run_call():
         rt = await _runtime(fleet, tmp_path)
-        await rt.router.watch_turn(turn_id)
+        await rt.fleet.router.watch_turn(turn_id)
         try:
             (out,) = await _one_call_step(rt, turn_id, tmp_path, "call_once").wait()
-            return out.output, await rt.ledger.calls(turn_id)
+            return out.output, await rt.fleet.ledger.calls(turn_id)
         finally:
-            await rt.router.unwatch_turn(turn_id)
+            await rt.fleet.router.unwatch_turn(turn_id)
             await rt.aclose()
 
     first, _ = asyncio.run(run_call())
@@ -286,22 +286,22 @@ def test_a_message_delivered_twice_runs_the_tool_once(fleet, tmp_path):
 
     async def go():
         rt = await _runtime(fleet, tmp_path)
-        await rt.router.watch_turn(turn_id)
+        await rt.fleet.router.watch_turn(turn_id)
         try:
             step = _one_call_step(rt, turn_id, tmp_path, "call_twice")
             (out,) = await step.wait()
             entry = step.entries[0]
             # bypass the ledger's claim: the broker hands the same message over again
             queue = tool_queue(entry.spec)
-            await rt.ledger.r.lpush(queue_key(queue), rt.dispatcher._message(entry.inv, entry.spec, queue))
+            await rt.fleet.ledger.r.lpush(queue_key(queue), rt.fleet.dispatcher._message(entry.inv, entry.spec, queue))
             end = time.monotonic() + 20
-            while (record := (await rt.ledger.calls(turn_id))[0]).get("deliveries_refused") != "1":
+            while (record := (await rt.fleet.ledger.calls(turn_id))[0]).get("deliveries_refused") != "1":
                 assert time.monotonic() < end, "the second delivery was never handled"
                 await asyncio.sleep(0.05)
             assert record["state"] == "completed"  # the refusal does not rewrite what happened
             return out.output
         finally:
-            await rt.router.unwatch_turn(turn_id)
+            await rt.fleet.router.unwatch_turn(turn_id)
             await rt.aclose()
 
     assert asyncio.run(go()) == "counted"

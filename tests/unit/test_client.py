@@ -16,6 +16,7 @@ import pytest
 
 from tests.paths import CODEX_FIXTURES, SSE_FIXTURES
 from toolq.core.items import CustomToolCallItem, FunctionCallItem, MessageItem, ReasoningItem
+from toolq.core.settings import Settings
 from toolq.dev.fake_model import FakeModel
 from toolq.dev.fake_model.builders import (
     cut_after,
@@ -456,12 +457,12 @@ def test_try_again_in_parses_codex_examples():
     assert try_again_in("try later") is None
 
 
-def test_settings_come_from_the_environment_with_non_none_overrides(monkeypatch):
+def test_the_model_endpoint_is_read_from_toolqs_settings_alone(monkeypatch):
     monkeypatch.setenv("OPENAI_BASE_URL", "http://localhost:11434/v1/")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
-    s = ModelSettings.from_env(model="qwen3", api_key=None, stream_idle_timeout=5.0)
+    s = ModelSettings.from_settings(Settings.load(model="qwen3", stream_idle_timeout=5.0))
     assert (s.base_url, s.api_key, s.model, s.stream_idle_timeout) == ("http://localhost:11434/v1/", "sk-env", "qwen3", 5.0)
     assert s.responses_url == "http://localhost:11434/v1/responses"
-    monkeypatch.delenv("OPENAI_BASE_URL")
-    assert ModelSettings().base_url == "https://api.openai.com/v1"
+    assert ModelSettings().base_url == "https://api.openai.com/v1"  # no second reader of the environment
+    assert ModelSettings().api_key is None
     assert (ModelSettings().request_max_retries, ModelSettings().stream_max_retries) == (4, 5)

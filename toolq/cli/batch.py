@@ -232,7 +232,7 @@ class Batch:
 
     async def _record_cancel(self, turn_id: str, sig: signal.Signals) -> None:
         try:
-            await self.rt.ledger.cancel_turn(turn_id, reason=sig.name)
+            await self.rt.fleet.ledger.cancel_turn(turn_id, reason=sig.name)
         except Exception as e:  # Redis away: the turn still ends here, unrecorded
             print(f"toolq batch: could not record the cancel of {turn_id} in Redis: {e}", file=sys.stderr)
 
@@ -280,13 +280,13 @@ async def _run(settings: Settings, todo: list[Entry], out: Path, concurrency: in
     except REDIS_FAULTS as e:
         raise RedisUnreachable(settings.redis_url, e) from None
     try:  # not one failed result per line for a Redis that is not there (or refuses us)
-        await runtime.ledger.r.ping()
+        await runtime.fleet.ledger.r.ping()
     except BaseException as e:
         await runtime.aclose()
         if isinstance(e, REDIS_FAULTS):
             raise RedisUnreachable(settings.redis_url, e) from None
         raise
-    runtime.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
+    runtime.fleet.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
     results = Results(out)
     progress = Progress(total=len(todo), out=progress_to)
     batch = Batch(runtime, settings, results, progress, concurrency)

@@ -151,7 +151,7 @@ async def _run(settings: Settings, prompt: str, json_events: bool, history: Hist
                starting: WorkersStarting | None = None) -> tuple[TurnOutcome, History]:
     view: Any = JsonView() if json_events else LiveView()
     runtime = await Runtime.create(settings)
-    runtime.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
+    runtime.fleet.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
     try:
         session = Session(runtime, instructions=settings.instructions or default_instructions(settings))
     except BaseException:  # a refused workspace (a resumed turn's): the one line, and nothing left open
@@ -192,6 +192,6 @@ CANCEL_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 async def _record_cancel(runtime: Runtime, turn_id: str, sig: signal.Signals) -> None:
     """The durable cancel record; with Redis down the turn still ends here, unrecorded."""
     try:
-        await runtime.ledger.cancel_turn(turn_id, reason=sig.name)
+        await runtime.fleet.ledger.cancel_turn(turn_id, reason=sig.name)
     except Exception as e:
         print(f"toolq run: could not record the cancel in Redis: {e}", file=sys.stderr)

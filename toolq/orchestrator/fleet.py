@@ -96,8 +96,9 @@ class Fleet:
             log.warning("TOOLQ_TOOL_LIMITS names tool %s, which is not loaded here: its limits apply to nothing", name)
 
     @classmethod
-    async def _parts(cls, settings: Settings, catalog: Catalog | None) -> tuple[Catalog, Ledger, Dispatcher,
-                                                                                 ResultRouter]:
+    async def open(cls, settings: Settings, *, catalog: Catalog | None = None, read_fleet_tools: bool = True) -> Fleet:
+        """A fleet on `settings.redis_url`; close it with `aclose()`. (`connect` is the block form.)
+        `read_fleet_tools=False`: no Redis round trip yet; the MCP tools are read at a turn's start."""
         if not settings.redis_url:
             raise ValueError("a fleet needs a Redis URL (Fleet.connect starts an embedded one when none is given)")
         catalog = catalog if catalog is not None else load_catalog(settings.tools)
@@ -106,13 +107,9 @@ class Fleet:
         router = ResultRouter(settings.result_backend_url() or settings.redis_url, signer,
                               stream_output=settings.stream_output)
         await router.start()
-        return catalog, ledger, Dispatcher(settings, ledger, signer, longest_timeout(catalog)), router
-
-    @classmethod
-    async def open(cls, settings: Settings, *, catalog: Catalog | None = None) -> Fleet:
-        """A fleet on `settings.redis_url`; close it with `aclose()`."""
-        fleet = cls(settings, *await cls._parts(settings, catalog))
-        await fleet.follow_fleet_tools()  # MCP hook: the MCP tools live workers offer, in `tool_specs()`
+        fleet = cls(settings, catalog, ledger, Dispatcher(settings, ledger, signer, longest_timeout(catalog)), router)
+        if read_fleet_tools:  # MCP hook: the MCP tools live workers offer, in `tool_specs()`
+            await fleet.follow_fleet_tools()
         return fleet
 
     @classmethod

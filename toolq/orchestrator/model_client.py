@@ -15,7 +15,6 @@ import email.utils
 import ipaddress
 import json
 import logging
-import os
 import random
 import re
 import time
@@ -27,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from toolq.core.settings import DEFAULT_MAX_EVENT_BYTES
+from toolq.core.settings import DEFAULT_MAX_EVENT_BYTES, Settings
 from toolq.orchestrator.protocol.events import (
     Completed,
     ErrorEvent,
@@ -106,10 +105,11 @@ def backoff(attempt: int) -> float:
 
 @dataclass
 class ModelSettings:
-    """Where and how to sample; configured like the official SDK (OPENAI_BASE_URL, OPENAI_API_KEY)."""
+    """Where and how to sample. The environment (OPENAI_BASE_URL, OPENAI_API_KEY, like the official
+    SDK) is read once, by `Settings`; `from_settings` is the one way from there to here."""
 
-    base_url: str = field(default_factory=lambda: os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL)
-    api_key: str | None = field(default_factory=lambda: os.environ.get("OPENAI_API_KEY"))
+    base_url: str = DEFAULT_BASE_URL
+    api_key: str | None = None
     model: str = "gpt-5.5"
     extra_headers: dict[str, str] = field(default_factory=dict)
     request_max_retries: int = 4
@@ -123,9 +123,11 @@ class ModelSettings:
     """Bigger SSE events are dropped unread (counted in `skipped["oversize"]`)."""
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> ModelSettings:
-        """Settings from the environment, with every override that is not None applied."""
-        return cls(**{k: v for k, v in overrides.items() if v is not None})
+    def from_settings(cls, settings: Settings) -> ModelSettings:
+        """The model endpoint as toolq's settings give it (OPENAI_BASE_URL, OPENAI_API_KEY, TOOLQ_MODEL...)."""
+        return cls(base_url=settings.openai_base_url, api_key=settings.openai_api_key, model=settings.model,
+                   request_max_retries=settings.request_max_retries, stream_max_retries=settings.stream_max_retries,
+                   stream_idle_timeout=settings.stream_idle_timeout, max_sse_event_bytes=settings.max_sse_event_bytes)
 
     @property
     def responses_url(self) -> str:

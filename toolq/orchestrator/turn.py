@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,14 +35,13 @@ from toolq.core.items import (
 )
 from toolq.core.reasoning import reasoning_for
 from toolq.core.settings import Settings, absolute_workspace, workspace_problem
-from toolq.orchestrator.barrier import Step, flush_background
-from toolq.orchestrator.fleet import Fleet, new_turn_id
+from toolq.orchestrator.barrier import Step
+from toolq.orchestrator.fleet import Fleet, ToolSource, new_turn_id
 from toolq.orchestrator.history import History
 from toolq.orchestrator.model_client import ModelClient, ModelError, ModelSettings, backoff, build_request
 from toolq.orchestrator.protocol.events import Usage
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.transport.conversation import ConversationLease, new_conversation_id
-from toolq.orchestrator.transport.dispatch import Dispatcher
 from toolq.orchestrator.transport.durable import (
     Committed,
     StoreBudget,
@@ -52,9 +51,7 @@ from toolq.orchestrator.transport.durable import (
     unanswered,
     wire_cost,
 )
-from toolq.orchestrator.transport.ledger import Ledger
 from toolq.orchestrator.transport.redis_faults import REDIS_FAULTS, RedisUnreachable
-from toolq.orchestrator.transport.results import ResultRouter
 from toolq.orchestrator.turn_events import (
     AgentMessageView,
     Emit,
@@ -96,36 +93,39 @@ class TurnOutcome:
     """Nothing ran (Redis unreachable at the start); the command line exits 2 (`exits.py`)."""
 
 
-class Runtime(Fleet):
-    """The orchestrator's long-lived parts, shared by every turn of a process: a fleet and a model."""
+class Runtime:
+    """The orchestrator's long-lived parts, shared by every turn of a process: a fleet, a model,
+    and the durable store of turns. Build one with `Runtime.create(settings)`, or for a block with
+    `async with Runtime.connect()` (which starts an embedded stack when no REDIS_URL is set)."""
 
-    def __init__(self, settings: Settings, catalog: Catalog, client: ModelClient, ledger: Ledger,
-                 dispatcher: Dispatcher, router: ResultRouter) -> None:
-        super().__init__(settings, catalog, ledger, dispatcher, router)
+    def __init__(self, fleet: Fleet, client: ModelClient) -> None:
+        self.fleet = fleet
+        self.settings = fleet.settings
         self.client = client
-        self.turns = TurnStore(ledger.r, settings.turn_lease)
+        self.turns = TurnStore(fleet.ledger.r, fleet.settings.turn_lease)
 
     @classmethod
     async def create(cls, settings: Settings, *, catalog: Catalog | None = None,
                      model: ModelSettings | None = None) -> Runtime:
-        model = model or ModelSettings(base_url=settings.openai_base_url, api_key=settings.openai_api_key,
-                                       model=settings.model, request_max_retries=settings.request_max_retries,
-                                       stream_max_retries=settings.stream_max_retries,
-                                       stream_idle_timeout=settings.stream_idle_timeout,
-                                       max_sse_event_bytes=settings.max_sse_event_bytes)
-        catalog, ledger, dispatcher, router = await cls._parts(settings, catalog)
-        return cls(settings, catalog, ModelClient(model), ledger, dispatcher, router)
+        # Each turn reads the fleet's MCP tools at its start, and says so in one line if Redis is down.
+        fleet = await Fleet.open(settings, catalog=catalog, read_fleet_tools=False)
+        return cls(fleet, ModelClient(model or ModelSettings.from_settings(settings)))
 
     @classmethod
-    async def open(cls, settings: Settings, *, catalog: Catalog | None = None) -> Runtime:
-        """What `Fleet.connect` opens: so `async with Runtime.connect() as runtime` starts the
-        embedded stack when no REDIS_URL is set, as `toolq run` does."""
-        return await cls.create(settings, catalog=catalog)
+    @asynccontextmanager
+    async def connect(cls, redis_url: str | None = None, tools: Iterable[ToolSource] = (),
+                      **settings: Any) -> AsyncIterator[Runtime]:
+        """`Fleet.connect` with a model: the same arguments, the model from the settings."""
+        async with Fleet.connect(redis_url, tools, **settings) as fleet:
+            runtime = cls(fleet, ModelClient(ModelSettings.from_settings(fleet.settings)))
+            try:
+                yield runtime
+            finally:
+                await runtime.client.aclose()
 
     async def aclose(self) -> None:
-        await flush_background()
         await self.client.aclose()
-        await super().aclose()
+        await self.fleet.aclose()
 
 
 class Session:
@@ -140,6 +140,7 @@ class Session:
     def __init__(self, runtime: Runtime, *, instructions: str | None = None,
                  reasoning: dict[str, Any] | None = None, workspace: str | Path | None = None) -> None:
         self.rt = runtime
+        self.fleet = runtime.fleet
         where = absolute_workspace(workspace) if workspace else runtime.settings.workspace
         if problem := workspace_problem(where, must_exist=False):  # a missing one: each call says so
             raise ConfigurationError(problem)
@@ -164,7 +165,7 @@ class Session:
         """Another orchestrator took the turn over: this session writes nothing more to it."""
         self._store = StoreBudget(runtime.settings.turn_store_mb)
         """What the running turn has made toolq keep in Redis, bounded by TOOLQ_TURN_STORE_MB."""
-        self.conversation = ConversationLease(runtime.ledger.r, new_conversation_id())
+        self.conversation = ConversationLease(runtime.fleet.ledger.r, new_conversation_id())
         """Its exec_command sessions live while it is held: from the first turn to `close()`."""
 
     async def close(self) -> None:
@@ -188,8 +189,8 @@ class Session:
         self._store.add(sum(wire_cost(obj, history=True) for obj in self.history.to_json()))
         deadline = time.time() + settings.turn_timeout
         try:
-            await self.rt.follow_fleet_tools()  # MCP hook: this turn offers the MCP tools live workers host now
-            await self.rt.ledger.start_turn(turn_id, prompt, self.workspace)
+            await self.fleet.follow_fleet_tools()  # MCP hook: this turn offers the MCP tools live workers host now
+            await self.fleet.ledger.start_turn(turn_id, prompt, self.workspace)
             await self._hold_conversation(turn_id)
             self._lease = await self.rt.turns.take_lease(turn_id)
             await self.rt.turns.save_settings(turn_id, self._turn_settings(deadline))
@@ -232,7 +233,7 @@ class Session:
         outcome = TurnOutcome(turn_id=turn_id, status="running")
         self._cancel.clear()
         emit(TurnStarted(turn_id=turn_id))
-        await self.rt.follow_fleet_tools()  # MCP hook: the resumed turn offers what live workers host now
+        await self.fleet.follow_fleet_tools()  # MCP hook: the resumed turn offers what live workers host now
         await self._hold_conversation(turn_id)  # a new conversation: the dead one's sessions died with its lease
         await self._open_scope(turn_id)
         pending = unanswered(committed)
@@ -247,7 +248,7 @@ class Session:
                             loaded_tools=sorted(self.loaded_tools, key=str))
 
     async def _open_scope(self, turn_id: str) -> None:
-        scope = TurnScope(self.rt.ledger, self.rt.router, turn_id, on_call_cancel=self._call_cancelled,
+        scope = TurnScope(self.fleet.ledger, self.fleet.router, turn_id, on_call_cancel=self._call_cancelled,
                           cancelled=self._cancel)
         await scope.__aenter__()  # left in `_drive`, whatever ends the turn
         self._scope = scope
@@ -323,13 +324,13 @@ class Session:
     async def _hold_conversation(self, turn_id: str) -> None:
         try:
             await self.conversation.hold()
-            await self.rt.ledger.r.hset(keys.turn(turn_id), "conversation", self.conversation.id)
+            await self.fleet.ledger.r.hset(keys.turn(turn_id), "conversation", self.conversation.id)
         except Exception as e:  # Redis away: the turn's own calls will say so
             log.warning("could not hold conversation %s: %s", self.conversation.id, e)
 
     async def _finish(self, turn_id: str, outcome: TurnOutcome) -> None:
         try:
-            await self.rt.ledger.finish_turn(turn_id, outcome.status, outcome.error)
+            await self.fleet.ledger.finish_turn(turn_id, outcome.status, outcome.error)
         except Exception as e:  # Redis gone at the very end: the outcome still stands
             log.warning("could not record the end of %s: %s", turn_id, e)
 
@@ -367,10 +368,10 @@ class Session:
         responses_with_calls = 0
         # step_index: one per model request, retries included, so task ids never collide
         for step_no, calls in pending:  # a resumed turn: the calls that had no output yet, first
-            step = self._step = self.rt.step(StepContext(turn_id, step_no, deadline, self.workspace,
+            step = self._step = self.fleet.step(StepContext(turn_id, step_no, deadline, self.workspace,
                                                          conversation=self.conversation.id), emit)
             for c in calls:
-                bound = self.rt.bind(decode_item(c.item), step.ctx, c.output_index or 0)
+                bound = self.fleet.bind(decode_item(c.item), step.ctx, c.output_index or 0)
                 if bound is not None:
                     step.add(bound)
             outputs = await step.wait()
@@ -389,11 +390,11 @@ class Session:
                 outcome.status = "failed"
                 outcome.error = f"turn stopped after {settings.max_steps} model responses with tool calls"
                 return
-            step = self._step = self.rt.step(StepContext(turn_id, step_index, deadline, self.workspace,
+            step = self._step = self.fleet.step(StepContext(turn_id, step_index, deadline, self.workspace,
                                                         conversation=self.conversation.id), emit)
             step_index += 1
             body = build_request(self.rt.client.settings.model, self.history.for_prompt(),
-                                 self.rt.registry.model_visible_specs(self.loaded_tools),
+                                 self.fleet.registry.model_visible_specs(self.loaded_tools),
                                  instructions=self.instructions, reasoning=self.reasoning)
             outcome.requests += 1
             error: ModelError | None = None
@@ -449,7 +450,7 @@ class Session:
                     # the call is in history (and in Redis) before it is queued
                     await self._commit(item, step=step.ctx.step, output_index=output_index)
                     self._show(item, outcome, emit)
-                    bound = self.rt.bind(item, step.ctx, output_index)
+                    bound = self.fleet.bind(item, step.ctx, output_index)
                     if bound is not None:
                         step.add(bound)
                 elif event.kind == "completed" and event.usage is not None:
@@ -483,7 +484,7 @@ class Session:
                 dropped.append(keys.celery_meta(task_id))
         if dropped:  # the worker's copy of an output the turn does not keep goes too
             try:
-                await self.rt.router.r.delete(*dropped)
+                await self.fleet.router.r.delete(*dropped)
             except Exception as e:  # it expires by itself (the workers' result_expires)
                 log.warning("could not delete %d result(s) of %s: %s", len(dropped), self.turn_id, e)
         return kept
@@ -499,7 +500,7 @@ class Session:
     def _load_found_tools(self, outputs: list[Any]) -> None:
         for out in outputs:
             if isinstance(out, ToolSearchOutputItem) and out.tools:
-                self.loaded_tools |= self.rt.registry.deferred_names(out.tools)
+                self.loaded_tools |= self.fleet.registry.deferred_names(out.tools)
 
 
 async def _stop_loop(inner: asyncio.Task) -> None:

@@ -38,9 +38,9 @@ def max_running(intervals: list[tuple[float, float]]) -> int:
 
 
 async def _step(rt: Runtime, turn_id: str, step: int, name: str, n: int, arguments: str = "{}") -> None:
-    s = rt.step(StepContext(turn_id, step, time.time() + 120, workspace()))
+    s = rt.fleet.step(StepContext(turn_id, step, time.time() + 120, workspace()))
     for i in range(n):
-        call = rt.bind(FunctionCallItem(call_id=f"call_{step}_{i}", name=name, arguments=arguments), s.ctx, i)
+        call = rt.fleet.bind(FunctionCallItem(call_id=f"call_{step}_{i}", name=name, arguments=arguments), s.ctx, i)
         assert call is not None
         s.add(call)
     outputs = await s.wait()
@@ -51,7 +51,7 @@ async def _noop_rate(rt: Runtime, duration: float, parallel: int) -> tuple[float
     """No-op calls/s over `duration`, in steps of `parallel` calls, and this process's CPU seconds
     per call meanwhile (the limited turns' waiting included, when they run beside)."""
     turn_id = f"turn-bench-noop-{uuid.uuid4().hex[:8]}"
-    await rt.router.watch_turn(turn_id)
+    await rt.fleet.router.watch_turn(turn_id)
     try:
         calls, started, cpu, step = 0, time.perf_counter(), time.process_time(), 0
         while time.perf_counter() - started < duration:
@@ -59,19 +59,19 @@ async def _noop_rate(rt: Runtime, duration: float, parallel: int) -> tuple[float
             calls, step = calls + parallel, step + 1
         return calls / (time.perf_counter() - started), (time.process_time() - cpu) / calls
     finally:
-        await rt.router.unwatch_turn(turn_id)
+        await rt.fleet.router.unwatch_turn(turn_id)
 
 
 async def _limited_turns(rt: Runtime, ms: int) -> list[str]:
     turn_ids = [f"turn-bench-limited-{uuid.uuid4().hex[:8]}" for _ in TURN_SIZES]
     for t in turn_ids:  # one after another: several watch_turn at once on one runtime is another branch's fix
-        await rt.router.watch_turn(t)
+        await rt.fleet.router.watch_turn(t)
     try:
         await asyncio.gather(*(_step(rt, t, 0, "bench_limited", n, f'{{"ms": {ms}}}')
                                for t, n in zip(turn_ids, TURN_SIZES, strict=True)))
     finally:
         for t in turn_ids:
-            await rt.router.unwatch_turn(t)
+            await rt.fleet.router.unwatch_turn(t)
     return turn_ids
 
 
@@ -89,7 +89,7 @@ async def _measure(settings: Any, rounds: int, duration: float, ms: int) -> dict
             beside.append(await _noop_rate(rt, duration, 6))
             busy_to_the_end = not load.done()
             turn_ids = await load
-            calls = [c for t in turn_ids for c in await rt.ledger.calls(t)]
+            calls = [c for t in turn_ids for c in await rt.fleet.ledger.calls(t)]
             intervals = [(float(c["started_at"]), float(c["finished_at"])) for c in calls
                          if c.get("started_at") and c.get("finished_at")]
             assert len(intervals) == sum(TURN_SIZES), calls

@@ -75,9 +75,9 @@ def mcp_stack() -> Iterator[Settings]:
 
 async def _measure(settings: Settings, rounds: int, per_round: int) -> dict[str, Any]:
     rt = await Runtime.create(settings, catalog=Catalog(list(load_catalog([BENCH_TOOLS]))))
-    await rt.follow_fleet_tools()  # the bench server's tools, from the fleet catalog
+    await rt.fleet.follow_fleet_tools()  # the bench server's tools, from the fleet catalog
     turn_id = f"turn-bench{uuid.uuid4().hex[:8]}"
-    await rt.router.watch_turn(turn_id)
+    await rt.fleet.router.watch_turn(turn_id)
     try:
         async def mcp_calls(n: int, step0: int) -> list[float]:
             return await _toolq_calls(rt, turn_id, n, step0, name="noop", namespace=SERVER)
@@ -90,7 +90,7 @@ async def _measure(settings: Settings, rounds: int, per_round: int) -> dict[str,
             base += await _toolq_calls(rt, turn_id, per_round, 2 * r * per_round)
             mcp += await mcp_calls(per_round, (2 * r + 1) * per_round)
     finally:
-        await rt.router.unwatch_turn(turn_id)
+        await rt.fleet.router.unwatch_turn(turn_id)
         await rt.aclose()
     return {"calls": len(mcp), "builtin_p50": median(base), "builtin_p90": pct(base, 0.9),
             "mcp_p50": median(mcp), "mcp_p90": pct(mcp, 0.9), "ratio_p50": median(mcp) / median(base)}

@@ -42,8 +42,8 @@ async def _toolq_calls(rt: Runtime, turn_id: str, n: int, step0: int, *, name: s
     for i in range(n):
         item = FunctionCallItem(call_id=f"call_{i}", name=name, namespace=namespace, arguments="{}")
         t0 = time.perf_counter()
-        step = rt.step(StepContext(turn_id, step0 + i, time.time() + 60, workspace()))
-        call = rt.bind(item, step.ctx, 0)
+        step = rt.fleet.step(StepContext(turn_id, step0 + i, time.time() + 60, workspace()))
+        call = rt.fleet.bind(item, step.ctx, 0)
         assert call is not None
         step.add(call)
         (out,) = await step.wait()
@@ -56,9 +56,10 @@ def _baseline_calls(client: Celery, rt: Runtime, n: int) -> list[float]:
     call = ToolCall(tool_name=ToolName.plain("bench_noop"), call_id="call_b", payload=FunctionPayload(arguments="{}"))
     times = []
     for _ in range(n):
-        inv = rt.registry.bind(call, StepContext(f"base-{uuid.uuid4().hex[:8]}", 0, time.time() + 60, workspace()), 0)
+        ctx = StepContext(f"base-{uuid.uuid4().hex[:8]}", 0, time.time() + 60, workspace())
+        inv = rt.fleet.registry.bind(call, ctx, 0)
         invocation = inv.model_dump(mode="json")
-        signer = rt.dispatcher.signer
+        signer = rt.fleet.dispatcher.signer
         assert signer is not None  # a fleet's dispatcher signs
         signature = signer.sign_invocation(TASK, inv.task_id, invocation)  # workers run signed calls only
         t0 = time.perf_counter()
@@ -84,7 +85,7 @@ async def _measure(settings: Any, rounds: int, per_round: int) -> dict[str, Any]
     rt = await Runtime.create(settings, catalog=load_catalog([BENCH_TOOLS]))
     client = baseline_client(settings)
     turn_id = f"turn-bench{uuid.uuid4().hex[:8]}"
-    await rt.router.watch_turn(turn_id)
+    await rt.fleet.router.watch_turn(turn_id)
     try:
         await _toolq_calls(rt, turn_id, 20, 10_000)  # warm-up both paths
         await asyncio.to_thread(_baseline_calls, client, rt, 20)
@@ -94,7 +95,7 @@ async def _measure(settings: Any, rounds: int, per_round: int) -> dict[str, Any]
             base += await asyncio.to_thread(_baseline_calls, client, rt, per_round)
             toolq += await _toolq_calls(rt, turn_id, per_round, r * per_round)
     finally:
-        await rt.router.unwatch_turn(turn_id)
+        await rt.fleet.router.unwatch_turn(turn_id)
         client.close()
         await rt.aclose()
     return {"calls": len(toolq), "baseline_p50": median(base), "baseline_p90": pct(base, 0.9),
