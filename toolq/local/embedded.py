@@ -29,7 +29,7 @@ from typing import Any
 
 import redis
 
-from toolq.core import import_path, keys
+from toolq.core import import_path, keys, libc
 from toolq.core.errors import ConfigurationError
 from toolq.local import runtime_dir
 from toolq.local.starting import WorkersStarting
@@ -89,10 +89,6 @@ def _kill_group(proc: subprocess.Popen, grace: float) -> None:
         proc.wait(5)
 
 
-#: prctl(2) option: the signal a process gets when its parent dies.
-PR_SET_PDEATHSIG = 1
-
-
 def _terminate_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -108,13 +104,10 @@ def die_with_parent() -> Any:
     no-op: the child is still stopped on a normal exit, only not after a SIGKILL."""
     if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
         return None
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
     parent = os.getpid()
 
     def preexec() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.die_with_parent(signal.SIGKILL)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
 

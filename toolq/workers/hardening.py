@@ -19,16 +19,17 @@ import ctypes
 import fnmatch
 import os
 
+from toolq.core.libc import PR_CAPBSET_DROP, PR_SET_DUMPABLE
+from toolq.core.libc import libc as _libc
 from toolq.workers.isolation.policy import FORBIDDEN_ENV as SECRET_ENV  # what commands never get either
 
-_PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _CAP_SYS_PTRACE = 4, 24, 19
+_CAP_SYS_PTRACE = 19
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def harden() -> None:
     """Not dumpable, and the secrets gone from what `/proc/<pid>/environ` shows."""
-    if _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+    if _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
     wipe_initial_environment()
 
@@ -60,7 +61,7 @@ def drop_ptrace() -> None:
     permitted and inheritable sets); a no-op for a process that never had it."""
     if os.geteuid() != 0:
         return
-    _libc.prctl(_PR_CAPBSET_DROP, _CAP_SYS_PTRACE, 0, 0, 0)
+    _libc.prctl(PR_CAPBSET_DROP, _CAP_SYS_PTRACE, 0, 0, 0)
     header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (ctypes.c_uint32 * 6)()
     if _libc.capget(header, data) != 0:

@@ -35,6 +35,7 @@ from pathlib import Path, PurePosixPath
 from typing import TypeVar
 
 from toolq.core.errors import RespondToModel
+from toolq.core.libc import libc as _libc
 
 T = TypeVar("T")
 
@@ -54,8 +55,6 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
 
 
 def openat2(dir_fd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:

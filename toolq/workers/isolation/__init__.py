@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolq.core.errors import ConfigurationError
+from toolq.core.libc import die_with_parent
 from toolq.core.settings import Settings
 from toolq.workers.isolation import bwrap, cell, landlock, limits, metadata, reaper
 from toolq.workers.isolation.policy import Backend, Policy
@@ -32,7 +33,6 @@ INSTALL_HINT = ("no sandbox works here for shell tools: install bubblewrap (apt-
                 "or set TOOLQ_SANDBOX=none to run commands unconfined")
 #: Landlock ABI that can deny TCP (the broker must be unreachable).
 LANDLOCK_NET_ABI = 4
-_PR_SET_PDEATHSIG = 1
 
 
 class SandboxUnavailable(Exception):
@@ -231,7 +231,7 @@ class Sandbox:
 
         def confine() -> None:
             call_limits.apply_in_child()
-            landlock._libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            die_with_parent(signal.SIGKILL)
             socket.send_fds(theirs, [b"L"], [ruleset.restrict_self()])  # the listener, to the worker
 
         launch = Launch(argv, command_env, confine, call_limits, tmpdir, reap=reap, ruleset=ruleset)

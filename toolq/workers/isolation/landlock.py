@@ -36,15 +36,14 @@ import os
 import platform
 import struct
 
+from toolq.core.libc import PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS
+from toolq.core.libc import libc as _libc
 from toolq.workers.isolation import cell_init
 
 _SYSCALLS = {"x86_64": (444, 445, 446), "aarch64": (444, 445, 446), "riscv64": (444, 445, 446)}
 CREATE, ADD_RULE, RESTRICT = _SYSCALLS.get(platform.machine(), (444, 445, 446))
 _VERSION_FLAG = 1
 _RULE_PATH_BENEATH = 1
-_PR_SET_NO_NEW_PRIVS = 38
-_PR_CAPBSET_DROP = 24
-_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 
 
 def _last_capability() -> int:
@@ -71,8 +70,6 @@ FILE_ONLY = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE
 DEVICES = {"/dev/null": READ_FILE | WRITE_FILE | TRUNCATE, "/dev/zero": READ_FILE, "/dev/full": READ_FILE | WRITE_FILE,
            "/dev/random": READ_FILE, "/dev/urandom": READ_FILE}
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
 
 
 def _syscall(*args: int | bytes | None) -> int:
@@ -197,9 +194,9 @@ class Ruleset:
         with CAP_SYS_PTRACE it could still read `/proc/<worker>/mem` through Landlock."""
         if os.geteuid() == 0:
             for cap in range(_CAP_LAST + 1):
-                _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
-            _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-        if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+                _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+            _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+        if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         _syscall(RESTRICT, self.fd, 0)
         return confine_syscalls(self.deny_sockets)

@@ -36,6 +36,7 @@ import struct
 import threading
 from dataclasses import dataclass
 
+from toolq.core.libc import libc as _libc
 from toolq.workers.isolation import cell_init
 from toolq.workers.workspace import RESOLVE_NO_MAGICLINKS, openat2
 
@@ -62,7 +63,6 @@ PATH_MAX = 4096
 _UNCHANGED = 0xFFFFFFFF  # chown's "leave it" (-1 as an unsigned 32-bit id)
 _TIMESPECS = struct.Struct("=qqqq")
 
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class _Refused(Exception):

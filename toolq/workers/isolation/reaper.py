@@ -15,8 +15,9 @@ import os
 import signal
 from pathlib import Path
 
-_PR_SET_CHILD_SUBREAPER = 36
-_libc = ctypes.CDLL(None, use_errno=True)
+from toolq.core.libc import PR_SET_CHILD_SUBREAPER
+from toolq.core.libc import libc as _libc
+
 _subreaper_of: int | None = None
 
 
@@ -24,7 +25,7 @@ def become_subreaper() -> None:
     """Once per process (a forked pool child must set it again: it is not inherited)."""
     global _subreaper_of
     if _subreaper_of != os.getpid():
-        if _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        if _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
         _subreaper_of = os.getpid()
 

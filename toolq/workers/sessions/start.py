@@ -7,7 +7,6 @@ the dead host's pid) and starts a new one, so the worker goes on serving exec_co
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -18,13 +17,13 @@ import tempfile
 import threading
 
 from toolq.core import import_path
+from toolq.core.libc import die_with_parent
 from toolq.workers.isolation import limits
 from toolq.workers.sessions import host_client
 from toolq.workers.sessions.host_client import SOCKET_ENV
 
 log = logging.getLogger("toolq.sessions")
 
-_PR_SET_PDEATHSIG = 1
 _host: subprocess.Popen | None = None
 _dir: str | None = None
 _stopping = threading.Event()
@@ -38,7 +37,7 @@ STOP_NOTICE = 2.0
 
 def _die_with_parent() -> None:
     # SIGTERM, not SIGKILL: the host kills its sessions' process groups before it goes.
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    die_with_parent(signal.SIGTERM)
 
 
 def _launch(path: str, env: dict[str, str]) -> subprocess.Popen:
