@@ -1,6 +1,6 @@
 """The built-in tools end to end: fake model -> orchestrator -> Redis -> prefork workers and back.
 
-Where Codex fixes a text (codex-reference.md S2, S6, §5 rules 7, 8, 12-14) it is checked byte for
+Where Codex fixes a text (docs/reference/codex-behaviour.md) it is checked byte for
 byte; each tool's bad inputs and limits come back as outputs the model can read.
 """
 
@@ -20,7 +20,7 @@ from toolq.local.embedded import RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-# codex-reference.md §5 rule 7, with the figures of S2's `echo one`.
+# Codex's exec_command text (docs/reference/codex-behaviour.md#exec_command).
 EXEC_OUTPUT = re.compile(
     r"Chunk ID: [0-9a-f]{6}\nWall time: \d+\.\d{4} seconds\nProcess exited with code (-?\d+)\n"
     r"Original token count: (\d+)\nOutput:\n(.*)",
@@ -75,7 +75,7 @@ def test_exec_command_truncates_to_max_output_tokens_like_codex(fleet, drive):
     full = "".join(f"{i}\n" for i in range(1, 3001))
     run = drive([[b.function_call("exec_command", {"cmd": "seq 1 3000", "max_output_tokens": 100}, "call_seq")],
                  final()])
-    # S2: 200 + 200 bytes kept and `…3374 tokens truncated…` for this budget
+    # Codex kept 200 + 200 bytes and said `…3374 tokens truncated…` for this budget
     assert exec_parts(outputs(run)["call_seq"]) == (0, 3474, (
         "Warning: truncated output (original token count: 3474)\nTotal output lines: 3000\n\n"
         + full[:200] + "…3374 tokens truncated…" + full[-200:]))

@@ -1,5 +1,5 @@
 """Dead workers, a killed pool child, a Redis restart, a tool past its limit: every call still
-gets exactly one output, the turn ends, and nothing hangs (DESIGN §1, contract 11)."""
+gets exactly one output, the turn ends, and nothing hangs (contract 11, docs/reference/contracts.md#the-stages-and-bad-input)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 that reaches the worker holding them, and every session dying with its conversation or worker.
 
 Real prefork workers (each with its session host), real Redis, the fake model. Texts are Codex's
-(codex-reference.md S2 `s02f_write_stdin`, §5 rule 7).
+(docs/reference/codex-behaviour.md#write_stdin).
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def test_payload_kind_mismatch_ends_the_turn_and_keeps_history_paired(fleet, dri
 
 
 def test_a_retryable_stream_error_drains_calls_and_retries_with_their_outputs(fleet, drive):
-    """Codex S8: a call in a stream that later fails is executed once, and the retry carries it."""
+    """As in Codex (docs/reference/codex-behaviour.md#the-turn-loop): a call in a stream that later fails is executed once, and the retry carries it."""
     run = drive([
         [b.function_call("sleep_echo", {"text": "before the cut"}, "call_cut"), b.cut_after()],
         final("recovered"),
@@ -195,7 +195,8 @@ def test_the_turn_is_visible_in_the_ledger(fleet, drive):
 
 
 def test_the_barrier_owns_its_subscriptions_and_many_calls_pile_up_none(fleet, drive):
-    """celery-lab §3: stock sends SUBSCRIBE per task and never let go; toolq holds one pattern per turn."""
+    """Stock Celery subscribes per task sent and never lets go (docs/reference/celery-notes.md#the-subscribe-at-send-leak);
+    toolq holds one pattern per turn."""
     seen: list[tuple[str, int, int]] = []
 
     async def during(session, runtime):
@@ -226,7 +227,7 @@ def test_the_barrier_owns_its_subscriptions_and_many_calls_pile_up_none(fleet, d
 
 
 def test_requests_are_stateless_and_carry_instructions_and_reasoning(fleet, tmp_path):
-    """Codex rule 1: store false, the whole history each time; reasoning comes back encrypted."""
+    """As Codex asks (docs/reference/codex-behaviour.md#requests): store false, the whole history each time; reasoning comes back encrypted."""
     script = [[b.reasoning("think", encrypted_content="gAAAA-secret"), b.function_call("sleep_echo", {}, "call_r")],
               final()]
     with FakeModel(script) as fake:

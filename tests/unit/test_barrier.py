@@ -1,4 +1,4 @@
-"""The barrier's contracts (DESIGN §2: 8 the barrier, 9 parallel and serial, 10 cancel), run on the
+"""The barrier's contracts (docs/reference/contracts.md: 8 the barrier, 9 parallel and serial, 10 cancel), run on the
 in-memory transport: no Redis, no workers. The same contracts run on real workers in
 tests/integration/test_turn_loop.py and test_cancel.py."""
 

@@ -19,7 +19,7 @@ from toolq.dev import config_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md"]
+DOCS = [README, *sorted((ROOT / "docs").rglob("*.md")), ROOT / "deploy" / "README.md"]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 #: Where the files a doc names live: a path starting with one of these must exist.
 TOP = ("toolq", "tests", "examples", "deploy", "docs")

@@ -200,7 +200,7 @@ def test_a_delta_with_a_non_string_delta_is_skipped():
 
 
 def test_done_item_wins_when_call_id_changes_after_added():
-    # Recorded with client tool_search (responses-protocol.md §3.6): ids change between added and done.
+    # Recorded with client tool_search (docs/reference/responses-stream.md#ids): ids change between added and done.
     decoder = EventDecoder()
     added = decoder.decode(
         frame({"type": "response.output_item.added", "output_index": 0, "item": {"type": "function_call", "call_id": "call_A", "name": "f", "arguments": ""}})

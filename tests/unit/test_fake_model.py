@@ -398,7 +398,7 @@ def test_openai_sdk_stream_helper_rebuilds_the_final_response():
 
 
 def test_openai_sdk_raises_api_error_on_the_real_nested_error_event():
-    # The SDK raises on any event with an `error` key (responses-protocol.md §1.2): real wire shape.
+    # The SDK raises on any event with an `error` key (docs/reference/responses-stream.md#what-the-official-sdk-does): real wire shape.
     with FakeModel([[error_event("insufficient_quota", "You exceeded your current quota")]]) as fake:
         with pytest.raises(openai.APIError, match="You exceeded your current quota") as info:
             list(sdk(fake).responses.create(model="gpt-test", input="hi", stream=True))

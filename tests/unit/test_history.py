@@ -1,4 +1,4 @@
-"""The pairing normaliser (contract 8; codex-contracts.md §7.3)."""
+"""The pairing normaliser (contract 8; docs/reference/codex-behaviour.md#history-repair)."""
 
 from toolq.orchestrator.history import History, pairing_problems
 

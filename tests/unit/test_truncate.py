@@ -1,4 +1,4 @@
-"""Head + tail truncation (contract 12, codex-contracts.md §8)."""
+"""Head + tail truncation (contract 12, docs/reference/codex-behaviour.md#truncation)."""
 
 from toolq.core.truncate import TruncationPolicy, formatted_truncate_text, truncate_text
 

@@ -2,9 +2,10 @@
 
 The durable record goes first: a worker checks it before it starts any call of the turn, so
 a call still in the queue, or sent while no worker is online, never runs (a revoke broadcast
-alone is lost when nobody hears it, celery-lab.md §4a). Then every task of the turn is revoked
-with SIGTERM, which kills the tool's whole process group, and the orchestrator running the turn
-hears the cancel on its channel and records the aborted outputs.
+alone is lost when nobody hears it: docs/reference/celery-notes.md#revoking-a-queued-task).
+Then every task of the turn is revoked with SIGTERM, which kills the tool's whole process group,
+and the orchestrator running the turn hears the cancel on its channel and records the aborted
+outputs.
 
 With no REDIS_URL, the turn is looked for in this user's running embedded stacks (runtime_dir.py).
 """

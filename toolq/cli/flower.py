@@ -1,7 +1,7 @@
 """`toolq flower`: Flower on toolq's broker, on loopback and behind basic auth by default.
 
 Flower's API can revoke and terminate any call, and its `/metrics` and `/healthcheck` answer
-without auth in every mode (celery-lab.md §8). So it binds to 127.0.0.1 unless told otherwise,
+without auth in every mode (docs/reference/celery-notes.md#flower). So it binds to 127.0.0.1 unless told otherwise,
 and its API is served without auth only when asked, and then only on loopback. Flower runs as
 `python -m celery --app toolq.workers.app flower`.
 

@@ -163,7 +163,7 @@ def _plain(value: Any) -> Any:
 
 
 def aborted_text(shell_like: bool, elapsed: float) -> str:
-    """Codex's text for a call cut short by a cancel (codex-contracts.md §7.2)."""
+    """Codex's text for a call cut short by a cancel (docs/reference/codex-behaviour.md#cancel)."""
     secs = max(elapsed, 0.1)
     if shell_like:
         return f"Wall time: {secs:.1f} seconds\naborted by user"

@@ -391,7 +391,7 @@ def _args_model(f: Handler) -> type[BaseModel] | None:
 
 
 def strict_json_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """A model's JSON Schema in the Responses strict-mode subset (responses-protocol.md §8):
+    """A model's JSON Schema in the Responses strict-mode subset (docs/reference/responses-stream.md#strict-mode):
     every object closed and every key required; optional keys become nullable."""
     return _strictify(model.model_json_schema())
 

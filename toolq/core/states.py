@@ -64,7 +64,7 @@ def parse_state(value: str | None) -> CallState | None:
 def codex_status(state: CallState) -> str:
     """The `status` `codex exec --json` gives an item: in_progress, completed or failed.
 
-    Codex marks a command that exited non-zero `failed` (codex-reference.md: `s02b`), so every
+    Codex marks a command that exited non-zero `failed` (docs/reference/codex-behaviour.md#exec_command), so every
     terminal state but COMPLETED is `failed` there; toolq's own `state` field says which one."""
     if not state.terminal:
         return "in_progress"

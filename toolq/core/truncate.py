@@ -1,4 +1,4 @@
-"""Bounded model-visible output: head + tail with Codex's marker (codex-contracts.md §8).
+"""Bounded model-visible output: head + tail with Codex's marker (docs/reference/codex-behaviour.md#truncation).
 
 Budgets count UTF-8 bytes (4 bytes per token for token policies); cuts never split a character.
 """

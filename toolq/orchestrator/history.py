@@ -1,4 +1,5 @@
-"""Conversation history and the pairing normaliser (Codex `normalize.rs`, contracts.md §7.3).
+"""Conversation history and the pairing normaliser (Codex `normalize.rs`:
+docs/reference/codex-behaviour.md#history-repair).
 
 Before every request each call must have exactly one output of the matching kind: a call with
 none gets `aborted` right after it, an output with no call is dropped. Every repair is logged

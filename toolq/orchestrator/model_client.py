@@ -3,7 +3,7 @@
 `ModelClient.stream(body)` POSTs `{base_url}/responses`, retries 5xx and transport errors before
 any SSE byte (the inner layer, `request_max_retries`), then yields typed `StreamEvent`s until
 `response.completed`. Every other outcome raises `ModelError`, classified as Codex does
-(codex-contracts.md §3, codex-reference.md S8-S9): `retryable` errors are for the caller's outer
+(docs/reference/codex-behaviour.md#model-errors-and-retries): `retryable` errors are for the caller's outer
 "stream retry" loop (`stream_max_retries`, `backoff`, or `delay` when the server named one), the
 rest end the turn. Items yielded before a failure stay committed: the caller already has them.
 """
@@ -42,7 +42,8 @@ log = logging.getLogger("toolq.client")
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 
-# Codex's exact texts (codex-reference.md S8-S9), so toolq ends a turn the way Codex does.
+# Codex's exact texts (docs/reference/codex-behaviour.md#model-errors-and-retries),
+# so toolq ends a turn the way Codex does.
 STREAM_DISCONNECTED = "stream disconnected before completion: "
 CLOSED_EARLY = "stream closed before response.completed"
 IDLE_TIMEOUT = "idle timeout waiting for SSE"
@@ -323,7 +324,8 @@ def transport_failure(e: httpx.TransportError, url: str) -> ModelError:
 
 
 def http_failure(status: int, headers: Mapping[str, str], body: str, url: str) -> ModelError:
-    """An HTTP error status, classified as Codex does (codex-reference.md S8), but 401/403 end at once."""
+    """An HTTP error status, classified as Codex does (docs/reference/codex-behaviour.md#model-errors-and-retries),
+    but 401/403 end at once."""
     error = _error_object(body)
     code = error.get("code") if isinstance(error.get("code"), str) else None
     server_message = error.get("message") if isinstance(error.get("message"), str) else None
@@ -366,7 +368,8 @@ def event_too_large(cut: StreamCut) -> str:
 
 
 def stream_failure(code: str | None, message: str | None) -> ModelError:
-    """A `response.failed` or `error` event, classified by `error.code` (codex-contracts.md §3.3)."""
+    """A `response.failed` or `error` event, classified by `error.code` as Codex does
+    (docs/reference/codex-behaviour.md#model-errors-and-retries)."""
     text = message or ""
     if code == "context_length_exceeded":
         return ModelError(CONTEXT_WINDOW, retryable=False, code=code, detail=text)

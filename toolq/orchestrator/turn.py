@@ -1,4 +1,5 @@
-"""The turn loop: request -> stream -> dispatch -> barrier -> next request (codex-contracts.md §4).
+"""The turn loop: request -> stream -> dispatch -> barrier -> next request, as Codex runs it
+(docs/reference/codex-behaviour.md#the-turn-loop).
 
 A response with calls is followed by another request once every call has its output (the
 barrier); a response without calls ends the turn. A retryable model error drains what was
@@ -69,7 +70,7 @@ from toolq.orchestrator.turn_scope import TurnScope, stop
 
 log = logging.getLogger("toolq.turn")
 
-# codex-reference.md S11: the record a cancelled turn leaves for the next one.
+# Codex's record a cancelled turn leaves for the next one (docs/reference/codex-behaviour.md#cancel).
 TURN_ABORTED = (
     "<turn_aborted>\nThe user interrupted the previous turn on purpose. Any running unified exec processes may "
     "still be running in the background. If any tools/commands were aborted, they may have partially executed.\n"

@@ -1,8 +1,9 @@
 """toolq's Celery app and its task: the worker process's entry point.
 
-One task runs one `ToolInvocation`. Settings follow celery-lab.md's measurements: JSON only,
-prefork, `acks_late` + prefetch 1 (fair, and queued revokes are honoured), STARTED tracked
-(to tell lost from queued), events on for Flower, a visibility timeout above the longest tool.
+One task runs one `ToolInvocation`. Settings (`config.py`) follow what Celery did when measured
+(docs/reference/celery-notes.md#settings-toolq-chose): JSON only, prefork, `acks_late` + prefetch 1
+(fair, and queued revokes are honoured), STARTED tracked (to tell lost from queued), task events
+when Flower asks for them, a visibility timeout above the longest tool.
 """
 
 from __future__ import annotations

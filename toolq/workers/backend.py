@@ -1,8 +1,9 @@
 """Celery's Redis result backend, minus the subscribe-at-send, plus signed metas.
 
 Stock `RedisBackend` SUBSCRIBEs the sending client to every task it sends and only lets go
-when `get()` is called (celery-lab.md §3). toolq never calls `get()`: the orchestrator's barrier
-owns its subscriptions (one pattern per turn), so sends must not pile up channels.
+when `get()` is called (docs/reference/celery-notes.md#the-subscribe-at-send-leak). toolq never
+calls `get()`: the orchestrator's barrier owns its subscriptions (one pattern per turn), so sends
+must not pile up channels.
 
 Every meta a worker stores is signed with the fleet key, and a stored meta that fails the check
 reads as absent (toolq/core/signing.py): the orchestrator only believes signed metas.

@@ -1,9 +1,10 @@
 """Celery's configuration for toolq, for both sides: the workers' app and each orchestrator's
 sending app (`toolq.orchestrator.transport.dispatch`). Building an app here loads no tool and starts nothing.
 
-Settings follow celery-lab.md's measurements: JSON only, prefork, `acks_late` + prefetch 1 (fair,
-and queued revokes are honoured), STARTED tracked (to tell lost from queued), task events when
-Flower asks for them, a visibility timeout above the longest tool.
+Settings follow what Celery did when measured (docs/reference/celery-notes.md#settings-toolq-chose):
+JSON only, prefork, `acks_late` + prefetch 1 (fair, and queued revokes are honoured), STARTED
+tracked (to tell lost from queued), task events when Flower asks for them, a visibility timeout
+above the longest tool.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def celery_config(settings: Settings, longest: float, *, worker: bool = False) -
         result_expires=6 * 3600,
         broker_connection_retry_on_startup=True,
         broker_transport_options={
-            # Never below the longest tool, or healthy calls get delivered twice (celery-lab §6).
+            # Never below the longest tool, or healthy calls get delivered twice
+            # (docs/reference/celery-notes.md#lost-workers-and-the-visibility-timeout).
             "visibility_timeout": int(longest + 2 * TIME_LIMIT_MARGIN + 60),
             "unacked_restore_interval": 10,
             "unacked_restore_throttle": 1,

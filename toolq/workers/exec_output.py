@@ -10,7 +10,7 @@ from toolq.core.truncate import TruncationPolicy, approx_token_count, formatted_
 
 def format_exec_output(content: str, exit_code: int | None, wall_time: float, max_tokens: int, *,
                        session_id: int | None = None) -> str:
-    """Codex's unified-exec response text (codex-reference.md §5 rules 7 and 8); with a
+    """Codex's unified-exec response text (docs/reference/codex-behaviour.md#exec_command); with a
     `session_id`, the process is still running."""
     status = (f"Process running with session ID {session_id}" if session_id is not None
               else f"Process exited with code {exit_code}")

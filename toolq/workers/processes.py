@@ -2,8 +2,9 @@
 
 Processes: `run_command` starts each command in its own session (pid = pgid) and always ends by
 SIGKILLing that whole group, so no grandchild outlives its call. Celery's `revoke(terminate=True)`
-SIGTERMs the pool child but not its subprocesses (celery-lab.md §4(b)); `install_sigterm_handler`
-closes that gap by killing every live group before the child dies.
+SIGTERMs the pool child but not its subprocesses
+(docs/reference/celery-notes.md#terminating-a-running-task); `install_sigterm_handler` closes
+that gap by killing every live group before the child dies.
 """
 
 from __future__ import annotations

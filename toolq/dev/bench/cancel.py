@@ -2,7 +2,7 @@
 output recorded (the turn's `run_turn` returned). p50 and p95 over `runs` turns.
 
 `cancel()` is what `toolq cancel` runs after its interpreter starts; the reference Codex CLI
-stopped about 32 ms after SIGINT (codex-reference.md S11).
+stopped about 32 ms after SIGINT (docs/reference/codex-behaviour.md#cancel).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The reference, measured in the same run: the real Codex CLI (`codex exec` 0.171.0, the version the
-reference notes measured) against the same kind of fake model, when it is installed here.
+reference figures come from, docs/reference/codex-behaviour.md#timing) against the same kind of
+fake model, when it is installed here.
 
 Found through TOOLQ_BENCH_CODEX (a path) or `codex` on PATH; `npm install -g @openai/codex@0.171.0`
 installs it (the npm wrapper is skipped for the native binary it would start, so node's start-up
@@ -53,7 +54,7 @@ def describe(path: str | None) -> str:
 class Codex:
     """`codex exec` on one fake model, with its own fresh CODEX_HOME, sandboxed as the flag says:
     `workspace-write` (Codex's own bubblewrap sandbox) or none (`--dangerously-bypass-...`, how
-    the reference notes measured it)."""
+    the reference figures were measured)."""
 
     def __init__(self, path: str, home: Path, *, sandboxed: bool) -> None:
         self.path, self.home, self.sandboxed = path, home, sandboxed

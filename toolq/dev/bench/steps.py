@@ -1,7 +1,7 @@
 """Benchmark: time per model step (request k -> request k+1 at the fake server) with N parallel
 `exec_command` calls of `true`, the figure the reference Codex CLI was measured on.
 
-Steady state, as for Codex (codex-reference.md §4): a warm-up step first, then the median of
+Steady state, as for Codex (docs/reference/codex-behaviour.md#timing): a warm-up step first, then the median of
 the following steps. Our fake server runs in its own process (`toolq fake-model`) and reports each
 request's arrival on the system-wide monotonic clock. With Codex installed (`bench/codex.py`) it
 runs the same steps in the same run, twice: in its own sandbox, against toolq's default sandbox,

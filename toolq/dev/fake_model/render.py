@@ -1,7 +1,7 @@
 """Turn one scripted response into what the server writes: SSE frames and pauses, or an HTTP error.
 
-Pure (no sockets, no clock). Event order follows the real recordings (responses-protocol.md §3
-and §11): `created → in_progress → per item: added → (content_part.added → delta* →
+Pure (no sockets, no clock). Event order follows the real recordings (docs/reference/responses-stream.md#event-order):
+`created → in_progress → per item: added → (content_part.added → delta* →
 output_text.done → content_part.done | arguments.delta* → arguments.done | input.delta* →
 input.done | summary part/text events) → done → completed`, with contiguous `sequence_number`s
 from 0 and `response.completed` carrying the done items and usage.

@@ -1,7 +1,7 @@
 """Responses API stream events: one SSE `data` JSON in, one typed `StreamEvent` (or nothing) out.
 
 `EventDecoder` is pure (no I/O). It dispatches on the JSON `type`, never on the SSE `event:` line
-(compat servers omit it; responses-protocol.md §0.2), and it never raises on bad input: malformed
+(compat servers omit it: docs/reference/responses-stream.md#framing), and it never raises on bad input: malformed
 JSON, JSON nested past serde_json's limit (`too_deep`), frames without `type`, unknown types and
 events over the size bound (`oversize`, see `sse.py`) are skipped and counted in `skipped` by
 reason; lone surrogates become U+FFFD (`untrusted.py`).
@@ -159,7 +159,7 @@ StreamEvent = Annotated[
     Field(discriminator="kind"),
 ]
 
-#: Event types of SDK 3.57.0 (responses-protocol.md Appendix A) that toolq has no use for.
+#: Known event types toolq has no use for (docs/reference/responses-stream.md#events-toolq-ignores).
 IGNORED_TYPES = frozenset(
     {
         "response.in_progress",
@@ -383,7 +383,7 @@ def iter_sse_data(body: bytes | str, max_event_bytes: int = DEFAULT_MAX_EVENT_BY
     """The `data` of each SSE event in a whole recorded body, framed as the client frames a stream.
 
     A body whose last event lacks its blank line gets one: SSE decoders drop an unterminated
-    last event, and 3 of the 5 recorded fixtures end that way (responses-protocol.md §1).
+    last event, and 3 of the 5 recorded fixtures end that way (tests/fixtures/README.md).
     """
     raw = body.encode() if isinstance(body, str) else body
     if raw and not raw.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):

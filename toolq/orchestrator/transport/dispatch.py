@@ -5,7 +5,7 @@ queue by the ledger's claim script, so claiming, queueing and marking it sent ar
 from the event loop. The task id is derived from the call, so a restarted orchestrator finds the
 same task, and the claim makes a second dispatch a no-op. The control commands (revoke, ping,
 inspect) are Celery's and synchronous, so they run on a dedicated thread pool: the event loop
-never blocks on Celery (celery-lab.md §3).
+never blocks on Celery.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ Task ids start with the turn id, so one PSUBSCRIBE per turn covers all of its ca
 turn's pattern is on the one subscription of the runtime, which is taken and changed under a
 lock (turns starting at once each opened a connection of their own, and only one was read). After
 subscribing we MGET the keys we wait for, which closes the race with results stored before the
-subscription (celery-lab.md §3). A lost connection is retried; afterwards the router catches up
-with MGET and tells the barrier, which then checks for calls whose messages were lost.
+subscription (docs/reference/celery-notes.md#waiting-without-blocking-the-event-loop). A lost
+connection is retried; afterwards the router catches up with MGET and tells the barrier, which
+then checks for calls whose messages were lost.
 """
 
 from __future__ import annotations

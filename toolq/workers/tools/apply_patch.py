@@ -1,4 +1,4 @@
-"""`apply_patch`: Codex's freeform patch tool (codex-reference.md §3 S6, §5 rule 13).
+"""`apply_patch`: Codex's freeform patch tool (docs/reference/codex-behaviour.md#apply_patch).
 
 The model sends the patch envelope as a custom tool call's raw `input`. The whole patch is parsed
 and checked against the files first (every path confined to the workspace); nothing is written

@@ -1,6 +1,6 @@
 """`exec_command`: run a shell command in the workspace (Codex's unified exec).
 
-Output text and truncation follow codex-reference.md §5 rules 7, 8 and 14. On a worker with a
+Output text and truncation follow Codex's (docs/reference/codex-behaviour.md#exec_command). On a worker with a
 session host and a call from a conversation, the command runs there and may outlive the call as
 a session (toolq/workers/sessions); otherwise it runs to completion or to its time limit.
 """
@@ -127,7 +127,7 @@ def exec_command(args: ExecCommandArgs, ctx: ToolContext) -> ToolReturn:
 
 
 def spawn_failure_text(error: OSError) -> str:
-    """Codex's text for a process that could not be created (rule 14), with this OS error."""
+    """Codex's text for a process that could not be created, with this OS error."""
     reason = f"{error.strerror or error} (os error {error.errno})"
     return (
         'exec_command failed: CreateProcess { message: "Rejected(\\"Failed to create unified exec process: '

@@ -1,11 +1,12 @@
 """`read_file`: numbered lines from a file in the workspace (Codex's `read_file`, slice mode).
 
-Codex removed this tool upstream (contracts §9); toolq keeps its slice mode: lines come back as
-`L<n>: <text>`, each cut to 500 bytes (Codex's `MAX_LINE_LENGTH`). The indentation-aware mode is not
-offered. Only a regular file is read (a FIFO or device gets an error, never a blocked call), and
-in chunks: a line is never held longer than needed to print it, the deadline is checked as the
-file is read, and the lines kept are charged against the sandbox's memory limit (`limit` is the
-model's: a billion empty lines would otherwise be held as a billion strings).
+Codex removed this tool upstream (docs/reference/codex-behaviour.md#tools); toolq keeps its slice
+mode: lines come back as `L<n>: <text>`, each cut to 500 bytes (Codex's `MAX_LINE_LENGTH`). The
+indentation-aware mode is not offered. Only a regular file is read (a FIFO or device gets an
+error, never a blocked call), and in chunks: a line is never held longer than needed to print it,
+the deadline is checked as the file is read, and the lines kept are charged against the sandbox's
+memory limit (`limit` is the model's: a billion empty lines would otherwise be held as a billion
+strings).
 """
 
 from __future__ import annotations
