@@ -28,7 +28,7 @@ from toolq.dev.fake_model.server import FakeModel
 from toolq.orchestrator.binding import bind_item
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.transport.memory import HOSTNAME
-from toolq.workers.execute import call_tool, refusal
+from toolq.workers.execute import run_in_process
 
 __all__ = ["FakeModel", "arun_call", "builders", "run_call"]
 
@@ -62,11 +62,7 @@ async def arun_call(tool: Any, arguments: dict[str, Any] | str | None = None, *,
     if bound.answer is not None:
         return bound.answer
     assert bound.invocation is not None
-    started = time.time()
-    inv = bound.invocation
-    state, output, extra = refusal(inv, spec, HOSTNAME) or await call_tool(inv, spec, catalog)
-    return ToolResult(call_id=call_id, output=output, status=state, worker=HOSTNAME, started_at=started,
-                      finished_at=time.time(), **extra)
+    return await run_in_process(bound.invocation, spec, catalog, HOSTNAME)
 
 
 def run_call(tool: Any, arguments: dict[str, Any] | str | None = None, *, workspace: str | Path | None = None,

@@ -296,3 +296,43 @@ def test_parse_arguments_messages_name_the_bad_input(raw, message):
     with pytest.raises(RespondToModel) as e:
         parse(raw)
     assert e.value.message == message
+
+
+def test_a_plain_parameters_schema_is_written_from_the_arguments_model_alone():
+    from pydantic import BaseModel, Field
+
+    from toolq.core.catalog import plain_parameters
+
+    class Args(BaseModel):
+        cmd: str = Field(description="what to run")
+        count: int | None = Field(default=None, json_schema_extra={"type": "number"})
+        quiet: bool = False
+
+    assert plain_parameters(Args) == {
+        "type": "object",
+        "properties": {"cmd": {"type": "string", "description": "what to run"}, "count": {"type": "number"},
+                       "quiet": {"type": "boolean"}},
+        "required": ["cmd"], "additionalProperties": False}
+
+
+def test_every_validation_message_names_the_field_and_drops_pydantics_prefix():
+    from pydantic import BaseModel, ValidationError, field_validator
+
+    from toolq.core.errors import problems
+
+    class Limits(BaseModel):
+        n: int
+
+        @field_validator("n")
+        @classmethod
+        def _positive(cls, v: int) -> int:
+            if v <= 0:
+                raise ValueError("must be positive")
+            return v
+
+    with pytest.raises(ValidationError) as bad:
+        Limits.model_validate({"n": -1})
+    assert problems(bad.value) == [("n", "must be positive", "value_error")]
+    with pytest.raises(ValidationError) as missing:
+        Limits.model_validate({})
+    assert problems(missing.value)[0].kind == "missing" and problems(missing.value)[0].where == "n"

@@ -31,7 +31,7 @@ from toolq.cli.batch_progress import Progress, ended_call
 from toolq.cli.exits import EXIT_CANCELLED, EXIT_FAILED
 from toolq.cli.run import CANCEL_SIGNALS, default_instructions, with_redis
 from toolq.core import trusted_files
-from toolq.core.errors import ConfigurationError
+from toolq.core.errors import ConfigurationError, problems
 from toolq.core.settings import Settings, absolute_workspace, workspace_problem
 from toolq.local.starting import WorkersStarting
 from toolq.orchestrator.transport.redis_faults import REDIS_FAULTS, RedisUnreachable
@@ -114,7 +114,7 @@ def parse_line(number: int, raw: str) -> Entry:
     try:
         turn = BatchLine.model_validate_json(raw)
     except ValidationError as e:
-        said = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'the line'}: {err['msg']}" for err in e.errors())
+        said = "; ".join(f"{p.where or 'the line'}: {p.message}" for p in problems(e))
         return Entry(number=number, key=key, problem=f"line {number}: {said}")
     if turn.workspace is not None:
         turn.workspace = absolute_workspace(turn.workspace)

@@ -66,6 +66,14 @@ class CustomPayload(BaseModel):
     input: str
 
 
+class ToolSearchArgs(BaseModel):
+    """A client `tool_search_call`'s arguments, as the model sends them (unknown keys ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+    query: str
+    limit: int | None = Field(default=None, json_schema_extra={"type": "number"})
+
+
 class ToolSearchPayload(BaseModel):
     kind: Literal["tool_search"] = "tool_search"
     query: str

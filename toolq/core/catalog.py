@@ -24,6 +24,7 @@ import hashlib
 import inspect
 import json
 import time
+import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from pydantic import BaseModel, ValidationError
 
 from toolq.core import untrusted
 from toolq.core.calls import PayloadKind, ToolInvocation, ToolName
-from toolq.core.errors import ConfigurationError, RespondToModel
+from toolq.core.errors import ConfigurationError, RespondToModel, problems
 from toolq.core.items import ContentPart, ToolOutputBody
 from toolq.core.tool_limits import UNLIMITED, ToolLimit, declared_limit
 
@@ -464,6 +465,27 @@ def parse_arguments(spec: ToolSpec, raw: str) -> BaseModel | Any:
         raise RespondToModel(f"failed to parse function arguments: {describe_validation_error(e)}") from None
 
 
+_JSON_TYPES: dict[Any, str] = {str: "string", bool: "boolean", int: "integer", float: "number"}
+
+
+def plain_parameters(model: type[BaseModel]) -> dict[str, Any]:
+    """The `parameters` schema of a tool whose arguments model says it all, written as Codex writes
+    its built-ins' (a plain type and a description per field, no titles): each field's JSON type
+    (an optional one's inner type, or `json_schema_extra={"type": ...}` where Codex says `number`
+    of an integer), the fields without a default required, nothing else accepted."""
+    properties: dict[str, Any] = {}
+    for name, field_info in model.model_fields.items():
+        extra = field_info.json_schema_extra if isinstance(field_info.json_schema_extra, dict) else {}
+        inner = [a for a in typing.get_args(field_info.annotation) if a is not type(None)] or [field_info.annotation]
+        prop: dict[str, Any] = {"type": extra.get("type") or _JSON_TYPES[inner[0]]}
+        if field_info.description:
+            prop["description"] = field_info.description
+        properties[name] = prop
+    return {"type": "object", "properties": properties,
+            "required": [name for name, f in model.model_fields.items() if f.is_required()],
+            "additionalProperties": False}
+
+
 def load_arguments(raw: str) -> Any:
     """A function call's `arguments` as JSON, or `RespondToModel` naming what is wrong with them.
 
@@ -482,11 +504,10 @@ def load_arguments(raw: str) -> Any:
 
 
 def describe_validation_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"])
-    if err["type"] == "missing":
+    where, message, kind = problems(e)[0]
+    if kind == "missing":
         return f"missing field `{where}`"
-    return f"invalid value for `{where}`: {err['msg']}" if where else err["msg"]
+    return f"invalid value for `{where}`: {message}" if where else message
 
 
 async def call_handler(spec: ToolSpec, args: Any, ctx: ToolContext) -> Any:

@@ -7,6 +7,11 @@ the turn ends with an error naming the tool, and the history still gets a paired
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 
 class RespondToModel(Exception):
     """Raise it in a tool to answer the model with `message` (bad input it can fix): the message
@@ -40,3 +45,19 @@ class Fatal(Exception):
 
 class ConfigurationError(Exception):
     """A mistake in how toolq was set up (duplicate tool, bad setting): the developer acts."""
+
+
+class Problem(NamedTuple):
+    """One error of a pydantic validation, as every message of toolq names it."""
+
+    where: str
+    """The field's dotted path ('' for the value as a whole)."""
+    message: str
+    """pydantic's message, less the "Value error, " a validator's own message carries."""
+    kind: str
+    """pydantic's error type (`missing`, `extra_forbidden`, ...)."""
+
+
+def problems(e: ValidationError) -> list[Problem]:
+    return [Problem(".".join(str(p) for p in err["loc"]), err["msg"].removeprefix("Value error, "), err["type"])
+            for err in e.errors()]

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from toolq.core import import_path
-from toolq.core.errors import ConfigurationError
+from toolq.core.errors import ConfigurationError, problems
 from toolq.core.reasoning import ReasoningSetting
 from toolq.core.tool_limits import ToolLimit, parse_tool_limits
 
@@ -331,12 +331,11 @@ class Settings(BaseModel):
         try:
             return cls.model_validate(values)
         except ValidationError as e:
-            err = e.errors()[0]
-            name = str(err["loc"][0]) if err["loc"] else "settings"
+            path, message, _ = problems(e)[0]
+            name = path.partition(".")[0] or "settings"
             from_flag = overrides.get(name) is not None
             source = None if from_flag else next((v for v in ENV.get(name, ()) if env.get(v)), None)
             where = f"{name} ({source})" if source else name
-            message = err["msg"].removeprefix("Value error, ")
             raise ConfigurationError(f"invalid setting {where}: {message}") from None
 
     def result_backend_url(self) -> str | None:

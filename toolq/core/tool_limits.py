@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_serializer, model_validator
 
+from toolq.core.errors import problems
+
 _RATE = re.compile(r"\s*(\d+)\s*/\s*(s|sec|second|m|min|minute)\s*")
 _WINDOW = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0}
 
@@ -97,9 +99,8 @@ def parse_tool_limits(value: Any) -> dict[str, ToolLimit]:
     try:
         return _LIMITS.validate_python(value)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise ValueError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+        where, message, _ = problems(e)[0]
+        raise ValueError(f"{where}: {message}") from None
 
 
 def declared_limit(max_concurrency: int | None, rate_limit: str | Rate | None) -> ToolLimit:

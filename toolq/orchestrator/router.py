@@ -5,10 +5,10 @@ Only typed call items are calls; a message is never a call, whatever its text (c
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
-from toolq.core.calls import CustomPayload, FunctionPayload, ToolCall, ToolName, ToolSearchPayload
-from toolq.core.errors import RespondToModel
+from toolq.core.calls import CustomPayload, FunctionPayload, ToolCall, ToolName, ToolSearchArgs, ToolSearchPayload
+from toolq.core.errors import RespondToModel, problems
 from toolq.core.items import (
     CustomToolCallItem,
     FunctionCallItem,
@@ -17,12 +17,6 @@ from toolq.core.items import (
 )
 
 TOOL_SEARCH = ToolName.plain("tool_search")
-
-
-class _SearchParams(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    query: str
-    limit: int | None = None
 
 
 def build_tool_call(item: ResponseItem) -> ToolCall | None:
@@ -44,11 +38,10 @@ def build_tool_call(item: ResponseItem) -> ToolCall | None:
         )
     if isinstance(item, ToolSearchCallItem) and item.execution == "client" and item.call_id:
         try:
-            params = _SearchParams.model_validate(item.arguments)
+            params = ToolSearchArgs.model_validate(item.arguments)
         except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(p) for p in err["loc"]) or "arguments"
-            raise RespondToModel(f"failed to parse tool_search arguments: {field}: {err['msg']}") from None
+            where, message, _ = problems(e)[0]
+            raise RespondToModel(f"failed to parse tool_search arguments: {where or 'arguments'}: {message}") from None
         return ToolCall(
             tool_name=TOOL_SEARCH,
             call_id=item.call_id,

@@ -52,13 +52,24 @@ def is_cancelled(r: redis.Redis, inv: ToolInvocation) -> bool:
     return bool(r.exists(keys.cancel_turn(inv.turn_id), keys.cancel_call(inv.task_id)))
 
 
-def _result(inv: ToolInvocation, output: ToolOutputBody, status: CallState, hostname: str, **kw: Any) -> dict:
+def tool_result(inv: ToolInvocation, output: ToolOutputBody, status: CallState, hostname: str,
+                **kw: Any) -> ToolResult:
+    """How a call ended, as the worker that ran it (or refused it) says it: ends now."""
     now = time.time()
-    res = ToolResult(
-        call_id=inv.call_id, output=output, status=status, worker=hostname,
-        started_at=kw.pop("started_at", now), finished_at=now, **kw,
-    )
-    return res.model_dump(mode="json")
+    return ToolResult(call_id=inv.call_id, output=output, status=status, worker=hostname,
+                      started_at=kw.pop("started_at", now), finished_at=now, **kw)
+
+
+def _result(inv: ToolInvocation, output: ToolOutputBody, status: CallState, hostname: str, **kw: Any) -> dict:
+    return tool_result(inv, output, status, hostname, **kw).model_dump(mode="json")
+
+
+async def run_in_process(inv: ToolInvocation, spec: ToolSpec | None, catalog: Catalog, hostname: str) -> ToolResult:
+    """One call in this process, through the worker's checks and handler call but no queue (the
+    in-memory transport, `toolq.testing`)."""
+    started = time.time()
+    state, output, extra = refusal(inv, spec, hostname) or await call_tool(inv, spec, catalog)  # type: ignore[arg-type]
+    return tool_result(inv, output, state, hostname, started_at=started, **extra)
 
 
 # KEYS: turn cancel, call cancel, started marker, call record. ARGV: hostname, ttl, started_at, pid, state.

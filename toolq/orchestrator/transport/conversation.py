@@ -14,7 +14,7 @@ import uuid
 
 from redis.exceptions import RedisError
 
-from toolq.core.session_records import CONVERSATION_BEAT, CONVERSATION_TTL, conversation_key, sessions_key
+from toolq.core.session_records import CONVERSATION_BEAT, CONVERSATION_TTL, conversation_key
 
 log = logging.getLogger("toolq.conversation")
 
@@ -59,5 +59,3 @@ class ConversationLease:
         except (RedisError, OSError) as e:
             log.warning("could not end conversation %s (its sessions end at the TTL): %s", self.id, e)
 
-    async def live_session_count(self) -> int:
-        return int(await self.r.hlen(sessions_key(self.id)))

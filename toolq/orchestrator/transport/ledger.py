@@ -208,9 +208,6 @@ class Ledger:
         except ValueError:
             return None
 
-    async def task_ids_for(self, turn_id: str, call_id: str) -> list[str]:
-        return [c["task_id"] for c in await self.calls(turn_id) if c.get("call_id") == call_id and c.get("task_id")]
-
     # --- cancel ------------------------------------------------------------------------------
 
     async def cancel_turn(self, turn_id: str, reason: str = "user") -> None:

@@ -8,7 +8,6 @@ call, silence a worker, deliver an outcome by hand, make the queue refuse a send
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,15 +24,11 @@ HOSTNAME = "memory@toolq"
 
 def catalog_runner(catalog: Catalog, hostname: str = HOSTNAME) -> Runner:
     """Run calls with their handlers from `catalog`, exactly as `toolq.workers.execute` would."""
-    from toolq.workers.execute import call_tool, refusal
+    from toolq.workers.execute import run_in_process
 
     async def run(inv: ToolInvocation, spec: ToolSpec) -> ToolResult:
-        started = time.time()
         # On this event loop: a sync handler runs inline, so keep test tools quick or async.
-        here = catalog.get(inv.tool_name)
-        state, output, extra = refusal(inv, here, hostname) or await call_tool(inv, here, catalog)  # type: ignore[arg-type]
-        return ToolResult(call_id=inv.call_id, output=output, status=state, worker=hostname, started_at=started,
-                          finished_at=time.time(), **extra)
+        return await run_in_process(inv, catalog.get(inv.tool_name), catalog, hostname)
 
     return run
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from toolq.core.calls import FUNCTIONS_NAMESPACE
-from toolq.core.errors import ConfigurationError
+from toolq.core.errors import ConfigurationError, problems
 
 #: A server name is a Responses API namespace, so it takes the characters a function name does.
 SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -159,9 +159,7 @@ def _server(name: str, raw: dict[str, Any], where: str) -> McpServerConfig:
     try:
         return McpServerConfig.model_validate(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
+        field, message, kind = problems(e)[0]
+        if kind == "extra_forbidden":
             message = "unknown setting"
         raise ConfigurationError(f"{where}: {field + ': ' if field else ''}{message}") from None

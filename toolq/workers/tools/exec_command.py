@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from toolq.core.catalog import ToolContext, ToolReturn, tool
+from toolq.core.catalog import ToolContext, ToolReturn, plain_parameters, tool
 from toolq.core.errors import RespondToModel
 from toolq.workers import isolation
 from toolq.workers.exec_output import format_exec_output
@@ -29,52 +28,34 @@ EXEC_TIMEOUT = 300.0
 #: Codex's default `yield_time_ms` for exec_command.
 DEFAULT_YIELD_MS = 10_000.0
 
-PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "cmd": {"type": "string", "description": "Shell command to execute."},
-        "workdir": {
-            "type": "string",
-            "description": "Working directory for the command, inside the workspace; defaults to the workspace root.",
-        },
-        "yield_time_ms": {
-            "type": "number",
-            "description": "How long to wait (in milliseconds, 250-30000, default 10000) for output before "
-            "yielding; a command still running then keeps running as a session for write_stdin.",
-        },
-        "max_output_tokens": {
-            "type": "number",
-            "description": "Maximum number of tokens of output to return (default 10000); the middle of "
-            "longer output is cut.",
-        },
-        "tty": {"type": "boolean",
-                "description": "Whether to allocate a TTY for the command (stdin stays open for write_stdin)."},
-        "shell": {"type": "string", "description": "Shell binary to run the command with; defaults to bash."},
-        "login": {"type": "boolean", "description": "Ignored: the shell never runs as a login shell."},
-        "justification": {"type": "string", "description": "Ignored: no approval step exists."},
-    },
-    "required": ["cmd"],
-    "additionalProperties": False,
-}
-
-
 class ExecCommandArgs(BaseModel):
     # Unknown keys are ignored, as serde does for Codex (e.g. `sandbox_permissions`).
     model_config = ConfigDict(extra="ignore")
 
-    cmd: str
-    workdir: str | None = None
-    yield_time_ms: float | None = None
-    max_output_tokens: float | None = Field(default=None, ge=0)
-    tty: bool | None = None
-    shell: str | None = None
-    login: bool | None = None
-    justification: str | None = None
+    cmd: str = Field(description="Shell command to execute.")
+    workdir: str | None = Field(
+        default=None,
+        description="Working directory for the command, inside the workspace; defaults to the workspace root.")
+    yield_time_ms: float | None = Field(
+        default=None,
+        description="How long to wait (in milliseconds, 250-30000, default 10000) for output before "
+        "yielding; a command still running then keeps running as a session for write_stdin.")
+    max_output_tokens: float | None = Field(
+        default=None, ge=0,
+        description="Maximum number of tokens of output to return (default 10000); the middle of longer output is cut.")
+    tty: bool | None = Field(
+        default=None, description="Whether to allocate a TTY for the command (stdin stays open for write_stdin).")
+    shell: str | None = Field(default=None, description="Shell binary to run the command with; defaults to bash.")
+    login: bool | None = Field(default=None, description="Ignored: the shell never runs as a login shell.")
+    justification: str | None = Field(default=None, description="Ignored: no approval step exists.")
 
     @field_validator("yield_time_ms")
     @classmethod
     def _clamp_yield(cls, v: float | None) -> float | None:
         return None if v is None else min(max(v, 250.0), 30_000.0)
+
+
+PARAMETERS = plain_parameters(ExecCommandArgs)
 
 
 @tool(parameters=PARAMETERS, strict=False, shell_like=True, timeout=EXEC_TIMEOUT, streams_output=True,

@@ -7,18 +7,11 @@ by keywords and the matching specs come back in the `tool_search_output`. The ra
 
 from __future__ import annotations
 
-from typing import Any
-
-from toolq.core.calls import ToolSearchPayload
-from toolq.core.catalog import CATALOG, ToolContext, ToolReturn, tool
+from toolq.core.calls import ToolSearchArgs, ToolSearchPayload
+from toolq.core.catalog import CATALOG, ToolContext, ToolReturn, plain_parameters, tool
 from toolq.core.search import search_catalog
 
-PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "properties": {"query": {"type": "string"}, "limit": {"type": "number"}},
-    "required": ["query"],
-    "additionalProperties": False,
-}
+PARAMETERS = plain_parameters(ToolSearchArgs)
 
 
 @tool(kind="tool_search", parameters=PARAMETERS)

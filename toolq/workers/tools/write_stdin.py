@@ -7,11 +7,9 @@ the output since the previous call (toolq/workers/sessions).
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field
 
-from toolq.core.catalog import ToolContext, ToolReturn, tool
+from toolq.core.catalog import ToolContext, ToolReturn, plain_parameters, tool
 from toolq.core.errors import RespondToModel
 from toolq.workers.sessions import calls
 from toolq.workers.tools.exec_command import DEFAULT_MAX_OUTPUT_TOKENS, MAX_OUTPUT_TOKENS_CAP
@@ -22,33 +20,24 @@ DEFAULT_YIELD_MS = 250.0
 WRITE_YIELD = (250.0, 30_000.0)
 POLL_YIELD = (5_000.0, 300_000.0)
 
-PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "session_id": {"type": "number", "description": "Identifier of the running unified exec session."},
-        "chars": {"type": "string", "description": "Bytes to write to stdin (may be empty to poll)."},
-        "yield_time_ms": {"type": "number",
-                          "description": "How long to wait (in milliseconds) for output before yielding."},
-        "max_output_tokens": {"type": "number",
-                              "description": "Maximum number of tokens to return. Excess output will be truncated."},
-    },
-    "required": ["session_id"],
-    "additionalProperties": False,
-}
-
-
 class WriteStdinArgs(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    session_id: int
-    chars: str = ""
-    yield_time_ms: float | None = None
-    max_output_tokens: float | None = Field(default=None, ge=0)
+    session_id: int = Field(description="Identifier of the running unified exec session.",
+                            json_schema_extra={"type": "number"})
+    chars: str = Field(default="", description="Bytes to write to stdin (may be empty to poll).")
+    yield_time_ms: float | None = Field(default=None,
+                                        description="How long to wait (in milliseconds) for output before yielding.")
+    max_output_tokens: float | None = Field(
+        default=None, ge=0, description="Maximum number of tokens to return. Excess output will be truncated.")
 
     def yield_ms(self) -> float:
         low, high = POLL_YIELD if not self.chars else WRITE_YIELD
         wanted = DEFAULT_YIELD_MS if self.yield_time_ms is None else self.yield_time_ms
         return min(max(wanted, low), high)
+
+
+PARAMETERS = plain_parameters(WriteStdinArgs)
 
 
 @tool(parameters=PARAMETERS, strict=False, shell_like=True, timeout=POLL_YIELD[1] / 1000 + 10, streams_output=True,
