@@ -323,6 +323,12 @@ def transport_failure(e: httpx.TransportError, url: str) -> ModelError:
     return ModelError(STREAM_DISCONNECTED + f"transport error: {_describe(e)}, url: {url}", retryable=True)
 
 
+def one_line(text: str, limit: int = 2000) -> str:
+    """What a server said, as one line a user reads (a proxy's HTML error page spans many)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit] + "..."
+
+
 def http_failure(status: int, headers: Mapping[str, str], body: str, url: str) -> ModelError:
     """An HTTP error status, classified as Codex does (docs/reference/codex-behaviour.md#model-errors-and-retries),
     but 401/403 end at once."""
@@ -331,12 +337,12 @@ def http_failure(status: int, headers: Mapping[str, str], body: str, url: str) -
     server_message = error.get("message") if isinstance(error.get("message"), str) else None
     reason = _reason(status)
     if status in AUTH_FIX:
-        said = " ".join((server_message or body).split())[:300] or "no details"
+        said = one_line(server_message or body, 300) or "no details"
         return ModelError(f"{status} {reason} from {url}: {said}; {AUTH_FIX[status]}", retryable=False,
                           status=status, code=code, detail=body)
     if status == 400:
-        # Codex shows the raw body: it names the bad field (`param`) better than any summary.
-        return ModelError(body, retryable=False, status=status, code=code, detail=body)
+        # Codex shows the raw body: it names the bad field (`param`) better than any summary (on one line).
+        return ModelError(one_line(body), retryable=False, status=status, code=code, detail=body)
     if status == 429:
         if code == "insufficient_quota":
             return ModelError(QUOTA_EXCEEDED, retryable=False, status=status, code=code, detail=body)
@@ -357,7 +363,7 @@ def http_failure(status: int, headers: Mapping[str, str], body: str, url: str) -
     if status == 503 and code in ("server_is_overloaded", "slow_down"):
         return ModelError(AT_CAPACITY, retryable=False, status=status, code=code, detail=body)
     return ModelError(
-        f"unexpected status {status} {reason}: {body}, url: {url}",
+        f"unexpected status {status} {reason}: {one_line(body)}, url: {url}",
         retryable=True, status=status, code=code, detail=body,
     )
 

@@ -398,11 +398,7 @@ class Session:
                                  self.fleet.registry.model_visible_specs(self.loaded_tools),
                                  instructions=self.instructions, reasoning=self.reasoning)
             outcome.requests += 1
-            error: ModelError | None = None
-            try:
-                await self._sample(body, step, outcome, emit)
-            except ModelError as e:
-                error = e
+            error, expired = await self._sample_by(deadline, body, step, outcome, emit)
             # The barrier, whatever happened to the stream: calls already queued get their outputs.
             outputs = await step.wait()
             await self._commit(*await self._kept_outputs(outputs))
@@ -413,19 +409,38 @@ class Session:
             if self._store.full:  # an item refused at the bound, or outputs that did not fit
                 outcome.status, outcome.error = "failed", self._store.error
                 return
+            if expired:  # the loop's first check says the deadline passed
+                continue
             if error is not None:
                 max_retries = self.rt.client.settings.stream_max_retries
                 if not error.retryable or retries >= max_retries:
                     raise error
                 retries += 1
                 emit(ErrorEvent(message=f"Reconnecting... {retries}/{max_retries} ({error.message})"))
-                await asyncio.sleep(error.delay if error.delay is not None else backoff(retries))
+                delay = error.delay if error.delay is not None else backoff(retries)
+                await asyncio.sleep(min(delay, max(0.0, deadline - time.time())))  # never past the deadline
                 continue
             retries = 0
             if not step.entries:
                 outcome.status = "completed"
                 return
             responses_with_calls += 1
+
+    async def _sample_by(self, deadline: float, body: dict[str, Any], step: Step, outcome: TurnOutcome,
+                         emit: Emit) -> tuple[ModelError | None, bool]:
+        """One response streamed, the turn's deadline bounding the stream too: (the model's error,
+        whether the deadline stopped it)."""
+        limit = asyncio.timeout(max(0.0, deadline - time.time()))
+        try:
+            async with limit:
+                await self._sample(body, step, outcome, emit)
+        except ModelError as e:
+            return e, False
+        except TimeoutError:
+            if not limit.expired():
+                raise
+            return None, True
+        return None, False
 
     async def _sample(self, body: dict[str, Any], step: Step, outcome: TurnOutcome, emit: Emit) -> None:
         index = 0
