@@ -171,6 +171,21 @@ def test_workers_and_batch_on_an_unreachable_redis_say_so_in_one_line_and_write_
     assert not (tmp_path / "r.jsonl").exists() or not (tmp_path / "r.jsonl").read_text()
 
 
+def test_a_wrong_redis_password_is_told_as_wrong_credentials_not_as_an_unreachable_server(tmp_path):
+    """It answered: `cannot reach` sent a newcomer to check the network, not the password."""
+    from toolq.local.embedded import RedisServer
+
+    with RedisServer() as server:
+        url = server.url.replace(server.url.split("@")[0].split("//")[1], ":not-the-password")
+        env = {"PATH": "/usr/bin:/bin", "REDIS_URL": url, "TOOLQ_SIGNING_KEY": "k" * 32}
+        out = subprocess.run([sys.executable, "-m", "toolq.cli.main", "workers"], capture_output=True, text=True,
+                             env=env, cwd=tmp_path, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert re.fullmatch(r"toolq: Redis at redis://:\*\*\*\*@127.0.0.1:[0-9]+/0 refused the credentials: .* "
+                        r"\(check REDIS_URL's user and password\)\n", out.stderr), out.stderr
+    assert "not-the-password" not in out.stderr
+
+
 def test_the_live_view_shows_the_final_error_once():
     from pydantic import TypeAdapter
 

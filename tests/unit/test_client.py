@@ -234,7 +234,7 @@ def test_idle_timeout_is_retryable():
 def test_response_failed_server_error_is_retryable_with_the_server_message():
     r, fake = run([[message("partial"), failed("server_error", "scripted response.failed")]])
     assert isinstance(r.events[-1], Failed) and [type(i) for i in r.items] == [MessageItem]
-    assert r.error.message == "stream disconnected before completion: scripted response.failed"
+    assert r.error.message == "the model server failed this response: scripted response.failed"  # not a disconnect
     assert r.error.retryable and r.error.delay is None and len(fake.requests) == 1
 
 

@@ -393,6 +393,9 @@ def stream_failure(code: str | None, message: str | None) -> ModelError:
         return ModelError(
             f"rate limit exceeded: {text}", retryable=True, delay=try_again_in(text), code=code, detail=text
         )
+    if code == "server_error":  # the server said it failed: nothing was disconnected
+        return ModelError(f"the model server failed this response: {text or code}", retryable=True, code=code,
+                          detail=text)
     return ModelError(
         STREAM_DISCONNECTED + (text or "response.failed event received"), retryable=True, code=code, detail=text
     )

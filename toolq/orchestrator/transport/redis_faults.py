@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from toolq.core.errors import ConfigurationError
@@ -22,7 +22,11 @@ class RedisUnreachable(ConfigurationError):
 
     def __init__(self, url: str | None, cause: BaseException) -> None:
         where = mask_url_password(url) if url else "your embedded stack"
-        super().__init__(f"cannot reach Redis at {where}: {cause}")
+        if isinstance(cause, AuthenticationError):  # it answered: the credentials are wrong, not the network
+            super().__init__(f"Redis at {where} refused the credentials: {cause} (check REDIS_URL's user and "
+                             "password)")
+        else:
+            super().__init__(f"cannot reach Redis at {where}: {cause}")
 
 
 @contextmanager
