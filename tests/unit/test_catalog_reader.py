@@ -140,3 +140,17 @@ def test_a_serving_instance_gone_without_a_clean_exit_is_noted_as_a_death_and_a_
     records.records = {b.instance: b}  # a's record expired: SIGKILLed
     asyncio.run(fleet.read())
     assert fleet.departed_at > 0
+
+
+def test_toolq_workers_groups_an_mcp_servers_tools_so_the_users_own_still_show():
+    from toolq.cli.workers import tool_names
+    from toolq.core.calls import ToolName
+
+    def ref(name: str, namespace: str | None = None) -> ToolRef:
+        return ToolRef(name=name, namespace=namespace, digest="d" * 16, queue="toolq", route="toolq.t.x", kind="function")
+
+    many = [ref(f"t{k}", "git") for k in range(30)] + [ref("now", "time"), ref("my_tool")]
+    advert = WorkerAdvert(instance="i" * 32, hostname="w@h", host="h", pid=1, started_at=0.0, concurrency=1,
+                          queues=["toolq"], tools=many)
+    assert tool_names(advert) == "my_tool, git.* (30), time.* (1)"
+    assert advert.tools[-1].tool_name == ToolName.plain("my_tool")

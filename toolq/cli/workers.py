@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections import Counter
 from typing import Any, TextIO
 
 import redis.asyncio as aioredis
@@ -21,7 +22,7 @@ from toolq.orchestrator.transport.redis_faults import reaching
 
 WORKER_COLUMNS = ("worker", "instance", "state", "pid", "host", "concurrency", "up", "sandbox", "tools")
 #: The tools cell is cut to this many characters in the table (JSON lists every tool).
-TOOLS_WIDTH = 60
+TOOLS_WIDTH = 160
 
 
 def _uptime(seconds: float) -> str:
@@ -32,8 +33,16 @@ def _uptime(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def tool_names(w: WorkerAdvert) -> str:
+    """Each plain tool by name, each namespace (an MCP server's) once with its count: a fleet with
+    MCP servers listed their dozens of tools first and cut the user's own off the table."""
+    plain = [t.tool_name.name for t in w.tools if not t.tool_name.namespace]
+    spaces = Counter(t.tool_name.namespace for t in w.tools if t.tool_name.namespace)
+    return ", ".join([*plain, *(f"{ns}.* ({n})" for ns, n in sorted(spaces.items()))])
+
+
 def worker_row(w: WorkerAdvert, now: float) -> dict[str, Any]:
-    names = ", ".join(str(t.tool_name) for t in w.tools)
+    names = tool_names(w)
     tools = f"{len(w.tools)}: {names}" if names else "0"
     return {"worker": w.hostname, "instance": w.instance[:8], "state": "draining" if w.draining else "ready",
             "pid": w.pid, "host": w.host, "concurrency": w.concurrency, "up": _uptime(max(now - w.started_at, 0.0)),
