@@ -10,7 +10,9 @@ from before.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import subprocess
 import threading
 import time
@@ -108,3 +110,9 @@ class HostProcess:
                 proc.wait(5)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        # The socket's folder is ours (mkdtemp, 0700): a warm shutdown left it in /tmp. Anything
+        # else found in it stays, and so does the folder (rmdir removes only an empty one).
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self.path))
