@@ -533,7 +533,8 @@ def _peer_pid(conn: socket.socket) -> int:
 
 def main() -> None:
     hardening.harden()  # it starts the sandboxes: nothing it holds may be read from outside
-    logging.basicConfig(level=logging.INFO, format="[session host] %(message)s")
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s/session-host] %(message)s",
+                        stream=sys.stderr)  # stamped like the worker's own lines, which share its log
     path = os.environ["TOOLQ_SESSION_SOCKET"]
     settings = Settings.load()
     r = redis.Redis.from_url(os.environ["TOOLQ_SESSION_REDIS"]) if os.environ.get("TOOLQ_SESSION_REDIS") else None
