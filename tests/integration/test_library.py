@@ -4,16 +4,22 @@ driving the official `openai` SDK against the fake model."""
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
 from openai.types.responses import ResponseFunctionToolCall
 
-from tests.integration.conftest import ROOT, SIGNING_KEY, TEST_TOOLS
+from tests.integration.conftest import ROOT, SIGNING_KEY, TEST_TOOLS, WORKER_ENV
 from toolq import Fleet, Settings
+from toolq.cli.cancel import cancel
+from toolq.cli.status import status_cmd, turns_cmd
+from toolq.core import keys
 from toolq.dev.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.transport.ledger import Ledger
@@ -143,6 +149,7 @@ def test_toolq_cancel_from_another_process_aborts_the_unfinished_calls(fleet, re
     assert '"text": "q"' in outputs[0]["output"]
     assert outputs[1]["output"].startswith("aborted by user after")
     assert took < 5
+    assert shown_turns(redis_server.url)[turn_id]["state"] == "cancelled"  # issue 26: it stayed `running`
 
 
 def test_cancelling_one_throttled_call_of_run_calls_answers_it_at_once(fleet, redis_server, tmp_path):
@@ -196,3 +203,167 @@ def test_run_calls_refuses_a_system_folder_as_its_workspace(redis_server):
 
     with pytest.raises(ConfigurationError, match="^workspace /etc is a system or shared directory"):
         asyncio.run(go())
+
+
+# --- issue 26: a turn of `Fleet.run_calls` has an end ----------------------------------------------------------
+
+
+def shown_turns(redis_url: str) -> dict[str, dict]:
+    """What `toolq turns --json` lists, by turn id."""
+    out = io.StringIO()
+    assert turns_cmd(Settings(redis_url=redis_url), limit=100, as_json=True, out=out) == 0
+    return {row["turn_id"]: row for row in map(json.loads, out.getvalue().splitlines())}
+
+
+def echo(call_id: str, text: str = "hi") -> dict:
+    return {"type": "function_call", "call_id": call_id, "name": "sleep_echo", "arguments": json.dumps({"text": text})}
+
+
+def test_a_fleet_turn_ends_when_its_caller_ends_it_or_closes_the_fleet(fleet, redis_server, tmp_path):
+    turn_id = "turn-lib-end" + str(time.time_ns())
+
+    async def go():
+        f = await fleet_on(redis_server.url, tmp_path)
+        try:
+            await f.run_calls([echo("call_a")], turn_id=turn_id)
+            running = (await f.ledger.turn(turn_id))["state"]
+            default = f.turn_id
+            await f.run_calls([echo("call_b")])  # the default turn
+            await f.end_turn(turn_id)
+            return running, default, f.turn_id
+        finally:
+            await f.aclose()  # ends the default turn, which the caller left open
+
+    running, default, after = asyncio.run(go())
+    assert running == "running" and after == default  # ending another turn leaves the default one
+    shown = shown_turns(redis_server.url)
+    assert (shown[turn_id]["state"], shown[default]["state"]) == ("completed", "completed")
+    assert shown[turn_id]["calls"] == shown[default]["calls"] == 1
+    assert shown[turn_id]["finished_at"] >= shown[turn_id]["started_at"]
+
+
+def test_toolq_cancel_ends_a_fleet_turn_and_its_caller_cannot_undo_it(fleet, redis_server, tmp_path):
+    turn_id = "turn-lib-cancel-end" + str(time.time_ns())
+
+    async def go():
+        f = await fleet_on(redis_server.url, tmp_path)
+        try:
+            first = await f.run_calls([echo("call_1")], turn_id=turn_id)
+            # `toolq cancel TURN_ID` said "cancelled" and the turn stayed listed `running`
+            await cancel(Settings(redis_url=redis_server.url), turn_id)
+            state = (await f.ledger.turn(turn_id))["state"]
+            again = await f.run_calls([echo("call_2")], turn_id=turn_id)  # the caller goes on regardless
+            await f.end_turn(turn_id, status="completed")
+            return first, state, again
+        finally:
+            await f.aclose()
+
+    first, state, again = asyncio.run(go())
+    assert '"text": "hi"' in first[0]["output"] and state == "cancelled"
+    assert again[0]["call_id"] == "call_2" and '"text": "hi"' not in again[0]["output"]  # never ran
+    assert shown_turns(redis_server.url)[turn_id]["state"] == "cancelled"
+
+
+def test_a_fleet_turn_whose_process_died_without_ending_it_shows_orphaned(fleet, redis_server, tmp_path):
+    """A real process runs a call on the fleet and dies (`os._exit`) with its turn open: no `aclose`."""
+    turn_id = "turn-lib-orphan" + str(time.time_ns())
+    script = textwrap.dedent(f"""
+        import asyncio, os
+        from toolq import Fleet, Settings
+        from toolq.workers.loader import load_catalog
+
+        async def main():
+            fleet = await Fleet.open(Settings(redis_url={redis_server.url!r}, workspace={str(tmp_path)!r},
+                                              tools=[{TEST_TOOLS!r}], signing_key={SIGNING_KEY!r}, turn_lease=1),
+                                     catalog=load_catalog([{TEST_TOOLS!r}]))
+            out = await fleet.run_calls([{echo("call_x")!r}], turn_id={turn_id!r})
+            print(out[0]["output"], flush=True)
+            os._exit(0)
+
+        asyncio.run(main())
+    """)
+    env = {**os.environ, **WORKER_ENV}
+    env.pop("REDIS_URL", None)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path)
+    assert proc.returncode == 0 and '"text": "hi"' in proc.stdout, proc.stderr
+    deadline = time.monotonic() + 60  # its lease (1 s) lapses; nobody renews it
+    while (state := shown_turns(redis_server.url)[turn_id]["state"]) == "running":
+        assert time.monotonic() < deadline, "the dead process's turn stayed running"
+        time.sleep(0.2)
+    assert state == "orphaned"
+    out = io.StringIO()
+    assert status_cmd(Settings(redis_url=redis_server.url), turn_id, out=out) == 0
+    assert out.getvalue().startswith(f"turn {turn_id}  orphaned")
+    # and `toolq cancel` gives it an end
+    asyncio.run(cancel(Settings(redis_url=redis_server.url), turn_id))
+    assert shown_turns(redis_server.url)[turn_id]["state"] == "cancelled"
+
+
+def test_an_open_fleet_keeps_its_idle_turns_leases_alive(fleet, redis_server, tmp_path):
+    """A loop may think for minutes between two `run_calls`: its turn is not orphaned meanwhile."""
+    turn_id = "turn-lib-idle" + str(time.time_ns())
+
+    async def go():
+        f = await Fleet.open(Settings(redis_url=redis_server.url, workspace=tmp_path, tools=[TEST_TOOLS],
+                                      signing_key=SIGNING_KEY, turn_lease=2), catalog=load_catalog([TEST_TOOLS]))
+        try:
+            await f.run_calls([echo("call_idle")], turn_id=turn_id)
+            lease = keys.turn_lease(turn_id)
+            seen, deadline = [await f.ledger.r.pttl(lease)], time.monotonic() + 30
+            while not (len(seen) > 1 and seen[-1] > seen[-2] > 0):  # renewed while nothing ran
+                assert time.monotonic() < deadline, f"the idle turn's lease was never renewed: {seen[-5:]}"
+                await asyncio.sleep(0.05)
+                seen.append(await f.ledger.r.pttl(lease))
+        finally:
+            await f.aclose()
+
+    asyncio.run(go())
+    assert shown_turns(redis_server.url)[turn_id]["state"] == "completed"
+
+
+def test_a_block_that_raises_ends_its_open_turns_failed_with_the_error(fleet, redis_server, tmp_path):
+    seen: dict = {}
+
+    async def go():
+        async with Fleet.connect(redis_server.url, tools=[TEST_TOOLS], workspace=str(tmp_path),
+                                 signing_key=SIGNING_KEY) as f:
+            await f.run_calls([echo("call_r")])
+            seen["turn"] = f.turn_id
+            with pytest.raises(ValueError, match="^end_turn: status 'done' is not one of completed, failed, cancelled$"):
+                await f.end_turn(status="done")
+            raise RuntimeError("the model client broke")
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(go())
+    row = shown_turns(redis_server.url)[seen["turn"]]
+    assert (row["state"], row["error"]) == ("failed", "RuntimeError: the model client broke")
+
+
+def test_the_readme_loop_without_stream_runs_against_the_fake_model(fleet, redis_server, tmp_path):
+    """Issue 26: written without `stream=True`, the README's loop failed at `response.output`
+    (`'str' object has no attribute 'output'`): the fake model answered with SSE regardless."""
+    from openai import AsyncOpenAI
+
+    async def go(base_url: str) -> str:
+        client = AsyncOpenAI(base_url=base_url, api_key="fake", max_retries=0)
+        f = await fleet_on(redis_server.url, tmp_path)
+        try:
+            items: list = [{"role": "user", "content": "show me"}]
+            while True:
+                response = await client.responses.create(model="gpt-5.5", input=items, tools=f.tool_specs(),
+                                                         store=False)
+                items += [i.model_dump(exclude_none=True) for i in response.output]
+                outputs = await f.run_calls(response.output)
+                if not outputs:
+                    return response.output_text
+                items += outputs
+        finally:
+            await f.aclose()
+
+    with FakeModel() as fake:  # the script `toolq fake-model` serves by default
+        answer = asyncio.run(go(fake.base_url))
+    assert answer.startswith("Done.") and (tmp_path / "hello.txt").read_text() == "Hello from toolq\n"
+    assert len(fake.requests) == 3 and all("stream" not in body for body in fake.requests)
+    for body in fake.requests:
+        assert pairing_problems(body["input"]) == [], body["input"]

@@ -3,17 +3,23 @@ async handlers, declarations that differ between the two sides, and a queue nobo
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import json
+import sys
 
 import pytest
 import redis
 
 import examples.search_tools  # noqa: F401  (the orchestrator side loads the same declarations)
 import tests.integration.mismatch_tools as mismatch_tools
-from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
+import toolq.core.catalog as catalog_module
+from tests.integration.conftest import TEST_TOOLS, WORKER_ENV, run_session, settings_for
 from toolq.core import keys
 from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
 from toolq.local.embedded import RedisServer, WorkerProcess
+from toolq.workers.loader import load_catalog
 
 pytestmark = pytest.mark.integration
 
@@ -160,3 +166,84 @@ def test_a_worker_restricted_by_queues_does_not_serve_the_tools_of_other_queues(
     assert items["call_stranded"]["state"] == "rejected" and "worker" not in items["call_stranded"]
     assert items["call_stranded"]["status"] == "failed"  # as `codex exec --json` marks it
     assert items["call_alive"]["worker"] == "toolq-only@test"
+
+
+# --- issue 26: a tool declared by its typed parameters, and one without ctx, on a real worker ------------------
+
+TYPED_TOOLS = "typed_tools_issue26"
+TYPED_SOURCE = '''
+from typing import Annotated
+
+from pydantic import BaseModel, Field
+
+from toolq import ToolContext, tool
+
+
+@tool(queue="typed")
+def add(a: int, b: int) -> str:
+    """Adds two integers.
+
+    Args:
+        a: The first term.
+        b: The second term.
+    """
+    return str(a + b)
+
+
+@tool(queue="typed")
+async def write_note(name: Annotated[str, Field(description="A file name in the workspace.")], text: str,
+                     ctx: ToolContext, times: int = 1) -> str:
+    """Writes a note into the workspace."""
+    (ctx.workspace / name).write_text(text * times)
+    return f"wrote {name} for {ctx.call_id}"
+
+
+class Shout(BaseModel):
+    text: str
+
+
+@tool(queue="typed")
+def shout(args: Shout) -> str:
+    """An args model and no ctx."""
+    return args.text.upper()
+'''
+
+
+def test_tools_declared_by_typed_parameters_and_without_ctx_run_on_a_real_worker(redis_server, tmp_path):
+    # `def add(a: int, b: int)` was a freeform tool whose call failed with a TypeError, and
+    # `def shout(args: Shout)` failed with "takes 1 positional argument but 2 were given".
+    folder = tmp_path / "tools"
+    folder.mkdir()
+    (folder / f"{TYPED_TOOLS}.py").write_text(TYPED_SOURCE)
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    # This side declares the same tools, into a catalog of its own: the process's stays as the other tests know it.
+    private = catalog_module.Catalog()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(folder))
+        patch.setattr(catalog_module, "CATALOG", private)
+        importlib.import_module(TYPED_TOOLS)
+        sys.modules.pop(TYPED_TOOLS)
+    catalog = catalog_module.Catalog([*load_catalog([TEST_TOOLS]), *private])
+    assert [s.kind for s in private] == ["function"] * 3
+    w = WorkerProcess(redis_server.url, name="typed1@test", queues=["typed"], concurrency=1, tools=[TYPED_TOOLS],
+                      env={**WORKER_ENV, "TOOLQ_TOOLS_PATH": str(folder)}, logdir=tmp_path)
+    with w, FakeModel([[b.function_call("add", {"a": 2, "b": 40}, "call_add"),
+                        b.function_call("write_note", {"name": "n.txt", "text": "ab", "times": None}, "call_note"),
+                        b.function_call("shout", {"text": "quiet"}, "call_shout"),
+                        b.function_call("add", {"a": "two", "b": 1}, "call_bad")], final()]) as fake:
+        settings = settings_for(redis_server.url, fake, workspace)
+        events: list = []
+        (outcome,), _ = asyncio.run(asyncio.wait_for(run_session(settings, ["go"], events, catalog=catalog), 90))
+    assert outcome.status == "completed"
+    offered = {t["name"]: t for t in fake.requests[0]["tools"] if t.get("type") == "function"}
+    assert offered["add"]["parameters"]["properties"] == {"a": {"type": "integer", "description": "The first term."},
+                                                         "b": {"type": "integer", "description": "The second term."}}
+    assert offered["add"]["description"] == "Adds two integers." and offered["add"]["strict"] is True
+    outputs = {o["call_id"]: o["output"] for o in fake.requests[1]["input"] if o.get("type") == "function_call_output"}
+    assert outputs["call_add"] == "42"
+    assert outputs["call_note"] == "wrote n.txt for call_note" and (workspace / "n.txt").read_text() == "ab"
+    assert outputs["call_shout"] == "QUIET"
+    assert outputs["call_bad"].startswith("failed to parse function arguments: invalid value at `a`")
+    items = {e["item"]["id"]: e["item"] for e in events if e["type"] == "item.completed"}
+    assert {items[c]["worker"] for c in ("call_add", "call_note", "call_shout")} == {"typed1@test"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import pytest
 from pydantic import BaseModel, Field
@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.core.catalog import DEFAULT_QUEUE, Catalog, ToolContext, ToolSpec, call_handler, parse_arguments, tool
 from toolq.core.errors import ConfigurationError, RespondToModel
+from toolq.testing import run_call
 
 LARK = {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}
 
@@ -171,9 +172,10 @@ def test_a_str_input_without_grammar_is_a_plain_custom_tool():
     assert note.tool_spec.model_spec() == {"type": "custom", "name": "note", "description": "Take a note."}
 
 
-def test_a_function_tool_without_an_args_model_is_a_configuration_error():
+def test_a_function_tool_whose_argument_has_no_strict_schema_is_a_configuration_error():
     cat = Catalog()
-    with pytest.raises(ConfigurationError, match="tool broken: a function tool needs an args model"):
+    with pytest.raises(ConfigurationError, match=r"^tool broken: parameter args of broken\(\): dict is an object "
+                                                 "with open keys, which a strict schema cannot keep"):
 
         @tool(kind="function", catalog=cat)
         def broken(args: dict, ctx: ToolContext) -> str:
@@ -336,3 +338,224 @@ def test_every_validation_message_names_the_field_and_drops_pydantics_prefix():
     with pytest.raises(ValidationError) as missing:
         Limits.model_validate({})
     assert problems(missing.value)[0].kind == "missing" and problems(missing.value)[0].where == "n"
+
+
+# --- issue 26: arguments inferred from typed parameters; ctx only to a handler that takes it ------
+
+
+@pytest.fixture(autouse=True)
+def in_a_workspace(tmp_path, monkeypatch):
+    """`run_call` runs in the current directory: a checkout on the import path is refused as a workspace."""
+    monkeypatch.chdir(tmp_path)
+
+
+def test_plain_typed_parameters_declare_a_strict_function_tool():
+    # `def add(a: int, b: int)` was declared a freeform tool, and its call failed with a TypeError.
+    cat = Catalog()
+
+    @tool(catalog=cat)
+    def add(a: int, b: int = 2) -> str:
+        """Adds two integers.
+
+        Args:
+            a: The first term.
+            b (int): The second term,
+                two unless given.
+        """
+        return str(a + b)
+
+    spec = add.tool_spec
+    assert (spec.kind, spec.strict, spec.description) == ("function", True, "Adds two integers.")
+    assert spec.model_spec() == {"type": "function", "name": "add", "description": "Adds two integers.",
+                                 "strict": True, "parameters": {
+                                     "type": "object",
+                                     "properties": {
+                                         "a": {"type": "integer", "description": "The first term."},
+                                         "b": {"anyOf": [{"type": "integer", "description":
+                                                          "The second term, two unless given."}, {"type": "null"}]},
+                                     },
+                                     "required": ["a", "b"], "additionalProperties": False}}
+    assert run_call(add, {"a": 1, "b": 5}).output == "6"
+    assert run_call(add, {"a": 1, "b": None}).output == "3"  # null: the default, as for an args model
+    bad = run_call(add, {"a": "one", "b": None})
+    assert bad.status == "rejected", bad.output
+    assert bad.output == "failed to parse function arguments: invalid value at `a`: 'one' is not of type 'integer'"
+    assert add(1, 2) == "3"  # the decorated function is still the plain function
+
+
+def test_ctx_is_given_only_to_a_handler_that_takes_it():
+    # `def f(args: Model)` failed at call time: "takes 1 positional argument but 2 were given".
+    cat = Catalog()
+
+    @tool(catalog=cat)
+    def no_ctx(args: Range) -> str:
+        """An args model, no context."""
+        return f"{args.start}-{args.end}"
+
+    @tool(catalog=cat)
+    def keyword_ctx(name: str, times: int, *, context: ToolContext) -> str:
+        """The context by its annotation, after the arguments."""
+        return f"{name * times} {context.call_id}"
+
+    @tool(catalog=cat)
+    async def named_ctx(ctx, where: Literal["here", "there"], /) -> str:
+        """The context by its name, first; positional-only parameters."""
+        return f"{where} {ctx.call_id}"
+
+    assert run_call(no_ctx, {"start": 1, "end": None}).output == "1-None"
+    assert run_call(keyword_ctx, {"name": "ab", "times": 2}, call_id="call_k").output == "abab call_k"
+    assert run_call(named_ctx, {"where": "there"}, call_id="call_n").output == "there call_n"
+    assert list(named_ctx.tool_spec.parameters["properties"]) == ["where"]  # ctx is no argument
+
+
+def test_inferred_arguments_take_models_descriptions_and_any_name():
+    cat = Catalog()
+
+    @tool(catalog=cat)
+    def query(json: str, schema: Annotated[int, Field(description="Which schema.")], ranges: list[Range],
+              model_name: str | None = None) -> str:
+        """Runs a query.
+
+        More than the model needs to read."""
+        return f"{json} {schema} {[r.start for r in ranges]} {model_name}"
+
+    spec = query.tool_spec
+    assert spec.description == "Runs a query."
+    props = spec.parameters["properties"]
+    assert list(props) == ["json", "schema", "ranges", "model_name"]
+    assert props["schema"] == {"type": "integer", "description": "Which schema."}
+    assert spec.parameters["$defs"]["Range"]["additionalProperties"] is False  # nested models are strict too
+    out = run_call(query, {"json": "j", "schema": 2, "ranges": [{"start": 4, "end": None}], "model_name": None})
+    assert out.output == "j 2 [4] None"
+
+
+def test_a_one_string_function_tool_says_so_with_kind_function():
+    # A lone `str` input stays a freeform tool (a declaration form kept as it was).
+    @tool(catalog=Catalog(), kind="function")
+    def lookup(word: str, ctx: ToolContext) -> str:
+        """Looks a word up."""
+        return word.upper()
+
+    assert lookup.tool_spec.parameters["properties"] == {"word": {"type": "string"}}
+    assert run_call(lookup, {"word": "hi"}).output == "HI"
+
+
+def test_a_handler_with_no_arguments_is_a_function_tool_taking_none():
+    @tool(catalog=Catalog())
+    def now() -> str:
+        """The time."""
+        return "noon"
+
+    assert now.tool_spec.parameters == {"type": "object", "properties": {}, "required": [],
+                                        "additionalProperties": False}
+    assert run_call(now, {}).output == "noon"
+
+
+@pytest.mark.parametrize("source, message", [
+    ("def f(a: int, b): ...", "parameter b of f() has no type annotation, so its argument cannot be declared: "
+                              "annotate it (e.g. `b: str`), or take a pydantic args model"),
+    ("def f(a: int, *rest: int): ...", "parameter *rest of f(): a tool's arguments are named"),
+    ("def f(a: int, **extra: int): ...", "parameter **extra of f(): a tool's arguments are named"),
+    ("import socket\ndef f(s: socket.socket): ...", "parameter s of f(): socket has no JSON Schema (Unable to "
+                                                     "generate pydantic-core schema for <class 'socket.socket'>)"),
+    ("from typing import Callable\ndef f(a: int, cb: Callable[[], int]): ...", "parameter cb of f(): "),
+    ("def f(a: int, tags: dict[str, int]): ...", "parameter tags of f(): dict[str, int] is an object with open keys"),
+    ("from typing import Any\ndef f(a: Any): ...", "parameter a of f(): Any accepts any JSON value"),
+    ("from pydantic import BaseModel\nclass Box(BaseModel):\n    d: dict\ndef f(a: int, box: Box): ...",
+     "parameter box of f(): Box is an object with open keys (at d), which a strict schema cannot keep"),
+    ("def f(a: int, b: 'Undefined'): ...", "parameter b of f(): its annotation \"'Undefined'\" does not resolve"),
+])
+def test_what_cannot_be_inferred_is_refused_at_declaration_in_one_line(source, message):
+    namespace: dict = {}
+    exec(source, namespace)
+    cat = Catalog()
+    with pytest.raises(ConfigurationError) as info:
+        tool(catalog=cat)(namespace["f"])
+    assert str(info.value).startswith(f"tool f: {message}"), str(info.value)
+    assert "\n" not in str(info.value) and len(cat) == 0
+
+
+def test_a_parameter_beside_the_whole_arguments_that_nothing_fills_is_refused():
+    with pytest.raises(ConfigurationError, match=r"^tool f: parameter limit of f\(\) is never given a value"):
+        tool(catalog=Catalog(), parameters={"type": "object"})(f)
+
+
+def f(args: dict, limit: int) -> str:
+    """`limit` would have been given the context."""
+    return ""
+
+
+class TagArgs(BaseModel):
+    tag: str
+
+
+LEGACY_TAGS = {"type": "object", "properties": {"tag": {"type": "string"}}, "required": ["tag"]}
+
+
+def legacy_forms() -> dict[str, ToolSpec]:
+    """Every declaration form of before issue 26, declared as before."""
+    cat = Catalog()
+
+    def model_and_ctx(args: SearchArgs, ctx: ToolContext) -> str:
+        """Searches. Returns lines."""
+        return args.query
+
+    def model_and_unannotated_ctx(args: SearchArgs, ctx) -> str:
+        """Searches."""
+        return args.query
+
+    def model_and_other_name(args: SearchArgs, context) -> str:
+        """Searches."""
+        return f"{args.query} {context.call_id}"
+
+    async def async_model(args: SearchArgs, ctx: ToolContext) -> str:
+        """Searches.
+
+        Second paragraph."""
+        return args.query
+
+    def text(text: str, ctx: ToolContext) -> str:
+        """Takes a note."""
+        return text
+
+    def grammar(patch, ctx) -> str:
+        """Patches."""
+        return patch
+
+    def dict_args(args: dict, ctx: ToolContext) -> str:
+        """Counts tags."""
+        return args["tag"]
+
+    def unannotated(args, ctx) -> str:
+        """Anything."""
+        return args
+
+    return {"model_and_ctx": tool(catalog=cat)(model_and_ctx).tool_spec,
+            "model_and_unannotated_ctx": tool(catalog=cat)(model_and_unannotated_ctx).tool_spec,
+            "model_and_other_name": tool(catalog=cat, queue="q", timeout=5, idempotent=True)(
+                model_and_other_name).tool_spec,
+            "async_model": tool(catalog=cat, namespace="ns")(async_model).tool_spec,
+            "text": tool(catalog=cat)(text).tool_spec,
+            "grammar": tool(catalog=cat, grammar=LARK)(grammar).tool_spec,
+            "dict_args": tool(catalog=cat, parameters=LEGACY_TAGS)(dict_args).tool_spec,
+            "unannotated": tool(catalog=cat)(unannotated).tool_spec}
+
+
+#: Computed with toolq/core/catalog.py as it was before issue 26: every form declares the same tool.
+LEGACY_DIGESTS = {"model_and_ctx": "567d5a47d5845852", "model_and_unannotated_ctx": "d7bf59f541acf01e",
+                  "model_and_other_name": "91832ce0c96dfce0", "async_model": "2fac60ec5f97e72b",
+                  "text": "bf2fc49a461a55f0", "grammar": "aea90a4c967bcb2c", "dict_args": "103c5952058c1d09",
+                  "unannotated": "a962b595396ff6b5"}
+
+
+def test_every_declaration_form_of_before_keeps_its_digest_and_still_runs():
+    specs = legacy_forms()
+    assert {name: spec.digest() for name, spec in specs.items()} == LEGACY_DIGESTS
+    assert [s.kind for s in specs.values()] == ["function"] * 4 + ["custom"] * 2 + ["function", "custom"]
+    assert run_call(specs["model_and_other_name"], {"query": "q", "limit": None, "path": None},
+                    call_id="call_o").output == "q call_o"
+    assert run_call(specs["async_model"], {"query": "q", "limit": None, "path": None}).output == "q"
+    assert run_call(specs["text"], "note this").output == "note this"
+    assert run_call(specs["grammar"], "patch").output == "patch"
+    assert run_call(specs["dict_args"], {"tag": "x"}).output == "x"
+    assert run_call(specs["unannotated"], "free").output == "free"

@@ -127,15 +127,6 @@ def test_the_readme_is_for_a_newcomer():
         assert f"](docs/{doc}.md)" in text, f"the README does not link docs/{doc}.md"
 
 
-def test_the_readme_library_snippet_streams_as_the_fake_model_answers():
-    """The fake model (and toolq's own client) speak only SSE: a request without `stream=True`
-    would get an event stream the SDK cannot read as one JSON response."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    requests = [b for b in blocks if "responses.create(" in b]
-    assert requests, "the README's library snippet makes no request"
-    assert all("stream=True" in b for b in requests)
-
-
 def test_the_configuration_doc_is_generated_from_the_settings_model():
     assert config_doc.undocumented() == [], "document these settings in toolq/dev/config_doc.py"
     assert (ROOT / "docs" / "configuration.md").read_text() == config_doc.render(), (

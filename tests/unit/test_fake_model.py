@@ -53,7 +53,9 @@ EVERY_ITEM = [
 
 
 def post(fake: FakeModel, body: dict | None = None, **kw) -> httpx.Response:
-    return httpx.post(fake.base_url + "/responses", json=body or {"model": "m", "input": []}, timeout=10, **kw)
+    """A streamed request, as toolq's client sends it."""
+    body = {**(body or {"model": "m", "input": []}), "stream": True}
+    return httpx.post(fake.base_url + "/responses", json=body, timeout=10, **kw)
 
 
 def frames(resp: httpx.Response) -> list[dict]:
@@ -271,7 +273,8 @@ def test_malformed_frame_is_written_where_it_sits():
 )
 def test_gate_holds_the_stream_until_released(scripted):
     with FakeModel([scripted]) as fake:
-        with httpx.Client(timeout=10) as client, client.stream("POST", fake.base_url + "/responses", json={}) as resp:
+        with httpx.Client(timeout=10) as client, client.stream("POST", fake.base_url + "/responses",
+                                                               json={"stream": True}) as resp:
             lines = resp.iter_lines()
             seen = []
             while "response.output_item.done" not in seen:
@@ -341,7 +344,8 @@ def test_toolq_fake_model_prints_its_base_url_and_serves_the_demo(loop):
     try:
         base_url = proc.stdout.readline().strip()
         assert base_url.startswith("http://127.0.0.1:") and base_url.endswith("/v1")
-        replies = [httpx.post(base_url + "/responses", json={"model": "m", "input": []}, timeout=10) for _ in range(4)]
+        replies = [httpx.post(base_url + "/responses", json={"model": "m", "input": [], "stream": True}, timeout=10)
+                   for _ in range(4)]
         assert names(replies[0]) == [None, "exec_command", "exec_command"]
         if loop:
             assert names(replies[3]) == names(replies[0])  # the demo (3 responses) starts again
@@ -411,3 +415,63 @@ def test_openai_sdk_sees_http_errors_with_their_status_and_code():
         with pytest.raises(openai.BadRequestError) as info:
             sdk(fake).responses.create(model="gpt-test", input="hi", stream=True)
     assert (info.value.status_code, info.value.code, info.value.param) == (400, "decimal_below_min_value", "temperature")
+
+
+# --- issue 26: a request without `"stream": true` gets one JSON response, as the Responses API gives --------------
+
+
+def whole(fake: FakeModel, body: dict) -> httpx.Response:
+    return httpx.post(fake.base_url + "/responses", json=body, timeout=10)
+
+
+@pytest.mark.parametrize("stream", [False, None])
+def test_a_request_without_stream_gets_the_response_object_its_stream_would_complete_with(stream):
+    script = [EVERY_ITEM, [message("one"), incomplete("max_output_tokens")], [message("x"), failed()]]
+    body = {"model": "m", "input": [user("hi")], **({} if stream is None else {"stream": stream})}
+    with FakeModel(script) as fake:
+        answers = [whole(fake, body) for _ in script]
+    with FakeModel(script) as again:  # the same script streamed: request k gets the same ids
+        ends = [frames(post(again, body))[-1] for _ in script]
+    for answer, end in zip(answers, ends, strict=True):
+        assert answer.status_code == 200
+        assert answer.headers["content-type"] == "application/json"
+        assert answer.json() == end["response"]  # the same items, usage and status
+    assert [e["type"] for e in ends] == ["response.completed", "response.incomplete", "response.failed"]
+    first = answers[0].json()
+    assert first["object"] == "response" and first["status"] == "completed"
+    assert [i["type"] for i in first["output"]] == [i["type"] for i in EVERY_ITEM]
+    assert first["usage"]["total_tokens"] == first["usage"]["input_tokens"] + first["usage"]["output_tokens"] > 0
+
+
+def test_a_request_without_stream_waits_out_gates_and_loses_its_answer_to_a_cut():
+    script = [response(message("late"), gate=True), [message("never"), cut_after(None)],
+              [error_event("server_error", "boom")]]
+    with FakeModel(script) as fake:
+        fake.release()
+        assert whole(fake, {"input": []}).json()["output"][0]["content"][0]["text"] == "late"
+        with pytest.raises(httpx.RemoteProtocolError):
+            whole(fake, {"input": []})  # no terminal event: the response never came
+        failed_answer = whole(fake, {"input": []})
+    assert failed_answer.status_code == 500 and failed_answer.json()["error"]["code"] == "server_error"
+
+
+def test_the_openai_sdk_gets_a_response_object_without_stream_and_events_with_it():
+    # The README's loop written without `stream=True` failed: `'str' object has no attribute 'output'`.
+    script = [[function_call("exec_command", {"cmd": "ls"}, "call_1")], [message("Done.")]]
+    with FakeModel(script) as fake:
+        client = sdk(fake)
+        first = client.responses.create(model="gpt-test", input="hi", store=False)
+        second = client.responses.create(model="gpt-test", input="hi", store=False, stream=False)
+    assert isinstance(first, openai.types.responses.Response)
+    assert [(o.type, o.call_id, o.name) for o in first.output] == [("function_call", "call_1", "exec_command")]
+    assert second.output_text == "Done." and second.usage.output_tokens > 0
+    with FakeModel(script) as fake:
+        events = list(sdk(fake).responses.create(model="gpt-test", input="hi", store=False, stream=True))
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output == first.output and events[-1].response.usage == first.usage
+
+
+def test_the_sdk_sees_a_scripted_error_without_stream_as_a_server_error():
+    with FakeModel([[error_event("server_error", "overloaded")]]) as fake:
+        with pytest.raises(openai.InternalServerError, match="overloaded"):
+            sdk(fake).responses.create(model="gpt-test", input="hi")

@@ -5,7 +5,7 @@ a call still in the queue, or sent while no worker is online, never runs (a revo
 alone is lost when nobody hears it: docs/reference/celery-notes.md#revoking-a-queued-task).
 Then every task of the turn is revoked with SIGTERM, which kills the tool's whole process group,
 and the orchestrator running the turn hears the cancel on its channel and records the aborted
-outputs.
+outputs. A turn of `Fleet.run_calls`, which no toolq loop drives, is recorded `cancelled` here.
 
 With no REDIS_URL, the turn is looked for in this user's running embedded stacks (runtime_dir.py).
 """
@@ -19,7 +19,7 @@ from toolq.cli.ledgers import ledgers
 from toolq.core.settings import Settings
 from toolq.core.states import TERMINAL
 from toolq.orchestrator.transport.dispatch import Dispatcher
-from toolq.orchestrator.transport.ledger import Ledger
+from toolq.orchestrator.transport.ledger import FLEET_DRIVER, Ledger
 
 
 @dataclass
@@ -51,6 +51,9 @@ async def _cancel(settings: Settings, ledger: Ledger, turn_id: str, calls: list[
     try:
         if call_id is None:
             await ledger.cancel_turn(turn_id)
+            if (await ledger.turn(turn_id)).get("driver") == FLEET_DRIVER:
+                # No toolq loop drives it to record its end (the caller's own loop, via `Fleet.run_calls`)
+                await ledger.end_turn(turn_id, "cancelled")
             targets = [c["task_id"] for c in calls if c.get("task_id") and c.get("state") not in TERMINAL]
         else:
             targets = [c["task_id"] for c in calls if c.get("call_id") == call_id and c.get("task_id")]

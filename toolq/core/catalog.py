@@ -23,14 +23,18 @@ import functools
 import hashlib
 import inspect
 import json
+import re
+import sys
 import time
 import typing
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
+from pydantic.fields import FieldInfo
 
 from toolq.core import untrusted
 from toolq.core.calls import PayloadKind, ToolInvocation, ToolName
@@ -103,6 +107,25 @@ class ToolContext:
 
 Handler = Callable[..., Any]
 
+#: What a handler's parameter may receive besides one argument (named by its args-model field):
+#: the whole arguments (an args model, a dict, a freeform text, a payload), or the `ToolContext`.
+WHOLE_ARGUMENTS = "*arguments"
+CONTEXT = "*ctx"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """How a worker calls a handler: what each of its parameters receives, positionally then by
+    keyword. Each source is `WHOLE_ARGUMENTS`, `CONTEXT` or the name of an args-model field."""
+
+    positional: tuple[str, ...] = (WHOLE_ARGUMENTS, CONTEXT)
+    keyword: tuple[tuple[str, str], ...] = ()
+
+
+#: `handler(args, ctx)`: what every handler was called with before issue 26, and a spec built
+#: directly (an MCP tool's `Forward`) still is.
+LEGACY = Binding()
+
 
 @dataclass(frozen=True, kw_only=True)
 class ToolSpec:
@@ -143,6 +166,9 @@ class ToolSpec:
     part of the declaration's digest: changing a limit never reroutes a call."""
     args_model: type[BaseModel] | None = field(default=None, compare=False)
     handler: Handler | None = field(default=None, compare=False, repr=False)
+    binding: Binding = field(default=LEGACY, compare=False, repr=False)
+    """What each of the handler's parameters receives; not part of the digest (a worker calls its
+    own handler). A spec built directly (MCP's) is called `handler(args, ctx)`."""
 
     @property
     def tool_name(self) -> ToolName:
@@ -280,6 +306,8 @@ def tool(
     worker holding the session its `session_id` argument names. `sessions=True` is exec_command's.
     """
 
+    caller = sys._getframe(1).f_locals  # resolves annotations naming classes local to the declaring function
+
     def register(f: Handler) -> Handler:
         label = name or f.__name__
         try:
@@ -287,8 +315,10 @@ def tool(
         except ValueError as e:
             raise ConfigurationError(f"tool {label}: {_first_error(e)}") from None
         _check_capabilities(label, route, view, flower_args or {})
-        args_model = _args_model(f)
-        k = _payload_kind(label, f, kind, args_model, parameters, grammar)
+        explicit = parameters is not None or grammar is not None or kind in ("custom", "tool_search")
+        shape = _handler_shape(label, f, caller, explicit=explicit, function=kind == "function")
+        args_model = shape.args_model
+        k = _payload_kind(label, shape, kind, parameters, grammar)
         schema = parameters
         if k == "function" and schema is None:
             if args_model is None:
@@ -297,7 +327,7 @@ def tool(
         spec = ToolSpec(
             name=label,
             namespace=namespace,
-            description=description or inspect.cleandoc(f.__doc__ or ""),
+            description=description or shape.description,
             kind=k,
             parameters=schema,
             strict=(parameters is None) if strict is None else strict,
@@ -316,6 +346,7 @@ def tool(
             limit=limit,
             args_model=args_model,
             handler=f,
+            binding=shape.binding,
         )
         (catalog if catalog is not None else CATALOG).add(spec)
         f.tool_spec = spec  # type: ignore[attr-defined]
@@ -341,23 +372,23 @@ def _first_error(e: ValueError) -> str:
     return str(e)
 
 
-def _payload_kind(label: str, f: Handler, kind: PayloadKind | None, args_model: type[BaseModel] | None,
-                  parameters: dict[str, Any] | None, grammar: dict[str, Any] | None) -> PayloadKind:
+def _payload_kind(label: str, shape: _Shape, kind: PayloadKind | None, parameters: dict[str, Any] | None,
+                  grammar: dict[str, Any] | None) -> PayloadKind:
     """The kind a declaration asks for, or one clear error when its parts disagree."""
     if parameters is not None:
         if grammar is not None or kind == "custom":
             raise ConfigurationError(f"tool {label}: parameters= declares a function tool's JSON arguments; a custom "
                                      "tool takes freeform text (grammar=), so give one or the other")
-        if args_model is None and _first_annotation(f) is str:
+        if shape.args_model is None and shape.text_input:
             raise ConfigurationError(f"tool {label}: parameters= makes a function tool, whose handler gets the "
                                      "arguments as a dict (or an args model), but its input is annotated str")
-        if not f.__module__.startswith(tuple(CHECKED_PACKAGES)):
+        if not shape.module.startswith(tuple(CHECKED_PACKAGES)):
             _check_schema(label, parameters)
     if kind is not None:
         return kind
     if grammar is not None:
         return "custom"
-    return "function" if args_model is not None or parameters is not None else "custom"
+    return "function" if shape.args_model is not None or parameters is not None else "custom"
 
 
 #: Packages whose `parameters=` schemas toolq's own suite checks (test_strict_schema) instead of
@@ -376,19 +407,248 @@ def _check_schema(label: str, parameters: dict[str, Any]) -> None:
         raise ConfigurationError(f"tool {label}: parameters= is not a valid JSON Schema: {e.message}") from None
 
 
-def _first_annotation(f: Handler) -> Any:
-    params = list(inspect.signature(f).parameters.values())
+# --- what a handler takes (issue 26) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a handler's signature says: its args model (given or inferred), how to call it, its description."""
+
+    binding: Binding
+    description: str
+    module: str
+    args_model: type[BaseModel] | None = None
+    text_input: bool = False
+    """Its whole input is annotated `str`: a freeform (custom) tool's text."""
+
+
+class _Unresolved:
+    """An annotation written as a string that names nothing here (a name imported for type checking only)."""
+
+    def __init__(self, text: str, error: Exception) -> None:
+        self.text, self.error = text, error
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _handler_shape(label: str, f: Handler, caller: Mapping[str, Any], *, explicit: bool, function: bool) -> _Shape:
+    """Read the handler's signature once, at declaration.
+
+    The forms toolq had before issue 26 keep their declarations (and digests): the first parameter
+    takes the whole arguments (an args model, the `parameters=` dict, a `str` or unannotated
+    freeform text, a payload) and the context goes to a parameter that declares it: annotated
+    `ToolContext`, named `ctx`, or (as before) an unannotated second parameter. Any other handler
+    has its arguments inferred from its typed parameters, as pydantic-ai and the OpenAI Agents SDK
+    do: a pydantic model built from the signature, the docstring's first paragraph the description."""
+    try:
+        params = list(inspect.signature(f).parameters.values())
+    except (TypeError, ValueError) as e:
+        raise ConfigurationError(f"tool {label}: its handler {f!r} has no signature to read ({e})") from None
+    module = getattr(f, "__module__", None) or ""
+    doc = inspect.cleandoc(getattr(f, "__doc__", None) or "")
+    namespace = {**getattr(inspect.unwrap(f), "__globals__", {}), **caller}
+    hints = {p.name: _resolve(p.annotation, namespace) for p in params}
+    first = params[0] if params else None
+    rest = params[1:]
+    first_hint = hints[first.name] if first is not None else None
+    is_model = isinstance(first_hint, type) and issubclass(first_hint, BaseModel)
+    text = first_hint is str or first_hint == "str"
+    unannotated = first is not None and first.annotation is inspect.Parameter.empty
+    first_takes_all = first is not None and not _is_context(first, hints) and first.kind in _POSITIONAL
+    if explicit or (first_takes_all and (is_model or (not function and (text or unannotated)))
+                    and all(_beside_whole(p, k == 0, hints) for k, p in enumerate(rest))):
+        return _Shape(binding=_whole_binding(label, f, params, hints), description=doc, module=module,
+                      args_model=first_hint if is_model else None, text_input=text)
+    model, binding = _inferred(label, f, params, hints, doc)
+    return _Shape(binding=binding, description=_first_paragraph(doc), module=module, args_model=model)
+
+
+def _resolve(annotation: Any, namespace: dict[str, Any]) -> Any:
+    """A parameter's annotation as an object (`from __future__ import annotations` leaves a string),
+    looked up as `typing.get_type_hints` does, plus the declaring function's own names."""
+    if not isinstance(annotation, str):
+        return annotation
+    try:
+        value = eval(annotation, namespace)  # the author's own annotation, as get_type_hints evaluates it
+        return eval(value, namespace) if isinstance(value, str) else value  # `x: "Model"` under the future import
+    except Exception as e:
+        return _Unresolved(annotation, e)
+
+
+def _is_context(p: inspect.Parameter, hints: Mapping[str, Any]) -> bool:
+    """A parameter that declares it takes the `ToolContext`: so annotated, or named `ctx`."""
+    hint = hints[p.name]
+    if p.name == "ctx" or (isinstance(hint, type) and issubclass(hint, ToolContext)):
+        return True
+    text = hint.text if isinstance(hint, _Unresolved) else hint if isinstance(hint, str) else ""
+    return text.rsplit(".", 1)[-1].strip("'\" ") == "ToolContext"
+
+
+def _beside_whole(p: inspect.Parameter, second: bool, hints: Mapping[str, Any]) -> bool:
+    """Whether `p` fits beside a first parameter that takes the whole arguments: the context
+    (declared, or an unannotated second parameter as before issue 26), or one never given."""
+    return (_is_context(p, hints) or p.default is not inspect.Parameter.empty
+            or p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+            or (second and p.annotation is inspect.Parameter.empty))
+
+
+def _whole_binding(label: str, f: Handler, params: list[inspect.Parameter], hints: Mapping[str, Any]) -> Binding:
+    """The first parameter gets the whole arguments; the context goes to the parameter that takes it."""
     if not params:
+        return Binding(positional=())
+    positional = [WHOLE_ARGUMENTS] if params[0].kind in _POSITIONAL else []
+    keyword = [] if positional else [(params[0].name, WHOLE_ARGUMENTS)]
+    given = False
+    for k, p in enumerate(params[1:]):
+        takes = _is_context(p, hints) or (k == 0 and p.annotation is inspect.Parameter.empty
+                                          and p.kind != inspect.Parameter.VAR_KEYWORD)
+        if takes and not given:
+            given = True
+            if k == 0 and p.kind in (*_POSITIONAL, inspect.Parameter.VAR_POSITIONAL):
+                positional.append(CONTEXT)
+            elif p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+                keyword.append((p.name, CONTEXT))
+            else:
+                raise ConfigurationError(f"tool {label}: parameter {p.name} of {_fn(f)} takes the context but "
+                                         "cannot be passed it; make it the second parameter")
+        elif p.default is inspect.Parameter.empty and p.kind in (*_POSITIONAL, inspect.Parameter.KEYWORD_ONLY):
+            raise ConfigurationError(f"tool {label}: parameter {p.name} of {_fn(f)} is never given a value: its "
+                                     "first parameter takes the whole arguments, and only ctx may follow it")
+    return Binding(positional=tuple(positional), keyword=tuple(keyword))
+
+
+def _fn(f: Handler) -> str:
+    return f"{getattr(f, '__name__', None) or type(f).__name__}()"
+
+
+def _inferred(label: str, f: Handler, params: list[inspect.Parameter], hints: Mapping[str, Any],
+              doc: str) -> tuple[type[BaseModel], Binding]:
+    """An args model built from the handler's typed parameters, and how to call it with one."""
+    described = _documented_parameters(doc)
+    fields: dict[str, Any] = {}
+    positional: list[str] = []
+    keyword: list[tuple[str, str]] = []
+    for p in params:
+        where = f"tool {label}: parameter {p.name} of {_fn(f)}"
+        if _is_context(p, hints):
+            source = CONTEXT
+        else:
+            if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+                star = "*" if p.kind == inspect.Parameter.VAR_POSITIONAL else "**"
+                raise ConfigurationError(f"tool {label}: parameter {star}{p.name} of {_fn(f)}: a tool's arguments "
+                                         "are named, one parameter each (or one pydantic args model)")
+            hint = hints[p.name]
+            if p.annotation is inspect.Parameter.empty:
+                raise ConfigurationError(f"{where} has no type annotation, so its argument cannot be declared: "
+                                         f"annotate it (e.g. `{p.name}: str`), or take a pydantic args model")
+            if isinstance(hint, _Unresolved):
+                raise ConfigurationError(f"{where}: its annotation {hint.text!r} does not resolve here "
+                                         f"({type(hint.error).__name__}: {hint.error})")
+            _check_argument_type(where, hint)
+            source = f"a{len(fields)}_{p.name}"  # never one of BaseModel's own attributes
+            default = ... if p.default is inspect.Parameter.empty else p.default
+            said = described.get(p.name) if not _has_description(hint, default) else None
+            info = Field(alias=p.name, description=said) if said else Field(alias=p.name)
+            fields[source] = (typing.Annotated[hint, info], default)
+        if p.kind == inspect.Parameter.POSITIONAL_ONLY:
+            positional.append(source)
+        else:
+            keyword.append((p.name, source))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a default JSON cannot show is left out of the schema, as pydantic says
+            model = create_model(f"{label}_arguments", __config__=ConfigDict(protected_namespaces=()), **fields)
+            model.model_json_schema()
+    except Exception as e:  # a default that does not fit its type, say
+        raise ConfigurationError(f"tool {label}: the arguments of {_fn(f)} make no args model: "
+                                 f"{_first_sentence(e)}") from None
+    return model, Binding(positional=tuple(positional), keyword=tuple(keyword))
+
+
+def _has_description(hint: Any, default: Any) -> bool:
+    infos = [a for a in typing.get_args(hint)[1:] if isinstance(a, FieldInfo)] if typing.get_origin(hint) is \
+        typing.Annotated else []
+    return any(i.description for i in [*infos, *([default] if isinstance(default, FieldInfo) else [])])
+
+
+def _check_argument_type(where: str, hint: Any) -> None:
+    """One line when pydantic cannot give the type a JSON Schema, or only one that strict mode
+    cannot keep (an object with open keys, or no type at all: strict mode would change what it accepts)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            schema = TypeAdapter(hint).json_schema()
+    except Exception as e:
+        raise ConfigurationError(f"{where}: {_type_name(hint)} has no JSON Schema "
+                                 f"({_first_sentence(e)}); use a JSON type or a pydantic model") from None
+    if problem := _not_strict(schema, schema.get("$defs", {})):
+        raise ConfigurationError(f"{where}: {_type_name(hint)} {problem}, which a strict schema cannot keep; use a "
+                                 "pydantic model for it, or declare parameters= (a JSON Schema) instead")
+
+
+def _first_sentence(e: Exception) -> str:
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return line.split(". ", 1)[0].rstrip(".")
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) if isinstance(hint, type) else str(hint).replace("typing.", "")  # type: ignore[return-value]
+
+
+def _not_strict(node: Any, defs: Mapping[str, Any], seen: frozenset[str] = frozenset(), at: str = "") -> str | None:
+    """What makes a schema one that strict mode would change, or None (each `$defs` entry read once per path)."""
+    if not isinstance(node, dict):
         return None
-    ann = params[0].annotation
-    if isinstance(ann, str):  # `from __future__ import annotations`
-        ann = {"str": str, "dict": dict}.get(ann) or f.__globals__.get(ann, ann)
-    return ann
+    where = f" (at {at.lstrip('.')})" if at else ""
+    if not set(node) - {"title", "description", "default", "examples", "$defs"}:
+        return f"accepts any JSON value{where}"
+    extra = node.get("additionalProperties")
+    if node.get("type") == "object" and (extra is True or isinstance(extra, dict)
+                                         or (extra is None and "properties" not in node)):
+        return f"is an object with open keys{where}"
+    problems = [_not_strict(sub, defs, seen, f"{at}.{key}") for key, sub in (node.get("properties") or {}).items()]
+    map_subschemas({k: v for k, v in node.items() if k not in ("$defs", "properties")},
+                   lambda sub: problems.append(_not_strict(sub, defs, seen, at)))
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/") and (name := ref.rsplit("/", 1)[-1]) not in seen:
+        problems.append(_not_strict(defs.get(name), defs, seen | {name}, at))
+    return next((p for p in problems if p), None)
 
 
-def _args_model(f: Handler) -> type[BaseModel] | None:
-    ann = _first_annotation(f)
-    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+def _first_paragraph(doc: str) -> str:
+    return doc.split("\n\n", 1)[0].strip()
+
+
+_SECTION = re.compile(r"^(Args|Arguments|Parameters|Params):\s*$")
+_ENTRY = re.compile(r"^(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+_SPHINX = re.compile(r"^:param\s+(?:[^:\s]+\s+)?(\w+)\s*:\s*(.*)$")
+
+
+def _documented_parameters(doc: str) -> dict[str, str]:
+    """Each parameter's description from a Google-style `Args:` section or Sphinx `:param x:` lines."""
+    found: dict[str, str] = {}
+    lines = doc.splitlines()
+    for k, line in enumerate(lines):
+        if m := _SPHINX.match(line.strip()):
+            found[m.group(1)] = m.group(2).strip()
+        if not _SECTION.match(line.strip()):
+            continue
+        indent, name = None, None
+        for entry in lines[k + 1:]:
+            if not entry.strip():
+                continue
+            width = len(entry) - len(entry.lstrip())
+            if width == 0:
+                break
+            if indent is None:
+                indent = width
+            if width == indent and (m := _ENTRY.match(entry.strip())):
+                name = m.group(1).lstrip("*")
+                found[name] = m.group(2).strip()
+            elif width > indent and name is not None:
+                found[name] = f"{found[name]} {entry.strip()}".strip()
+    return found
 
 
 def strict_json_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -511,9 +771,20 @@ def describe_validation_error(e: ValidationError) -> str:
 
 
 async def call_handler(spec: ToolSpec, args: Any, ctx: ToolContext) -> Any:
-    """Run a handler, sync or async. Sync handlers run inline: a pool child runs one call at a time."""
+    """Run a handler, sync or async, giving each parameter what its binding says: the whole
+    arguments, the context (only to a handler that declares it) or one argument. Sync handlers run
+    inline: a pool child runs one call at a time."""
     assert spec.handler is not None
-    result = spec.handler(args, ctx)
+
+    def value(source: str) -> Any:
+        if source == WHOLE_ARGUMENTS:
+            return args
+        if source == CONTEXT:
+            return ctx
+        return getattr(args, source)
+
+    b = spec.binding
+    result = spec.handler(*[value(s) for s in b.positional], **{name: value(s) for name, s in b.keyword})
     if asyncio.iscoroutine(result):
         result = await result
     return result

@@ -31,7 +31,7 @@ from toolq.orchestrator.limits import FleetLimits
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.transport.celery import CeleryTransport
 from toolq.orchestrator.transport.dispatch import Dispatcher
-from toolq.orchestrator.transport.ledger import Ledger
+from toolq.orchestrator.transport.ledger import FLEET_DRIVER, Ledger
 from toolq.orchestrator.transport.results import ResultRouter
 from toolq.orchestrator.turn_events import Emit, ignore
 from toolq.orchestrator.turn_scope import TurnScope
@@ -48,6 +48,9 @@ def new_turn_id() -> str:
     return "turn-" + uuid.uuid4().hex[:12]
 
 
+#: How a caller may end a turn (`Fleet.end_turn`).
+TURN_ENDS = ("completed", "failed", "cancelled")
+
 #: How long a turn's result pattern outlives a `run_calls` (its next step then subscribes nothing).
 WATCH_LINGER = 30.0
 
@@ -57,7 +60,8 @@ class Fleet:
 
     Open one with `async with Fleet.connect(...) as fleet:`. `tool_specs()` gives the `tools` of a
     Responses request and `run_calls(items)` runs one response's calls under every contract of
-    toolq (routing, validation, serial gating, deadlines, lost workers, `toolq cancel TURN_ID`)."""
+    toolq (routing, validation, serial gating, deadlines, lost workers, `toolq cancel TURN_ID`).
+    `end_turn(turn_id)` records a turn over (`toolq turns`); `aclose()` ends the turns still open."""
 
     def __init__(self, settings: Settings, catalog: Catalog, ledger: Ledger, dispatcher: Dispatcher,
                  router: ResultRouter) -> None:
@@ -75,8 +79,12 @@ class Fleet:
         self.loaded_tools: set[ToolName] = set()
         """Deferred tools a `tool_search` made visible; `tool_specs()` includes them."""
         self.turn_id = new_turn_id()
-        """The turn `run_calls` uses when given none: `toolq cancel` it, `toolq status` it."""
-        self._started_turns: set[str] = set()
+        """The turn `run_calls` uses when given none: `toolq cancel` it, `toolq status` it. A new
+        one begins when `end_turn()` ends it."""
+        self._open_turns: set[str] = set()
+        """Turns `run_calls` started here and nobody ended: their leases are kept alive (`_touch`),
+        and `aclose` ends them."""
+        self._toucher: asyncio.Task[None] | None = None
         # --- MCP hook (mcp_tools.py): the MCP servers' namespaces follow the fleet catalog
         from toolq.orchestrator.mcp_tools import FleetMcpTools
 
@@ -141,7 +149,14 @@ class Fleet:
             stack.push_async_callback(fleet.aclose)
             if embedded is not None:
                 fleet.dispatcher.fleet.starting = embedded.starting  # a call waits for them, not the grace
-            yield fleet
+            try:
+                yield fleet
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                await fleet.end_open_turns("cancelled")
+                raise
+            except Exception as e:  # the caller's loop failed: its open turns say so
+                await fleet.end_open_turns("failed", f"{type(e).__name__}: {e}")
+                raise
 
     def tool_specs(self) -> list[dict[str, Any]]:
         """The `tools` array of a Responses request: every tool but the deferred ones no search found."""
@@ -167,9 +182,12 @@ class Fleet:
         if problem := workspace_problem(self.settings.workspace, must_exist=False):  # as `Session` refuses it
             raise ConfigurationError(problem)
         decoded = [decode_item(_as_wire(i)) for i in items]
-        if turn_id not in self._started_turns:
-            self._started_turns.add(turn_id)
-            await self.ledger.start_turn(turn_id, "(Fleet.run_calls)", str(self.settings.workspace))
+        if turn_id not in self._open_turns:
+            await self.ledger.start_turn(turn_id, "(Fleet.run_calls)", str(self.settings.workspace),
+                                         driver=FLEET_DRIVER, lease=self.settings.turn_lease)
+            self._open_turns.add(turn_id)
+            if self._toucher is None or self._toucher.done():
+                self._toucher = asyncio.create_task(self._touch())
         ctx = StepContext(turn_id, await self.ledger.next_step(turn_id), time.time() + self.settings.turn_timeout,
                           str(self.settings.workspace))
         step = self.step(ctx, emit)
@@ -185,6 +203,8 @@ class Fleet:
             cancelled.cancel()
             outputs = waiter.result() if waiter.done() else await step.abort()
             waiter.cancel()
+        if scope.cancelled.is_set():  # `toolq cancel TURN_ID`: the turn is over, whatever the caller does next
+            await self.ledger.end_turn(turn_id, "cancelled")
         self.note_outputs(outputs)
         wire = [o.to_wire() for o in outputs]
         if step.fatal is not None:
@@ -198,7 +218,46 @@ class Fleet:
             if isinstance(out, ToolSearchOutputItem) and out.tools:
                 self.loaded_tools |= self.registry.deferred_names(out.tools)
 
+    async def end_turn(self, turn_id: str | None = None, *, status: str = "completed",
+                       error: str | None = None) -> None:
+        """Record that a turn `run_calls` ran is over (`toolq turns` lists it with `status`:
+        completed, failed or cancelled); with no `turn_id`, the default turn (`self.turn_id`), and
+        a new default turn begins. A turn cancelled meanwhile stays `cancelled`. `aclose()` ends
+        every turn still open; a turn whose process died without either shows `orphaned` once its
+        lease (TOOLQ_TURN_LEASE) has lapsed."""
+        if status not in TURN_ENDS:
+            raise ValueError(f"end_turn: status {status!r} is not one of {', '.join(TURN_ENDS)}")
+        turn_id = turn_id or self.turn_id
+        if turn_id == self.turn_id:
+            self.turn_id = new_turn_id()
+        self._open_turns.discard(turn_id)
+        if await self.ledger.is_cancelled(turn_id):
+            status, error = "cancelled", None
+        await self.ledger.end_turn(turn_id, status, error)
+
+    async def _touch(self) -> None:
+        """Keep the open turns' leases alive while this fleet is open (a loop may think for
+        minutes between two `run_calls`). Redis trouble is logged and retried."""
+        while True:
+            await asyncio.sleep(self.settings.turn_lease / 3)
+            try:
+                await self.ledger.touch_turns(sorted(self._open_turns), self.settings.turn_lease)
+            except Exception as e:
+                log.warning("could not renew the leases of this fleet's turns: %s", e)
+
+    async def end_open_turns(self, status: str = "completed", error: str | None = None) -> None:
+        """End every turn this fleet started and nobody ended (what `aclose` does first)."""
+        for turn_id in sorted(self._open_turns):
+            try:
+                await self.end_turn(turn_id, status=status, error=error)
+            except Exception as e:  # Redis away at the very end: the turn shows orphaned once its lease lapses
+                log.warning("could not record the end of %s: %s", turn_id, e)
+
     async def aclose(self) -> None:
+        await self.end_open_turns()
+        if self._toucher is not None:
+            self._toucher.cancel()
+            await asyncio.gather(self._toucher, return_exceptions=True)
         await flush_background()
         await self.limits.aclose()
         await self.router.aclose()

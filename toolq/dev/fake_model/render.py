@@ -275,6 +275,33 @@ _ID_PREFIX = {
 }
 
 
+#: The events that end a response, each carrying the whole `response` object.
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
+def whole_response(frames: list[bytes]) -> HttpError | bytes | None:
+    """What a request without `"stream": true` gets instead of these SSE frames, as the Responses
+    API answers it: the one `response` object its terminal event carries (the same items and
+    usage), as JSON; an `error` event, as that error with HTTP 500; None when the frames never
+    end the response (a cut): the server then drops the connection."""
+    events = []
+    for frame in frames:
+        for line in frame.decode(errors="replace").splitlines():
+            if line.startswith("data:"):
+                try:
+                    events.append(json.loads(line[5:].strip()))
+                except ValueError:
+                    pass  # a malformed frame a script wrote on purpose: a stream's business
+    error = next((e for e in events if isinstance(e, dict) and e.get("type") == "error"), None)
+    if error is not None:
+        nested = error.get("error") if isinstance(error.get("error"), dict) else error
+        return HttpError(500, json.dumps({"error": nested}).encode(), {"Content-Type": "application/json"})
+    ends = [e for e in events if isinstance(e, dict) and e.get("type") in TERMINAL_EVENTS]
+    if not ends:
+        return None
+    return json.dumps(ends[-1]["response"], separators=(",", ":")).encode()
+
+
 def _http_error(d: dict[str, Any]) -> HttpError:
     status = int(d["status"])
     body = d.get("body")

@@ -1,12 +1,15 @@
-"""A scripted Responses API server speaking real SSE over TCP on 127.0.0.1.
+"""A scripted Responses API server on 127.0.0.1: real SSE over TCP, or one JSON response.
 
-Request k to `POST /v1/responses` gets scripted response k. When the script runs out, every
-further request gets HTTP 400 with error code `script_exhausted` (a client ends the turn and
-shows it; it is never mistaken for the model speaking). With `loop=True` the script starts
-again instead, both when it runs out and when a new run begins (see `_starts_run`; and the
-same request after a response that completed cleanly, from a run cancelled midway), so one
-server can answer `toolq run` after `toolq run`. Every request body is recorded (`requests`,
-with `request_times` and `request_headers`) so tests can assert what was sent.
+Request k to `POST /v1/responses` gets scripted response k: streamed as SSE when the request says
+`"stream": true`, else (as the Responses API answers) as one JSON `response` object, the one its
+stream's terminal event would carry (a cut drops the connection; an `error_event`, HTTP 500).
+When the script runs out, every further request gets HTTP 400 with error code
+`script_exhausted` (a client ends the turn and shows it; it is never mistaken for the model
+speaking). With `loop=True` the script starts again instead, both when it runs out and when a new
+run begins (see `_starts_run`; and the same request after a response that completed cleanly, from
+a run cancelled midway), so one server can answer `toolq run` after `toolq run`. Every request
+body is recorded (`requests`, with `request_times` and `request_headers`) so tests can assert
+what was sent.
 
 Script format (a JSON file, or the same structure built in Python with `builders`): a list of
 responses, or `{"responses": [...]}`. A response is one of
@@ -48,7 +51,7 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Any
 
-from toolq.dev.fake_model.render import Cut, Gate, HttpError, Op, Stall, render
+from toolq.dev.fake_model.render import Cut, Gate, HttpError, Op, Stall, render, whole_response
 
 SCRIPT_EXHAUSTED = "script_exhausted"
 #: How long a gate holds a response when nobody releases it: long for a test, short for CI.
@@ -259,8 +262,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if isinstance(plan, HttpError):
                 self._error(plan)
-            else:
+            elif isinstance(body, dict) and body.get("stream") is True:
                 self._stream(plan)
+            else:
+                self._whole(plan)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client went away (e.g. its idle timeout fired)
 
@@ -272,6 +277,37 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(err.body)))
         self.end_headers()
         self.wfile.write(err.body)
+
+    def _whole(self, ops: list[Op]) -> None:
+        """A request without `"stream": true`: the same response as one JSON object, once its
+        pauses have passed (a cut drops the connection: the response never came)."""
+        model = self.server.model
+        frames: list[bytes] = []
+        for op in ops:
+            if isinstance(op, bytes):
+                frames.append(op)
+            elif isinstance(op, Stall):
+                if model._closing.wait(op.seconds):
+                    return
+            elif isinstance(op, Gate):
+                model._gate.acquire(timeout=GATE_TIMEOUT)
+                if model._closing.is_set():
+                    return
+            elif isinstance(op, Cut):
+                break
+        answer = whole_response(frames)
+        if isinstance(answer, HttpError):
+            self._error(answer)
+            return
+        if answer is None:
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
 
     def _stream(self, ops: list[Op]) -> None:
         model = self.server.model

@@ -19,6 +19,7 @@ from toolq.core import keys
 from toolq.core.calls import ToolInvocation
 from toolq.core.states import CallState
 from toolq.orchestrator.transport.cancel_listener import CancelListener
+from toolq.orchestrator.transport.durable import ORPHANED
 from toolq.orchestrator.transport.redis_pool import DEFAULT_CONNECTIONS, blocking_client
 
 
@@ -60,6 +61,17 @@ redis.call('HSET', KEYS[1], 'sent', '1')
 if claimed then return 2 end
 return 1
 """
+
+
+# KEYS: the turn's record, its lease. ARGV: field, value, ... Only a running turn ends (once).
+_END_TURN = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+redis.call('DEL', KEYS[2])
+return 1
+"""
+#: A turn record's `driver` when `Fleet.run_calls` runs its calls and the caller's own loop drives it.
+FLEET_DRIVER = "fleet"
 
 
 class Sent(IntEnum):
@@ -104,6 +116,7 @@ class Ledger:
         self._claim = r.register_script(_CLAIM)
         self._throttled = r.register_script(_THROTTLED)
         self._claim_and_send = r.register_script(_CLAIM_AND_SEND)
+        self._end_turn = r.register_script(_END_TURN)
         self._cancels: CancelListener | None = None
         """Every turn's cancel channel on one subscription, opened by the first `wait_for_cancel`."""
         self._steps: dict[str, tuple[int, int]] = {}
@@ -124,11 +137,17 @@ class Ledger:
 
     # --- turns -------------------------------------------------------------------------------
 
-    async def start_turn(self, turn_id: str, prompt: str, workspace: str) -> None:
+    async def start_turn(self, turn_id: str, prompt: str, workspace: str, *, driver: str | None = None,
+                         lease: float | None = None) -> None:
+        """`driver="fleet"`: a turn whose calls `Fleet.run_calls` runs and whose loop is the caller's
+        (it ends with `Fleet.end_turn`, a cancel, or its fleet's `aclose`); its lease (`lease`
+        seconds, renewed by `touch_turns`) says its process is alive."""
         now = time.time()
         async with self.r.pipeline(transaction=True) as p:
             p.hset(keys.turn(turn_id), mapping={"state": "running", "started_at": now, "prompt": prompt[:500],
-                                                "workspace": workspace})
+                                                "workspace": workspace, **({"driver": driver} if driver else {})})
+            if lease is not None:
+                p.set(keys.turn_lease(turn_id), FLEET_DRIVER, px=int(lease * 1000))
             p.expire(keys.turn(turn_id), keys.RECORD_TTL)
             p.zadd(keys.TURNS, {turn_id: now})
             p.zremrangebyscore(keys.TURNS, 0, now - keys.RECORD_TTL)  # their records have expired
@@ -137,6 +156,22 @@ class Ledger:
     async def finish_turn(self, turn_id: str, state: str, error: str | None = None) -> None:
         await self.r.hset(keys.turn(turn_id), mapping={"state": state, "finished_at": time.time(),
                                                        **({"error": error[:2000]} if error else {})})
+
+    async def end_turn(self, turn_id: str, state: str, error: str | None = None) -> bool:
+        """Record the end of a turn still `running` (False: it had ended, or has no record), and drop
+        its lease: an end already recorded (a cancel) is never overwritten."""
+        fields = ["state", state, "finished_at", str(time.time()), *(["error", error[:2000]] if error else [])]
+        return bool(await self._end_turn(keys=[keys.turn(turn_id), keys.turn_lease(turn_id)], args=fields))
+
+    async def touch_turns(self, turn_ids: list[str], lease: float) -> None:
+        """Fleet turns are being driven: each one's lease lives `lease` seconds more. A running
+        Fleet turn whose lease lapsed (its process died without ending it) shows `orphaned`."""
+        if not turn_ids:
+            return
+        async with self.r.pipeline(transaction=False) as p:
+            for turn_id in turn_ids:
+                p.set(keys.turn_lease(turn_id), FLEET_DRIVER, px=int(lease * 1000))
+            await p.execute()
 
     async def turn(self, turn_id: str) -> dict[str, str]:
         return keys.record(await self.r.hgetall(keys.turn(turn_id)))
@@ -263,3 +298,18 @@ class Ledger:
 
     async def is_cancelled(self, turn_id: str) -> bool:
         return bool(await self.r.exists(keys.cancel_turn(turn_id)))
+
+
+async def mark_orphaned_fleet_turns(r: aioredis.Redis, turns: list[tuple[str, dict[str, str]]]) -> None:
+    """Show a Fleet turn still `running` whose lease lapsed (no open `Fleet` touches it: its process
+    died without ending it) as `orphaned`, as `durable.mark_orphans` shows a durable turn."""
+    running = [(t, h) for t, h in turns if h.get("state") == "running" and h.get("driver") == FLEET_DRIVER]
+    if not running:
+        return
+    async with r.pipeline(transaction=False) as p:
+        for t, _ in running:
+            p.exists(keys.turn_lease(t))
+        leases = await p.execute()
+    for (_, h), leased in zip(running, leases, strict=True):
+        if not leased:
+            h["state"] = ORPHANED
