@@ -1,4 +1,5 @@
-"""The Redis users that docker-compose.yml and deploy/k8s/redis.yaml create, on a real server.
+"""The Redis users that docker-compose.yml and deploy/k8s/redis.yaml create, on a real server; and a
+worker's wrong login, which stops it at start, unlike a Redis that is down, which it waits for.
 
 The rules are read from the deploy files themselves. A real worker logs in as `worker`, a real
 orchestrator (and `toolq cancel/status/turns`) as `orchestrator`; a turn runs, a running call is
@@ -27,7 +28,7 @@ from toolq.cli.flower import FlowerProcess
 from toolq.core.settings import Settings
 from toolq.dev.fake_model import builders as b
 from toolq.dev.fake_model.server import FakeModel
-from toolq.local.embedded import RedisServer, WorkerProcess
+from toolq.local.embedded import RedisServer, WorkerProcess, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -141,3 +142,53 @@ def test_the_roles_run_a_whole_turn_and_nothing_that_could_wipe_or_stop_the_serv
         assert [cmd for cmd in (("LLEN", "celery-task-meta-x"), ("GET", "toolq:turns"), ("SET", "toolq", "1"),
                                 ("PUBLISH", "toolq", "x"), ("KEYS", "*"), *REFUSED) if allowed("keda", *cmd)] == []
         assert admin.dbsize() > 0  # the turn's records: nobody could wipe them
+
+
+# --- issue 26 item 3: a wrong login stops a worker at start; a Redis that is down is waited for
+
+
+def worker_run(redis_url: str, tmp_path) -> subprocess.CompletedProcess:
+    """`toolq worker` as a user starts it, its stderr captured (the log file would hold Celery's)."""
+    w = WorkerProcess(redis_url, queues=["toolq"], concurrency=1, tools=[c.TEST_TOOLS], env=c.WORKER_ENV,
+                      logdir=tmp_path, name="login@test")
+    env = {**os.environ, **c.WORKER_ENV, "REDIS_URL": redis_url}
+    return subprocess.run(w.argv(), env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_worker_whose_login_redis_refuses_exits_at_start_in_one_line(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    args = [str(data) if a == "/data" else a for a in k8s_args()]
+    with RedisServer(password=PASSWORDS["REDIS_PASSWORD"], args=args[1:], workdir=data) as server:
+        logins = {"a wrong password (WRONGPASS)": f"redis://worker:wrong-pw@127.0.0.1:{server.port}/0",
+                  "an unknown user": f"redis://nobody:{USER_PASSWORDS['worker']}@127.0.0.1:{server.port}/0",
+                  "no password (NOAUTH)": f"redis://127.0.0.1:{server.port}/0",
+                  "the default user's wrong password": f"redis://:wrong-pw@127.0.0.1:{server.port}/0"}
+        for what, login in logins.items():
+            out = worker_run(login, tmp_path)
+            lines = out.stderr.strip().splitlines()
+            assert out.returncode == 2, (what, out.returncode, out.stderr[-2000:])
+            assert len(lines) == 1 and "Traceback" not in out.stderr, (what, out.stderr[-2000:])
+            assert "refused the worker's login" in lines[0] and f":{server.port}/0" in lines[0], (what, lines[0])
+            assert "wrong-pw" not in lines[0] and USER_PASSWORDS["worker"] not in lines[0], "a password in the line"
+        # The right login still starts the worker.
+        WorkerProcess(url(server, "worker"), queues=["toolq"], concurrency=1, tools=[c.TEST_TOOLS], env=c.WORKER_ENV,
+                      logdir=tmp_path, name="right-login@test").start().stop()
+
+
+def test_a_worker_waits_for_a_redis_that_is_down_and_serves_once_it_is_up(tmp_path):
+    port = free_port()
+    password = "d0wn-then-up"
+    w = WorkerProcess(f"redis://:{password}@127.0.0.1:{port}/0", queues=["toolq"], concurrency=1,
+                      tools=[c.TEST_TOOLS], env=c.WORKER_ENV, logdir=tmp_path, name="patient@test").start(wait=False)
+    try:
+        deadline = time.monotonic() + 60
+        while "Trying again" not in w.log.read_text(errors="replace"):  # Celery's retry of the broker connection
+            assert w.proc is not None and w.proc.poll() is None, f"the worker exited:\n{w.log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "the worker never said it retries"
+            time.sleep(0.1)
+        with RedisServer(port=port, password=password):
+            w.wait_ready(timeout=90)
+            assert w.proc is not None and w.proc.poll() is None
+    finally:
+        w.stop()

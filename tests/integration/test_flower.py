@@ -12,13 +12,16 @@ import io
 import json
 import re
 import secrets
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
+import redis
 
+from tests.integration.conftest import ROOT, SIGNING_KEY, TEST_TOOLS, WORKER_ENV
 from toolq.cli.flower import FlowerProcess
 from toolq.cli.status import status_cmd
 from toolq.core.contracts import TASK, TASK_IDEMPOTENT
@@ -70,8 +73,8 @@ def ledger_calls(redis_url: str, turn_id: str) -> list[dict[str, str]]:
 def test_flower_lists_a_turns_tasks_by_tool_name_with_call_id_state_worker_and_runtime(fleet, flower, drive,
                                                                                         redis_server):
     run = drive([
-        [b.function_call("sleep_echo", {"ms": 100, "text": "secret-arg-a"}, "call_flower_a"),
-         b.function_call("sleep_echo", {"ms": 50, "text": "secret-arg-b"}, "call_flower_b")],
+        [b.function_call("sleep_echo", {"ms": 100, "text": "arg-a"}, "call_flower_a"),
+         b.function_call("sleep_echo", {"ms": 50, "text": "arg-b"}, "call_flower_b")],
         final(),
     ])
     assert run.outcome.status == "completed"
@@ -99,7 +102,7 @@ def test_flower_lists_a_turns_tasks_by_tool_name_with_call_id_state_worker_and_r
         for call_id, task_id in task_ids.items():
             task = tasks[task_id]
             assert f"call_id={call_id!r}" in task["args"] and f"turn={turn_id!r}" in task["args"]
-            assert "secret-arg" not in task["args"] + task["kwargs"], "the call's arguments leaked into Flower"
+            assert task["kwargs"] == "{}", "the invocation's signature, or more, reached Flower"
             info = client.get(f"/api/task/info/{task_id}").raise_for_status().json()
             assert info["state"] == "SUCCESS"
             assert info["worker"] in {w.name for w in fleet}
@@ -232,9 +235,153 @@ def test_failed_calls_are_failure_in_flower_failed_in_the_events_and_unchanged_f
 
         eventually(listed_failed, "Flower's Failed filter to list both failed calls")
         info = client.get(f"/api/task/info/{task_ids['call_exit3']}").raise_for_status().json()
-        assert info["state"] == "FAILURE" and "exit code 3" in info["exception"]
+        assert info["state"] == "FAILURE" and info["exception"] == "ToolCallFailed(failed, exit code 3)"
         assert "oops" not in info["exception"] + (info.get("traceback") or ""), "the call's output leaked into Flower"
         nofile = client.get(f"/api/task/info/{task_ids['call_nofile']}").raise_for_status().json()
         assert nofile["exception"] == "ToolCallFailed(failed)"
+        # Expected outcomes (a command's exit code, a RespondToModel): their short reason, no traceback,
+        # neither in the event Flower shows nor in the stored result.
+        for task_id in failed_ids:
+            assert not client.get(f"/api/task/info/{task_id}").json().get("traceback")
+            stored = stored_meta(redis_server.url, task_id)
+            assert stored["status"] == "FAILURE" and stored["traceback"] is None, stored["traceback"]
         eventually(lambda: client.get(f"/api/task/info/{task_ids['call_fine']}").json().get("state") == "SUCCESS",
                    "the successful call to stay SUCCESS")
+
+
+# --- issue 26: every tool's arguments in short, cancels REVOKED, expected failures without a traceback
+
+
+def stored_meta(redis_url: str, task_id: str) -> dict[str, Any]:
+    """The result meta the worker stored (what the orchestrator reads)."""
+    raw = redis.Redis.from_url(Settings(redis_url=redis_url).result_backend_url()).get(f"celery-task-meta-{task_id}")
+    assert raw is not None, f"no stored result for {task_id}"
+    return json.loads(raw)
+
+
+def flower_task(client: httpx.Client, task_id: str, state: str | None = None, what: str = "") -> dict[str, Any]:
+    """Flower's record of one task, once it has one (in `state`, when given)."""
+    def seen() -> dict[str, Any] | None:
+        r = client.get(f"/api/task/info/{task_id}")
+        if r.status_code != 200:
+            return None
+        info = r.json()
+        return info if state is None or info.get("state") == state else None
+
+    return eventually(seen, what or f"Flower to show task {task_id}" + (f" {state}" if state else ""))
+
+
+def test_every_tool_shows_its_arguments_in_short_built_ins_and_user_tools_alike(fleet, flower, drive, redis_server,
+                                                                                tmp_path):
+    """Issue 26 item 1: read_file, list_dir, apply_patch and a user tool that declares no
+    `flower_args` showed only the call id; each argument is shown now, a long one cut short."""
+    (tmp_path / "notes.txt").write_text("one\n")
+    patch = "*** Begin Patch\n*** Add File: hello.txt\n+hello\n*** End Patch\n"
+    run = drive([
+        [b.function_call("read_file", {"file_path": "notes.txt", "limit": 5}, "call_read"),
+         b.function_call("list_dir", {"dir_path": "."}, "call_list"),
+         b.function_call("sleep_echo", {"ms": 1, "text": "y" * 5000}, "call_user"),
+         b.custom_tool_call("apply_patch", patch, "call_patch")],
+        final(),
+    ])
+    assert run.outcome.status == "completed", run.outcome.error
+    turn = run.outcome.turn_id
+    task_ids = {c["call_id"]: c["task_id"] for c in ledger_calls(redis_server.url, turn)}
+    with httpx.Client(base_url=flower.url, auth=AUTH, timeout=5) as client:
+        args = {call: flower_task(client, task_id, "SUCCESS")["args"] for call, task_id in task_ids.items()}
+    base = {call: f"call_id={call!r}, turn={turn!r}" for call in task_ids}
+    assert args["call_read"] == f"({base['call_read']}, file_path='notes.txt', limit=5)"
+    assert args["call_list"] == f"({base['call_list']}, dir_path='.')"
+    assert args["call_patch"] == f"({base['call_patch']}, input={patch!r})"
+    # A value is cut to the budget every shown argument shares (300 characters), never sent whole.
+    assert args["call_user"].startswith(f"({base['call_user']}, ms=1, text='yyy") and args["call_user"].endswith("…')")
+    assert len(args["call_user"]) <= len(base["call_user"]) + 300 + len("(, ms=, text='')"), len(args["call_user"])
+
+
+def test_an_mcp_tool_shows_its_arguments_in_flower(flower, drive, redis_server, tmp_path):
+    """Issue 26 item 1: an MCP server's tool declares no `flower_args`; the worker that hosts it
+    shows each argument its inputSchema names."""
+    from toolq.dev.bench.mcp import McpWorkerProcess
+
+    edges = f"{sys.executable} {ROOT / 'tests' / 'mcp_servers' / 'edges.py'} edges {tmp_path}"
+    worker = McpWorkerProcess(redis_server.url, name="mcpflower@test", queues=["mcp.edges"], concurrency=1,
+                              tools=[TEST_TOOLS], env=WORKER_ENV, logdir=tmp_path, mcp=[f"edges={edges}"])
+    worker.start()
+    try:
+        flower.wait_for_workers([worker.name])
+        run = drive([[b.function_call("search", {"query": "needle"}, "call_mcp", namespace="edges")], final()])
+        assert run.outcome.status == "completed", run.outcome.error
+        (call,) = ledger_calls(redis_server.url, run.outcome.turn_id)
+        with httpx.Client(base_url=flower.url, auth=AUTH, timeout=5) as client:
+            task = flower_task(client, call["task_id"], "SUCCESS")
+        assert task["name"] == "tool:edges.search"
+        assert task["args"] == f"(call_id='call_mcp', turn='{run.outcome.turn_id}', query='needle')", task["args"]
+    finally:
+        worker.stop()
+
+
+def test_a_call_cancelled_on_its_worker_is_revoked_in_flower_and_its_output_is_unchanged(flower, drive, worker,
+                                                                                         redis_server):
+    """Issue 26 item 2: the durable cancel record (`toolq cancel --call`, whose revoke broadcast no
+    worker holding the call heard) stops a queued call where it is taken; its worker answers it
+    `cancelled`. Flower showed that as FAILURE, among the failures; it is REVOKED now, while the
+    model and the ledger get the worker's own aborted output as before."""
+    w = worker(["faults"], concurrency=1)  # one pool process: while one call runs, the other waits queued
+    flower.wait_for_workers([w.name])
+    cancelled: dict[str, str] = {}
+
+    async def during(session, runtime):
+        ledger = runtime.fleet.ledger
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline, "no call ever ran while the other waited"
+            calls = await ledger.calls(session.turn_id) if session.turn_id else []
+            by_state = {c.get("state"): c for c in calls}
+            if len(calls) == 2 and {"running", "queued"} <= set(by_state):
+                break
+            await asyncio.sleep(0.05)
+        queued = by_state["queued"]
+        cancelled.update(turn_id=session.turn_id, task_id=queued["task_id"], call_id=queued["call_id"])
+        await ledger.cancel_call(session.turn_id, queued["task_id"])  # the durable record, no revoke
+
+    run = drive([[b.function_call("hang", {"seconds": 3}, "call_a"),
+                  b.function_call("hang", {"seconds": 3}, "call_b")], final("went on")], during=during)
+    assert run.outcome.status == "completed", run.outcome.error
+    outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
+    ran = ({"call_a", "call_b"} - {cancelled["call_id"]}).pop()
+    states = {c["call_id"]: c["state"] for c in ledger_calls(redis_server.url, cancelled["turn_id"])}
+    assert states == {ran: "completed", cancelled["call_id"]: "cancelled"}
+    assert outputs[ran] == "woke up"
+
+    # The worker's own result, as it stored it: the model read exactly its output.
+    stored = stored_meta(redis_server.url, cancelled["task_id"])
+    (result,) = stored["result"]["exc_message"]
+    assert result["status"] == "cancelled" and result["worker"] == w.name
+    assert outputs[cancelled["call_id"]] == result["output"]
+    assert re.fullmatch(r"aborted by user after \d+\.\ds", result["output"]), result["output"]
+
+    with httpx.Client(base_url=flower.url, auth=AUTH, timeout=5) as client:
+        info = flower_task(client, cancelled["task_id"], "REVOKED", "Flower to show the cancelled call REVOKED")
+        assert not info.get("exception") and not info.get("traceback")
+        failed = client.get("/api/tasks", params={"state": "FAILURE"}).raise_for_status().json()
+        assert cancelled["task_id"] not in failed, "a cancel is listed among the failures"
+
+
+def test_a_crash_in_toolq_keeps_its_traceback_in_flower(fleet, flower, redis_server):
+    """Issue 26 item 2: an expected failure shows no traceback (the test above and
+    `test_failed_calls_are_failure...`), but toolq's own crash must: here a signed invocation
+    toolq cannot read (no payload, no deadline), which the task body raises on."""
+    from toolq.core.contracts import TASK
+    from toolq.core.signing import Signer
+    from toolq.workers.config import make_app
+
+    settings = Settings(redis_url=redis_server.url, signing_key=SIGNING_KEY)
+    task_id = f"turn-crash{secrets.token_hex(4)}:0:0:0"
+    invocation = {"turn_id": "turn-crash", "call_id": "call_crash", "tool_name": {"name": "noop"}}
+    app = make_app(settings)
+    app.send_task(TASK, args=[invocation], task_id=task_id, queue="toolq", shadow="tool:noop",
+                  kwargs={"signature": Signer(SIGNING_KEY).sign_invocation(TASK, task_id, invocation)})
+    with httpx.Client(base_url=flower.url, auth=AUTH, timeout=5) as client:
+        info = flower_task(client, task_id, "FAILURE", "Flower to show the crash")
+    assert "validation errors for ToolInvocation" in info["exception"], info["exception"]
+    assert "Traceback (most recent call last)" in info["traceback"] and "execute" in info["traceback"]

@@ -119,7 +119,7 @@ def test_the_built_ins_digests_and_the_task_names_are_the_released_ones():
 def test_what_flower_shows_of_hostile_arguments_stays_bounded():
     # The model chooses the values: a huge list where a string was expected, or many long strings,
     # must not make the task message's argsrepr (kept twice, counted by the turn's store budget) grow.
-    from toolq.orchestrator.transport.dispatch import FLOWER_COMMAND_CHARS
+    from toolq.core.flower_args import FLOWER_ARGS_CHARS as FLOWER_COMMAND_CHARS
 
     catalog = Catalog()
     spec = tool(catalog=catalog, name="shown", parameters={"type": "object"},

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
-from toolq.orchestrator.transport.dispatch import FLOWER_COMMAND_CHARS, flower_args
+from toolq.core.flower_args import FLOWER_ARGS_CHARS as FLOWER_COMMAND_CHARS
+from toolq.orchestrator.transport.dispatch import flower_args
 from toolq.workers.exec_output import format_exec_output
 from toolq.workers.sessions import host_client as client
 from toolq.workers.sessions import start

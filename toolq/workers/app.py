@@ -16,6 +16,7 @@ from typing import Any
 
 import celery.utils.imports
 import redis
+from billiard.einfo import ExceptionWithTraceback
 from celery import Celery
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
 from celery.signals import (
@@ -26,12 +27,16 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
+from celery.worker.request import Request
 
 from toolq.core import keys, signing
 from toolq.core import session_records as session_registry
-from toolq.core.catalog import Catalog
+from toolq.core.calls import ToolName
+from toolq.core.catalog import Catalog, ToolSpec
 from toolq.core.contracts import TASK, TASK_IDEMPOTENT, TIME_LIMIT_MARGIN, ToolCallFailed
-from toolq.core.settings import Settings
+from toolq.core.errors import ConfigurationError
+from toolq.core.flower_args import flower_args
+from toolq.core.settings import Settings, mask_url_password
 from toolq.core.states import FAILURE, CallState, celery_state
 from toolq.workers import isolation, kombu_acks, pool_exits, presence, stopping
 from toolq.workers.config import configure_app, longest_timeout, make_app
@@ -72,8 +77,35 @@ worker_ready.connect(lambda **_: session_host.wait_ready(), weak=False)  # sessi
 
 
 def configure(settings: Settings) -> Celery:
-    """Re-point the worker app (before the worker starts) at the given settings."""
-    return configure_app(app, settings, longest_timeout(catalog()), worker=True)
+    """Re-point the worker app (before the worker starts) at the given settings, once Redis has
+    taken the worker's login (`refuse_a_wrong_login`)."""
+    configured = configure_app(app, settings, longest_timeout(catalog()), worker=True)
+    refuse_a_wrong_login(settings)
+    return configured
+
+
+#: How long the login check waits for Redis: a Redis that does not answer is Celery's to retry.
+LOGIN_CHECK_TIMEOUT = 5.0
+
+
+def refuse_a_wrong_login(settings: Settings) -> None:
+    """A Redis that refuses the worker's user or password (WRONGPASS, NOAUTH, invalid
+    username-password pair) stops the worker at start, in one line (`ConfigurationError`: the CLI
+    prints it and exits 2): Celery would retry it 100 times, as if Redis were down, and a
+    password does not get right by waiting. A Redis that is down or does not answer is left to
+    Celery, which retries it (`broker_connection_retry_on_startup`)."""
+    for url in dict.fromkeys(u for u in (settings.redis_url, settings.result_backend_url()) if u):
+        client = redis.Redis.from_url(url, socket_connect_timeout=LOGIN_CHECK_TIMEOUT,
+                                      socket_timeout=LOGIN_CHECK_TIMEOUT, retry_on_timeout=False)
+        try:
+            client.ping()
+        except redis.AuthenticationError as e:
+            raise ConfigurationError(f"Redis at {mask_url_password(url)} refused the worker's login: {e} "
+                                     "(check the user and password in REDIS_URL or TOOLQ_RESULT_URL)") from None
+        except (redis.RedisError, OSError):
+            pass  # down, starting, or refusing PING to this user: the broker's connection says more
+        finally:
+            client.close()
 
 
 def redis_client() -> redis.Redis:
@@ -179,14 +211,58 @@ def _execute(task: Any, invocation: dict, signature: str, redelivery: bool) -> A
     return returned(result, log_output=bool(app.conf.get("toolq_log_tool_output")))
 
 
+def _spec_of(invocation: Any) -> ToolSpec | None:
+    try:
+        return catalog().get(ToolName.model_validate(invocation["tool_name"]))
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+class ToolRequest(Request):
+    """A call as the worker's main process reports it in its task events, which are all Flower
+    knows of it (the orchestrator sends no task-sent event):
+
+    - its arguments in short, as this worker's declaration of the tool says (`core.flower_args`):
+      built-in, user and MCP tools alike, never the value of an argument whose name looks secret;
+    - a call that did not complete (`ToolCallFailed`) is an expected outcome: FAILURE with its
+      short reason (state and exit code) and no traceback, and a cancelled one is REVOKED, so
+      Flower's "Failed" filter lists failures, not cancels. The stored meta stays FAILURE carrying
+      the `ToolResult` (what `orchestrator/transport/results.py` reads the call's output from; it
+      reads none from a REVOKED meta), so the model and the ledger get the worker's own output;
+      a crash in toolq keeps its traceback.
+    """
+
+    @property
+    def argsrepr(self) -> str:
+        if not (self._eventer and self._eventer.enabled):
+            return self._argsrepr  # nobody watches: the message's own, at no cost
+        shown = self.__dict__.get("_toolq_argsrepr")
+        if shown is None:
+            args = self._args
+            invocation = args[0] if isinstance(args, (list, tuple)) and args else None
+            shown = self.__dict__["_toolq_argsrepr"] = flower_args(invocation, _spec_of(invocation))
+        return shown
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
+        exc = exc_info.exception
+        exc = exc.exc if isinstance(exc, ExceptionWithTraceback) else exc
+        if isinstance(exc, ToolCallFailed):
+            if (exc.result or {}).get("status") == CallState.CANCELLED.value:
+                super().on_failure(exc_info, send_failed_event=False, return_ok=return_ok)
+                self.send_event("task-revoked", terminated=False, signum=None, expired=False)
+                return
+            exc_info.traceback = ""  # its reason is the exception's repr; a traceback says nothing more
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+
 # `throws`: an expected outcome, logged in one line without a traceback.
 @app.task(name=TASK, bind=True, acks_late=True, reject_on_worker_lost=False, track_started=True,
-          throws=(ToolCallFailed,))
+          throws=(ToolCallFailed,), Request=ToolRequest)
 def run_tool(self: Any, invocation: dict, signature: str = "") -> Any:
     return _execute(self, invocation, signature, redelivery=False)
 
 
 @app.task(name=TASK_IDEMPOTENT, bind=True, acks_late=True, reject_on_worker_lost=True, track_started=True,
-          throws=(ToolCallFailed,))
+          throws=(ToolCallFailed,), Request=ToolRequest)
 def run_tool_idempotent(self: Any, invocation: dict, signature: str = "") -> Any:
     return _execute(self, invocation, signature, redelivery=True)

@@ -23,6 +23,7 @@ from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
 
 from toolq.core import signing
+from toolq.core.contracts import ToolCallFailed
 
 # KEYS: the meta. ARGV: the encoded meta, its TTL (0: none). Returns a stored SUCCESS, left in
 # place, or nil once the meta is stored and published. A genuine meta is kombu's JSON of Celery's
@@ -58,7 +59,11 @@ class NoSubscribeRedisBackend(RedisBackend):
         return signing.genuine_stored(self.app.conf.get(signing.CONF_KEY), task_id, meta)
 
     def _store_result(self, task_id, result, state, traceback=None, request=None, **kwargs):
-        """Celery's `_store_result` (a stored genuine SUCCESS is never overwritten), in one round trip."""
+        """Celery's `_store_result` (a stored genuine SUCCESS is never overwritten), in one round trip.
+        A call that did not complete (`ToolCallFailed`) is an expected outcome: stored without
+        Celery's traceback (of toolq's own frames), which says nothing its state and exit code do not."""
+        if isinstance(result, dict) and result.get("exc_type") == ToolCallFailed.__name__:
+            traceback = None
         meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
         meta["task_id"] = bytes_to_str(task_id)
         value = self.encode(meta)

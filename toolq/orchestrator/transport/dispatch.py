@@ -24,9 +24,10 @@ from redis.exceptions import RedisError
 
 from toolq.core import keys
 from toolq.core.advert import tool_queue
-from toolq.core.calls import FunctionPayload, ToolInvocation
+from toolq.core.calls import ToolInvocation
 from toolq.core.catalog import ToolSpec
 from toolq.core.contracts import TIME_LIMIT_MARGIN, task_name
+from toolq.core.flower_args import flower_args as shown_args
 from toolq.core.session_records import SessionRecord, instance_queue
 from toolq.core.settings import Settings
 from toolq.core.signing import Signer
@@ -67,37 +68,10 @@ __all__ = ["DispatchError", "Dispatcher"]
 #: asks the fleet, so they are bounded well below half the pool.
 CONTROL_CONCURRENCY = 4
 
-#: Flower's args column shows this much of the arguments' values in all (a command line); the
-#: task message carries it twice, and the turn's store budget counts it so (durable.ARGSREPR_BYTES).
-FLOWER_COMMAND_CHARS = 300
-
-
 def flower_args(inv: ToolInvocation, spec: ToolSpec) -> str:
-    """The task's args as Flower shows them: the call, and the arguments its declaration names
-    (`ToolSpec.flower_args`: a value cut short, or only a length). Never the environment, which no
-    call carries, nor any argument the declaration does not name."""
-    base = f"call_id={inv.call_id!r}, turn={inv.turn_id!r}"
-    if not spec.flower_args or not isinstance(inv.payload, FunctionPayload):
-        return f"({base})"
-    try:
-        args = json.loads(inv.payload.arguments)
-    except ValueError:
-        return f"({base})"
-    if not isinstance(args, dict):
-        return f"({base})"
-    shown, room = [base], FLOWER_COMMAND_CHARS
-    for name, how in spec.flower_args:
-        value = args.get(name)
-        if how == "length":  # what is typed into a session may be a password
-            text = str(len(str(value if value is not None else "")))
-        elif isinstance(value, str):  # cut, then quoted: a command line reads as one
-            text = repr(value if len(value) <= room else value[:max(room - 1, 0)] + "…")
-        else:  # the model's JSON, whatever it holds: its repr is cut instead
-            text = repr(value)
-            text = text if len(text) <= room else text[:max(room - 1, 0)] + "…"
-        shown.append(f"{name}={text}")
-        room = max(room - len(text), 0)
-    return f"({', '.join(shown)})"
+    """The task message's args as Flower shows them (`core.flower_args`, the worker's rules)."""
+    return shown_args({"call_id": inv.call_id, "turn_id": inv.turn_id, "payload": inv.payload.model_dump(mode="json")},
+                      spec)
 
 
 class Dispatcher:

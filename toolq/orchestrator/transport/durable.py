@@ -34,7 +34,7 @@ ENTRY_OVERHEAD = 96
 CALL_OVERHEAD = 4096
 #: Flower's `argsrepr`, twice in each task message, holds the call_id (counted apart) and at most
 #: this much more of the arguments: 300 characters of an exec_command's command, each at most 12
-#: bytes once `repr` and JSON have escaped it (dispatch.flower_args).
+#: bytes once `repr` and JSON have escaped it (core.flower_args).
 ARGSREPR_BYTES = 300 * 12 + 64
 #: The call_id is the model's text, copied (escaped) into the ledger's call record and call_id
 #: index, the task message's `argsrepr` (twice), the output item and the worker's result: each copy
