@@ -8,13 +8,13 @@ that is killed outright loses its sessions within `CONVERSATION_TTL` seconds too
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 
 from redis.exceptions import RedisError
 
 from toolq.core.session_records import CONVERSATION_BEAT, CONVERSATION_TTL, conversation_key
+from toolq.orchestrator.turn_scope import stop
 
 log = logging.getLogger("toolq.conversation")
 
@@ -50,9 +50,9 @@ class ConversationLease:
         """The conversation ended: every session of it is killed by the host holding it."""
         if self._beat is None:
             return  # never held (e.g. Redis was unreachable at the first turn): nothing to end
-        self._beat.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._beat
+        # Cancelled until it ends: a cancel that landed inside redis-py's send was dropped there
+        # (Python 3.11's wait_for), the loop went on, and a `toolq batch` lane waited on it for ever.
+        await stop(self._beat)
         self._beat = None
         try:
             await self.r.delete(conversation_key(self.id))
