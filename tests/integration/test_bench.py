@@ -52,7 +52,7 @@ def test_cancel_bench_cancels_every_run():
 def test_coldstart_bench_times_both_stacks_and_says_whether_each_goal_is_met():
     out = io.StringIO()
     res = coldstart.run(out, runs=1)
-    for where in ("external", "embedded"):
+    for where in ("external", "embedded", "warm_call"):
         assert 0 < res[where]["first_request"] < res[where]["exit"]
     assert not res["imports_load_celery"]
     text = out.getvalue()

@@ -14,7 +14,7 @@ import pytest
 
 import tests.integration.conftest as c
 from toolq.dev.fake_model import FakeModel
-from toolq.dev.fake_model.builders import http_error, message
+from toolq.dev.fake_model.builders import function_call, http_error, message
 
 pytestmark = pytest.mark.integration
 
@@ -121,10 +121,82 @@ def test_without_loop_the_next_run_is_told_the_script_is_exhausted(env, one_mess
 def test_demo_works_in_the_workspace_it_is_given(env, fleet, tmp_path):
     workspace = tmp_path / "my demo"
     workspace.mkdir()
-    out = toolq("demo", "--workspace", str(workspace), env=env)
+    answer = tmp_path / "answer.txt"
+    out = toolq("demo", "--workspace", str(workspace), "-o", str(answer), env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert (workspace / "hello.txt").read_text() == "Hello from toolq\n"
-    assert f"workspace {workspace}: hello.txt = 'Hello from toolq'" in out.stdout
+    # The demo's report is status lines, with the view on stderr; stdout is the final message alone.
+    assert f"workspace {workspace}: hello.txt = 'Hello from toolq'" in out.stderr
+    assert "every call was paired with exactly one output." in out.stderr
+    assert out.stdout == answer.read_text() + "\n" and out.stdout.strip() and out.stdout.strip() in out.stderr
+
+
+# Issue 26 item 1: stdout is the final message alone (the live view goes to stderr), as `codex exec`
+# does, and -o writes it to a file, never through a link and never inside the workspace.
+
+ANSWER = "the answer\nis two lines"
+
+
+@pytest.fixture
+def outside(tmp_path, env) -> tuple[dict[str, str], Path]:
+    """A workspace below tmp_path, so that a file in tmp_path lies outside it."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    return {**env, "TOOLQ_WORKSPACE": str(workspace)}, workspace
+
+
+def command_then_answer() -> list:
+    return [[function_call("exec_command", {"cmd": "echo from-the-command"}, call_id="call_echo")], [message(ANSWER)]]
+
+
+def test_stdout_holds_only_the_final_message_and_stderr_the_live_view(fleet, outside):
+    env, _ = outside
+    with FakeModel(command_then_answer()) as fake:
+        out = toolq("run", "hi", env={**env, "OPENAI_BASE_URL": fake.base_url})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ANSWER + "\n"
+    view = out.stderr.splitlines()
+    assert view[0].startswith("toolq turn turn-")
+    (done,) = [line for line in view if "call_echo" in line and "completed" in line]
+    assert done.startswith("  ✓ exec_command ")
+    assert "    │ from-the-command" in view  # the command's output, though it ended between two updates
+    assert view[-1].startswith("turn completed (")
+
+
+@pytest.mark.parametrize("json_events", [False, True])
+def test_o_writes_the_final_message_as_the_model_wrote_it(fleet, outside, tmp_path, json_events):
+    env, _ = outside
+    answer = tmp_path / "answer.txt"
+    answer.write_text("an earlier run's answer, longer than this one's")
+    with FakeModel(command_then_answer()) as fake:
+        out = toolq("run", *(["--json"] if json_events else []), "--output-last-message", str(answer), "hi",
+                    env={**env, "OPENAI_BASE_URL": fake.base_url})
+    assert out.returncode == 0, out.stderr
+    assert answer.read_text() == ANSWER
+    if json_events:  # every line on stdout is an event: no view, no answer
+        kinds = [e["type"] for e in events(out.stdout)]
+        assert kinds[0] == "turn.started" and kinds[-1] == "turn.completed"
+    else:
+        assert out.stdout == ANSWER + "\n"
+
+
+def test_o_refuses_a_link_and_the_workspace_before_the_turn_starts(outside, tmp_path):
+    env, workspace = outside
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    link = tmp_path / "answer.txt"
+    link.symlink_to(target)
+    with FakeModel([[message(ANSWER)]]) as fake:
+        env = {**env, "OPENAI_BASE_URL": fake.base_url}
+        refused = [toolq("run", "-o", str(link), "hi", env=env),
+                   toolq("run", "-o", str(workspace / "answer.txt"), "hi", env=env)]
+        assert fake.requests == []  # refused before the first request
+    for out, why in zip(refused, ("is a symbolic link; toolq does not write through one",
+                                  "is inside the workspace"), strict=True):
+        assert out.returncode == 2 and out.stdout == ""
+        (line,) = out.stderr.splitlines()
+        assert line.startswith("toolq: --output-last-message ") and why in line, line
+    assert target.read_text() == "keep me" and not (workspace / "answer.txt").exists()
 
 
 @pytest.mark.parametrize("command", [["turns"], ["status", "turn-0123456789ab"], ["cancel", "turn-0123456789ab"],
@@ -154,3 +226,50 @@ def test_a_turn_that_starts_while_redis_is_down_fails_with_one_terminal_event_an
     assert "cannot reach Redis at redis://:****@127.0.0.1:" in events(out.stdout)[-1]["error"]["message"]
     assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
     assert json.loads(session.read_text())[-1]["content"][0]["text"] == "hi"
+
+
+def test_o_refuses_what_is_not_a_regular_file_without_blocking(tmp_path):
+    from toolq.cli.run import LastMessageFile
+    from toolq.core.errors import ConfigurationError
+
+    fifo, folder = tmp_path / "fifo", tmp_path / "folder"
+    os.mkfifo(fifo)  # nobody reads it: a blocking open would hang the run
+    folder.mkdir()
+    for path in (fifo, folder, Path("/dev/null")):
+        with pytest.raises(ConfigurationError, match="--output-last-message"):
+            LastMessageFile.open(path, tmp_path / "ws")
+
+
+def test_resume_puts_the_final_message_alone_on_stdout_and_in_o(fleet, outside, tmp_path):
+    """A `toolq run` SIGKILLed mid-call, then `toolq resume TURN -o FILE` without --json."""
+    import signal
+    import time
+
+    env, workspace = outside
+    marker = workspace / "ran.txt"  # where the sandboxed command may write
+    script = [[function_call("exec_command", {"cmd": f"echo ran >> {marker}; sleep 2; echo finished"},
+                             call_id="call_durable")], [message(ANSWER)]]
+    answer = tmp_path / "answer.txt"
+    with FakeModel(script) as fake:
+        env = {**env, "OPENAI_BASE_URL": fake.base_url, "OPENAI_API_KEY": "test", "TOOLQ_TURN_LEASE": "3"}
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TOOLQ_", "REDIS_", "CELERY_"))}
+        proc = subprocess.Popen([sys.executable, "-m", "toolq.cli.main", "run", "--json", "go"],
+                                env={**base, "TOOLQ_TOOLS_PATH": os.environ["TOOLQ_TOOLS_PATH"], **env},
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdout is not None
+        turn_id = json.loads(proc.stdout.readline())["turn_id"]
+        end = time.monotonic() + 60
+        while not (marker.exists() and marker.read_text()):
+            assert time.monotonic() < end, "the command never started"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc.stdout.close()
+        end = time.monotonic() + 60
+        while (resumed := toolq("resume", turn_id, "-o", str(answer), env=env)).returncode == 2:
+            assert "another orchestrator" in resumed.stderr, resumed.stderr  # the dead run's lease, until it expires
+            assert time.monotonic() < end, resumed.stderr
+            time.sleep(0.5)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout == ANSWER + "\n" and answer.read_text() == ANSWER
+    assert "turn completed (" in resumed.stderr.splitlines()[-1]

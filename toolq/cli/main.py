@@ -51,6 +51,20 @@ def _cmd_turns(args: argparse.Namespace) -> int:
     return turns_cmd(Settings.load(), limit=args.limit, as_json=args.json)
 
 
+def _cmd_queues(args: argparse.Namespace) -> int:
+    from toolq.cli.fleet_now import queues_cmd
+    from toolq.core.settings import Settings
+
+    return queues_cmd(Settings.load(), as_json=args.json)
+
+
+def _cmd_calls(args: argparse.Namespace) -> int:
+    from toolq.cli.fleet_now import calls_cmd
+    from toolq.core.settings import Settings
+
+    return calls_cmd(Settings.load(), as_json=args.json)
+
+
 def _cmd_workers(args: argparse.Namespace) -> int:
     from toolq.cli.workers import workers_cmd
     from toolq.core.settings import Settings
@@ -163,7 +177,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if problem:
         raise UsageError(problem)
     return run_prompt(settings, prompt, json_events=args.json,
-                      session_file=Path(args.session) if args.session else None)
+                      session_file=Path(args.session) if args.session else None,
+                      last_message_file=Path(args.output_last_message) if args.output_last_message else None)
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
@@ -172,7 +187,8 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     from toolq.cli.run import resume_turn
 
     return resume_turn(_settings(args), args.turn_id, json_events=args.json,
-                       session_file=Path(args.session) if args.session else None)
+                       session_file=Path(args.session) if args.session else None,
+                       last_message_file=Path(args.output_last_message) if args.output_last_message else None)
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
@@ -187,8 +203,9 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     problem = missing_api_key(settings.openai_base_url, settings.openai_api_key)
     if problem:
         raise UsageError(problem)
-    return run_batch(settings, Path(args.file), Path(args.out), concurrency=args.concurrency,
-                     retry_failed=args.retry_failed)
+    return run_batch(settings, Path(args.file), None if args.out == "-" else Path(args.out),
+                     concurrency=args.concurrency, retry_failed=args.retry_failed,
+                     transcripts=Path(args.transcripts) if args.transcripts else None)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -197,7 +214,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from toolq.cli.run import run_demo
 
     return run_demo(_settings(args), json_events=args.json,
-                    workspace=Path(args.workspace) if args.workspace else None)
+                    workspace=Path(args.workspace) if args.workspace else None,
+                    last_message_file=Path(args.output_last_message) if args.output_last_message else None)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -214,6 +232,27 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
     out["sandbox_chosen"] = current(settings).describe()
     print(json.dumps(out, indent=2))
+    return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from toolq.local import warm
+
+    if args.workers < 1 or args.concurrency < 1:
+        raise UsageError("--workers and --concurrency must be at least 1")
+    if args.idle <= 0:
+        raise UsageError("--idle must be a positive number of seconds")
+    settings = _settings(args)
+    if args.foreground:
+        return warm.serve(settings.tools, workers=args.workers, concurrency=args.concurrency, idle=args.idle)
+    print(f"toolq: {warm.up(settings, workers=args.workers, concurrency=args.concurrency, idle=args.idle)}")
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from toolq.local import warm
+
+    print(f"toolq: {warm.down()}")
     return 0
 
 
@@ -288,11 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed in `toolq --help` in the order a user needs them; the development tools last.
     sub = p.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
 
+    last_message = ("write the final message to FILE when the turn completes (emptied at the start; outside the "
+                    "workspace, never through a link)")
     r = sub.add_parser("run", help="run one turn: the model's tool calls execute on the worker fleet")
     r.add_argument("prompt", nargs="?", metavar="PROMPT",
                    help="what to ask the model; `-` or absent: read it from stdin")
     r.add_argument("--model", help="model name (default gpt-5.5, or TOOLQ_MODEL)")
-    r.add_argument("--json", action="store_true", help="one JSON event per line, like `codex exec --json`")
+    r.add_argument("--json", action="store_true", help="one JSON event per line on stdout, like `codex exec --json` "
+                   "(without it: the final message alone on stdout, the live view on stderr)")
+    r.add_argument("-o", "--output-last-message", metavar="FILE", help=last_message)
     r.add_argument("--workspace", help="directory the tools work in (default: the current directory)")
     r.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
     r.add_argument("--instructions", help="the request's instructions (default: a short one naming the workspace)")
@@ -306,16 +349,21 @@ def build_parser() -> argparse.ArgumentParser:
                                        "are not run again")
     rs.add_argument("turn_id", metavar="TURN_ID", help="the turn, as `toolq turns` lists it (state orphaned)")
     rs.add_argument("--json", action="store_true", help="one JSON event per line, like `toolq run --json`")
+    rs.add_argument("-o", "--output-last-message", metavar="FILE", help=last_message)
     rs.add_argument("--session", help="write the whole conversation to this JSON file at the end")
     rs.set_defaults(func=_cmd_resume)
 
     bt = sub.add_parser("batch", help="run one turn per line of a JSONL file, N at a time from this process; "
                                       "re-run with the same --out to skip the turns already done")
     bt.add_argument("file", metavar="FILE", help='JSON lines: {"prompt": ..., "workspace": ..., "instructions": ...} '
-                                                 "(only the prompt is required)")
+                                                 "(only the prompt is required; other fields, such as id, are copied "
+                                                 "into the line's result)")
     bt.add_argument("--out", required=True, metavar="RESULTS",
-                    help="JSONL file a result line per turn is appended to (turn_id, status, final_message, usage, "
-                         "error)")
+                    help="JSONL file of one result line per input line (status, final_message, usage, duration, "
+                         "...); a re-run replaces a line's result; `-`: write the results to stdout")
+    bt.add_argument("--transcripts", metavar="DIR",
+                    help="write each turn's whole history to DIR/TURN_ID.jsonl, one item per line (outside the "
+                         "workspace); the result names the file")
     bt.add_argument("--concurrency", type=int, default=8, help="turns running at once (default 8)")
     bt.add_argument("--retry-failed", action="store_true",
                     help="run again the lines whose turn failed (by default only cancelled and unrun ones are)")
@@ -339,6 +387,19 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     w.set_defaults(func=_cmd_worker)
 
+    up = sub.add_parser("up", help="leave a warm local fleet running (no REDIS_URL): later runs with the same "
+                                   "tools use it instead of starting their own")
+    up.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
+    up.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    up.add_argument("--concurrency", type=int, default=4, help="pool processes per worker (default 4)")
+    up.add_argument("--idle", type=float, default=1800.0,
+                    help="stop after this many seconds with no turn (default 1800)")
+    up.add_argument("--foreground", action="store_true", help="run the fleet in this process until SIGTERM")
+    up.set_defaults(func=_cmd_up)
+
+    dn = sub.add_parser("down", help="stop your warm local fleet")
+    dn.set_defaults(func=_cmd_down)
+
     c = sub.add_parser("cancel", help="cancel a turn (or one call) from any process or host")
     c.add_argument("turn_id", metavar="TURN_ID", help="the turn, as `toolq run` printed it (turn-...)")
     c.add_argument("--call", metavar="CALL_ID", help="cancel only this call_id; the turn goes on")
@@ -358,6 +419,14 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--json", action="store_true", help="one JSON object per worker instance, with every tool")
     wk.set_defaults(func=_cmd_workers)
 
+    qs = sub.add_parser("queues", help="each tool queue: calls waiting on it and the live workers that consume it")
+    qs.add_argument("--json", action="store_true", help="one JSON object per queue")
+    qs.set_defaults(func=_cmd_queues)
+
+    cl = sub.add_parser("calls", help="every call not yet answered, of every running turn (what the fleet runs now)")
+    cl.add_argument("--json", action="store_true", help="one JSON object per call")
+    cl.set_defaults(func=_cmd_calls)
+
     fl = sub.add_parser("flower", help="Flower on the configured broker (basic auth from FLOWER_USER/FLOWER_PASSWORD)")
     fl.add_argument("--port", type=int, help="default 5555, or FLOWER_PORT")
     fl.add_argument("--address", help="default 127.0.0.1, or FLOWER_ADDRESS")
@@ -375,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("demo", help="development: the built-in demo end to end against the fake model")
     m.add_argument("--json", action="store_true", help="one JSON event per line, like `codex exec --json`")
+    m.add_argument("-o", "--output-last-message", metavar="FILE", help=last_message)
     m.add_argument("--workspace", help="existing directory the demo works in (it writes hello.txt there); "
                                        "default: a fresh temporary directory")
     m.set_defaults(func=_cmd_demo)

@@ -1,5 +1,8 @@
 """`toolq run` and `toolq demo`: settings + (embedded stack) + runtime + session + view.
 
+As `codex exec` does, stdout holds only the turn's final message (or, with `--json`, the events),
+and the live view and every status line go to stderr; `-o FILE` writes the final message to FILE.
+
 Ctrl-C, SIGTERM and SIGHUP (a closed terminal, `timeout`, systemd, a deleted Kubernetes Job)
 cancel the turn the way `toolq cancel` does: the durable record first (so no worker starts a
 call of this turn), then the running calls are revoked and given aborted outputs, and the session
@@ -9,8 +12,11 @@ is written. SIGKILL leaves no handler: the embedded stack dies by its parent-dea
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import signal
+import stat
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -19,7 +25,7 @@ from typing import Any
 
 from toolq.cli.exits import exit_status
 from toolq.cli.terminal import printable
-from toolq.cli.view import JsonView, LiveView
+from toolq.cli.view import TICK_SECS, JsonView, LiveView
 from toolq.core import trusted_files
 from toolq.core.errors import ConfigurationError
 from toolq.core.settings import Settings, absolute_workspace, workspace_problem
@@ -31,22 +37,97 @@ from toolq.orchestrator.turn import Runtime, Session, TurnOutcome, new_turn_id
 
 #: How refusals name the conversation's file.
 SESSION = "session file"
+#: How refusals name the final message's file.
+LAST_MESSAGE = "--output-last-message"
 
 
-def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, session_file: Path | None = None) -> int:
+def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, session_file: Path | None = None,
+               last_message_file: Path | None = None) -> int:
     if problem := workspace_problem(settings.workspace):
         raise ConfigurationError(problem)
     if session_file:
         trusted_files.refuse_inside(session_file, [settings.workspace], SESSION)
     history = load_session(session_file) if session_file else None
     with ExitStack() as stack:
+        answer = stack.enter_context(LastMessageFile.open(last_message_file, settings.workspace)) \
+            if last_message_file else None
         settings, starting = with_redis(settings, stack, json_events)
         outcome, history = asyncio.run(_run(settings, prompt, json_events, history, starting=starting))
-    if session_file:
-        save_session(session_file, history)
-    if outcome.could_not_start and json_events:  # stdout is the events; the one line goes to stderr
-        print(f"toolq run: {printable(str(outcome.error), lines=False)}", file=sys.stderr)
+        if session_file:
+            save_session(session_file, history)
+        if outcome.could_not_start and json_events:  # stdout is the events; the one line goes to stderr
+            print(f"toolq run: {printable(str(outcome.error), lines=False)}", file=sys.stderr)
+        deliver(outcome, json_events, answer)
     return exit_status(outcome)
+
+
+class LastMessageFile:
+    """`-o FILE`: opened before the turn starts (a refusal costs no turn) and emptied, so it never
+    holds an earlier run's answer; the final message is written at the end, if the turn completed.
+    Never through a link (O_NOFOLLOW), never inside the workspace, never a file that is not a
+    regular file of ours: the same rules as `--session`'s file."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd, self.path = fd, path
+
+    @classmethod
+    def open(cls, path: Path, workspace: Path) -> LastMessageFile:
+        trusted_files.refuse_inside(path, [workspace], LAST_MESSAGE)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ConfigurationError(f"{LAST_MESSAGE} {path} is a symbolic link; toolq does not write "
+                                         "through one") from None
+            if e.errno == errno.ENXIO:  # a FIFO nobody reads (O_NONBLOCK: the open does not wait for one)
+                raise ConfigurationError(f"{LAST_MESSAGE} {path} is not a regular file") from None
+            raise ConfigurationError(f"{LAST_MESSAGE} {path}: {e.strerror}") from None
+        st = os.fstat(fd)
+        problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode)
+                   else f"belongs to uid {st.st_uid}, not you" if st.st_uid != os.geteuid() else None)
+        if problem:  # checked before it is emptied: another user's file is left as it was
+            os.close(fd)
+            raise ConfigurationError(f"{LAST_MESSAGE} {path} {problem}")
+        os.ftruncate(fd, 0)
+        return cls(fd, path)
+
+    def write(self, text: str) -> None:
+        data = text.encode()
+        while data:
+            data = data[os.write(self.fd, data):]
+
+    def __enter__(self) -> LastMessageFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+
+def deliver(outcome: TurnOutcome, json_events: bool, answer: LastMessageFile | None) -> None:
+    """The final message of a completed turn: on stdout (unless stdout is the events, or stdout and
+    stderr are both terminals, where the live view already showed it), and in `-o`'s file as the
+    model wrote it. On stdout it goes through `printable`: a pipe's reader is often a terminal too."""
+    message = outcome.final_message if outcome.status == "completed" else None
+    if answer is not None and outcome.status == "completed":
+        if message is None:
+            print(f"toolq: no final message; {answer.path} is left empty", file=sys.stderr)
+        answer.write(message or "")
+    if message is None or json_events or (_isatty(sys.stdout) and _isatty(sys.stderr)):
+        return
+    text = printable(message)
+    try:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.flush()
+    except (OSError, ValueError):  # a reader that went away
+        pass
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def load_session(path: Path) -> History:
@@ -68,7 +149,8 @@ def save_session(path: Path, history: History) -> None:
     trusted_files.replace(path, json.dumps(history.for_prompt(), indent=1).encode(), SESSION)
 
 
-def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path | None = None) -> int:
+def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path | None = None,
+             last_message_file: Path | None = None) -> int:
     from toolq.dev.fake_model.server import FakeModel
 
     if workspace is not None:
@@ -81,15 +163,18 @@ def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path |
         fake = stack.enter_context(FakeModel())
         settings = settings.model_copy(update={"openai_base_url": fake.base_url, "openai_api_key": "demo",
                                                "workspace": workspace})
+        answer = stack.enter_context(LastMessageFile.open(last_message_file, workspace)) \
+            if last_message_file else None
         settings, starting = with_redis(settings, stack, json_events)
         outcome, _ = asyncio.run(_run(settings, "Show me what toolq can do.", json_events, starting=starting))
-        if not json_events:
+        if not json_events:  # the demo's own report: status lines, on stderr with the view
             created = workspace / "hello.txt"
-            print(f"\nworkspace {workspace}: hello.txt = {created.read_text().strip()!r}" if created.exists()
-                  else f"\nworkspace {workspace}: hello.txt was not created")
+            print(f"\nworkspace {workspace}: hello.txt = {created.read_text().strip()!r}"
+                  if created.exists() else f"\nworkspace {workspace}: hello.txt was not created", file=sys.stderr)
             problems = [p for body in fake.requests for p in pairing_problems(body.get("input", []))]
             paired = f"PAIRING PROBLEMS: {problems}" if problems else "every call was paired with exactly one output."
-            print(f"{len(fake.requests)} model requests; {paired}")
+            print(f"{len(fake.requests)} model requests; {paired}", file=sys.stderr)
+        deliver(outcome, json_events, answer)
     return exit_status(outcome)
 
 
@@ -100,7 +185,12 @@ def with_redis(settings: Settings, stack: ExitStack, quiet: bool) -> tuple[Setti
     advertise when ready."""
     if settings.redis_url:
         return settings, None
+    from toolq.local import warm
     from toolq.local.embedded import EmbeddedStack
+
+    found = None if settings.mcp or settings.mcp_config else warm.find(settings)
+    if found is not None and found.warm is not None:  # `toolq up` left one for these tools: no boot to wait for
+        return settings.model_copy(update={"redis_url": found.redis_url, "signing_key": found.warm.signing_key}), None
 
     if not quiet:
         print("no REDIS_URL: starting an embedded Redis-protocol server and 2 workers...", file=sys.stderr)
@@ -119,7 +209,7 @@ def default_instructions(settings: Settings) -> str:
 
 
 def resume_turn(settings: Settings, turn_id: str, *, json_events: bool = False,
-                session_file: Path | None = None) -> int:
+                session_file: Path | None = None, last_message_file: Path | None = None) -> int:
     """`toolq resume TURN_ID`: finish an orphaned turn (its orchestrator died) from Redis alone."""
     if not settings.redis_url:
         raise ConfigurationError("toolq resume needs REDIS_URL: an embedded stack's Redis ends with its `toolq run`")
@@ -130,9 +220,13 @@ def resume_turn(settings: Settings, turn_id: str, *, json_events: bool = False,
                                                "model": saved.model})
     if session_file:
         trusted_files.refuse_inside(session_file, [settings.workspace], SESSION)
-    outcome, history = asyncio.run(_run(settings, "", json_events, turn_id=turn_id, resume=True))
-    if session_file:
-        save_session(session_file, history)
+    with ExitStack() as stack:
+        answer = stack.enter_context(LastMessageFile.open(last_message_file, settings.workspace)) \
+            if last_message_file else None
+        outcome, history = asyncio.run(_run(settings, "", json_events, turn_id=turn_id, resume=True))
+        if session_file:
+            save_session(session_file, history)
+        deliver(outcome, json_events, answer)
     return exit_status(outcome)
 
 
@@ -149,7 +243,7 @@ async def _saved_settings(settings: Settings, turn_id: str) -> TurnSettings | No
 async def _run(settings: Settings, prompt: str, json_events: bool, history: History | None = None, *,
                turn_id: str | None = None, resume: bool = False,
                starting: WorkersStarting | None = None) -> tuple[TurnOutcome, History]:
-    view: Any = JsonView() if json_events else LiveView()
+    view: Any = JsonView() if json_events else LiveView()  # JSON on stdout; the live view on stderr
     runtime = await Runtime.create(settings)
     runtime.fleet.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
     try:
@@ -172,17 +266,29 @@ async def _run(settings: Settings, prompt: str, json_events: bool, history: Hist
 
     for sig in CANCEL_SIGNALS:
         loop.add_signal_handler(sig, interrupt, sig)
+    ticker = loop.create_task(_tick(view)) if isinstance(view, LiveView) and view.tty else None
     try:
         if resume:
             return await session.resume(turn_id, view), session.history
         return await session.run_turn(prompt, view, turn_id=turn_id), session.history
     finally:
+        if ticker is not None:
+            ticker.cancel()
+        if isinstance(view, LiveView):
+            view.close()
         for sig in CANCEL_SIGNALS:
             loop.remove_signal_handler(sig)
         if pending:
             await asyncio.wait(pending, timeout=2.0)
         await session.close()  # the conversation ends with `toolq run`: so do its sessions
         await runtime.aclose()
+
+
+async def _tick(view: LiveView) -> None:
+    """Redraw the live view's status line (running calls and their elapsed time) each second."""
+    while True:
+        await asyncio.sleep(TICK_SECS)
+        view.tick()
 
 
 #: Each cancels the turn as Ctrl-C does (the exit status is then 130, `exits.exit_status`).

@@ -32,6 +32,7 @@ import redis
 from toolq.core import import_path, keys, libc
 from toolq.core.errors import ConfigurationError
 from toolq.local import runtime_dir
+from toolq.local.runtime_dir import WarmFleet
 from toolq.local.starting import WorkersStarting
 
 
@@ -338,13 +339,16 @@ class EmbeddedStack:
     """
 
     def __init__(self, *, workers: int = 2, concurrency: int = 4, tools: list[str] | None = None,
-                 wait_for_workers: bool = True) -> None:
+                 wait_for_workers: bool = True, warm: bool = False, fleet_settings: str = "") -> None:
         self.n_workers = workers
         self.concurrency = concurrency
         self.tools = tools or []
         self.wait_for_workers = wait_for_workers
         """False: enter returns once Redis is up, the workers boot meanwhile (`starting` says when
         they are ready), so the first model request goes out while they boot."""
+        self.warm = warm
+        """Announced for other runs to use (`toolq up`): with the key and tools they need."""
+        self.fleet_settings = fleet_settings
         self.starting = WorkersStarting()
         self._closing = threading.Event()
         self._stack = ExitStack()
@@ -391,17 +395,32 @@ class EmbeddedStack:
             for w in self.workers:
                 w.with_parent = True
                 w.start(wait=False)
-            self.entry = runtime_dir.register(self.url, self.dir)  # cancel/status need only the server
+            if not self.warm:  # cancel/status need only the server
+                self.entry = runtime_dir.register(self.url, self.dir)
             if self.wait_for_workers:
                 for w in self.workers:
                     w.wait_ready()
                 self.starting.finish()
+            if self.warm:  # announced once its workers serve: a run that finds it never waits for a boot
+                self.entry = runtime_dir.register(self.url, self.dir, WarmFleet(
+                    signing_key=self.signing_key, tools=sorted(self.tools), settings_digest=self.fleet_settings))
             else:
                 threading.Thread(target=self._watch_boot, name="toolq-embedded-boot", daemon=True).start()
         except BaseException:
             self._close(failed=True)
             raise
         return self
+
+    def dead_child(self) -> str | None:
+        """The server or a worker that has exited, named; None while all run. Unregisters the
+        stack's entry at once when one has, so no run is sent to it."""
+        children = [("the embedded server", self.redis), *((f"worker {w.name}", w) for w in self.workers)]
+        for name, child in children:
+            if child is not None and child.proc is not None and child.proc.poll() is not None:
+                runtime_dir.unregister(self.entry)
+                self.entry = None
+                return name
+        return None
 
     def _watch_boot(self, timeout: float = 30.0) -> None:
         """Until every worker is ready (or one failed, or the stack is closing): `starting` says which."""

@@ -17,6 +17,7 @@ import stat
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ValidationError
 
@@ -37,6 +38,23 @@ class StackEntry(BaseModel):
     """Broker and ledger, password included (hence the 0600 file)."""
     started_at: float
     logdir: str
+    warm: WarmFleet | None = None
+    """Set for a stack `toolq up` left running for the next runs (toolq/local/warm.py)."""
+
+
+class WarmFleet(BaseModel):
+    """What a run needs to use a warm stack instead of starting its own."""
+
+    signing_key: str
+    """The fleet's key (its workers check every call against it), hence the 0600 file."""
+    tools: list[str]
+    """The tool modules its workers loaded: a run asking for others starts its own stack."""
+    settings_digest: str
+    """What its workers run with (the sandbox, limits, the tools path: `warm.settings_digest`): a
+    run whose own settings differ starts its own stack rather than have them ignored."""
+
+
+StackEntry.model_rebuild()
 
 
 def runtime_root(env: dict[str, str] | os._Environ[str] | None = None) -> Path:
@@ -83,17 +101,26 @@ def _process_start(pid: int) -> str | None:
     return fields[19]  # field 22 overall: starttime, in clock ticks since boot
 
 
-def _alive(entry: StackEntry) -> bool:
+def alive(entry: StackEntry) -> bool:
+    """Whether the entry's process still runs (a zombie has stopped: it only waits to be reaped)."""
     try:
         os.kill(entry.pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return False  # another user's process: the pid was reused, our run is gone
+    try:
+        if Path(f"/proc/{entry.pid}/stat").read_text().rsplit(") ", 1)[1].split()[0] == "Z":
+            return False
+    except (OSError, IndexError):
+        return False
     return entry.pid_started is None or _process_start(entry.pid) in (None, entry.pid_started)
 
 
-def register(redis_url: str, logdir: Path) -> Path | None:
+
+
+
+def register(redis_url: str, logdir: Path, warm: WarmFleet | None = None) -> Path | None:
     """Announce a stack of this process; returns its file (remove it with `unregister`).
     A runtime directory that cannot be trusted costs only discovery: warned, and the run goes on."""
     try:
@@ -104,7 +131,7 @@ def register(redis_url: str, logdir: Path) -> Path | None:
         return None
     pid = os.getpid()
     entry = StackEntry(pid=pid, pid_started=_process_start(pid), redis_url=redis_url, started_at=time.time(),
-                       logdir=str(logdir))
+                       logdir=str(logdir), warm=warm)
     path = root / f"{ENTRY_PREFIX}{pid}-{secrets.token_hex(4)}.json"
     # Never written through a name someone else prepared: the file holds the server's password.
     trusted_files.replace(path, entry.model_dump_json().encode(), "the runtime entry")
@@ -128,9 +155,19 @@ def _read_entry(path: Path) -> StackEntry | None:
             return None
         try:
             _check_private(st, path, "file")
-            return StackEntry.model_validate(json.loads(f.read()))
+            entry = StackEntry.model_validate(json.loads(f.read()))
         except (ConfigurationError, ValueError, ValidationError):
             return None
+        # A stack of ours serves on loopback: an entry naming another host was not written by toolq.
+        return entry if _on_loopback(entry.redis_url) else None
+
+
+def _on_loopback(url: str) -> bool:
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        return False
+    return host in ("127.0.0.1", "localhost", "::1")
 
 
 def running_stacks() -> list[StackEntry]:
@@ -143,7 +180,7 @@ def running_stacks() -> list[StackEntry]:
         entry = _read_entry(path)
         if entry is None:
             continue
-        if _alive(entry):
+        if alive(entry):
             found.append(entry)
         else:
             path.unlink(missing_ok=True)

@@ -35,6 +35,10 @@ from toolq.dev.fake_model import builders as b
 from toolq.dev.fake_model.server import FakeModel
 
 CODEX_S = 0.27
+#: Codex's one-call turn (`codex exec`, one `exec_command true`) in the issue's run, when it cannot run here.
+CODEX_CALL_S = 0.26
+#: Goal: a one-call turn on a warm local fleet (`toolq up`) exits within this many times Codex's.
+WARM_GOAL = 1.5
 #: Goals: external Redis no slower than Codex; the embedded default under a second.
 EXTERNAL_GOAL = 1.0
 EMBEDDED_GOAL_S = 1.0
@@ -94,6 +98,21 @@ def external_redis() -> Iterator[dict[str, str]]:
         yield {"REDIS_URL": server.url, "TOOLQ_SIGNING_KEY": secrets.token_hex(32)}
 
 
+@contextmanager
+def warm_fleet(env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """A warm local fleet (`toolq up`) in a runtime directory of its own, for the runs given the
+    environment this yields; `toolq down` at the end."""
+    with tempfile.TemporaryDirectory() as runtime:
+        os.chmod(runtime, 0o700)
+        env = {**env, "XDG_RUNTIME_DIR": runtime}
+        argv, where = import_path.python_argv("-m", "toolq.cli.main"), import_path.NEUTRAL_CWD
+        subprocess.run([*argv, "up"], env=env, check=True, capture_output=True, timeout=120, cwd=where)
+        try:
+            yield {"XDG_RUNTIME_DIR": runtime}
+        finally:
+            subprocess.run([*argv, "down"], env=env, capture_output=True, timeout=120, cwd=where)
+
+
 def import_time(runs: int) -> tuple[float, bool]:
     """Median seconds to import `toolq run`'s modules in a fresh interpreter, and whether Celery came too."""
     samples, celery = [], False
@@ -137,14 +156,26 @@ def run(out: IO[str] = sys.stdout, runs: int = 5) -> dict[str, Any]:
         ws = stack.enter_context(tempfile.TemporaryDirectory())
         external = stack.enter_context(external_redis())
         cx = stack.enter_context(reference.codex(path, fake.base_url, sandboxed=False)) if path else None
+        cx_call = stack.enter_context(reference.codex(path, calling.base_url, sandboxed=False)) if path else None
         base["OPENAI_BASE_URL"] = fake.base_url
-        samples: dict[str, list[dict[str, float]]] = {"external": [], "embedded": [], "embedded_call": []}
+        warm = stack.enter_context(warm_fleet(base))
+        samples: dict[str, list[dict[str, float]]] = {"external": [], "embedded": [], "embedded_call": [],
+                                                      "warm_call": []}
+        if cx_call:
+            samples["codex_call"] = []
         if cx:
             samples["codex"] = []
         for _ in range(runs):  # interleaved, so all see the same load
             samples["external"].append(one_run({**base, **external}, fake, ws))
             samples["embedded"].append(one_run(base, fake, ws))
             samples["embedded_call"].append(one_run({**base, "OPENAI_BASE_URL": calling.base_url}, calling, ws))
+            samples["warm_call"].append(one_run({**base, **warm, "OPENAI_BASE_URL": calling.base_url}, calling, ws))
+            if cx_call and "codex_call_failed" not in res:
+                try:
+                    samples["codex_call"].append(codex_run(cx_call, calling, ws))
+                except reference.CodexFailed as e:
+                    res["codex_call_failed"] = str(e)
+                    del samples["codex_call"]
             if cx and "codex_failed" not in res:
                 try:
                     samples["codex"].append(codex_run(cx, fake, ws))
@@ -166,12 +197,17 @@ def report(res: dict[str, Any]) -> list[str]:
     res["external_goal_met"], ext_note = goal(res["ratio_vs_codex"], EXTERNAL_GOAL)
     res["embedded_goal_met"] = emb["exit"] < EMBEDDED_GOAL_S
     emb_note = f"goal < {EMBEDDED_GOAL_S:g} s: {'met' if res['embedded_goal_met'] else 'MISSED'}"
-    res["goal_met"] = res["external_goal_met"] and res["embedded_goal_met"]
+    res["goal_met"] = res["external_goal_met"] and res["embedded_goal_met"]  # the warm goal is its own line
 
     def line(label: str, r: dict[str, float]) -> str:
         return (f"  {label:<15}: first request {r['first_request']:.3f} s  exit {r['exit']:.3f} s  "
                 f"CPU {r['cpu']:.3f} s")
 
+    codex_call_s = res["codex_call"]["exit"] if "codex_call" in res else CODEX_CALL_S
+    res["warm_ratio"] = res["warm_call"]["exit"] / codex_call_s
+    res["warm_goal_met"], warm_note = goal(res["warm_ratio"], WARM_GOAL)
+    codex_call = (f"Codex's one-call turn {codex_call_s:.3f} s in the same runs" if "codex_call" in res
+                  else f"Codex's one-call turn, fixed {CODEX_CALL_S} s")
     why = (f"Codex could not run here: {res['codex_failed']}" if "codex_failed" in res
            else f"{reference.INSTALL} to measure it here")
     codex = f"Codex {codex_s:.3f} s in the same runs" if "codex" in res else f"Codex's fixed {CODEX_S} s ({why})"
@@ -182,6 +218,7 @@ def report(res: dict[str, Any]) -> list[str]:
         line("embedded", emb) + f"  ({emb_note})",
         line("embedded, 1 call", res["embedded_call"])
         + f"  (workers up: {res['embedded_call']['after_last_request']:.3f} s from the last request to exit)",
+        line("warm, 1 call", res["warm_call"]) + f"  = {res['warm_ratio']:.2f}x {codex_call} ({warm_note})",
         f"  imports of the toolq run path: {res['imports'] * 1000:.0f} ms "
         f"({'Celery loaded' if res['imports_load_celery'] else 'no Celery'})",
     ]

@@ -544,6 +544,9 @@ def main() -> None:
         sys.exit("session host: no key on its standard input (start it with toolq.workers.sessions.start)")
 
     def stop(signum: int, frame: object) -> None:
+        # Once: a second SIGTERM during the cleanup re-entered it and blocked on the slots' lock,
+        # which its first run held, so the host lived on, orphaned (found by helper-25).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         host.kill_all()
         host.slots.remove_all()
         try:
