@@ -117,3 +117,11 @@ def test_turns_rejects_a_limit_below_one():
     err = io.StringIO()
     assert turns_cmd(Settings(redis_url="redis://127.0.0.1:1/0"), limit=0, err=err) == 2
     assert "--limit" in err.getvalue()
+
+
+def test_an_orphaned_turn_has_no_duration_growing_with_the_clock():
+    """Nobody drives it: counting up to now read as a turn still at work (a newcomer's report)."""
+    from toolq.cli.status import elapsed
+
+    assert elapsed({"state": "orphaned", "started_at": "100"}, now=5000.0) is None
+    assert elapsed({"state": "running", "started_at": "100"}, now=5000.0) == 4900.0

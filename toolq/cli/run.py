@@ -158,6 +158,7 @@ def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path |
         if problem := workspace_problem(workspace):
             raise ConfigurationError(problem)
     with ExitStack() as stack:
+        temporary = workspace is None
         if workspace is None:
             workspace = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="toolq-demo-")))
         fake = stack.enter_context(FakeModel())
@@ -169,8 +170,9 @@ def run_demo(settings: Settings, *, json_events: bool = False, workspace: Path |
         outcome, _ = asyncio.run(_run(settings, "Show me what toolq can do.", json_events, starting=starting))
         if not json_events:  # the demo's own report: status lines, on stderr with the view
             created = workspace / "hello.txt"
-            print(f"\nworkspace {workspace}: hello.txt = {created.read_text().strip()!r}"
-                  if created.exists() else f"\nworkspace {workspace}: hello.txt was not created", file=sys.stderr)
+            where = f"workspace {workspace}" + (" (a temporary folder, removed as the demo ends)" if temporary else "")
+            print(f"\n{where}: hello.txt = {created.read_text().strip()!r}"
+                  if created.exists() else f"\n{where}: hello.txt was not created", file=sys.stderr)
             problems = [p for body in fake.requests for p in pairing_problems(body.get("input", []))]
             paired = f"PAIRING PROBLEMS: {problems}" if problems else "every call was paired with exactly one output."
             print(f"{len(fake.requests)} model requests; {paired}", file=sys.stderr)

@@ -48,8 +48,8 @@ def elapsed(record: dict[str, str], now: float) -> float | None:
         return None
     if finished is None:
         state = parse_state(record.get("state"))
-        if state is not None and state.terminal:
-            return None  # ended without a recorded end time: no honest duration
+        if (state is not None and state.terminal) or record.get("state") == "orphaned":
+            return None  # ended (or abandoned) without a recorded end time: no honest duration
         finished = now
     return max(finished - started, 0.0)
 
