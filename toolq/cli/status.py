@@ -20,8 +20,7 @@ from toolq.core.session_records import SessionRecord
 from toolq.core.settings import Settings, mask_url_password
 from toolq.core.states import parse_state
 from toolq.local.runtime_dir import ledger_urls
-from toolq.orchestrator.transport.durable import mark_orphans
-from toolq.orchestrator.transport.ledger import mark_orphaned_fleet_turns
+from toolq.orchestrator.transport.ledger import mark_orphans
 from toolq.orchestrator.transport.redis_faults import reaching
 from toolq.orchestrator.transport.session_route import live_sessions
 
@@ -156,7 +155,6 @@ def status_cmd(settings: Settings, turn_id: str, *, as_json: bool = False, out: 
             async for _, ledger in each:
                 turn, calls = await ledger.turn(turn_id), await ledger.calls(turn_id)
                 await mark_orphans(ledger.r, [(turn_id, turn)])
-                await mark_orphaned_fleet_turns(ledger.r, [(turn_id, turn)])
                 if turn or calls:
                     conversation = turn.get("conversation")
                     sessions = await live_sessions(ledger.r, conversation) if conversation else []
@@ -190,7 +188,6 @@ def turns_cmd(settings: Settings, *, limit: int = 20, as_json: bool = False, out
             async for _, ledger in each:
                 turns = await ledger.recent_turns(limit)
                 await mark_orphans(ledger.r, turns)
-                await mark_orphaned_fleet_turns(ledger.r, turns)
                 counts = [len(await ledger.calls(t)) for t, _ in turns]
                 found += [(t, h, n) for (t, h), n in zip(turns, counts, strict=True)]
         return found

@@ -235,21 +235,3 @@ def unanswered(committed: list[Committed]) -> list[tuple[int, list[Committed]]]:
             continue
         by_step.setdefault(c.step, []).append(c)
     return sorted(by_step.items())
-
-
-async def mark_orphans(r: aioredis.Redis, turns: list[tuple[str, dict[str, str]]]) -> None:
-    """Show a durable turn still `running` whose lease lapsed (its orchestrator died) as `orphaned`."""
-    running = [(t, h) for t, h in turns if h.get("state") == "running" and "settings" in h]
-    if not running:
-        return
-    async with r.pipeline(transaction=False) as p:
-        for t, _ in running:
-            p.exists(keys.turn_lease(t))
-        leases = await p.execute()
-    for (_, h), leased in zip(running, leases, strict=True):
-        if not leased:
-            h["state"] = ORPHANED
-
-
-#: The state `toolq turns` and `toolq status` show for a running turn nobody drives.
-ORPHANED = "orphaned"

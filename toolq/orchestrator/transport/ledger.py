@@ -19,7 +19,6 @@ from toolq.core import keys
 from toolq.core.calls import ToolInvocation
 from toolq.core.states import CallState
 from toolq.orchestrator.transport.cancel_listener import CancelListener
-from toolq.orchestrator.transport.durable import ORPHANED
 from toolq.orchestrator.transport.redis_pool import DEFAULT_CONNECTIONS, blocking_client
 
 
@@ -300,10 +299,15 @@ class Ledger:
         return bool(await self.r.exists(keys.cancel_turn(turn_id)))
 
 
-async def mark_orphaned_fleet_turns(r: aioredis.Redis, turns: list[tuple[str, dict[str, str]]]) -> None:
-    """Show a Fleet turn still `running` whose lease lapsed (no open `Fleet` touches it: its process
-    died without ending it) as `orphaned`, as `durable.mark_orphans` shows a durable turn."""
-    running = [(t, h) for t, h in turns if h.get("state") == "running" and h.get("driver") == FLEET_DRIVER]
+#: The state `toolq turns` and `toolq status` show for a running turn nobody drives.
+ORPHANED = "orphaned"
+
+
+async def mark_orphans(r: aioredis.Redis, turns: list[tuple[str, dict[str, str]]]) -> None:
+    """Show a turn still `running` whose lease lapsed as `orphaned`: a durable turn whose
+    orchestrator died (`toolq resume` finishes it), or a `Fleet` turn no open `Fleet` touches."""
+    running = [(t, h) for t, h in turns
+               if h.get("state") == "running" and ("settings" in h or h.get("driver") == FLEET_DRIVER)]
     if not running:
         return
     async with r.pipeline(transaction=False) as p:
