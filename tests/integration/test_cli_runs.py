@@ -273,3 +273,23 @@ def test_resume_puts_the_final_message_alone_on_stdout_and_in_o(fleet, outside, 
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout == ANSWER + "\n" and answer.read_text() == ANSWER
     assert "turn completed (" in resumed.stderr.splitlines()[-1]
+
+
+def test_a_worker_without_a_logfile_says_its_sandbox_once(redis_server):
+    """The banner was printed, then logged, both on stderr (a newcomer read it twice)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TOOLQ_", "REDIS_", "CELERY_"))}
+    env.update(REDIS_URL=redis_server.url, TOOLQ_SIGNING_KEY=c.SIGNING_KEY)
+    proc = subprocess.Popen([sys.executable, "-m", "toolq.cli.main", "worker", "--concurrency", "1",
+                             "--name", f"banner-{os.getpid()}@test"], env=env, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if " ready." in line:
+                break
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert any(" ready." in line for line in lines), "".join(lines)[-2000:]
+    assert sum("sandbox: " in line for line in lines) == 1, "".join(lines)[-2000:]

@@ -120,7 +120,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     except ConfigurationError as e:
         print(f"toolq worker: {e}", file=sys.stderr)
         return 2
-    print(banner, file=sys.stderr, flush=True)
+    if args.logfile:  # else the worker's own log line says it, on stderr too (it was printed twice)
+        print(banner, file=sys.stderr, flush=True)
     # No --events: task events start when a monitor asks (workers/config.py, `worker_send_task_events`).
     argv = ["worker", "--pool", "prefork", "--concurrency", str(settings.concurrency), "--queues", ",".join(queues),
             "--without-gossip", "--without-mingle", "--loglevel", args.loglevel]
