@@ -86,9 +86,12 @@ class ModelError(Exception):
         status: int | None = None,
         code: str | None = None,
         detail: str | None = None,
+        unreachable: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
+        self.unreachable = unreachable
+        """No connection to the endpoint at all (refused, timed out): nothing answered."""
         self.retryable = retryable
         self.delay = delay
         self.status = status
@@ -319,7 +322,7 @@ def transport_failure(e: httpx.TransportError, url: str) -> ModelError:
     """A network error, retryable as in Codex; the message names the URL, so a wrong one shows."""
     if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
         return ModelError(f"cannot reach {url} ({_describe(e)}): is the server running? check OPENAI_BASE_URL",
-                          retryable=True)
+                          retryable=True, unreachable=True)
     return ModelError(STREAM_DISCONNECTED + f"transport error: {_describe(e)}, url: {url}", retryable=True)
 
 

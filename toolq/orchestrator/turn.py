@@ -92,6 +92,9 @@ class TurnOutcome:
     requests: int = 0
     could_not_start: bool = False
     """Nothing ran (Redis unreachable at the start); the command line exits 2 (`exits.py`)."""
+    model_unreachable: bool = False
+    """The model's endpoint never answered this turn (every connection failed): the command line
+    exits 2, as for any start that could not happen (a wrong OPENAI_BASE_URL)."""
 
 
 class Runtime:
@@ -164,6 +167,8 @@ class Session:
         """The token of this session's lease on the running turn (durable.py)."""
         self._superseded = False
         """Another orchestrator took the turn over: this session writes nothing more to it."""
+        self._model_answered = False
+        """The running turn's model endpoint sent something (else a connect failure is a start that failed)."""
         self._store = StoreBudget(runtime.settings.turn_store_mb)
         """What the running turn has made toolq keep in Redis, bounded by TOOLQ_TURN_STORE_MB."""
         self.conversation = ConversationLease(runtime.fleet.ledger.r, new_conversation_id())
@@ -256,6 +261,7 @@ class Session:
 
     async def _drive(self, turn_id: str, outcome: TurnOutcome, emit: Emit, loop: Any) -> TurnOutcome:
         """Run the loop under the lease, hear cancels, and end with exactly one terminal event."""
+        self._model_answered = False
         heartbeat = asyncio.create_task(self.rt.turns.heartbeat(turn_id, self._lease)) if self._lease else None
         inner = asyncio.create_task(loop)
         cancelled = asyncio.create_task(self._cancel.wait())
@@ -272,6 +278,7 @@ class Session:
                 await self._abort(turn_id, inner, outcome, emit, started)
         except ModelError as e:
             outcome.status, outcome.error = "failed", e.message
+            outcome.model_unreachable = e.unreachable and not self._model_answered
         except Exception as e:  # a bug: still one terminal event, a paired history, the calls stopped
             log.exception("the turn loop of %s failed", turn_id)
             if self._step is not None:
@@ -446,6 +453,7 @@ class Session:
         index = 0
         async with aclosing(self.rt.client.stream(body)) as events:  # a stop at the store bound closes it now
             async for event in events:
+                self._model_answered = True
                 if event.kind == "item_done":
                     item: ResponseItem = event.item
                     # toolq's own count, not the server's output_index, names the call's task: a server
