@@ -189,7 +189,6 @@ class Session:
         outcome = TurnOutcome(turn_id=turn_id, status="running")
         self._cancel.clear()
         self._store = StoreBudget(settings.turn_store_mb)
-        emit(TurnStarted(turn_id=turn_id))
         self.history.record(MessageItem(role="user", content=[InputText(text=prompt)]))
         # The turn's item list starts with the whole conversation so far (for `toolq resume`).
         self._store.add(sum(wire_cost(obj, history=True) for obj in self.history.to_json()))
@@ -207,6 +206,9 @@ class Session:
             outcome.status, outcome.error = "failed", str(RedisUnreachable(settings.redis_url, e))
             outcome.could_not_start = True
             return await self._end(turn_id, outcome, emit)
+        # Started once its records are in Redis: a turn that could not start names no turn id a
+        # user would look for (`toolq status` knows none), only its one-line error and turn.failed.
+        emit(TurnStarted(turn_id=turn_id))
         return await self._drive(turn_id, outcome, emit, self._loop(turn_id, outcome, emit, deadline))
 
     async def resume(self, turn_id: str, emit: Emit = ignore) -> TurnOutcome:
