@@ -21,8 +21,10 @@ import pytest
 import redis
 
 from toolq.core import keys
+from toolq.core.settings import Settings
 from toolq.dev.fake_model import FakeModel
 from toolq.dev.fake_model.builders import function_call, message
+from toolq.local.warm import settings_digest
 
 pytestmark = pytest.mark.integration
 
@@ -196,7 +198,9 @@ def test_an_entry_that_names_another_process_is_never_trusted_nor_signalled(env,
         fd = os.open(planted, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.write(fd, json.dumps({"pid": bystander.pid, "pid_started": started, "redis_url": "redis://127.0.0.1:9/0",
                                  "started_at": 0, "logdir": "/tmp", "warm": {
-                                     "signing_key": "k" * 64, "tools": [], "settings_digest": "x"}}).encode())
+                                     "signing_key": "k" * 64, "tools": [],
+                                     # the digest a run would accept: only the process check refuses it
+                                     "settings_digest": settings_digest(Settings.load(env))}}).encode())
         os.close(fd)
         assert "no warm fleet" in toolq("down", env=env).stdout
         assert bystander.poll() is None, "toolq down signalled a process that is not a warm fleet"
@@ -220,3 +224,12 @@ def test_a_runtime_directory_inside_the_workspace_is_never_used_for_a_warm_fleet
         assert not in_ledger(entry, turn_id_of(run))
     finally:
         toolq("down", env=at_home)
+
+
+def test_a_run_with_its_own_turn_timeout_still_uses_the_warm_fleet(env):
+    """Only what the workers read must match: a turn's timeout is the orchestrator's alone."""
+    assert toolq("up", env=env).returncode == 0
+    entry = warm_entry(env)
+    with FakeModel(one_call_script(), loop=True) as fake:
+        run = run_turn({**env, "TOOLQ_TURN_TIMEOUT": "123"}, fake)
+    assert in_ledger(entry, turn_id_of(run)) == b"completed", run.stderr

@@ -213,3 +213,60 @@ def test_where_names_the_innermost_place_a_task_waits_outside_asyncio():
     said = asyncio.run(main())
     assert said.endswith("in test_where_names_the_innermost_place_a_task_waits_outside_asyncio.<locals>.deepest"), said
     assert "test_batch.py:" in said
+
+
+def test_a_line_whose_extra_field_holds_a_lone_surrogate_is_invalid_not_a_crash():
+    """json.loads accepts the escape; no result could carry it back, and writing one raised out of
+    the lane and ended the batch with a traceback (found by helper-26)."""
+    from toolq.cli.batch import parse_line
+
+    entry = parse_line(1, '{"prompt": "hi", "id": "\\ud800"}')
+    assert entry.turn is None and entry.extras == {} and "surrogate" in (entry.problem or "")
+    BatchResult(key=entry.key, line=1, status="invalid", error=entry.problem, started=False).model_dump_json()
+
+
+def test_a_result_that_cannot_be_written_still_lets_its_lane_go(tmp_path):
+    """A full disk under --out left the lane marked written but never settled: the batch waited for
+    ever, through SIGTERM (found by helper-26)."""
+    import io
+    from types import SimpleNamespace
+
+    from toolq.cli.batch import Batch, Lane, parse_line
+    from toolq.cli.batch_progress import Progress
+
+    class FullDisk(Results):
+        def write(self, result: BatchResult) -> None:
+            raise OSError(28, "No space left on device")
+
+    async def go() -> tuple[bool, int, str]:
+        said = io.StringIO()
+        runtime = SimpleNamespace(client=SimpleNamespace(settings=SimpleNamespace(model="m")))
+        batch = Batch(runtime, Settings(workspace=tmp_path), FullDisk(None), Progress(total=1, out=io.StringIO()),  # type: ignore[arg-type]
+                      concurrency=1, warn=said)
+        entry = parse_line(1, '{"prompt": "hi"}')
+        assert entry.turn is not None
+        lane = Lane(entry=entry, line=entry.turn, turn_id="turn-x")
+        batch._write_lane(lane, "completed")
+        await asyncio.wait_for(lane.settled, 5)
+        return lane.settled.done(), batch.unwritten, said.getvalue()
+
+    settled, unwritten, said = asyncio.run(go())
+    assert settled and unwritten == 1 and "No space left on device" in said and "line 1" in said
+
+
+def test_transcripts_go_only_into_a_folder_no_one_else_may_write(tmp_path):
+    from toolq.cli.batch import _refuse_folder_not_mine
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ConfigurationError, match="no one else may write"):
+        _refuse_folder_not_mine(shared)
+    shared.chmod(0o700)
+    _refuse_folder_not_mine(shared)
+
+
+def test_a_durable_rewrite_is_the_user_s_own(tmp_path):
+    path = tmp_path / "results.jsonl"
+    replace_durably(path, b"{}\n", "the results")
+    assert (path.stat().st_mode & 0o777) == 0o600

@@ -33,6 +33,7 @@ import json
 import os
 import secrets
 import signal
+import stat
 import sys
 import time
 import types
@@ -48,7 +49,7 @@ from toolq.cli.batch_progress import Progress, ended_call
 from toolq.cli.exits import EXIT_CANCELLED, EXIT_FAILED
 from toolq.cli.run import CANCEL_SIGNALS, default_instructions, with_redis
 from toolq.cli.terminal import printable
-from toolq.core import trusted_files
+from toolq.core import trusted_files, untrusted
 from toolq.core.errors import ConfigurationError, problems
 from toolq.core.settings import Settings, absolute_workspace, workspace_problem
 from toolq.local.starting import WorkersStarting
@@ -172,6 +173,8 @@ def parse_line(number: int, raw: str) -> Entry:
     except ValueError:
         data = None  # pydantic names the problem below
     extras = {k: v for k, v in data.items() if k not in BatchLine.model_fields} if isinstance(data, dict) else {}
+    if (bad := untrusted.first_surrogate(extras)) is not None:  # no result could carry it back
+        return Entry(number=number, key=key, problem=f"line {number}: {untrusted.describe_surrogate(bad)}")
     if clash := sorted(k for k in extras if k in RESERVED):
         return Entry(number=number, key=key, extras={k: v for k, v in extras.items() if k not in RESERVED},
                      problem=f"line {number}: field{'s' if len(clash) > 1 else ''} {', '.join(clash)} would "
@@ -223,7 +226,8 @@ def replace_durably(path: Path, data: bytes, what: str) -> None:
     link at `path` is replaced, never followed), and the folder fsynced so the rename lasts."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        # 0600: a transcript holds every command's output, a result the final message
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as e:
         raise ConfigurationError(f"cannot write {what} {path}: {e.strerror}") from None
     try:
@@ -268,14 +272,17 @@ class Results:
         self.file: IO[bytes] | None = None
         self.stream = stream
         if path is not None:
-            f = trusted_files.open_append(path, OUT)
+            f = trusted_files.open_append(path, OUT, 0o600)  # final messages: the user's own
             if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":  # a line cut by a killed batch
                 f.write(b"\n")  # must not swallow the next one
             self.file = f
         self.statuses: dict[str, str] = {}
         """This run's status per key."""
+        self.closed = False
 
     def write(self, result: BatchResult) -> None:
+        if self.closed:
+            raise RuntimeError("a result came after the results file was closed")
         text = result.model_dump_json() + "\n"
         if self.file is not None:
             self.file.write(text.encode(errors="surrogateescape"))
@@ -289,6 +296,7 @@ class Results:
         self.statuses[result.key] = result.status
 
     def close(self) -> None:
+        self.closed = True
         if self.file is not None:
             self.file.close()
             self.file = None
@@ -328,6 +336,8 @@ class Batch:
         self.rt, self.settings, self.results, self.progress = runtime, settings, results, progress
         self.concurrency = concurrency
         self.transcripts = transcripts
+        self.unwritten = 0
+        """Results that could not be written (each said in one line): the batch exits 1."""
         self.warn = warn
         self.lanes: dict[str, Lane] = {}
         """The turns started and not yet let go of, by turn id."""
@@ -350,8 +360,12 @@ class Batch:
             if self.stopping is not None:
                 return
             if entry.turn is None:
-                self._write(BatchResult(key=entry.key, line=entry.number, status="invalid", error=entry.problem,
-                                        started=False, **entry.extras))
+                try:
+                    self._write(BatchResult(key=entry.key, line=entry.number, status="invalid", error=entry.problem,
+                                            started=False, **entry.extras))
+                except Exception as e:  # as in `_write_lane`: one line, and the batch goes on
+                    self.unwritten += 1
+                    self._say(f"could not write the result of line {entry.number}: {type(e).__name__}: {e}")
                 continue
             lane = Lane(entry=entry, line=entry.turn, turn_id=new_turn_id())
             self.lanes[lane.turn_id] = lane
@@ -421,17 +435,22 @@ class Batch:
         lane.written = True
         lane.ended = lane.ended or time.monotonic()
         self._count_running()
-        transcript = self._transcript(lane) if started else None
         entry = lane.entry
-        self._write(BatchResult(
-            key=entry.key, line=entry.number, turn_id=lane.turn_id, status=status, prompt=lane.line.prompt,
-            workspace=str(lane.session.workspace) if lane.session else None, model=self.model,
-            final_message=final_message if final_message is not None else lane.final_message,
-            usage=usage if usage is not None else lane.usage, error=error, calls=lane.calls,
-            failed_calls=lane.failed_calls, duration=round(time.monotonic() - lane.started, 3),
-            transcript=transcript, started=started, **entry.extras))
-        if not lane.settled.done():
-            lane.settled.set_result(None)
+        try:
+            transcript = self._transcript(lane) if started else None
+            self._write(BatchResult(
+                key=entry.key, line=entry.number, turn_id=lane.turn_id, status=status, prompt=lane.line.prompt,
+                workspace=str(lane.session.workspace) if lane.session else None, model=self.model,
+                final_message=final_message if final_message is not None else lane.final_message,
+                usage=usage if usage is not None else lane.usage, error=error, calls=lane.calls,
+                failed_calls=lane.failed_calls, duration=round(time.monotonic() - lane.started, 3),
+                transcript=transcript, started=started, **entry.extras))
+        except Exception as e:  # a full disk, an unwritable value: said once, the batch goes on and exits 1
+            self.unwritten += 1
+            self._say(f"could not write the result of line {entry.number} ({lane.turn_id}): {type(e).__name__}: {e}")
+        finally:  # whatever happened above, nothing waits on this lane any more
+            if not lane.settled.done():
+                lane.settled.set_result(None)
 
     def _transcript(self, lane: Lane) -> str | None:
         """The turn's whole history, one item per line (as Codex's rollout files), in `--transcripts`."""
@@ -594,7 +613,8 @@ def run_batch(settings: Settings, path: Path, out: Path | None, *, concurrency: 
         trusted_files.refuse_inside(out, workspaces, OUT)
     if transcripts is not None:
         _refuse_folder_inside(transcripts, workspaces)
-        transcripts.mkdir(exist_ok=True)
+        transcripts.mkdir(mode=0o700, exist_ok=True)
+        _refuse_folder_not_mine(transcripts)
     latest = latest_statuses(out) if out is not None else {}
     done = ("completed",) if retry_failed else ("completed", "failed")
     todo = [e for e in entries if latest.get(e.key) not in done]
@@ -618,9 +638,20 @@ def run_batch(settings: Settings, path: Path, out: Path | None, *, concurrency: 
               f"done); results in {out if out is not None else 'stdout'}", file=progress_to)
         latest.update(batch.results.statuses)
         stopped = batch.stopping is not None
+        if batch.unwritten:
+            return EXIT_FAILED
     if stopped:
         return EXIT_CANCELLED
     return 0 if all(latest.get(e.key) == "completed" for e in entries) else EXIT_FAILED
+
+
+def _refuse_folder_not_mine(folder: Path) -> None:
+    """Transcripts go only into a folder of the user's own that nobody else may write (another
+    user could otherwise read them, or plant names in it)."""
+    st = os.stat(folder, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise ConfigurationError(f"{TRANSCRIPTS} {folder} must be a folder of yours that no one else may write "
+                                 "(mode 755 or 700)")
 
 
 def _refuse_folder_inside(folder: Path, workspaces: list[Path]) -> None:

@@ -244,6 +244,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.idle <= 0:
         raise UsageError("--idle must be a positive number of seconds")
     settings = _settings(args)
+    if settings.redis_url:
+        raise UsageError("toolq up starts a local fleet for runs with no REDIS_URL: unset REDIS_URL (and "
+                         "CELERY_BROKER_URL), or start workers on your Redis with `toolq worker`")
     if args.foreground:
         return warm.serve(settings.tools, workers=args.workers, concurrency=args.concurrency, idle=args.idle)
     print(f"toolq: {warm.up(settings, workers=args.workers, concurrency=args.concurrency, idle=args.idle)}")

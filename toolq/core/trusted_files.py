@@ -79,6 +79,6 @@ def replace(path: Path, data: bytes, what: str) -> None:
         raise
 
 
-def open_append(path: Path, what: str) -> IO[bytes]:
+def open_append(path: Path, what: str, mode: int = 0o644) -> IO[bytes]:
     """`path` opened to append (created if missing), never through a link."""
-    return os.fdopen(_open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, what, 0o644), "ab+")
+    return os.fdopen(_open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, what, mode), "ab+")

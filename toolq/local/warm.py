@@ -40,9 +40,15 @@ UP_TIMEOUT = 90.0
 DOWN_TIMEOUT = 60.0
 
 
-#: Settings that are the run's own, not its workers': a run may differ in these and still use a warm fleet.
-PER_RUN = frozenset({"redis_url", "result_url", "signing_key", "workspace", "model", "openai_base_url",
-                     "openai_api_key", "instructions", "reasoning_effort", "tools", "mcp", "mcp_config"})
+#: Settings that are the run's own, not its workers': a run may differ in these and still use a
+#: warm fleet. (`result_url` is not one: the run must hear results where the workers store them.)
+PER_RUN = frozenset({"redis_url", "signing_key", "workspace", "model", "openai_base_url", "openai_api_key",
+                     "instructions", "reasoning_effort", "tools", "mcp", "mcp_config",
+                     # read by the orchestrator alone (no worker module reads them)
+                     "turn_timeout", "max_steps", "turn_store_mb", "request_max_retries", "stream_max_retries",
+                     "stream_idle_timeout", "max_sse_event_bytes", "max_parallel_calls", "tool_limits",
+                     "limit_lease", "flower_user", "flower_password", "flower_port", "flower_address",
+                     "redis_connections"})
 
 
 def settings_digest(settings: Settings) -> str:

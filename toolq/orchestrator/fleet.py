@@ -34,7 +34,7 @@ from toolq.orchestrator.transport.dispatch import Dispatcher
 from toolq.orchestrator.transport.ledger import FLEET_DRIVER, Ledger
 from toolq.orchestrator.transport.results import ResultRouter
 from toolq.orchestrator.turn_events import Emit, ignore
-from toolq.orchestrator.turn_scope import TurnScope
+from toolq.orchestrator.turn_scope import TurnScope, stop
 from toolq.workers.config import longest_timeout
 from toolq.workers.loader import load_catalog
 
@@ -204,6 +204,7 @@ class Fleet:
             outputs = waiter.result() if waiter.done() else await step.abort()
             waiter.cancel()
         if scope.cancelled.is_set():  # `toolq cancel TURN_ID`: the turn is over, whatever the caller does next
+            self._open_turns.discard(turn_id)  # its lease is no longer renewed
             await self.ledger.end_turn(turn_id, "cancelled")
         self.note_outputs(outputs)
         wire = [o.to_wire() for o in outputs]
@@ -242,6 +243,8 @@ class Fleet:
             await asyncio.sleep(self.settings.turn_lease / 3)
             try:
                 await self.ledger.touch_turns(sorted(self._open_turns), self.settings.turn_lease)
+            except asyncio.CancelledError:
+                raise
             except Exception as e:
                 log.warning("could not renew the leases of this fleet's turns: %s", e)
 
@@ -255,9 +258,8 @@ class Fleet:
 
     async def aclose(self) -> None:
         await self.end_open_turns()
-        if self._toucher is not None:
-            self._toucher.cancel()
-            await asyncio.gather(self._toucher, return_exceptions=True)
+        if self._toucher is not None:  # cancelled until it ends: redis-py may swallow one cancel
+            await stop(self._toucher)
         await flush_background()
         await self.limits.aclose()
         await self.router.aclose()

@@ -97,6 +97,10 @@ class TurnOutcome:
     exits 2, as for any start that could not happen (a wrong OPENAI_BASE_URL)."""
 
 
+class DeadlinePassed(Exception):
+    """The turn's deadline passed while it waited for the model."""
+
+
 class Runtime:
     """The orchestrator's long-lived parts, shared by every turn of a process: a fleet, a model,
     and the durable store of turns. Build one with `Runtime.create(settings)`, or for a block with
@@ -439,22 +443,31 @@ class Session:
                          emit: Emit) -> tuple[ModelError | None, bool]:
         """One response streamed, the turn's deadline bounding the stream too: (the model's error,
         whether the deadline stopped it)."""
-        limit = asyncio.timeout(max(0.0, deadline - time.time()))
         try:
-            async with limit:
-                await self._sample(body, step, outcome, emit)
+            await self._sample(body, step, outcome, emit, deadline)
         except ModelError as e:
             return e, False
-        except TimeoutError:
-            if not limit.expired():
-                raise
+        except DeadlinePassed:
             return None, True
         return None, False
 
-    async def _sample(self, body: dict[str, Any], step: Step, outcome: TurnOutcome, emit: Emit) -> None:
+    async def _sample(self, body: dict[str, Any], step: Step, outcome: TurnOutcome, emit: Emit,
+                      deadline: float) -> None:
         index = 0
         async with aclosing(self.rt.client.stream(body)) as events:  # a stop at the store bound closes it now
-            async for event in events:
+            while True:
+                # The deadline bounds the wait for the model, never toolq's own bookkeeping: a call
+                # committed to the history is always bound and queued, so it always gets an output.
+                limit = asyncio.timeout(max(0.0, deadline - time.time()))
+                try:
+                    async with limit:
+                        event = await anext(events)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    if limit.expired():
+                        raise DeadlinePassed from None
+                    raise
                 self._model_answered = True
                 if event.kind == "item_done":
                     item: ResponseItem = event.item
