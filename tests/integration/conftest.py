@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.responses_schema import schema_errors
+from toolq.core.catalog import Catalog
 from toolq.core.settings import Settings
 from toolq.dev.fake_model.server import FakeModel
 from toolq.local.embedded import RedisServer, WorkerProcess
@@ -125,6 +126,14 @@ class Driven:
         return [i for i in self.input_of(k) if i.get("type", "").endswith("_output")]
 
 
+def catalog_of(modules: list[str]) -> Catalog:
+    """The built-ins and the tools `modules` declare, and nothing else this test process imported:
+    `load_catalog` returns the process-wide catalog, which grows with every test file collected."""
+    wanted = ("toolq.workers.tools", *modules)
+    return Catalog([s for s in load_catalog(modules)
+                    if getattr(s.handler, "__module__", "").startswith(wanted)])
+
+
 def settings_for(redis_url: str, fake: FakeModel, workspace: Path, **kw: Any) -> Settings:
     kw.setdefault("tools", [TEST_TOOLS])
     kw.setdefault("signing_key", SIGNING_KEY)
@@ -135,7 +144,7 @@ def settings_for(redis_url: str, fake: FakeModel, workspace: Path, **kw: Any) ->
 async def run_session(settings: Settings, prompts: list[str], events: list, during=None, *, catalog=None,
                       prepare=None, **session_kw: Any) -> tuple[list[TurnOutcome], Session]:
     """`prepare(runtime)`, when given, runs before the first turn (e.g. feeding the registry)."""
-    runtime = await Runtime.create(settings, catalog=catalog if catalog is not None else load_catalog([TEST_TOOLS]))
+    runtime = await Runtime.create(settings, catalog=catalog if catalog is not None else catalog_of(list(settings.tools)))
     session = None
     try:
         if prepare is not None:

@@ -274,7 +274,7 @@ def test_tool_search_loads_a_deferred_tool_that_the_next_response_calls(deferred
         [b.tool_search_call({"query": "currency exchange rate", "limit": 3}, "call_search")],
         [b.function_call("convert_currency", {"amount": 8, "currency": "USD"}, "call_convert")],
         final(),
-    ], redis_url=deferred_stack.url)
+    ], redis_url=deferred_stack.url, tools=[TEST_TOOLS, "tests.integration.deferred_tools"])
     assert run.outcome.status == "completed"
     first, second = run.requests[0]["tools"], run.requests[1]["tools"]
     assert "tool_search" in {t["type"] for t in first}

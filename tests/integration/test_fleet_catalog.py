@@ -67,7 +67,7 @@ def record_of(url: str, hostname: str) -> WorkerAdvert | None:
 
 def test_a_joining_worker_gets_every_call_to_its_new_tool_and_the_fleet_none(fleet, joining_worker, drive):
     calls = [b.function_call("joined_echo", {"text": f"hi{k}"}, f"call_j{k}") for k in range(4)]
-    run = drive([calls, [b.message("done")]])
+    run = drive([calls, [b.message("done")]], tools=[TEST_TOOLS, "tests.integration.joining_tools"])
     items = completed_items(run.events)
     assert [items[f"call_j{k}"]["worker"] for k in range(4)] == ["joiner@test"] * 4
     assert [items[f"call_j{k}"]["status"] for k in range(4)] == ["completed"] * 4, items
@@ -115,7 +115,7 @@ def test_a_call_no_live_worker_serves_is_answered_within_seconds_with_what_to_st
             started = time.monotonic()
             run = drive([[b.function_call("joined_echo", {"text": "x"}, "call_stranded"),
                           b.function_call("sleep_echo", {"text": "alive"}, "call_alive")], [b.message("done")]],
-                        redis_url=server.url)
+                        redis_url=server.url, tools=[TEST_TOOLS, "tests.integration.joining_tools"])
             elapsed = time.monotonic() - started
             r = redis.Redis.from_url(server.url)
             queued = r.llen(tool_queue(joining_tools.joined_echo.tool_spec))

@@ -76,11 +76,17 @@ def test_a_non_utf8_file_name_in_a_tool_output_becomes_a_replacement_character(r
     w = WorkerProcess(redis_server.url, name="hostile1@test", queues=[hostile_tools.QUEUE], concurrency=1,
                       tools=[TEST_TOOLS, "tests.integration.hostile_tools"], env=WORKER_ENV, logdir=tmp_path)
     with w:
-        run = drive([[b.function_call("list_raw_names", {}, "call_names")], final()], workspace=workspace)
+        run = drive([[b.function_call("list_raw_names", {}, "call_names")], final()], workspace=workspace,
+                    tools=[TEST_TOOLS, "tests.integration.hostile_tools"])
     assert run.outcome.status == "completed", run.outcome.error
     output = run.outputs_of(1)[0]["output"]
     assert output == "caf\ufffd-latin1.txt"
     output.encode("utf-8")  # what Redis, the next request and the terminal all do with it
+
+
+#: A bound for the cut tests: far over any event the fake model sends here (its `response.created`
+#: and `response.completed` repeat the request's tools, about 12 KB), far under the 64 KB cut one.
+BOUND = 32 * 1024
 
 
 def oversized_frame(type_: str, size: int, **fields) -> dict:
@@ -108,7 +114,7 @@ def test_a_cut_output_item_done_breaks_the_stream_and_the_request_is_retried(fle
         [b.function_call("sleep_echo", {"text": "committed"}, "call_kept"),
          oversized_frame("response.output_item.done", 64 * 1024, output_index=1, item=cut_call)],
         [b.message("retried")],
-    ], max_sse_event_bytes=16 * 1024)
+    ], max_sse_event_bytes=BOUND)
     assert run.outcome.status == "completed", run.outcome.error
     assert run.outcome.final_message == "retried"
     assert run.session.rt.client.skipped["oversize"] == 1
@@ -129,7 +135,7 @@ def test_a_cut_response_completed_still_completes_the_response(fleet, drive):
         [b.function_call("sleep_echo", {"text": "kept"}, "call_kept"),
          oversized_frame("response.completed", 64 * 1024, response={"id": "resp_big", "output": []})],
         final(),
-    ], max_sse_event_bytes=16 * 1024)
+    ], max_sse_event_bytes=BOUND)
     assert run.outcome.status == "completed", run.outcome.error
     assert len(run.requests) == 2
     assert not [e for e in run.events if e["type"] == "error"]

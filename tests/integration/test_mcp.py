@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import examples.search_tools  # noqa: F401  (the orchestrator loads the user's `search` too)
-from tests.integration.conftest import ROOT, TEST_TOOLS, WORKER_ENV, run_session, settings_for
+from tests.integration.conftest import ROOT, SIGNING_KEY, TEST_TOOLS, WORKER_ENV, catalog_of, run_session, settings_for
 from toolq.core.calls import ToolName
 from toolq.core.catalog import Catalog
 from toolq.dev.bench.mcp import McpWorkerProcess
@@ -30,7 +30,6 @@ from toolq.dev.fake_model import builders as b
 from toolq.dev.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.mcp_tools import FleetMcpTools, mcp_namespaces
-from toolq.workers.loader import load_catalog
 
 pytestmark = pytest.mark.integration
 
@@ -112,7 +111,7 @@ async def _run(settings, prompts, during=None, feed=None):
     events: list[dict] = []
     outcomes, _ = await run_session(settings, prompts, events, during,
                                     prepare=hold_a_declaration_of_its_own if feed else None,
-                                    catalog=Catalog(list(load_catalog([TEST_TOOLS, MCP_TOOLS]))))
+                                    catalog=catalog_of([TEST_TOOLS, MCP_TOOLS]))
     return outcomes, events
 
 
@@ -232,6 +231,33 @@ def test_a_server_never_sees_the_workers_secrets(mcp_worker, redis_server, tmp_p
     names = json.loads(json.loads(outputs(requests[1])["call_env"])["result"])
     leaked = [n for n in names if n.startswith(("TOOLQ_", "REDIS", "CELERY", "OPENAI", "FLOWER"))]
     assert leaked == [] and "PATH" in names
+
+
+def test_two_fleets_in_one_process_each_learn_the_servers_tools_for_themselves(mcp_worker, redis_server):
+    """What a fleet learns from the fleet catalog goes into its own registry: the catalog it was
+    given (the process-wide one, by default) stays what was loaded, so a second fleet in the same
+    process does not take a server's tools as its own loaded ones, never to follow them again."""
+    from toolq.core.settings import Settings
+    from toolq.orchestrator.fleet import Fleet
+
+    loaded = catalog_of([TEST_TOOLS])
+    before = {s.tool_name for s in loaded}
+
+    async def open_twice():
+        settings = Settings(redis_url=redis_server.url, signing_key=SIGNING_KEY, tools=[TEST_TOOLS])
+        first = await Fleet.open(settings, catalog=loaded)
+        second = await Fleet.open(settings, catalog=loaded)
+        try:
+            return [f.registry.lookup(ToolName.namespaced("edges", "search")) for f in (first, second)], \
+                second.mcp_tools.local
+        finally:
+            await first.aclose()
+            await second.aclose()
+
+    found, second_local = asyncio.run(open_twice())
+    assert all(spec is not None for spec in found)
+    assert {s.tool_name for s in loaded} == before
+    assert "edges" not in second_local
 
 
 def test_a_cancelled_call_is_cancelled_on_the_server(mcp_worker, redis_server, evidence, tmp_path):

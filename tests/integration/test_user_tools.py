@@ -62,7 +62,7 @@ def test_namespaced_and_plain_search_are_different_tools_on_the_search_worker(fl
          b.function_call("search", {"query": "TODO", "limit": None}, "call_plain"),
          b.function_call("exec_command", {"cmd": "echo builtin"}, "call_builtin")],
         final(),
-    ], workspace=workspace)
+    ], workspace=workspace, tools=[TEST_TOOLS, SEARCH_TOOLS])
     assert run.outcome.status == "completed"
 
     # request 1 offers both: the namespaced one grouped under its namespace
@@ -92,7 +92,7 @@ def test_an_async_user_tool_runs_and_its_errors_reach_the_model(fleet, search_wo
          b.function_call("search", {"query": "nowhere", "limit": 5}, "call_none")],
         [b.function_call("search", {"query": "notes", "limit": 1}, "call_again")],
         final(),
-    ], workspace=workspace)
+    ], workspace=workspace, tools=[TEST_TOOLS, SEARCH_TOOLS])
     assert run.outcome.status == "completed"
     outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
     assert outputs == {"call_md": "readme.md", "call_zero": "limit must be greater than zero",
@@ -108,7 +108,7 @@ def test_a_freeform_user_tool_takes_raw_text_and_answers_with_a_custom_output(fl
         [b.custom_tool_call("regex_search", r"\bne+dle\b", "call_rx"),
          b.custom_tool_call("regex_search", "(unclosed", "call_bad")],
         final(),
-    ], workspace=workspace)
+    ], workspace=workspace, tools=[TEST_TOOLS, SEARCH_TOOLS])
     outputs = {o["call_id"]: o for o in run.outputs_of(1)}
     assert outputs["call_rx"]["type"] == "custom_tool_call_output"
     assert outputs["call_rx"]["output"] == "notes/todo.txt:2: find the needle here"
@@ -126,7 +126,7 @@ def test_a_tool_declared_differently_on_its_only_worker_is_not_sent_to_it(redis_
                       env={**WORKER_ENV, mismatch_tools.MISMATCH_ENV: "1"}, logdir=tmp_path)
     with w:
         run = drive([[b.function_call("touch_marker", {"name": "marker.txt"}, "call_mm")], final()],
-                    workspace=workspace)
+                    workspace=workspace, tools=[TEST_TOOLS, "tests.integration.mismatch_tools"])
     output = run.outputs_of(1)[0]["output"]
     assert output == (
         "touch_marker was not run: no live worker serves tool `touch_marker` (declared in module "
@@ -149,7 +149,7 @@ def test_a_worker_restricted_by_queues_does_not_serve_the_tools_of_other_queues(
             [b.function_call("search", {"query": "x", "limit": None}, "call_stranded"),
              b.function_call("sleep_echo", {"text": "alive"}, "call_alive")],
             final(),
-        ], redis_url=server.url)
+        ], redis_url=server.url, tools=[TEST_TOOLS, SEARCH_TOOLS])
         r = redis.Redis.from_url(server.url)
         task_ids = r.hget(keys.call_ids(run.outcome.turn_id), "call_stranded").decode().split()
         assert len(task_ids) == 1

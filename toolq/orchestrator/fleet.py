@@ -67,7 +67,9 @@ class Fleet:
                  router: ResultRouter) -> None:
         self.settings = settings
         self.catalog = catalog
-        self.registry = Registry(catalog)
+        # The registry learns (MCP namespaces, found deferred tools) into its own copy: never into
+        # the process-wide CATALOG, which another Fleet in this process would then take as loaded.
+        self.registry = Registry(Catalog(list(catalog)))
         self.ledger = ledger
         self.dispatcher = dispatcher
         self.router = router
@@ -111,8 +113,8 @@ class Fleet:
             raise ValueError("a fleet needs a Redis URL (Fleet.connect starts an embedded one when none is given)")
         catalog = catalog if catalog is not None else load_catalog(settings.tools)
         signer = required_signer(settings.signing_key, "an orchestrator with REDIS_URL")
-        ledger = Ledger.from_url(settings.redis_url, settings.redis_connections)
-        router = ResultRouter(settings.result_backend_url() or settings.redis_url, signer,
+        ledger = Ledger.from_url(settings.redis_target() or settings.redis_url, settings.redis_connections)
+        router = ResultRouter(settings.result_target() or settings.redis_url, signer,
                               stream_output=settings.stream_output)
         await router.start()
         fleet = cls(settings, catalog, ledger, Dispatcher(settings, ledger, signer, longest_timeout(catalog)), router)
