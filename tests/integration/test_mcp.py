@@ -497,9 +497,10 @@ def test_a_killed_mcp_host_is_restarted_and_its_in_flight_call_is_told(redis_ser
     finally:
         w.stop(grace=3)
     assert outcome.status == "completed"
-    assert outputs(requests[1])["call_slow"] == ("the worker's MCP host exited during the call and is being "
-                                                 "restarted; the call may have partly run")
-    assert completed(events)["call_slow"]["state"] == "failed"
+    assert outputs(requests[1])["call_slow"] == ("phoenix.slow was interrupted and its outcome is unknown: the "
+                                                 "worker's MCP host exited during the call and is being restarted; "
+                                                 "it may have run, partly or fully")
+    assert completed(events)["call_slow"]["state"] == "lost"
     assert "phoenix found again" in outputs(requests[2])["call_again"]  # waited for the restart
     assert restarted != host and int(pid_file.read_text()) != server
     assert "the MCP host exited with -9" in w.log.read_text()

@@ -52,6 +52,19 @@ def hang(args: HangArgs, ctx: ToolContext) -> str:
     return "woke up"
 
 
+@tool(queue="faults")
+def patient(args: HangArgs, ctx: ToolContext) -> str:
+    """Write this process's pid into the workspace, then wait, asking every 50 ms whether the call
+    was cancelled, as a long tool does (fault tests take Redis away meanwhile)."""
+    (ctx.workspace / f"patient-{ctx.call_id}.pid").write_text(str(os.getpid()))
+    end = time.monotonic() + args.seconds
+    while time.monotonic() < end:
+        if ctx.cancelled():
+            return "cancelled"
+        time.sleep(0.05)
+    return "waited it out"
+
+
 @tool(queue="faults", timeout=1)
 def quick_timeout(args: HangArgs, ctx: ToolContext) -> str:
     """Runs past its own 1 s limit."""

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import redis
 from pydantic import BaseModel
 
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.core.catalog import Catalog, ToolContext, tool
+from toolq.core.honest import INFRASTRUCTURE_TEXT, Known, known_form
 from toolq.core.states import CallState
 from toolq.local.embedded import RedisServer
 from toolq.workers.execute import execute
@@ -59,5 +61,69 @@ def test_a_call_that_meets_no_redis_as_it_starts_says_it_was_not_run(tmp_path):
         result = execute(invocation("never_reached", tmp_path, never_reached.tool_spec), hostname="w@test", r=r,
                          catalog=catalog)
     assert ran == []
-    assert result["status"] == CallState.FAILED and result["success"] is False
-    assert str(result["output"]).startswith("never_reached was not run: the worker could not reach Redis")
+    assert result["status"] == CallState.REJECTED and result["success"] is False
+    assert str(result["output"]).startswith("never_reached was not run: the worker lost Redis as it started")
+
+
+# --- Redis goes away at each of the worker's round trips (issue 27): the output never guesses ---
+
+class GoesAwayAfter(redis.Redis):
+    """A real Redis connection that stops its server once it has sent `n` commands: the fault lands
+    at the worker's n-th round trip of the call, whichever point of its path that is."""
+
+    def __init__(self, server: RedisServer, n: int) -> None:
+        super().__init__(connection_pool=redis.ConnectionPool.from_url(server.url, socket_connect_timeout=1,
+                                                                       socket_timeout=2))
+        self.server, self.left = server, n
+
+    def execute_command(self, *args, **options):
+        if self.left == 0:
+            self.server.stop()
+        self.left -= 1
+        return super().execute_command(*args, **options)
+
+
+def sweep_invocation(tmp_path, spec, *, permit: bool) -> dict:
+    from toolq.core.permits import Permit
+
+    inv = ToolInvocation.model_validate(invocation(spec.name, tmp_path, spec))
+    if permit:
+        inv = inv.model_copy(update={"permit": Permit(tool=spec.name, limit=2, lease=5.0)})
+    return inv.model_dump(mode="json")
+
+
+@pytest.mark.parametrize("permit", [False, True], ids=["plain", "max_concurrency"])
+def test_redis_lost_at_any_round_trip_leaves_an_honest_output_and_one_run_at_most(tmp_path, permit):
+    """For every k: Redis stops just before the worker's k-th command of the call (its start, a
+    permit, each cancel poll while the tool runs, the end record, the permit's release). The
+    output is the tool's own or toolq's "not run", never the exception's text, and the tool ran
+    at most once; past the last round trip, nothing changes."""
+    catalog = Catalog()
+    runs: list[int] = []
+
+    @tool(name="polls_for_cancel", catalog=catalog)
+    def polls_for_cancel(args: NoArgs, ctx: ToolContext) -> str:
+        runs.append(1)
+        for _ in range(3):  # a long tool asks, as exec_command does while its command runs
+            if ctx.cancelled():
+                return "cancelled itself"
+        return "the tool's own result"
+
+    spec = polls_for_cancel.tool_spec
+    seen = set()
+    for k in range(12):
+        runs.clear()
+        (tmp_path / f"k{k}").mkdir()
+        with RedisServer(workdir=tmp_path / f"k{k}") as server:
+            r = GoesAwayAfter(server, k)
+            result = execute(sweep_invocation(tmp_path, spec, permit=permit), hostname="w@test", r=r, catalog=catalog)
+            r.close()
+        output = str(result["output"])
+        assert not INFRASTRUCTURE_TEXT.search(output), (k, output)
+        assert len(runs) <= 1
+        if runs:
+            assert (result["status"], output) == (CallState.COMPLETED, "the tool's own result"), k
+        else:
+            assert result["status"] == CallState.REJECTED and known_form(output) is Known.NOT_RUN, (k, output)
+        seen.add(result["status"])
+    assert seen == {CallState.REJECTED, CallState.COMPLETED}  # the sweep reached both sides of the start

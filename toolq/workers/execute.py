@@ -23,6 +23,7 @@ from toolq.core import keys
 from toolq.core.calls import CustomPayload, FunctionPayload, ToolInvocation, ToolResult, aborted_text
 from toolq.core.catalog import Catalog, ToolContext, ToolReturn, ToolSpec, call_handler, parse_arguments
 from toolq.core.errors import RespondToModel, ToolTimedOut
+from toolq.core.honest import InfrastructureLost, interrupted, not_run
 from toolq.core.items import ToolOutputBody
 from toolq.core.settings import workspace_problem
 from toolq.core.signing import Signer
@@ -50,6 +51,26 @@ def _event_loop() -> asyncio.AbstractEventLoop:
 
 def is_cancelled(r: redis.Redis, inv: ToolInvocation) -> bool:
     return bool(r.exists(keys.cancel_turn(inv.turn_id), keys.cancel_call(inv.task_id)))
+
+
+def cancel_check(r: redis.Redis, inv: ToolInvocation) -> Callable[[], bool]:
+    """What a running tool polls (`ctx.cancelled`). Redis away means no cancel can be heard, not
+    that the tool failed: the tool runs on (a revoke still kills it) and its result is its output.
+    Raising here ended commands that had run as "failed: ConnectionError" (the fault campaign)."""
+    warned = False
+
+    def check() -> bool:
+        nonlocal warned
+        try:
+            return is_cancelled(r, inv)
+        except redis.RedisError as e:
+            if not warned:
+                warned = True
+                log.warning("%s %s runs on without hearing cancels: Redis does not answer (%s)",
+                            inv.call_id, inv.tool_name, e)
+            return False
+
+    return check
 
 
 def tool_result(inv: ToolInvocation, output: ToolOutputBody, status: CallState, hostname: str,
@@ -151,19 +172,43 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
     seals the batches of a call that streams its output."""
     inv = ToolInvocation.model_validate(raw)
     spec = catalog.get(inv.tool_name)
+    try:
+        started = _start(inv, spec, r, hostname, redelivery)
+    except redis.RedisError as e:  # nothing ran: say so, never the exception's name as the tool's failure
+        log.warning("%s %s not run: Redis did not answer as it started (%s)", inv.call_id, inv.tool_name, e)
+        return _result(inv, not_run(inv.tool_name, f"the worker lost Redis as it started the call ({e})"),
+                       CallState.REJECTED, hostname, success=False)
+    if isinstance(started, dict):
+        return started
+    started_at = started
 
+    # DEBUG: Celery's own lines (received, succeeded in) say as much at INFO, once per call.
+    log.debug("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
+    stream = output_stream(inv, spec, r, signer)
+    try:
+        status, output, extra = run_invocation(inv, spec, catalog, hostname, cancel_check(r, inv),
+                                               time_limit_errors, stream)
+        if stream is not None:  # what a tool wrote last goes out before its result
+            stream.flush()
+        _record_end(r, inv, status)
+    finally:
+        if inv.permit is not None:  # after finished_at is written: the next holder starts after it
+            permit.release(r, inv)
+    log.debug("← %s %s %s in %.3fs", inv.call_id, inv.tool_name, status, time.time() - started_at)
+    return _result(inv, output, status, hostname, started_at=started_at, **extra)
+
+
+def _start(inv: ToolInvocation, spec: ToolSpec | None, r: redis.Redis, hostname: str,
+           redelivery: bool) -> float | dict:
+    """Everything before the handler runs: the start time, or the result of a call not to run.
+    A Redis error raised from here means the tool never started (`execute` says so)."""
     # One round trip on every call's path: cancelled? first delivery? then mark it started.
     started_at = time.time()
-    try:
-        cancelled, first, prev_state, prev_worker, prev_pid = r.register_script(_START)(
-            keys=[keys.cancel_turn(inv.turn_id), keys.cancel_call(inv.task_id), keys.started(inv.task_id),
-                  keys.call(inv.task_id)],
-            args=[hostname, keys.RECORD_TTL, started_at, os.getpid(), CallState.RUNNING.value],
-        )
-    except redis.RedisError as e:  # it never ran: say so, not the exception's name (Redis restarting)
-        log.warning("%s %s not run: Redis did not answer its start (%s)", inv.call_id, inv.tool_name, e)
-        return _result(inv, f"{inv.tool_name} was not run: the worker could not reach Redis to start it ({e})",
-                       CallState.FAILED, hostname, success=False)
+    cancelled, first, prev_state, prev_worker, prev_pid = r.register_script(_START)(
+        keys=[keys.cancel_turn(inv.turn_id), keys.cancel_call(inv.task_id), keys.started(inv.task_id),
+              keys.call(inv.task_id)],
+        args=[hostname, keys.RECORD_TTL, started_at, os.getpid(), CallState.RUNNING.value],
+    )
     prev_state = (prev_state or b"").decode()
     prev_worker = worker_name(prev_worker)
 
@@ -212,21 +257,7 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
         if waited:  # it starts now, not when it was taken off the queue
             started_at = time.time()
             _set_state(r, inv, state=CallState.RUNNING, started_at=started_at)
-
-    # DEBUG: Celery's own lines (received, succeeded in) say as much at INFO, once per call.
-    log.debug("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
-    stream = output_stream(inv, spec, r, signer)
-    try:
-        status, output, extra = run_invocation(inv, spec, catalog, hostname, lambda: is_cancelled(r, inv),
-                                               time_limit_errors, stream)
-        if stream is not None:  # what a tool wrote last goes out before its result
-            stream.flush()
-        _record_end(r, inv, status)
-    finally:
-        if inv.permit is not None:  # after finished_at is written: the next holder starts after it
-            permit.release(r, inv)
-    log.debug("← %s %s %s in %.3fs", inv.call_id, inv.tool_name, status, time.time() - started_at)
-    return _result(inv, output, status, hostname, started_at=started_at, **extra)
+    return started_at
 
 
 def output_stream(inv: ToolInvocation, spec: ToolSpec | None, r: redis.Redis,
@@ -309,6 +340,11 @@ async def _run_handler(inv: ToolInvocation, spec: ToolSpec, catalog: Catalog, is
         return CallState.CANCELLED, aborted_text(spec.shell_like, time.time() - started_at), {"success": False}
     except ToolTimedOut as e:  # the tool's own limit (an MCP call's tool_timeout_sec)
         return CallState.TIMED_OUT, e.message, {"success": False}
+    except InfrastructureLost as e:  # toolq's own plumbing lost the call, not the tool's failure
+        log.warning("%s %s: %s", inv.call_id, inv.tool_name, e.what)
+        if e.started:
+            return CallState.LOST, interrupted(inv.tool_name, e.what), {"success": False}
+        return CallState.REJECTED, not_run(inv.tool_name, e.what), {"success": False}
     except time_limit_errors:
         return CallState.TIMED_OUT, ToolTimedOut(spec.timeout).message, {"success": False}
     except Exception as e:  # a tool's own bug still becomes an output the model can read

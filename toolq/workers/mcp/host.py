@@ -210,8 +210,7 @@ class Server:
         return CallReply(result=map_result(result))
 
     def _crash_reply(self) -> CallReply:
-        return CallReply(refusal=f"MCP server {self.name} exited during the call and is being restarted; "
-                                 "the call may have partly run")
+        return CallReply(lost=f"MCP server {self.name} exited during the call and is being restarted")
 
 
 class _Watched:

@@ -100,8 +100,7 @@ class HostClient:
             if not answered:  # cancelled, timed out (SoftTimeLimitExceeded), host gone: the host cancels
                 self.close()
         if not line:
-            raise HostGone("the worker's MCP host exited during the call and is being restarted; "
-                           "the call may have partly run")
+            raise HostGone("the worker's MCP host exited during the call and is being restarted")
         return line
 
     def listing(self, timeout: float | None = None) -> Listing:

@@ -65,7 +65,9 @@ class Listing(BaseModel):
 class CallReply(BaseModel):
     result: McpOutput | None = None
     refusal: str | None = None
-    """Why the call did not run or did not finish (server down or crashed, list changed, timeout)."""
+    """Why the call did not run or did not finish (server down, list changed, timeout)."""
+    lost: str | None = None
+    """The server had the call and died: what was lost (the call may have partly run)."""
     stale: bool = False
     """The server lists the tool differently from the declaration the call carries."""
     timed_out: float | None = None

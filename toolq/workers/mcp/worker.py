@@ -20,6 +20,7 @@ from typing import Any
 from toolq.core.calls import ToolName
 from toolq.core.catalog import Catalog, ToolContext, ToolReturn
 from toolq.core.errors import ConfigurationError, RespondToModel, ToolTimedOut
+from toolq.core.honest import InfrastructureLost
 from toolq.core.mcp_specs import mcp_queue, tool_spec
 from toolq.workers.mcp.config import BASIC_ENV, McpServerConfig
 from toolq.workers.mcp.host_client import HostClient, HostGone, HostUnavailable
@@ -136,9 +137,11 @@ class Forward:
         try:
             reply = _host.client.call(request, ctx.cancelled, wait=min(timeout, HOST_RESTART_WAIT))
         except HostGone as e:
-            raise RespondToModel(str(e)) from None
+            raise InfrastructureLost(str(e)) from None
         except HostUnavailable as e:
-            raise RespondToModel(f"{e}; not run") from None
+            raise InfrastructureLost(str(e), started=False) from None
+        if reply.lost is not None:
+            raise InfrastructureLost(reply.lost)
         if reply.timed_out is not None:
             raise ToolTimedOut(reply.timed_out)  # the host asked the server to cancel it
         if reply.stale and ctx.catalog is not None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 from toolq.core.catalog import ToolContext, ToolReturn
 from toolq.core.errors import RespondToModel
+from toolq.core.honest import InfrastructureLost
 from toolq.workers.exec_output import format_exec_output
 from toolq.workers.processes import CallCancelled
 from toolq.workers.sessions import host_client
@@ -40,8 +42,10 @@ def _call(request: ExecRequest | WriteRequest, ctx: ToolContext, yield_ms: float
         reply = host_client.call(request, ctx.cancelled, timeout=yield_ms / 1000 + REPLY_SLACK, output=ctx.output)
     except host_client.Cancelled:
         raise CallCancelled(f"{tool} cancelled") from None
+    except host_client.HostLost as e:  # the host (or its cell) died with the command in its hands
+        raise InfrastructureLost(f"{e}, on worker {socket.gethostname()}") from None
     except host_client.HostUnavailable as e:
-        raise RespondToModel(f"{tool} failed: {e}") from None
+        raise InfrastructureLost(str(e), started=False) from None
     if reply.error is not None:
         raise RespondToModel(reply.error)
     return reply

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import errno
 import os
 import select
 import socket
@@ -28,12 +29,20 @@ def set_key(key: bytes | None) -> None:
     global _key
     _key = key
 STEP = 0.05
+#: How long a request waits for a host the worker is restarting (a killed host is back in about a second).
+HOST_RESTART_WAIT = 10.0
+#: Errors of a connect while the host is restarting: its socket is not there yet, or not listening.
+_NOT_LISTENING = {errno.ENOENT, errno.ECONNREFUSED}
 #: How a frame of streamed output starts (a reply never does).
 _FRAME = b'{"progress":'
 
 
 class HostUnavailable(Exception):
-    """This worker has no session host (or it is gone)."""
+    """This worker has no session host (or it is gone): the request never reached it, nothing ran."""
+
+
+class HostLost(HostUnavailable):
+    """The host got the request and hung up before it answered: the command may have started."""
 
 
 class Cancelled(Exception):
@@ -44,19 +53,37 @@ def socket_path() -> str | None:
     return os.environ.get(SOCKET_ENV) or None
 
 
+def _connect(path: str, is_cancelled: Callable[[], bool], wait: float) -> socket.socket:
+    """A connection to the host, waiting up to `wait` for one the worker is restarting (its
+    watcher starts a new host on the same path when one dies)."""
+    end = time.monotonic() + wait
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            return sock
+        except OSError as e:
+            sock.close()
+            if e.errno not in _NOT_LISTENING or time.monotonic() + STEP > end:
+                raise HostUnavailable(f"the session host does not answer: {e}") from None
+        if is_cancelled():
+            raise Cancelled()
+        time.sleep(STEP)
+
+
 def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], timeout: float,
          output: LiveOutput | None = None) -> Reply:
     """`output`: where the frames of a streaming request go (and it is ticked while waiting)."""
     path = socket_path()
     if path is None:
         raise HostUnavailable("this worker runs no session host")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = _connect(path, is_cancelled, min(timeout, HOST_RESTART_WAIT))
     try:
         try:
-            sock.connect(path)
+            # The host starts nothing before it has read the whole line: a send that failed was not heard.
+            sock.sendall((_key or b"") + b"\n" + request.model_dump_json().encode() + b"\n")
         except OSError as e:
-            raise HostUnavailable(f"the session host does not answer: {e}") from None
-        sock.sendall((_key or b"") + b"\n" + request.model_dump_json().encode() + b"\n")
+            raise HostUnavailable(f"the session host did not take the request: {e}") from None
         deadline = time.monotonic() + timeout
         next_check = time.monotonic() + STEP
         data = bytearray()
@@ -71,9 +98,12 @@ def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], 
                 return Reply.model_validate_json(bytes(line))
             ready, _, _ = select.select([sock], [], [], STEP)
             if ready:
-                chunk = sock.recv(65536)
+                try:
+                    chunk = sock.recv(65536)
+                except OSError as e:
+                    raise HostLost(f"the session host dropped the connection before it answered ({e})") from None
                 if not chunk:
-                    raise HostUnavailable("the session host hung up before it answered")
+                    raise HostLost("the session host hung up before it answered")
                 data += chunk
             # Checked after a wait, not before the first: the call was found not cancelled just
             # before it started, and a command that ends at once costs no round trip. A stream of
