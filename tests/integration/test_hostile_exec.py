@@ -13,14 +13,12 @@ import os
 import secrets
 import shutil
 import socket
-import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
 import pytest
-import redis
 
 import tests.integration.conftest as c
 from tests.integration import unprivileged
@@ -29,7 +27,7 @@ from tests.integration.test_cancel import pids_matching, wait_until
 from toolq.core.settings import Settings
 from toolq.dev.fake_model import builders as b
 from toolq.dev.fake_model.server import FakeModel
-from toolq.local.embedded import WorkerProcess, free_port, redis_server_binary, wait_for
+from toolq.local.embedded import RedisServer, WorkerProcess
 from toolq.workers.isolation import choose, limits
 from toolq.workers.isolation.policy import Policy
 
@@ -47,24 +45,10 @@ def locked_redis(tmp_path_factory):
 
 
 def locked_redis_server(tmp_path_factory):
-    """A password-protected Redis of its own (a module's workers all take calls from theirs)."""
-    port = free_port()
-    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--requirepass", REDIS_PASSWORD,
-                             "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    client = redis.Redis(port=port, password=REDIS_PASSWORD, socket_connect_timeout=0.2)
-
-    def up() -> bool:
-        try:
-            return bool(client.ping())
-        except redis.RedisError:
-            return False
-
-    wait_for(up, 10, "password-protected redis")
-    yield SimpleNamespace(url=f"redis://:{REDIS_PASSWORD}@127.0.0.1:{port}/0", port=port)
-    proc.kill()
-    proc.wait()
+    """A password-protected Redis of its own (a module's workers all take calls from theirs). A
+    `RedisServer`, so it dies with the test process even when pytest is killed (it leaked before)."""
+    with RedisServer(password=REDIS_PASSWORD, workdir=tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
 def hostile_workers(backend: str, locked_redis, tmp_path_factory, *, user: bool = False, **limits: str):
