@@ -107,9 +107,10 @@ LAYERS = {"toolq.core": 0, "toolq.workers": 1, "toolq.local": 2, "toolq.orchestr
 
 #: What the orchestrator and the embedded stack use of the worker layer: the Celery app's
 #: configuration (both ends of a queue build it), loading tool modules, running one call in
-#: process (the in-memory transport), and the stale pool cgroups an embedded stack clears.
+#: process (the in-memory transport), the stale pool cgroups an embedded stack clears, and the
+#: Redis clients (both ends must follow a Sentinel-managed primary the same way).
 WORKER_MODULES_ABOVE = {"toolq.workers.config", "toolq.workers.loader", "toolq.workers.execute",
-                        "toolq.workers.isolation.limits"}
+                        "toolq.workers.isolation.limits", "toolq.workers.redis_clients"}
 
 
 def layer_of(module: str) -> str:

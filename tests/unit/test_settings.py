@@ -139,7 +139,10 @@ def test_config_command_bad_value_is_one_line_and_exit_2(clean_env, capsys):
     assert err.count("\n") == 1
 
 
-def test_a_sentinel_url_is_refused_with_a_clear_line_until_it_is_supported():
-    with pytest.raises(ConfigurationError, match=r"invalid setting redis_url \(REDIS_URL\): Sentinel is not supported"):
+def test_a_sentinel_url_without_its_master_name_is_one_line_naming_the_setting():
+    with pytest.raises(ConfigurationError, match=r"invalid setting sentinel_master: REDIS_URL is a sentinel:// URL: "
+                                                 r"set TOOLQ_SENTINEL_MASTER"):
         Settings.load({"REDIS_URL": "sentinel://s1:26379/0"})
+    with pytest.raises(ConfigurationError, match=r"TOOLQ_RESULT_URL is a sentinel:// URL"):
+        Settings.load({"REDIS_URL": "redis://h/0", "TOOLQ_RESULT_URL": "sentinel://s1:26379/1"})
 

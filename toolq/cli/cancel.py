@@ -36,7 +36,7 @@ class UnknownTarget(LookupError):
 async def cancel(settings: Settings, turn_id: str, call_id: str | None = None) -> CancelReport:
     """Cancel on the Redis that knows the turn: REDIS_URL, else the embedded stack running it.
     ConfigurationError when there is nothing to ask; UnknownTarget when nobody knows the turn."""
-    async with aclosing(ledgers(settings.redis_url)) as each:
+    async with aclosing(ledgers(settings.redis_target())) as each:
         async for url, ledger in each:
             calls = await ledger.calls(turn_id)
             if calls or await ledger.turn(turn_id):

@@ -14,8 +14,6 @@ import time
 from contextlib import aclosing
 from typing import Any, TextIO
 
-import redis.asyncio as aioredis
-
 from toolq.cli.ledgers import ledgers
 from toolq.cli.status import call_row, render_json_lines, render_table
 from toolq.cli.terminal import printable
@@ -25,6 +23,7 @@ from toolq.core.states import parse_state
 from toolq.orchestrator.transport.catalog_reader import FleetCatalog
 from toolq.orchestrator.transport.redis_faults import reaching
 from toolq.orchestrator.transport.task_message import queue_key
+from toolq.workers import redis_clients
 
 QUEUE_COLUMNS = ("queue", "tool", "waiting", "workers")
 NOW_COLUMNS = ("turn_id", "tool", "call_id", "state", "worker", "run_time")
@@ -67,7 +66,7 @@ def queues_cmd(settings: Settings, *, as_json: bool = False, out: TextIO = sys.s
     url = settings.redis_url
 
     async def read() -> tuple[list[WorkerAdvert], dict[str, int]]:
-        r = aioredis.Redis.from_url(url, client_name="toolq-queues")
+        r = redis_clients.async_client(settings.redis_target() or url, client_name="toolq-queues")
         try:
             workers = await FleetCatalog(r).workers()
             routes = sorted({t.route for w in workers for t in w.tools})
@@ -96,7 +95,7 @@ def calls_cmd(settings: Settings, *, as_json: bool = False, out: TextIO = sys.st
               err: TextIO = sys.stderr) -> int:
     async def read() -> list[tuple[str, list[dict[str, str]]]]:
         found = []
-        async with aclosing(ledgers(settings.redis_url)) as each:
+        async with aclosing(ledgers(settings.redis_target())) as each:
             async for _, ledger in each:
                 for turn_id, turn in await ledger.recent_turns(RECENT_TURNS):
                     if turn.get("state") == "running":

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import TextIO
 
 import httpx
-import redis
 
 from toolq.core import import_path
 from toolq.core.errors import ConfigurationError
 from toolq.core.settings import Settings, mask_url_password
 from toolq.local.embedded import ChildProcess, free_port, wait_for
+from toolq.workers import redis_clients
 
 #: Flower reads every `FLOWER_<option>` variable itself; these two we set (or clear) on purpose.
 BASIC_AUTH_ENV = "FLOWER_BASIC_AUTH"
@@ -126,7 +126,8 @@ def run_flower(settings: Settings, *, port: int | None = None, address: str | No
     assert settings.redis_url is not None
     print(f"toolq flower: {launch.url} watching {mask_url_password(settings.redis_url)}", file=err)
     try:  # a broker that is away is not waited for here: Flower says so itself, and asks every 5 s
-        redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1.0, socket_timeout=1.0).ping()
+        redis_clients.sync_client(settings.redis_target() or settings.redis_url, socket_connect_timeout=1.0,
+                                  socket_timeout=1.0).ping()
         enable_task_events(settings)
     except Exception as e:
         print(f"toolq flower: warning: could not ask the workers for task events yet: {e}", file=err)

@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator
 
 from redis.exceptions import RedisError
 
+from toolq.core.redis_target import RedisTarget
 from toolq.local.runtime_dir import ledger_urls
 from toolq.orchestrator.transport.ledger import Ledger
 
@@ -15,14 +16,15 @@ from toolq.orchestrator.transport.ledger import Ledger
 PING_TIMEOUT = 2.0
 
 
-async def ledgers(redis_url: str | None) -> AsyncGenerator[tuple[str, Ledger], None]:
-    """(url, ledger) for REDIS_URL, or for each running embedded stack that answers; each ledger
-    is closed once the caller moves on (use it under `contextlib.aclosing`). A stack whose server
-    does not answer is skipped: its run is going down, and the others still count."""
-    for url in ledger_urls(redis_url):
-        ledger = Ledger.from_url(url)
+async def ledgers(redis: RedisTarget | None) -> AsyncGenerator[tuple[str, Ledger], None]:
+    """(url, ledger) for REDIS_URL (`Settings.redis_target()`), or for each running embedded stack
+    that answers; each ledger is closed once the caller moves on (use it under
+    `contextlib.aclosing`). A stack whose server does not answer is skipped: its run is going
+    down, and the others still count."""
+    for url in ledger_urls(redis.url if redis else None):
+        ledger = Ledger.from_url(redis or url)
         try:
-            if redis_url is None:
+            if redis is None:
                 try:
                     await asyncio.wait_for(ledger.r.ping(), PING_TIMEOUT)
                 except (RedisError, OSError, TimeoutError):

@@ -235,7 +235,7 @@ def resume_turn(settings: Settings, turn_id: str, *, json_events: bool = False,
 async def _saved_settings(settings: Settings, turn_id: str) -> TurnSettings | None:
     from toolq.orchestrator.transport.ledger import Ledger
 
-    ledger = Ledger.from_url(settings.redis_url or "")
+    ledger = Ledger.from_url(settings.redis_target() or "")
     try:
         return (await TurnStore(ledger.r, settings.turn_lease).load(turn_id))[1]
     finally:

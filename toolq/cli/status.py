@@ -151,7 +151,7 @@ def status_cmd(settings: Settings, turn_id: str, *, as_json: bool = False, out: 
         return 2
 
     async def read() -> tuple[dict[str, str], list[dict[str, str]], list[SessionRecord]]:
-        async with aclosing(ledgers(settings.redis_url)) as each:
+        async with aclosing(ledgers(settings.redis_target())) as each:
             async for _, ledger in each:
                 turn, calls = await ledger.turn(turn_id), await ledger.calls(turn_id)
                 await mark_orphans(ledger.r, [(turn_id, turn)])
@@ -184,7 +184,7 @@ def turns_cmd(settings: Settings, *, limit: int = 20, as_json: bool = False, out
 
     async def read() -> list[tuple[str, dict[str, str], int]]:
         found = []
-        async with aclosing(ledgers(settings.redis_url)) as each:
+        async with aclosing(ledgers(settings.redis_target())) as each:
             async for _, ledger in each:
                 turns = await ledger.recent_turns(limit)
                 await mark_orphans(ledger.r, turns)

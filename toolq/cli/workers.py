@@ -11,14 +11,13 @@ import time
 from collections import Counter
 from typing import Any, TextIO
 
-import redis.asyncio as aioredis
-
 from toolq.cli.status import render_json_lines, render_table
 from toolq.cli.terminal import printable
 from toolq.core.advert import WorkerAdvert
 from toolq.core.settings import Settings
 from toolq.orchestrator.transport.catalog_reader import FleetCatalog
 from toolq.orchestrator.transport.redis_faults import reaching
+from toolq.workers import redis_clients
 
 WORKER_COLUMNS = ("worker", "instance", "state", "pid", "host", "concurrency", "up", "sandbox", "tools")
 #: The tools cell is cut to this many characters in the table (JSON lists every tool).
@@ -66,7 +65,7 @@ def workers_cmd(settings: Settings, *, as_json: bool = False, out: TextIO = sys.
     url = settings.redis_url
 
     async def read() -> list[WorkerAdvert]:
-        r = aioredis.Redis.from_url(url, client_name="toolq-workers")
+        r = redis_clients.async_client(settings.redis_target() or url, client_name="toolq-workers")
         try:
             return await FleetCatalog(r).workers()
         finally:

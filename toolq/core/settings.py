@@ -13,11 +13,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator
 
-from toolq.core import import_path
+from toolq.core import import_path, redis_target
 from toolq.core.errors import ConfigurationError, problems
 from toolq.core.reasoning import ReasoningSetting
+from toolq.core.redis_target import SENTINEL_SCHEME, RedisTarget, parse_redis_url, url_with_db
 from toolq.core.tool_limits import ToolLimit, parse_tool_limits
 
 DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
@@ -95,6 +96,9 @@ def workspace_problem(path: Path, *, must_exist: bool = True) -> str | None:
 ENV = {
     "redis_url": ("REDIS_URL", "CELERY_BROKER_URL"),
     "result_url": ("TOOLQ_RESULT_URL", "CELERY_RESULT_BACKEND"),
+    # a sentinel:// URL's primary (toolq/core/redis_target.py)
+    "sentinel_master": (redis_target.MASTER_ENV,),
+    "sentinel_password": (redis_target.PASSWORD_ENV,),
     "openai_base_url": ("OPENAI_BASE_URL",),
     "openai_api_key": ("OPENAI_API_KEY",),
     "model": ("TOOLQ_MODEL",),
@@ -154,7 +158,7 @@ ENV = {
     "worker_poll": ("TOOLQ_WORKER_POLL",),
 }
 
-SECRETS = {"openai_api_key", "flower_password", "signing_key"}
+SECRETS = {"openai_api_key", "flower_password", "signing_key", "sentinel_password"}
 
 
 class Settings(BaseModel):
@@ -164,6 +168,11 @@ class Settings(BaseModel):
     """Broker and ledger. Unset: `toolq run`/`demo` start an embedded Redis-protocol server."""
     result_url: str | None = None
     """Celery result backend; defaults to the broker's server, database 1."""
+    sentinel_master: str | None = Field(default=None, validate_default=True)
+    """The name the sentinels monitor: needed, and only read, when `REDIS_URL` or `TOOLQ_RESULT_URL`
+    is a `sentinel://` URL. Every client then asks the sentinels for the current primary."""
+    sentinel_password: str | None = None
+    """The sentinels' own password (their `requirepass`), if they have one; the data nodes' is in the URL."""
     openai_base_url: str = DEFAULT_OPENAI_BASE_URL
     openai_api_key: str | None = None
     model: str = "gpt-5.5"
@@ -278,15 +287,25 @@ class Settings(BaseModel):
     @field_validator("redis_url", "result_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
-        if v and v.startswith("sentinel://"):
-            raise ValueError("Sentinel is not supported yet: point it at the current primary, or a proxy "
-                             "that follows it (deploy/README.md)")
+        if v and v.startswith(SENTINEL_SCHEME):
+            parse_redis_url(v, master="checked-later")  # its form here; the master name in _sentinel_master
+            return v
         if v and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+            raise ValueError("must be a redis://, rediss://, unix:// or sentinel:// URL")
         if v and v.startswith("rediss://") and "ssl_cert_reqs=" not in v:
             # Celery's Redis result backend refuses a TLS URL without it (at first use, not here).
             raise ValueError("a rediss:// URL needs ?ssl_cert_reqs=required (or optional, none)")
         return v
+
+    @field_validator("sentinel_master")
+    @classmethod
+    def _sentinel_master(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if not v:
+            for name in ("redis_url", "result_url"):
+                if (info.data.get(name) or "").startswith(SENTINEL_SCHEME):
+                    raise ValueError(f"{ENV[name][0]} is a sentinel:// URL: set {redis_target.MASTER_ENV} to the "
+                                     "name of the master the sentinels monitor")
+        return v or None
 
     @field_validator("workspace")
     @classmethod
@@ -339,9 +358,23 @@ class Settings(BaseModel):
             raise ConfigurationError(f"invalid setting {where}: {message}") from None
 
     def result_backend_url(self) -> str | None:
+        """The result backend's URL as Celery is given it (a Sentinel one in `celery_url`'s form)."""
+        target = self.result_target()
+        return target.celery_url() if target else None
+
+    def redis_target(self) -> RedisTarget | None:
+        """The broker's and ledger's Redis, for `toolq.workers.redis_clients`."""
+        return self._target(self.redis_url)
+
+    def result_target(self) -> RedisTarget | None:
+        """The result backend's Redis: `result_url`, else the broker's server, database 1."""
         if self.result_url or not self.redis_url:
-            return self.result_url
-        return _with_db(self.redis_url, 1)
+            return self._target(self.result_url)
+        target = self._target(self.redis_url)
+        return target.with_db(1) if target else None
+
+    def _target(self, url: str | None) -> RedisTarget | None:
+        return parse_redis_url(url, self.sentinel_master, self.sentinel_password) if url else None
 
     def masked(self) -> dict[str, Any]:
         out = self.model_dump(mode="json")
@@ -365,8 +398,4 @@ def mask_url_password(url: str) -> str:
     return f"{scheme}{sep}{user}:****@{host}"
 
 
-def _with_db(url: str, db: int) -> str:
-    base, _, query = url.partition("?")
-    scheme, _, rest = base.partition("://")
-    host, slash, _ = rest.partition("/")
-    return f"{scheme}://{host}/{db}" + (f"?{query}" if query else "")
+_with_db = url_with_db  # its older name (tests)

@@ -48,7 +48,7 @@ integer, ...`. Where a setting has two variables, the first one set wins. Switch
 #: The tables, in order: a title, who reads the settings, and the settings (field names).
 GROUPS: list[tuple[str, str, tuple[str, ...]]] = [
     ("Redis and the fleet", "Both sides. Every worker and orchestrator of one fleet needs the same values.",
-     ("redis_url", "result_url", "signing_key", "redis_connections")),
+     ("redis_url", "result_url", "sentinel_master", "sentinel_password", "signing_key", "redis_connections")),
     ("The model", "The orchestrator (`toolq run`, `resume`, `batch`, `Session`).",
      ("openai_base_url", "openai_api_key", "model", "instructions", "reasoning_effort", "request_max_retries",
       "stream_max_retries", "stream_idle_timeout", "max_sse_event_bytes")),
@@ -78,8 +78,10 @@ GROUPS: list[tuple[str, str, tuple[str, ...]]] = [
 #: What a field's docstring does not say: its whole description when it has none, else a note
 #: that follows the docstring.
 NOTES: dict[str, str] = {
-    "redis_url": "`redis://`, `rediss://` (add `?ssl_cert_reqs=required`) or `unix://`. `toolq worker` needs one: "
-                 "a worker never starts an embedded server. Sentinel is not supported yet.",
+    "redis_url": "`redis://`, `rediss://` (add `?ssl_cert_reqs=required`), `unix://`, or Sentinel in Celery's form "
+                 "`sentinel://:PASSWORD@host1:26379;sentinel://:PASSWORD@host2:26379/0` (the password is the data "
+                 "nodes'; set `TOOLQ_SENTINEL_MASTER`; [operating.md](operating.md#redis-failover-with-sentinel)). "
+                 "`toolq worker` needs one: a worker never starts an embedded server.",
     "openai_base_url": "The Responses API endpoint: OpenAI, or a local server such as vLLM or Ollama.",
     "openai_api_key": "The bearer token. Only a loopback base URL may go without one.",
     "model": "The model named in each request.",

@@ -38,7 +38,7 @@ from toolq.core.errors import ConfigurationError
 from toolq.core.flower_args import flower_args
 from toolq.core.settings import Settings, mask_url_password
 from toolq.core.states import FAILURE, CallState, celery_state
-from toolq.workers import isolation, kombu_acks, pool_exits, presence, stopping
+from toolq.workers import config, isolation, kombu_acks, pool_exits, presence, redis_clients, stopping
 from toolq.workers.config import configure_app, longest_timeout, make_app
 from toolq.workers.execute import StillRunning, execute
 from toolq.workers.loader import load_catalog
@@ -94,9 +94,10 @@ def refuse_a_wrong_login(settings: Settings) -> None:
     prints it and exits 2): Celery would retry it 100 times, as if Redis were down, and a
     password does not get right by waiting. A Redis that is down or does not answer is left to
     Celery, which retries it (`broker_connection_retry_on_startup`)."""
-    for url in dict.fromkeys(u for u in (settings.redis_url, settings.result_backend_url()) if u):
-        client = redis.Redis.from_url(url, socket_connect_timeout=LOGIN_CHECK_TIMEOUT,
-                                      socket_timeout=LOGIN_CHECK_TIMEOUT, retry_on_timeout=False)
+    for target in dict.fromkeys(t for t in (settings.redis_target(), settings.result_target()) if t):
+        url = target.url
+        client = redis_clients.sync_client(target, socket_connect_timeout=LOGIN_CHECK_TIMEOUT,
+                                           socket_timeout=LOGIN_CHECK_TIMEOUT, retry_on_timeout=False)
         try:
             client.ping()
         except redis.AuthenticationError as e:
@@ -112,7 +113,7 @@ def redis_client() -> redis.Redis:
     """This process's connection to the ledger (the broker's Redis)."""
     global _redis
     if _redis is None:
-        _redis = redis.Redis.from_url(app.conf.broker_url)
+        _redis = redis_clients.sync_client(config.broker_target(app.conf))
     return _redis
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import states
-from celery.backends.redis import RedisBackend
+from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
 
@@ -84,3 +84,8 @@ class NoSubscribeRedisBackend(RedisBackend):
         if script is None:
             script = self.__dict__["_store_script"] = self.client.register_script(_STORE)
         return script(keys=[key], args=[value, expires, _SUCCESS_PREFIX])
+
+
+class NoSubscribeSentinelBackend(NoSubscribeRedisBackend, SentinelBackend):
+    """The same on a Sentinel-managed primary: Celery's `SentinelBackend` finds it (its
+    `master_name` and `sentinel_kwargs` in `result_backend_transport_options`)."""

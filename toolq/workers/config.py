@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from toolq.core import signing
 from toolq.core.catalog import ToolSpec
 from toolq.core.contracts import TIME_LIMIT_MARGIN
+from toolq.core.redis_target import RedisTarget, parse_redis_url
 from toolq.core.settings import Settings
 from toolq.workers import kombu_clients
 
@@ -29,12 +30,15 @@ def longest_timeout(specs: Iterable[ToolSpec]) -> float:
 def celery_config(settings: Settings, longest: float, *, worker: bool = False) -> dict[str, Any]:
     """`longest`: the longest tool timeout, which the visibility timeout must stay above.
     `worker`: the worker's own app (its queues' poll interval), not a client's."""
-    broker = settings.redis_url or "redis://127.0.0.1:6379/0"
-    backend = settings.result_backend_url() or broker
+    broker = settings.redis_target() or RedisTarget("redis://127.0.0.1:6379/0")
+    backend = settings.result_target() or broker
     poll = {"polling_interval": settings.worker_poll} if worker and settings.worker_poll is not None else {}
+    backend_class = "NoSubscribeSentinelBackend" if backend.is_sentinel else "NoSubscribeRedisBackend"
     return dict(
-        broker_url=broker,
-        result_backend=f"toolq.workers.backend:NoSubscribeRedisBackend+{backend}",
+        broker_url=broker.celery_url(),
+        result_backend=f"toolq.workers.backend:{backend_class}+{backend.celery_url()}",
+        # kombu's and Celery's Sentinel options: the master's name, the sentinels' own password.
+        result_backend_transport_options=_sentinel_options(backend),
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],
@@ -63,6 +67,7 @@ def celery_config(settings: Settings, longest: float, *, worker: bool = False) -
             # The BRPOP's timeout, which a warm shutdown waits out. Never a client's: kombu also
             # sleeps that long between a client's empty polls (pings, inspect).
             **poll,
+            **_sentinel_options(broker),
         },
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
@@ -70,6 +75,21 @@ def celery_config(settings: Settings, longest: float, *, worker: bool = False) -
         # task-succeeded log lines and Flower may show tool output (summary.py).
         **{signing.CONF_KEY: settings.signing_key, "toolq_log_tool_output": settings.log_tool_output},
     )
+
+
+def _sentinel_options(target: RedisTarget) -> dict[str, Any]:
+    if not target.is_sentinel:
+        return {}
+    return {"master_name": target.master, **({"sentinel_kwargs": target.sentinel_kwargs()}
+                                             if target.sentinel_password else {})}
+
+
+def broker_target(conf: Any) -> RedisTarget:
+    """The Redis an app's broker is on (`app.conf`), for the worker's own clients: a Sentinel
+    broker's master name and sentinel password are in its transport options."""
+    options = conf.broker_transport_options or {}
+    return parse_redis_url(conf.broker_url, options.get("master_name"),
+                           (options.get("sentinel_kwargs") or {}).get("password"))
 
 
 def configure_app(app: Celery, settings: Settings, longest: float, *, worker: bool = False) -> Celery:

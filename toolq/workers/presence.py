@@ -24,6 +24,8 @@ from toolq.core.advert import TOOL_QUEUE_PREFIX, ToolAdvert, ToolRef, WorkerAdve
 from toolq.core.catalog import Catalog
 from toolq.core.session_records import instance_queue
 from toolq.core.settings import Settings
+from toolq.workers import redis_clients
+from toolq.workers.config import broker_target
 
 log = logging.getLogger("toolq.worker.presence")
 
@@ -171,7 +173,7 @@ def advertise(consumer: Any, catalog: Catalog, settings: Settings) -> None:
                                   concurrency=int(getattr(controller, "concurrency", 0) or settings.concurrency),
                                   queues=configured_queues(consumer.app.amqp.queues.consume_from), catalog=catalog,
                                   settings=settings)
-    advertiser = Advertiser(redis.Redis.from_url(consumer.app.conf.broker_url, client_name="toolq-presence"),
+    advertiser = Advertiser(redis_clients.sync_client(broker_target(consumer.app.conf), client_name="toolq-presence"),
                             record, tools)
     advertiser.start()
     _current = advertiser

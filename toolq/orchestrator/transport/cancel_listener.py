@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 
 from toolq.core import keys
+from toolq.workers.redis_clients import dedicated_pool
 
 log = logging.getLogger("toolq.cancels")
 
@@ -35,10 +36,8 @@ REMEMBERED = 10_000
 class CancelListener:
     def __init__(self, r: aioredis.Redis, is_cancelled: Callable[[str], Awaitable[bool]],
                  is_call_cancelled: Callable[[str], Awaitable[bool]]) -> None:
-        pool = r.connection_pool
         # Its own connection, under its own name: never one the ledger's commands wait for.
-        self._pool = aioredis.ConnectionPool(connection_class=pool.connection_class, max_connections=1,
-                                             **{**pool.connection_kwargs, "client_name": CLIENT_NAME})
+        self._pool = dedicated_pool(r, CLIENT_NAME)
         self._is_cancelled = is_cancelled
         self._is_call_cancelled = is_call_cancelled
         """A call's cancel is acted on once its durable record is read: a message alone is only a

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from toolq.core import keys
 from toolq.core.calls import ToolInvocation
+from toolq.core.redis_target import RedisTarget
 from toolq.core.states import CallState
 from toolq.orchestrator.transport.cancel_listener import CancelListener
 from toolq.orchestrator.transport.redis_pool import DEFAULT_CONNECTIONS, blocking_client
@@ -122,7 +123,7 @@ class Ledger:
         """Per turn, the next step number of the block this ledger took and the block's end."""
 
     @classmethod
-    def from_url(cls, url: str, max_connections: int = DEFAULT_CONNECTIONS) -> Ledger:
+    def from_url(cls, url: RedisTarget | str, max_connections: int = DEFAULT_CONNECTIONS) -> Ledger:
         """A ledger whose commands wait for a free connection rather than fail (redis_pool.py) and
         give up on a Redis that stops answering."""
         return cls(blocking_client(url, "toolq-ledger", max_connections, socket_timeout=SOCKET_TIMEOUT,

@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from toolq.core.redis_target import RedisTarget
 from toolq.core.settings import Settings
+from toolq.workers.redis_clients import async_client
 
 #: Connections one client may open (`TOOLQ_REDIS_CONNECTIONS`); more commands at once wait for one.
 DEFAULT_CONNECTIONS: int = Settings.model_fields["redis_connections"].default
 
-#: How long a command may wait for a free connection. Commands take well under a millisecond, so
-#: only a leak could make one wait this long; it then fails as a Redis fault (one line), not a hang.
-POOL_WAIT = 60.0
 
-
-def blocking_client(url: str, name: str, max_connections: int = DEFAULT_CONNECTIONS,
+def blocking_client(where: RedisTarget | str, name: str, max_connections: int = DEFAULT_CONNECTIONS,
                     **connection: object) -> aioredis.Redis:
     """A client named `name` (CLIENT LIST shows it) whose pool waits rather than fails; closing
-    the client closes its pool. `connection`: redis-py connection options (timeouts)."""
-    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT,
-                                                    client_name=name, **connection)
-    return aioredis.Redis.from_pool(pool)
+    the client closes its pool. `connection`: redis-py connection options (timeouts). On a
+    Sentinel target it follows the primary (toolq/workers/redis_clients.py)."""
+    return async_client(where, max_connections=max_connections, blocking=True, client_name=name, **connection)

@@ -25,6 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from toolq.core import keys
 from toolq.core.calls import ToolResult
 from toolq.core.contracts import ToolCallFailed
+from toolq.core.redis_target import RedisTarget
 from toolq.core.signing import Signer
 from toolq.core.states import FAILURE, REVOKED, STARTED, SUCCESS, CallState
 from toolq.orchestrator.transport import TaskOutcome, Watches
@@ -67,7 +68,7 @@ class ResultRouter(Watches):
     """Watches tasks of watched turns. A task sent after `watch` needs nothing more; one that may
     have reported before (a re-dispatch) needs `catch_up`."""
 
-    def __init__(self, url: str, signer: Signer, *, stream_output: bool = True) -> None:
+    def __init__(self, url: RedisTarget | str, signer: Signer, *, stream_output: bool = True) -> None:
         self.signer = signer
         """Checks every meta before it counts (toolq/core/signing.py)."""
         self.stream_output = stream_output

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 import redis
 
 from toolq.core.contracts import STREAM_BYTES
+from toolq.core.redis_target import target_from_env
 from toolq.core.session_records import CONVERSATION_TTL, SessionRecord, conversation_key, next_id_key, sessions_key
 from toolq.core.settings import Settings
-from toolq.workers import hardening, isolation
+from toolq.workers import hardening, isolation, redis_clients
 from toolq.workers.isolation import limits, reaper, spawner
 from toolq.workers.isolation.cell import CellProcess
 from toolq.workers.processes import DEFAULT_OUTPUT_CAP, DRAIN_TIMEOUT, POLL_INTERVAL, HeadTailBuffer, _killpg, flooded
@@ -537,7 +538,8 @@ def main() -> None:
                         stream=sys.stderr)  # stamped like the worker's own lines, which share its log
     path = os.environ["TOOLQ_SESSION_SOCKET"]
     settings = Settings.load()
-    r = redis.Redis.from_url(os.environ["TOOLQ_SESSION_REDIS"]) if os.environ.get("TOOLQ_SESSION_REDIS") else None
+    url = os.environ.get("TOOLQ_SESSION_REDIS")
+    r = redis_clients.sync_client(target_from_env(url, os.environ)) if url else None
     host = Host(settings, os.environ.get("TOOLQ_SESSION_INSTANCE", ""), os.environ.get("TOOLQ_SESSION_HOSTNAME", ""),
                 r, key=sys.stdin.buffer.readline().strip())
     if not host.key:

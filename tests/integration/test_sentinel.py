@@ -1,0 +1,177 @@
+"""Redis failover through Sentinel (issue 27, item 3): a primary, a replica and three sentinels on
+loopback, real prefork workers and orchestrators on `sentinel://` URLs. A turn runs through
+Sentinel; then the primary is SIGKILLed while a call runs, the sentinels promote the replica, and
+every call still gets exactly one output (the tool's own or toolq's honest statement), the turn
+ends, and the next turn completes on the same workers: no process is restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.integration.conftest import WORKER_ENV
+from tests.integration.test_faults import final, wait_for_pid
+from toolq.core.honest import INFRASTRUCTURE_TEXT, known_form
+from toolq.dev.fake_model import builders as b
+from toolq.local.embedded import RedisServer, free_port, redis_server_binary, wait_for
+
+pytestmark = pytest.mark.integration
+
+MASTER = "toolqmaster"
+SENTINEL_ENV = {**WORKER_ENV, "TOOLQ_SENTINEL_MASTER": MASTER}
+
+
+class SentinelCluster:
+    """A primary, a replica (`replicaof`) and three sentinels (quorum 2), with a password on the
+    data nodes; everything it started is stopped on exit."""
+
+    def __init__(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="toolq-sentinel-")
+        self.dir = Path(self._tmp.name)
+        self.password = secrets.token_hex(16)
+        self.primary = RedisServer(workdir=self._dir("primary"), password=self.password,
+                                   args=["--masterauth", self.password])
+        self.replica = RedisServer(workdir=self._dir("replica"), password=self.password,
+                                   args=["--masterauth", self.password, "--replicaof", "127.0.0.1",
+                                         str(self.primary.port)])
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.sentinels: list[subprocess.Popen] = []
+
+    def _dir(self, name: str) -> Path:
+        d = self.dir / name
+        d.mkdir()
+        return d
+
+    @property
+    def url(self) -> str:
+        return ";".join(f"sentinel://:{self.password}@127.0.0.1:{p}" for p in self.sentinel_ports) + "/0"
+
+    def __enter__(self) -> SentinelCluster:
+        try:
+            self.primary.start()
+            self.replica.start()
+            for port in self.sentinel_ports:
+                self.sentinels.append(self._start_sentinel(port))
+            wait_for(lambda: all(self._sees_replica(p) for p in self.sentinel_ports), 20, "sentinels see the replica")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _start_sentinel(self, port: int) -> subprocess.Popen:
+        d = self._dir(f"sentinel-{port}")
+        conf = d / "sentinel.conf"  # a sentinel rewrites its own config: it must be a file of its own
+        conf.write_text("\n".join([
+            f"port {port}", "bind 127.0.0.1", f'dir "{d}"', f'logfile "{d / "sentinel.log"}"',
+            f"sentinel monitor {MASTER} 127.0.0.1 {self.primary.port} 2",
+            f"sentinel auth-pass {MASTER} {self.password}",
+            f"sentinel down-after-milliseconds {MASTER} 1000",
+            f"sentinel failover-timeout {MASTER} 3000",
+            f"sentinel parallel-syncs {MASTER} 1",
+        ]) + "\n")
+        return subprocess.Popen([redis_server_binary(), str(conf), "--sentinel"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def _ask(self, port: int, *command: str) -> object:
+        client = redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=0.5, decode_responses=True)
+        try:
+            return client.execute_command(*command)
+        except redis.RedisError:
+            return None
+        finally:
+            client.close()
+
+    def _sees_replica(self, port: int) -> bool:
+        replicas = self._ask(port, "SENTINEL", "REPLICAS", MASTER)
+        return bool(replicas) and self._ask(port, "SENTINEL", "CKQUORUM", MASTER) is not None
+
+    def master_port(self) -> int | None:
+        for port in self.sentinel_ports:
+            addr = self._ask(port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER)
+            if isinstance(addr, list) and len(addr) == 2:
+                return int(addr[1])
+        return None
+
+    def kill_primary_and_wait_for_the_promotion(self, timeout: float = 60) -> None:
+        self.primary.kill()
+        wait_for(lambda: self.master_port() == self.replica.port, timeout, "the sentinels promote the replica")
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.sentinels:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(5)
+        for server in (self.replica, self.primary):
+            server.stop()
+        self._tmp.cleanup()
+
+
+@pytest.fixture
+def cluster():
+    with SentinelCluster() as c:
+        yield c
+
+
+def honest(output: str, own: str) -> bool:
+    """The tool's own result, or one of toolq's statements; never an exception standing in."""
+    return not INFRASTRUCTURE_TEXT.search(output) and (own in output or known_form(output) is not None)
+
+
+def test_a_turn_runs_on_a_sentinel_managed_primary(cluster, worker, drive):
+    worker(["toolq"], concurrency=2, redis_url=cluster.url, env=SENTINEL_ENV)
+    run = drive([[b.function_call("sleep_echo", {"ms": 50, "text": "one"}, "c1"),
+                  b.function_call("sleep_echo", {"ms": 50, "text": "two"}, "c2")], final()],
+                redis_url=cluster.url, sentinel_master=MASTER, timeout=90)
+    assert run.outcome.status == "completed", run.outcome
+    outputs = run.outputs_of(1)
+    assert [json.loads(o["output"])["text"] for o in outputs] == ["one", "two"]
+    # the ledger and the results are on the primary the sentinels name, and reached its replica
+    primary = redis.Redis(port=cluster.master_port() or 0, password=cluster.password)
+    assert primary.keys("toolq:turn:*") and primary.info("replication")["connected_slaves"] == 1
+    primary.close()
+
+
+def test_a_failover_mid_turn_leaves_honest_outputs_and_the_fleet_serving(cluster, worker, drive, tmp_path):
+    """SIGKILL the primary while a call runs: Redis's replication is asynchronous, so what the old
+    primary had not passed on is lost; every call still gets one output, the turn ends, and a new
+    turn on the same workers (no restart) completes on the promoted replica."""
+    worker(["toolq", "faults"], concurrency=2, redis_url=cluster.url, env=SENTINEL_ENV)
+
+    async def fail_over(session, runtime):
+        await asyncio.to_thread(wait_for_pid, tmp_path / "hang-call_h.pid", 30)
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(cluster.kill_primary_and_wait_for_the_promotion)
+
+    run = drive([[b.function_call("hang", {"seconds": 4}, "call_h"),
+                  b.function_call("sleep_echo", {"ms": 200, "text": "beside"}, "call_s")], final()],
+                redis_url=cluster.url, sentinel_master=MASTER, during=fail_over, timeout=110, turn_timeout=90)
+    print("failover turn:", run.outcome.status, run.outcome.error)
+    if run.outcome.status == "completed":
+        outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
+        print("outputs:", outputs)
+        assert set(outputs) == {"call_h", "call_s"}
+        assert honest(outputs["call_h"], "woke up"), outputs["call_h"]
+        assert honest(outputs["call_s"], "beside"), outputs["call_s"]
+    else:
+        assert run.outcome.status == "failed" and run.outcome.error and "\n" not in run.outcome.error
+    assert cluster.master_port() == cluster.replica.port
+
+    started = time.monotonic()
+    after = drive([[b.function_call("sleep_echo", {"ms": 10, "text": "after"}, "c_after")], final()],
+                  redis_url=cluster.url, sentinel_master=MASTER, timeout=90)
+    print(f"next turn: {after.outcome.status} in {time.monotonic() - started:.1f}s")
+    assert after.outcome.status == "completed", after.outcome
+    (out,) = after.outputs_of(1)
+    assert json.loads(out["output"])["text"] == "after"
