@@ -23,7 +23,7 @@ from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
 from toolq.core import import_path
 from toolq.core.honest import INFRASTRUCTURE_TEXT, known_form
 from toolq.dev.fake_model import builders as b
-from toolq.dev.hosts import HostRedis, Hosts, HostWorker, cannot_run, harness_namespaces
+from toolq.dev.hosts import HostRedis, Hosts, HostWorker, cannot_run, harness_namespaces, netem_available, sweep_stale
 from toolq.orchestrator.history import pairing_problems
 
 pytestmark = pytest.mark.integration
@@ -276,3 +276,81 @@ def test_a_worker_cut_from_redis_longer_than_its_windows_gets_an_honest_output(f
     assert runs(fleet, "call_cut") == 1  # exec_command is not idempotent: never delivered again
     assert served_by(conversation, 1) == {fleet.cut_worker}
     assert still_running(fleet.workers[fleet.cut_worker])
+
+
+def test_one_way_loss_from_redis_to_a_worker_mid_call_gets_an_honest_output(fleet: Fleet) -> None:
+    """The worker's packets reach Redis (its commands run there, its heartbeats renew its record)
+    but it hears no reply, for longer than its windows."""
+    script = {"by_prompt": {"cut": [[counting("call_cut", 5)], [b.message("done")]], "again": after_the_heal(4)}}
+
+    def during(k: int) -> None:
+        if k == 0:
+            wait_until(lambda: runs(fleet, "call_cut") > 0, 30, "call_cut starting")
+            fleet.cut_worker = runner(fleet)
+            fleet.hosts.drop("redis", fleet.cut_worker)
+            time.sleep(2 * CATALOG_TTL)
+            fleet.hosts.heal()
+
+    conversation = fleet.converse(script, ["cut", "again"], during=during, before=lambda k: serve_alone(fleet, k))
+    assert conversation.ended(0) == "turn.completed" and conversation.ended(1) == "turn.completed"
+    assert conversation.unpaired() == []
+    assert_honest(conversation.outputs()["call_cut"], "done")
+    assert runs(fleet, "call_cut") == 1
+    assert served_by(conversation, 1) == {fleet.cut_worker}
+    assert still_running(fleet.workers[fleet.cut_worker])
+
+
+def test_the_orchestrator_cut_from_redis_mid_turn_still_answers_every_call(fleet: Fleet) -> None:
+    calls = [counting(f"call_{i}", 5) for i in range(2)]
+    script = {"by_prompt": {"cut": [calls, [b.message("done")]], "again": after_the_heal(2)}}
+
+    def during(k: int) -> None:
+        if k == 0:
+            wait_until(lambda: runs(fleet, "call_0") > 0 and runs(fleet, "call_1") > 0, 30, "both calls starting")
+            fleet.hosts.cut("orch", "redis")
+            time.sleep(2 * CATALOG_TTL)
+            fleet.hosts.heal()
+
+    conversation = fleet.converse(script, ["cut", "again"], during=during)
+    assert conversation.ended(0) == "turn.completed" and conversation.ended(1) == "turn.completed"
+    assert conversation.unpaired() == []
+    outputs = conversation.outputs()
+    for i in range(2):
+        assert runs(fleet, f"call_{i}") == 1
+        assert_honest(outputs[f"call_{i}"], "done")
+    assert all(still_running(w) for w in fleet.workers.values())
+
+
+def test_a_namespace_a_dead_harness_left_is_swept(hosts: Hosts) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"toolq-{dead.pid}x{'0' * 6}-w9"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    assert name in sweep_stale()
+    assert name not in harness_namespaces()
+    assert set(hosts.names()) <= set(harness_namespaces())  # a live harness's are kept
+
+
+@pytest.fixture
+def netem() -> None:
+    """Skips before any host is made where the kernel has no netem (this VM's has none)."""
+    if not netem_available():
+        pytest.skip("tc netem is not available in this kernel")
+
+
+def test_delay_and_loss_on_a_worker_link_keep_every_call_answered_once(netem: None, fleet: Fleet) -> None:
+    calls = [counting(f"call_{i}", 1) for i in range(4)]
+    script = {"by_prompt": {"slow": [calls, [b.message("done")]]}}
+
+    def during(k: int) -> None:
+        for role in WORKERS:
+            fleet.hosts.netem(role, ["delay", "100ms", "20ms", "loss", "5%"])
+
+    conversation = fleet.converse(script, ["slow"], during=during)
+    fleet.hosts.heal()
+    assert conversation.ended(0) == "turn.completed"
+    assert conversation.unpaired() == []
+    outputs = conversation.outputs()
+    for i in range(4):
+        assert runs(fleet, f"call_{i}") == 1
+        assert_honest(outputs[f"call_{i}"], "done")
