@@ -196,3 +196,25 @@ def test_a_sandbox_cell_killed_mid_command_is_told_as_such(tmp_path, worker, dri
     # The cell's death killed the command (SIGKILL: 128 + 9), and that is what the output says.
     assert "Process exited with code 137" in out["output"], out["output"]
     assert "after" in run.outputs_of(2)[-1]["output"]
+
+
+def test_a_result_lost_on_the_way_back_is_not_called_stopped(tmp_path, worker, drive):
+    """The worker ran the call and recorded its end in the ledger, but its result store (a Redis of
+    its own, TOOLQ_RESULT_URL) was away past Celery's retries: the orchestrator never heard. At the
+    deadline it used to say "call timed out ... and was stopped", which was not so; it reads the
+    ledger and says the call ended on that worker and its output is unknown."""
+    with RedisServer() as broker, RedisServer() as results:
+        worker(["faults"], redis_url=broker.url, env={"TOOLQ_RESULT_URL": results.url})
+
+        async def results_away(session, runtime):
+            await asyncio.to_thread(wait_for_pid, tmp_path / "hang-call_r.pid")
+            await asyncio.to_thread(results.kill)
+
+        run = drive([[b.function_call("short_hang", {"seconds": 1}, "call_r")], final()], redis_url=broker.url,
+                    result_url=results.url, during=results_away, timeout=120)
+    (out,) = run.outputs_of(1)
+    assert out["output"].startswith("short_hang was interrupted and its outcome is unknown: it ended completed on worker "), \
+        out["output"]
+    assert "its result never reached the orchestrator" in out["output"]
+    items = {e["item"]["id"]: e["item"] for e in run.events if e["type"] == "item.completed"}
+    assert items["call_r"]["state"] == "lost"

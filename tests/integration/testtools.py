@@ -52,6 +52,12 @@ def hang(args: HangArgs, ctx: ToolContext) -> str:
     return "woke up"
 
 
+@tool(queue="faults", timeout=5)
+def short_hang(args: HangArgs, ctx: ToolContext) -> str:
+    """`hang` with a 5 s limit: a fault test whose result never comes back reaches its deadline soon."""
+    return hang(args, ctx)
+
+
 @tool(queue="faults")
 def patient(args: HangArgs, ctx: ToolContext) -> str:
     """Write this process's pid into the workspace, then wait, asking every 50 ms whether the call

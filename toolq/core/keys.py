@@ -4,6 +4,7 @@ Celery's own keys (`celery-task-meta-<task id>`) belong to Celery; these are our
 written by the orchestrator, the workers and `toolq cancel`, so they must agree.
 """
 
+import re
 from collections.abc import Mapping
 
 PREFIX = "toolq"
@@ -22,6 +23,17 @@ def text(raw: object) -> str:
 def record(raw: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
     """A HASH as Redis gave it (HGETALL), as text."""
     return {text(k): text(v) for k, v in raw.items()}
+
+
+def worker_name(raw: bytes | str | None) -> str:
+    """A worker name read back from the ledger, fit to quote in an output. The ledger is unsigned:
+    whoever reaches Redis could write a sentence there for the model to read."""
+    name = raw.decode(errors="replace") if isinstance(raw, bytes) else (raw or "")
+    return name if _WORKER_NAME.fullmatch(name) else "?"
+
+
+_WORKER_NAME = re.compile(r"[\w.@:%+-]{1,200}")
+
 
 #: ZSET of turn ids scored by start time, for `toolq turns`.
 TURNS = f"{PREFIX}:turns"

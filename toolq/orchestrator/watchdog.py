@@ -14,8 +14,10 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from toolq.core import keys
 from toolq.core.calls import ToolResult, aborted_text
 from toolq.core.contracts import TIME_LIMIT_MARGIN
+from toolq.core.honest import interrupted
 from toolq.core.states import CallState
 from toolq.orchestrator.call_entry import CallEntry
 from toolq.orchestrator.transport import CallRecords, CallWatch, TaskOutcome, Transport
@@ -85,9 +87,16 @@ class Watchdog:
                         "toolq stopped it, and it may or may not have run")
 
     async def expire(self, entry: CallEntry, now: float) -> ToolResult:
-        """Past the call's deadline: stop it, and say whether it was stopped."""
+        """Past the call's deadline: stop it, and say whether it was stopped. A call its worker
+        recorded as ended was not stopped: its result was lost on the way back (Redis)."""
         assert entry.inv is not None
         waited = now - entry.added_at
+        ended = await _probe_value(self.records.recorded_end(entry.inv.task_id)) if entry.started_at else None
+        if ended is not None:
+            state, worker = ended
+            return self.synthesize(entry, CallState.LOST, interrupted(
+                entry.tool, f"it ended {state} on worker {keys.worker_name(worker)}, but its result never reached "
+                "the orchestrator (lost on the way back through Redis), so its output is unknown"))
         try:
             await self.transport.revoke([entry.inv.task_id])
         except Exception as e:  # Redis away: nobody could be told to stop it
@@ -115,6 +124,17 @@ class Watchdog:
         else:
             text = outcome.reason or f"the call ended {outcome.state} without a result"
         return self.synthesize(entry, outcome.state, text)
+
+
+async def _probe_value(check: Any) -> Any:
+    """A watchdog read from the ledger; None when it could not be made (Redis unreachable)."""
+    try:
+        return await check
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.info("watchdog read failed: %s", e)
+        return None
 
 
 async def _probe(check: Any) -> bool | None:

@@ -10,7 +10,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import time
 import traceback
 from collections.abc import Callable
@@ -107,14 +106,6 @@ return {cancelled, first, prev[1], prev[2], prev[3]}
 """
 
 
-def worker_name(raw: bytes | None) -> str:
-    """A worker name read back from the ledger, fit to quote in an output. The ledger is unsigned:
-    whoever reaches Redis could write a sentence there for the model to read."""
-    name = (raw or b"").decode(errors="replace")
-    return name if _WORKER_NAME.fullmatch(name) else "?"
-
-
-_WORKER_NAME = re.compile(r"[\w.@:%+-]{1,200}")
 
 
 class StillRunning(Exception):
@@ -210,7 +201,7 @@ def _start(inv: ToolInvocation, spec: ToolSpec | None, r: redis.Redis, hostname:
         args=[hostname, keys.RECORD_TTL, started_at, os.getpid(), CallState.RUNNING.value],
     )
     prev_state = (prev_state or b"").decode()
-    prev_worker = worker_name(prev_worker)
+    prev_worker = keys.worker_name(prev_worker)
 
     if cancelled:
         _set_state(r, inv, state=CallState.CANCELLED, worker=hostname, finished_at=time.time())

@@ -142,3 +142,7 @@ class CallRecords(Protocol):
 
     async def mark_throttled(self, inv: ToolInvocation, reason: str) -> None:
         """List a call a limit holds back (not sent yet) as `throttled`."""
+
+    async def recorded_end(self, task_id: str) -> tuple[CallState, str] | None:
+        """The end a worker recorded for the call (its state, its name), if one did: a call whose
+        result never came back may still have finished."""

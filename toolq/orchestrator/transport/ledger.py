@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from toolq.core import keys
 from toolq.core.calls import ToolInvocation
 from toolq.core.redis_target import RedisTarget
-from toolq.core.states import CallState
+from toolq.core.states import CallState, parse_state
 from toolq.orchestrator.transport.cancel_listener import CancelListener
 from toolq.orchestrator.transport.redis_pool import DEFAULT_CONNECTIONS, blocking_client
 
@@ -226,6 +226,13 @@ class Ledger:
         """Record a state the orchestrator decided (timed out, lost, cancelled...)."""
         mapping = {"state": state, **{k: v for k, v in fields.items() if v is not None}}
         await self.r.hset(keys.call(task_id), mapping={k: str(v) for k, v in mapping.items()})
+
+    async def recorded_end(self, task_id: str) -> tuple[CallState, str] | None:
+        state, worker, finished = await self.r.hmget(keys.call(task_id), "state", "worker", "finished_at")
+        ended = parse_state(keys.text(state)) if state else None
+        if ended is None or not ended.terminal or not finished or not worker:
+            return None
+        return ended, keys.text(worker)
 
     async def calls(self, turn_id: str) -> list[dict[str, str]]:
         ids = [keys.text(i) for i in await self.r.lrange(keys.turn_calls(turn_id), 0, -1)]

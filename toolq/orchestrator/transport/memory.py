@@ -122,6 +122,9 @@ class MemoryRecords:
         self.calls[task_id] = {"call_id": call_id, "tool": tool, "state": state, "step": step,
                                "output_index": output_index, "turn_id": turn_id}
 
+    async def recorded_end(self, task_id: str) -> tuple[CallState, str] | None:
+        return None  # the in-memory transport's results never get lost
+
     async def mark_throttled(self, inv: ToolInvocation, reason: str) -> None:
         self.calls.setdefault(inv.task_id, {"call_id": inv.call_id, "tool": str(inv.tool_name),
                                             "state": CallState.THROTTLED.value, "throttled_by": reason})
