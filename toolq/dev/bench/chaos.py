@@ -15,7 +15,9 @@ empty.
 Checked on every turn: every model request's input is paired, the final history answers every
 call exactly once, no call ran more often than it was asked for (the tools' own evidence), a
 completed turn ran every call, one terminal event, a cancel ends `cancelled`, the turn ended within
-its deadline, the calls' processes are gone; after the campaign, nothing it started is running.
+its deadline, the calls' processes are gone, every output is the tool's own or one of toolq's
+statements and never an infrastructure exception's text (`toolq/core/honest.py`; the report counts
+outputs by form); after the campaign, nothing it started is running.
 The call a fault hit is told the truth: a cancelled call `cancelled`, a call on a SIGKILLed worker
 `lost` (it may have run), a call on a worker shut down warm `completed` only if it finished; no
 call is answered `completed` without having run; a stalled stream is retried after the idle timeout.
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from toolq.core import import_path
+from toolq.core.honest import INFRASTRUCTURE_TEXT, known_form
 from toolq.core.settings import Settings
 from toolq.dev.bench.chaos_tools import end_file, pid_file, runs_file
 from toolq.dev.fake_model import builders as b
@@ -73,6 +76,8 @@ WORKER_LOST = ("kill_worker", "warm_shutdown")
 SHAPES = ("calls", "calls", "wide", "flood")
 WIDE = 32
 TERMINAL = ("turn.completed", "turn.aborted", "turn.failed")
+#: The history items that answer a call.
+OUTPUT_TYPES = ("function_call_output", "custom_tool_call_output")
 
 
 @dataclass
@@ -177,12 +182,16 @@ class Tally:
     """Why calls were not answered `completed` (or `cancelled`): state and reason."""
     requeued: int = 0
     """Calls a dead worker had taken but not started, put back on their queue (`stranded.py`)."""
+    forms: Counter = field(default_factory=Counter)
+    """Outputs by what they are: the tool's own, or which of toolq's statements (`honest.known_form`)."""
+    guessed: list[str] = field(default_factory=list)
+    """Outputs where an infrastructure exception's text stands in for the tool's (issue 27 item 1)."""
     kept: Path | None = None
     """Where the logs of a campaign that broke a contract were kept."""
 
     @property
     def violations(self) -> list[str]:
-        return [*self.pairing, *self.double, *self.late, *self.leftovers, *self.broken]
+        return [*self.pairing, *self.double, *self.late, *self.leftovers, *self.guessed, *self.broken]
 
 
 @dataclass
@@ -427,6 +436,7 @@ class Campaign:
         t.why.update(f"{a['state']}: {(a.get('reason') or a.get('output') or '')[:90]}" for a in answers
                      if a["state"] not in ("completed", "cancelled"))
         told = {a["id"]: a for a in answers}
+        self.check_outputs(run, answers, what)
         for call_id, asked in plan.counts.items():
             path = runs_file(self.workspace, call_id)
             ran = path.read_text().count("\n") if path.exists() else 0
@@ -446,6 +456,19 @@ class Campaign:
         left = self.left_running(plan.hang_id, run.ended_at)
         if left:
             t.leftovers.append(f"{what}: {left}")
+
+    def check_outputs(self, run: TurnRun, answers: list[dict[str, Any]], what: str) -> None:
+        """Each output the model saw is the tool's own or one of toolq's statements, and never an
+        infrastructure exception's text (tallied by form, so the report shows what was said)."""
+        outputs = [(i.get("call_id"), output_text(i.get("output"))) for i in run.history
+                   if i.get("type") in OUTPUT_TYPES]
+        if not run.history:  # a run killed before it wrote its history: what its events answered
+            outputs = [(a.get("id"), str(a.get("output") or a.get("reason") or "")) for a in answers]
+        for call_id, text in outputs:
+            form = known_form(text)
+            self.tally.forms[form.value if form else "tool's own"] += 1
+            if INFRASTRUCTURE_TEXT.search(text):
+                self.tally.guessed.append(f"{what}: {call_id}'s output is infrastructure text: {text[:160]!r}")
 
     def check_fault_answer(self, plan: TurnPlan, answer: dict[str, Any] | None, what: str) -> None:
         """What the call the fault hit was told must be the truth: a cancelled call `cancelled`, a
@@ -502,6 +525,13 @@ def counting(logger: logging.Logger, tally: Tally) -> Iterator[None]:
         logger.removeHandler(handler)
         logger.setLevel(level)
 
+
+
+def output_text(output: Any) -> str:
+    """A history output's text: a string, or its content parts' texts."""
+    if isinstance(output, list):
+        return "".join(str(part.get("text", "")) for part in output if isinstance(part, dict))
+    return "" if output is None else str(output)
 
 
 def read_pid(path: Path) -> int | None:
@@ -586,7 +616,8 @@ def report(t: Tally) -> list[str]:
     rows = [("faults injected", counts(t.faults)), ("turns ended", counts(t.outcomes)),
             ("calls answered", counts(t.answered)), ("pairing violations", len(t.pairing)),
             ("double executions", len(t.double)), ("past their deadline", f"{len(t.late)}   (slowest: {slowest(t)})"),
-            ("leftover processes", len(t.leftovers)), ("other broken contracts", len(t.broken)),
+            ("leftover processes", len(t.leftovers)), ("infrastructure output", len(t.guessed)),
+            ("outputs by form", counts(t.forms)), ("other broken contracts", len(t.broken)),
             ("requeued, dead worker", t.requeued)]
     lines = [f"chaos seed {t.seed} (Redis {'with AOF' if t.aof else 'without persistence'}): {t.turns} turns, "
              f"{t.calls} calls in {t.seconds:.0f} s", *(f"  {label:<22} : {value}" for label, value in rows)]
