@@ -12,6 +12,7 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,11 +20,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.integration.conftest import WORKER_ENV
+from tests.integration.conftest import WORKER_ENV, run_session, settings_for
 from tests.integration.test_faults import final, wait_for_pid
+from toolq.cli import main as cli
 from toolq.core.honest import INFRASTRUCTURE_TEXT, known_form
 from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
 from toolq.local.embedded import RedisServer, free_port, redis_server_binary, wait_for
+from toolq.orchestrator.history import pairing_problems
 
 pytestmark = pytest.mark.integration
 
@@ -129,18 +133,39 @@ def honest(output: str, own: str) -> bool:
     return not INFRASTRUCTURE_TEXT.search(output) and (own in output or known_form(output) is not None)
 
 
-def test_a_turn_runs_on_a_sentinel_managed_primary(cluster, worker, drive):
-    worker(["toolq"], concurrency=2, redis_url=cluster.url, env=SENTINEL_ENV)
-    run = drive([[b.function_call("sleep_echo", {"ms": 50, "text": "one"}, "c1"),
+def test_a_turn_runs_on_a_sentinel_managed_primary(cluster, worker, drive, monkeypatch, capsys):
+    worker(["toolq"], concurrency=2, redis_url=cluster.url, env=SENTINEL_ENV, name="sentinel@test")
+    names: set[str] = set()
+
+    async def connections(session, runtime):
+        """The orchestrator's own clients (ledger, results, cancels) reach the primary the sentinels name."""
+        def named() -> bool:
+            primary = redis.Redis(port=cluster.master_port() or 0, password=cluster.password, decode_responses=True)
+            try:
+                names.update(c["name"] for c in primary.client_list() if c.get("name"))
+            finally:
+                primary.close()
+            return {"toolq-ledger", "toolq-results", "toolq-cancels", "toolq-presence"} <= names
+        await asyncio.to_thread(wait_for, named, 30, "toolq's named connections on the primary")
+
+    run = drive([[b.function_call("sleep_echo", {"ms": 1500, "text": "one"}, "c1"),
                   b.function_call("sleep_echo", {"ms": 50, "text": "two"}, "c2")], final()],
-                redis_url=cluster.url, sentinel_master=MASTER, timeout=90)
+                redis_url=cluster.url, sentinel_master=MASTER, during=connections, timeout=90)
     assert run.outcome.status == "completed", run.outcome
     outputs = run.outputs_of(1)
     assert [json.loads(o["output"])["text"] for o in outputs] == ["one", "two"]
-    # the ledger and the results are on the primary the sentinels name, and reached its replica
     primary = redis.Redis(port=cluster.master_port() or 0, password=cluster.password)
-    assert primary.keys("toolq:turn:*") and primary.info("replication")["connected_slaves"] == 1
+    assert primary.info("replication")["connected_slaves"] == 1
     primary.close()
+
+    # the CLI's clients too: `toolq workers` (the fleet catalog) and `toolq status` (the ledger)
+    monkeypatch.setenv("REDIS_URL", cluster.url)
+    monkeypatch.setenv("TOOLQ_SENTINEL_MASTER", MASTER)
+    monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
+    assert cli.main(["workers", "--json"]) == 0
+    assert "sentinel@test" in capsys.readouterr().out
+    assert cli.main(["status", run.outcome.turn_id, "--json"]) == 0
+    assert "c1" in capsys.readouterr().out
 
 
 def test_a_failover_mid_turn_leaves_honest_outputs_and_the_fleet_serving(cluster, worker, drive, tmp_path):
@@ -175,3 +200,29 @@ def test_a_failover_mid_turn_leaves_honest_outputs_and_the_fleet_serving(cluster
     assert after.outcome.status == "completed", after.outcome
     (out,) = after.outputs_of(1)
     assert json.loads(out["output"])["text"] == "after"
+
+
+def test_a_cancel_after_a_failover_reaches_the_turn_and_its_worker(cluster, worker, tmp_path):
+    """The turn's cancel subscription and the worker's connections were on the old primary: after
+    the promotion, `toolq cancel` (another process, through the sentinels) still stops the call."""
+    worker(["faults"], concurrency=1, redis_url=cluster.url, env=SENTINEL_ENV)
+
+    async def fail_over_then_cancel(session, runtime):
+        await asyncio.to_thread(wait_for_pid, tmp_path / "hang-call_c.pid", 30)
+        await asyncio.to_thread(cluster.kill_primary_and_wait_for_the_promotion)
+        subprocess.run([sys.executable, "-m", "toolq.cli.main", "cancel", session.turn_id], check=True,
+                       env={**os.environ, **SENTINEL_ENV, "REDIS_URL": cluster.url}, capture_output=True,
+                       timeout=60)
+
+    events: list = []
+    with FakeModel([[b.function_call("hang", {"seconds": 50}, "call_c")], final()]) as fake:
+        settings = settings_for(cluster.url, fake, tmp_path, sentinel_master=MASTER, turn_timeout=100)
+        (outcome,), session = asyncio.run(asyncio.wait_for(
+            run_session(settings, ["go"], events, fail_over_then_cancel), 110))
+    print("cancelled turn:", outcome.status, outcome.error)
+    assert outcome.status == "cancelled", outcome
+    history = session.history.for_prompt()
+    assert pairing_problems(history) == []
+    (output,) = [i["output"] for i in history if i["type"] == "function_call_output"]
+    print("output:", output)
+    assert honest(output, "woke up") and "woke up" not in output, output

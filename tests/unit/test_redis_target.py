@@ -96,3 +96,39 @@ def test_the_cli_stops_at_a_bad_sentinel_url_with_one_line_and_exit_2(monkeypatc
     err = capsys.readouterr().err
     assert err.startswith("toolq: invalid setting sentinel_master: REDIS_URL is a sentinel:// URL")
     assert err.count("\n") == 1
+
+
+def test_the_client_factory_follows_sentinel_and_leaves_a_plain_url_as_from_url_made_it():
+    """No I/O: pools connect at their first command."""
+    import asyncio
+
+    import redis.asyncio.sentinel as asentinel
+    import redis.sentinel as sentinel
+
+    from toolq.workers import redis_clients
+
+    t = parse_redis_url(CELERY_FORM, "mymaster", sentinel_password="spw")
+    sync = redis_clients.sync_client(t, client_name="x")
+    assert isinstance(sync.connection_pool, sentinel.SentinelConnectionPool)
+    assert sync.connection_pool.service_name == "mymaster"
+    assert sync.connection_pool.connection_kwargs["password"] == "pw"
+    assert sync.connection_pool.sentinel_manager.sentinels[0].connection_pool.connection_kwargs["password"] == "spw"
+    sync.close()
+
+    async def check() -> None:
+        r = redis_clients.async_client(t, max_connections=3, blocking=True, client_name="ledger", socket_timeout=5)
+        pool = r.connection_pool
+        assert isinstance(pool, asentinel.SentinelConnectionPool) and pool.max_connections == 3
+        own = redis_clients.dedicated_pool(r, "cancels")
+        assert isinstance(own, asentinel.SentinelConnectionPool) and own.max_connections == 1
+        assert own.connection_kwargs["client_name"] == "cancels" and own.sentinel_manager is pool.sentinel_manager
+        await own.aclose()
+        await r.aclose()
+        plain = redis_clients.async_client("redis://:pw@h:6379/2", client_name="x")
+        assert plain.connection_pool.connection_kwargs["db"] == 2
+        assert not isinstance(plain.connection_pool, asentinel.SentinelConnectionPool)
+        await plain.aclose()
+
+    asyncio.run(check())
+    with pytest.raises(ValueError, match="needs the master's name"):
+        redis_clients.sync_client("sentinel://s1:26379/0")

@@ -80,6 +80,10 @@ def flower_launch(settings: Settings, *, port: int | None = None, address: str |
     env["REDIS_URL"] = settings.redis_url
     if settings.result_url:
         env["TOOLQ_RESULT_URL"] = settings.result_url
+    if settings.sentinel_master:  # a sentinel:// URL's, when the settings did not come from this environment
+        env["TOOLQ_SENTINEL_MASTER"] = settings.sentinel_master
+    if settings.sentinel_password:
+        env["TOOLQ_SENTINEL_PASSWORD"] = settings.sentinel_password
     if settings.tools:
         env["TOOLQ_TOOLS"] = ",".join(settings.tools)
     # Only the credentials below and the flag the user gave count, never ones left in the shell.
