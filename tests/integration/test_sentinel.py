@@ -226,3 +226,28 @@ def test_a_cancel_after_a_failover_reaches_the_turn_and_its_worker(cluster, work
     (output,) = [i["output"] for i in history if i["type"] == "function_call_output"]
     print("output:", output)
     assert honest(output, "woke up") and "woke up" not in output, output
+
+
+def test_a_command_running_through_a_failover_keeps_an_honest_output(cluster, worker, drive, tmp_path):
+    """exec_command's session host and its streamed output reach Redis through the sentinels too."""
+    worker(["toolq"], concurrency=2, redis_url=cluster.url, env=SENTINEL_ENV)
+    pidfile = tmp_path / "cmd.pid"
+
+    async def fail_over(session, runtime):
+        await asyncio.to_thread(wait_for_pid, pidfile, 30)
+        await asyncio.to_thread(cluster.kill_primary_and_wait_for_the_promotion)
+
+    cmd = f"echo $$ > {pidfile}; sleep 4; echo ran-to-the-end"
+    run = drive([[b.function_call("exec_command", {"cmd": cmd, "yield_time_ms": 15_000}, "call_x")], final()],
+                redis_url=cluster.url, sentinel_master=MASTER, during=fail_over, timeout=110, turn_timeout=90)
+    print("command turn:", run.outcome.status, run.outcome.error)
+    if run.outcome.status == "completed":
+        (out,) = run.outputs_of(1)
+        print("output:", out["output"].replace("\n", " | "))
+        assert honest(out["output"], "ran-to-the-end"), out["output"]
+    else:
+        assert run.outcome.status == "failed" and run.outcome.error and "\n" not in run.outcome.error
+    after = drive([[b.function_call("exec_command", {"cmd": "echo after-failover"}, "c_after")], final()],
+                  redis_url=cluster.url, sentinel_master=MASTER, timeout=90)
+    assert after.outcome.status == "completed", after.outcome
+    assert "after-failover" in after.outputs_of(1)[0]["output"]
