@@ -157,9 +157,7 @@ def fleet(hosts: Hosts) -> Fleet:
     redis = hosts.redis()
     workers = {role: hosts.worker(role, redis.url, concurrency=1, tools=[TEST_TOOLS], env=WORKER_ENV)
                for role in WORKERS}
-    workspace = hosts.dir / "workspace"
-    workspace.mkdir()
-    return Fleet(hosts, redis, workers, workspace)
+    return Fleet(hosts, redis, workers, hosts.workspace)
 
 
 def counting(call_id: str, seconds: float) -> dict[str, Any]:
@@ -183,9 +181,11 @@ def test_two_workers_on_separate_hosts_serve_a_turn_and_nothing_is_left(fleet: F
     assert len(items) == 6
     assert {i.get("worker", "").split("@")[0] for i in items} == set(WORKERS), items
     assert [runs(fleet, f"call_{i}") for i in range(6)] == [1] * 6, conversation.outputs()
-    pids = {role: w.pid for role, w in fleet.workers.items()}
-    tmps = {os.stat(f"/proc/{pid}/root/tmp").st_dev for pid in pids.values()}
+    seen = {role: Path(f"/proc/{w.pid}/root") for role, w in fleet.workers.items()}  # as each worker sees files
+    tmps = {os.stat(root / "tmp").st_dev for root in seen.values()}
     assert len(tmps) == 2 and os.stat("/tmp").st_dev not in tmps, "each worker host has a /tmp of its own"
+    for role, root in seen.items():
+        assert sorted(p.name for p in (root / str(fleet.hosts.dir).lstrip("/")).iterdir()) == sorted([role, "workspace"])
 
 
 def runner(fleet: Fleet) -> str:

@@ -3,8 +3,8 @@ namespace, joined by veth links to a bridge in a "switch" namespace (issue 27 it
 
 Nothing is added to the root namespace's network: the bridge, the links and the addresses
 (10.213.X.0/24, X random per harness) live only inside the harness's namespaces. A worker host
-also gets its own mount namespace with a private /tmp, so hosts share only what is shared on
-purpose: the harness's directory (the workspace, each host's log), outside /tmp.
+also gets its own mount namespace with a private /tmp, and in the harness's directory sees only
+its own folder (its log) and the workspace, the one folder the hosts share on purpose.
 
 Faults need nothing but iproute2, since a machine may lack iptables, nft and tc's classifiers
 (this project's CI VM does): a host is cut from another by a permanent neighbour entry naming a
@@ -30,6 +30,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -51,9 +52,6 @@ SWITCH = "switch"
 NOWHERE_MAC = "02:00:5e:00:de:ad"
 #: The harness's directory lives here, not in /tmp, which worker hosts do not share.
 BASE_DIR = Path("/var/tmp")
-#: A worker host's command: a mount namespace of its own with an empty /tmp, then the command.
-PRIVATE_TMP = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-               'mount -t tmpfs -o mode=1777 tmpfs /tmp && exec "$@"', "sh"]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -126,11 +124,27 @@ class Host:
     role: str
     netns: str
     addr: str
-    private_tmp: bool
+    private: tuple[Path, list[Path]] | None = None
+    """A worker host's files: (the harness's directory, the folders in it this host still sees)."""
 
     def wrap(self, argv: list[str]) -> list[str]:
-        """`argv` run on this host: in its network namespace (and its own /tmp for a worker)."""
-        return ["ip", "netns", "exec", self.netns, *(PRIVATE_TMP if self.private_tmp else []), *argv]
+        """`argv` run on this host: in its network namespace (and its own files for a worker)."""
+        if self.private is None:
+            return ["ip", "netns", "exec", self.netns, *argv]
+        mounts = ["unshare", "--mount", "--propagation", "private", "sh", "-c", self._mounts(*self.private), "sh"]
+        return ["ip", "netns", "exec", self.netns, *mounts, *argv]
+
+    @staticmethod
+    def _mounts(hidden: Path, kept: list[Path]) -> str:
+        """A shell script for a mount namespace of the host's own: an empty /tmp, and the harness's
+        directory hidden under an empty tmpfs but for the folders kept (bound aside, moved back)."""
+        lines = ["set -e", "mount -t tmpfs -o mode=1777 tmpfs /tmp"]
+        lines += [f"mkdir /tmp/.keep{k} && mount --bind {shlex.quote(str(p))} /tmp/.keep{k}"
+                  for k, p in enumerate(kept)]
+        lines.append(f"mount -t tmpfs -o mode=0700 tmpfs {shlex.quote(str(hidden))}")
+        lines += [f"mkdir -p {shlex.quote(str(p))} && mount --move /tmp/.keep{k} {shlex.quote(str(p))}"
+                  for k, p in enumerate(kept)]
+        return "\n".join([*lines, 'exec "$@"'])
 
 
 class HostRedis(RedisServer):
@@ -226,6 +240,7 @@ class Hosts:
         atexit.register(self.close)
         try:
             self.dir = Path(tempfile.mkdtemp(prefix=f"toolq-hosts-{self.id}-", dir=BASE_DIR))
+            self.workspace.mkdir()
             self._make_switch()
             for k, role in enumerate(self.roles):
                 self.hosts[role] = self._make_host(role, f"{self.subnet}.{k + 2}")
@@ -252,7 +267,13 @@ class Hosts:
         _ip("-n", switch, "link", "set", port, "master", "br0", "up")
         _ip("-n", name, "addr", "add", f"{addr}/24", "dev", "eth0")
         _ip("-n", name, "link", "set", "eth0", "up")
-        return Host(role, name, addr, private_tmp=role in self.workers)
+        private = (self.dir, [self.workspace, self.host_dir(role)]) if role in self.workers else None
+        return Host(role, name, addr, private)
+
+    @property
+    def workspace(self) -> Path:
+        """The folder every host sees (made with the harness, before any host mounts it)."""
+        return self.dir / "workspace"
 
     def host_dir(self, role: str) -> Path:
         path = self.dir / role
