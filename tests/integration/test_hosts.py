@@ -48,8 +48,10 @@ def hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
         yield h
     left = set(h.names()) & set(harness_namespaces())
     assert not left, f"namespaces left behind: {sorted(left)}"
-    if request.session.testsfailed == failed:  # a failed test's logs are kept (named in its report)
+    if request.session.testsfailed == failed:
         h.remove_dir()
+    else:  # shown with the failure (teardown output)
+        print(f"the hosts harness's logs are kept in {h.dir}")
 
 
 @dataclass
@@ -354,3 +356,25 @@ def test_delay_and_loss_on_a_worker_link_keep_every_call_answered_once(netem: No
     for i in range(4):
         assert runs(fleet, f"call_{i}") == 1
         assert_honest(outputs[f"call_{i}"], "done")
+
+
+def test_redis_unreachable_by_every_host_mid_call_gets_honest_outputs(fleet: Fleet) -> None:
+    """A frozen Redis host, seen from the network: no host reaches it for longer than the windows."""
+    calls = [counting(f"call_{i}", 5) for i in range(2)]
+    script = {"by_prompt": {"cut": [calls, [b.message("done")]], "again": after_the_heal(2)}}
+
+    def during(k: int) -> None:
+        if k == 0:
+            wait_until(lambda: runs(fleet, "call_0") > 0 and runs(fleet, "call_1") > 0, 30, "both calls starting")
+            fleet.hosts.isolate("redis")
+            time.sleep(2 * CATALOG_TTL)
+            fleet.hosts.heal()
+
+    conversation = fleet.converse(script, ["cut", "again"], during=during)
+    assert conversation.ended(0) == "turn.completed" and conversation.ended(1) == "turn.completed"
+    assert conversation.unpaired() == []
+    outputs = conversation.outputs()
+    for i in range(2):
+        assert runs(fleet, f"call_{i}") == 1
+        assert_honest(outputs[f"call_{i}"], "done")
+    assert all(still_running(w) for w in fleet.workers.values())

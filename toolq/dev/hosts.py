@@ -316,6 +316,12 @@ class Hosts:
         self.drop(a, b)
         self.drop(b, a)
 
+    def isolate(self, role: str) -> None:
+        """A host cut from every other (a frozen or unplugged machine, seen from the network)."""
+        for other in self.roles:
+            if other != role:
+                self.cut(role, other)
+
     def netem(self, role: str, spec: list[str]) -> None:
         """`tc netem` on the host's link, e.g. ["delay", "50ms", "loss", "5%"] (see netem_available)."""
         subprocess.run(["ip", "netns", "exec", self.netns(role), "tc", "qdisc", "replace", "dev", "eth0", "root",
