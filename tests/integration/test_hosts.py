@@ -93,14 +93,12 @@ class Fleet:
 
     def _turn(self, prompt: str, session: Path, k: int, during: Callable[[int], None] | None,
               timeout: float) -> list[dict[str, Any]]:
-        argv = self.hosts.hosts["orch"].wrap(import_path.python_argv(
-            "-m", "toolq.cli.main", "run", "--json", "--workspace", str(self.workspace), "--tools", TEST_TOOLS,
-            "--session", str(session), prompt))
+        argv = import_path.python_argv("-m", "toolq.cli.main", "run", "--json", "--workspace", str(self.workspace),
+                                       "--tools", TEST_TOOLS, "--session", str(session), prompt)
         env = {**self.env, **WORKER_ENV, "REDIS_URL": self.redis.url, "OPENAI_API_KEY": "test",
                "OPENAI_BASE_URL": f"http://127.0.0.1:{FAKE_PORT}/v1",
                "TOOLQ_TURN_TIMEOUT": str(TURN_TIMEOUT)}
-        proc = subprocess.Popen(argv, env={**_base_env(), **env}, cwd=import_path.NEUTRAL_CWD,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = self.hosts.popen("orch", argv, env=env)
         try:
             if during is not None:
                 during(k)
@@ -139,10 +137,6 @@ def _text(output: Any) -> str:
     if isinstance(output, str):
         return output
     return "".join(part.get("text", "") for part in output if isinstance(part, dict))
-
-
-def _base_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL", "TOOLQ_WORKSPACE")}
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:

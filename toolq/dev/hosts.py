@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from toolq.core import import_path
-from toolq.local.embedded import ChildProcess, RedisServer, WorkerProcess, wait_for
+from toolq.local.embedded import ChildProcess, RedisServer, WorkerProcess, die_with_parent, wait_for
 
 PREFIX = "toolq-"
 #: `toolq-<owner pid>x<random>-<role>`: the owner's pid lets a later run sweep what a killed one left.
@@ -227,6 +227,7 @@ class Hosts:
         self.subnet = f"10.213.{secrets.randbelow(254) + 1}"
         """Per harness: two harnesses on one machine use different addresses as well as switches."""
         self._children: list[ChildProcess] = []
+        self._popened: list[subprocess.Popen[str]] = []
         self._closed = threading.Event()
 
     def netns(self, role: str) -> str:
@@ -297,6 +298,15 @@ class Hosts:
         child.start()
         return child
 
+    def popen(self, role: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        """A command on host `role` that the caller waits for (its pipes text); it dies with this
+        process, even by SIGKILL, and is killed at close if it still runs."""
+        proc = subprocess.Popen(self.hosts[role].wrap(argv), env={**os.environ, **(env or {})},
+                                cwd=import_path.NEUTRAL_CWD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, preexec_fn=die_with_parent())
+        self._popened.append(proc)
+        return proc
+
     def run(self, role: str, argv: list[str], *, env: dict[str, str] | None = None, timeout: float = 120,
             stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         """A command on host `role`, to its end (the orchestrator's `toolq run`)."""
@@ -339,6 +349,10 @@ class Hosts:
         if self._closed.is_set():
             return
         self._closed.set()
+        for proc in self._popened:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
         for child in self._children:
             child.terminate()
         for child in reversed(self._children):
