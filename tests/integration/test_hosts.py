@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
+from tests.responses_schema import schema_errors
 from toolq.core import import_path
 from toolq.core.honest import INFRASTRUCTURE_TEXT, known_form
 from toolq.dev.fake_model import builders as b
@@ -89,15 +90,17 @@ class Fleet:
         finally:
             fake.stop()
         conversation.requests = json.loads(record.read_text()) if record.exists() else []
+        for k, body in enumerate(conversation.requests):  # as conftest checks the in-process fake model's
+            assert schema_errors(body) == [], f"request {k + 1} is not a valid CreateResponse"
         return conversation
 
     def _turn(self, prompt: str, session: Path, k: int, during: Callable[[int], None] | None,
               timeout: float) -> list[dict[str, Any]]:
         argv = import_path.python_argv("-m", "toolq.cli.main", "run", "--json", "--workspace", str(self.workspace),
                                        "--tools", TEST_TOOLS, "--session", str(session), prompt)
-        env = {**self.env, **WORKER_ENV, "REDIS_URL": self.redis.url, "OPENAI_API_KEY": "test",
-               "OPENAI_BASE_URL": f"http://127.0.0.1:{FAKE_PORT}/v1",
-               "TOOLQ_TURN_TIMEOUT": str(TURN_TIMEOUT)}
+        env = {**WORKER_ENV, "REDIS_URL": self.redis.url, "OPENAI_API_KEY": "test",
+               "OPENAI_BASE_URL": f"http://127.0.0.1:{FAKE_PORT}/v1", "TOOLQ_TURN_TIMEOUT": str(TURN_TIMEOUT),
+               **self.env}
         proc = self.hosts.popen("orch", argv, env=env)
         try:
             if during is not None:
@@ -157,9 +160,10 @@ def fleet(hosts: Hosts) -> Fleet:
 
 
 def counting(call_id: str, seconds: float) -> dict[str, Any]:
-    """An exec_command whose every run appends a line to runs-<call_id>.txt, then sleeps."""
-    return b.function_call("exec_command", {"cmd": f"echo ran >> runs-{call_id}.txt; sleep {seconds}; echo done",
-                                            "yield_time_ms": 30000}, call_id)
+    """An exec_command whose every run appends a line to runs-<call_id>.txt, then sleeps, then
+    appends one to ends-<call_id>.txt (a call toolq says it stopped must not get there)."""
+    cmd = f"echo ran >> runs-{call_id}.txt; sleep {seconds}; echo end >> ends-{call_id}.txt; echo done"
+    return b.function_call("exec_command", {"cmd": cmd, "yield_time_ms": 30000}, call_id)
 
 
 def runs(fleet: Fleet, call_id: str) -> int:
@@ -372,3 +376,34 @@ def test_redis_unreachable_by_every_host_mid_call_gets_honest_outputs(fleet: Fle
         assert runs(fleet, f"call_{i}") == 1
         assert_honest(outputs[f"call_{i}"], "done")
     assert all(still_running(w) for w in fleet.workers.values())
+
+
+def test_the_orchestrator_cut_from_redis_past_the_turns_deadline_gets_honest_outputs(fleet: Fleet) -> None:
+    """The turn's deadline passes while the orchestrator cannot reach Redis to stop its calls: the
+    turn ends at its deadline, each call is told it timed out, and one said stopped was."""
+    fleet.env["TOOLQ_TURN_TIMEOUT"] = "12"
+    calls = [counting(f"call_{i}", 20) for i in range(2)]
+    script = {"by_prompt": {"cut": [calls, [b.message("done")]], "again": after_the_heal(2)}}
+
+    started: list[float] = []
+
+    def during(k: int) -> None:
+        if k == 0:
+            wait_until(lambda: runs(fleet, "call_0") > 0 and runs(fleet, "call_1") > 0, 30, "both calls starting")
+            started.append(time.time())
+            fleet.hosts.cut("orch", "redis")
+            time.sleep(2 * CATALOG_TTL)
+            fleet.hosts.heal()
+
+    conversation = fleet.converse(script, ["cut", "again"], during=during)
+    assert conversation.ended(0) == "turn.failed" and conversation.ended(1) == "turn.completed"
+    assert conversation.unpaired() == []
+    outputs = conversation.outputs()
+    for i in range(2):
+        assert runs(fleet, f"call_{i}") == 1
+        assert_honest(outputs[f"call_{i}"], "done")
+    # By now (the next turn done) a call that was not stopped has ended: one said stopped has not.
+    time.sleep(max(0.0, started[0] + 20 + 2 - time.time()))  # 20 s: the calls' sleep
+    for i in range(2):
+        if "was stopped" in outputs[f"call_{i}"]:
+            assert not (fleet.workspace / f"ends-call_{i}.txt").exists(), outputs[f"call_{i}"]
