@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -407,3 +408,21 @@ def test_the_orchestrator_cut_from_redis_past_the_turns_deadline_gets_honest_out
     for i in range(2):
         if "was stopped" in outputs[f"call_{i}"]:
             assert not (fleet.workspace / f"ends-call_{i}.txt").exists(), outputs[f"call_{i}"]
+
+
+def test_slow_links_from_the_workers_keep_every_call_answered_once(fleet: Fleet) -> None:
+    """Each worker sends at 256 kbit/s: its ~60 KB outputs and the rest of its traffic queue."""
+    for role in WORKERS:
+        fleet.hosts.throttle(role, "256kbit")
+    calls = [b.function_call("exec_command", {"cmd": f"echo ran >> runs-call_{i}.txt; seq 1 12000; echo done",
+                                              "yield_time_ms": 30000}, f"call_{i}") for i in range(4)]
+    conversation = fleet.converse({"by_prompt": {"slow": [calls, [b.message("done")]]}}, ["slow"])
+    held = [fleet.hosts.run(role, ["tc", "-s", "qdisc", "show", "dev", "eth0"]).stdout for role in WORKERS]
+    fleet.hosts.heal()
+    assert any(not re.search(r"overlimits 0\b", stats) for stats in held), held  # the links did slow it
+    assert conversation.ended(0) == "turn.completed"
+    assert conversation.unpaired() == []
+    outputs = conversation.outputs()
+    for i in range(4):
+        assert runs(fleet, f"call_{i}") == 1
+        assert_honest(outputs[f"call_{i}"], "done")

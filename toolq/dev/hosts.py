@@ -10,8 +10,9 @@ Faults need nothing but iproute2, since a machine may lack iptables, nft and tc'
 (this project's CI VM does): a host is cut from another by a permanent neighbour entry naming a
 MAC no host has, so its frames to that address are dropped silently on the bridge, as a
 partitioned network drops them, while the other direction still flows (one-way loss); a cut both
-ways sets the entry on both hosts. `heal()` puts the real addresses back. Delay and random loss
-use `tc netem`, where the kernel has it (`netem_available()`).
+ways sets the entry on both hosts. `heal()` puts the real addresses back. A slow link is tc's
+`tbf` (`throttle`); delay and random loss use `tc netem`, where the kernel has it
+(`netem_available()`).
 
 Everything made is named `toolq-<pid>x<hex>-<role>`: `close()` (a context manager's exit, and
 atexit) kills what runs in each namespace and deletes them, and `sweep_stale()` deletes those of
@@ -336,6 +337,13 @@ class Hosts:
         """`tc netem` on the host's link, e.g. ["delay", "50ms", "loss", "5%"] (see netem_available)."""
         subprocess.run(["ip", "netns", "exec", self.netns(role), "tc", "qdisc", "replace", "dev", "eth0", "root",
                         "netem", *spec], check=True, capture_output=True, timeout=10)
+
+    def throttle(self, role: str, rate: str) -> None:
+        """A slow link: the host sends at most `rate` (e.g. "256kbit"), the rest queued (tbf, which
+        kernels without netem have): every packet it sends waits its turn, as on a congested link."""
+        subprocess.run(["ip", "netns", "exec", self.netns(role), "tc", "qdisc", "replace", "dev", "eth0", "root",
+                        "tbf", "rate", rate, "burst", "16kb", "latency", "10s"], check=True, capture_output=True,
+                       timeout=10)
 
     def heal(self) -> None:
         """Every host reaches every other again, without delay or loss."""
