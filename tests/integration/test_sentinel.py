@@ -22,7 +22,7 @@ import redis
 
 from tests.integration.conftest import WORKER_ENV, run_session, settings_for
 from tests.integration.test_faults import final, wait_for_pid
-from toolq.cli import main as cli
+from toolq.core import keys
 from toolq.core.honest import INFRASTRUCTURE_TEXT, known_form
 from toolq.dev.fake_model import builders as b
 from toolq.dev.fake_model.server import FakeModel
@@ -39,12 +39,17 @@ class SentinelCluster:
     """A primary, a replica (`replicaof`) and three sentinels (quorum 2), with a password on the
     data nodes; everything it started is stopped on exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, synced: bool = True) -> None:
+        """`synced=False`: the replica's first sync never starts (the primary waits a minute before
+        it), so a failover promotes a replica that holds nothing: every write is lost."""
+        self.synced = synced
         self._tmp = tempfile.TemporaryDirectory(prefix="toolq-sentinel-")
         self.dir = Path(self._tmp.name)
         self.password = secrets.token_hex(16)
+        # Redis 7 waits 5 s before a diskless full sync (for more replicas to join): not here.
         self.primary = RedisServer(workdir=self._dir("primary"), password=self.password,
-                                   args=["--masterauth", self.password])
+                                   args=["--masterauth", self.password, "--repl-diskless-sync-delay",
+                                         "0" if synced else "60"])
         self.replica = RedisServer(workdir=self._dir("replica"), password=self.password,
                                    args=["--masterauth", self.password, "--replicaof", "127.0.0.1",
                                          str(self.primary.port)])
@@ -66,6 +71,9 @@ class SentinelCluster:
             self.replica.start()
             for port in self.sentinel_ports:
                 self.sentinels.append(self._start_sentinel(port))
+            # A replica still in its first sync has nothing: a failover then would lose every key.
+            if self.synced:
+                wait_for(self._replica_in_sync, 20, "the replica's first sync")
             wait_for(lambda: all(self._sees_replica(p) for p in self.sentinel_ports), 20, "sentinels see the replica")
         except BaseException:
             self.__exit__()
@@ -92,6 +100,13 @@ class SentinelCluster:
             return client.execute_command(*command)
         except redis.RedisError:
             return None
+        finally:
+            client.close()
+
+    def _replica_in_sync(self) -> bool:
+        client = redis.Redis(port=self.replica.port, password=self.password, decode_responses=True)
+        try:
+            return client.info("replication").get("master_link_status") == "up"
         finally:
             client.close()
 
@@ -128,12 +143,24 @@ def cluster():
         yield c
 
 
+@pytest.fixture
+def empty_replica_cluster():
+    with SentinelCluster(synced=False) as c:
+        yield c
+
+
+def toolq(cluster: SentinelCluster, *args: str) -> subprocess.CompletedProcess:
+    """A `toolq` command in a process of its own, on the sentinels, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "toolq.cli.main", *args], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **SENTINEL_ENV, "REDIS_URL": cluster.url})
+
+
 def honest(output: str, own: str) -> bool:
     """The tool's own result, or one of toolq's statements; never an exception standing in."""
     return not INFRASTRUCTURE_TEXT.search(output) and (own in output or known_form(output) is not None)
 
 
-def test_a_turn_runs_on_a_sentinel_managed_primary(cluster, worker, drive, monkeypatch, capsys):
+def test_a_turn_runs_on_a_sentinel_managed_primary(cluster, worker, drive):
     worker(["toolq"], concurrency=2, redis_url=cluster.url, env=SENTINEL_ENV, name="sentinel@test")
     names: set[str] = set()
 
@@ -159,16 +186,13 @@ def test_a_turn_runs_on_a_sentinel_managed_primary(cluster, worker, drive, monke
     primary.close()
 
     # the CLI's clients too: `toolq workers` (the fleet catalog) and `toolq status` (the ledger)
-    monkeypatch.setenv("REDIS_URL", cluster.url)
-    monkeypatch.setenv("TOOLQ_SENTINEL_MASTER", MASTER)
-    monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
-    assert cli.main(["workers", "--json"]) == 0
-    assert "sentinel@test" in capsys.readouterr().out
-    assert cli.main(["status", run.outcome.turn_id, "--json"]) == 0
-    assert "c1" in capsys.readouterr().out
+    workers = toolq(cluster, "workers", "--json")
+    assert workers.returncode == 0 and "sentinel@test" in workers.stdout, workers.stderr
+    status = toolq(cluster, "status", run.outcome.turn_id, "--json")
+    assert status.returncode == 0 and "c1" in status.stdout, status.stderr
 
 
-def test_a_failover_mid_turn_leaves_honest_outputs_and_the_fleet_serving(cluster, worker, drive, tmp_path):
+def test_a_failover_mid_turn_leaves_honest_outputs_and_the_fleet_serving(cluster, worker, drive, tmp_path, capsys):
     """SIGKILL the primary while a call runs: Redis's replication is asynchronous, so what the old
     primary had not passed on is lost; every call still gets one output, the turn ends, and a new
     turn on the same workers (no restart) completes on the promoted replica."""
@@ -182,21 +206,32 @@ def test_a_failover_mid_turn_leaves_honest_outputs_and_the_fleet_serving(cluster
     run = drive([[b.function_call("hang", {"seconds": 4}, "call_h"),
                   b.function_call("sleep_echo", {"ms": 200, "text": "beside"}, "call_s")], final()],
                 redis_url=cluster.url, sentinel_master=MASTER, during=fail_over, timeout=110, turn_timeout=90)
-    print("failover turn:", run.outcome.status, run.outcome.error)
+    show = capsys.disabled  # what a failover did, for whoever runs this with -s
+    with show():
+        print("failover turn:", run.outcome.status, run.outcome.error)
     if run.outcome.status == "completed":
         outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
-        print("outputs:", outputs)
+        with show():
+            print("outputs:", outputs)
         assert set(outputs) == {"call_h", "call_s"}
         assert honest(outputs["call_h"], "woke up"), outputs["call_h"]
         assert honest(outputs["call_s"], "beside"), outputs["call_s"]
     else:
         assert run.outcome.status == "failed" and run.outcome.error and "\n" not in run.outcome.error
     assert cluster.master_port() == cluster.replica.port
+    # the ledger's records of the turn were replicated before the kill: the new primary has them
+    done = toolq(cluster, "status", run.outcome.turn_id, "--json")
+    assert done.returncode == 0, done.stderr
+    status = done.stdout
+    with show():
+        print("status after the failover:", status)
+    assert "call_h" in status and "call_s" in status
 
     started = time.monotonic()
     after = drive([[b.function_call("sleep_echo", {"ms": 10, "text": "after"}, "c_after")], final()],
                   redis_url=cluster.url, sentinel_master=MASTER, timeout=90)
-    print(f"next turn: {after.outcome.status} in {time.monotonic() - started:.1f}s")
+    with show():
+        print(f"next turn: {after.outcome.status} in {time.monotonic() - started:.1f}s")
     assert after.outcome.status == "completed", after.outcome
     (out,) = after.outputs_of(1)
     assert json.loads(out["output"])["text"] == "after"
@@ -210,9 +245,8 @@ def test_a_cancel_after_a_failover_reaches_the_turn_and_its_worker(cluster, work
     async def fail_over_then_cancel(session, runtime):
         await asyncio.to_thread(wait_for_pid, tmp_path / "hang-call_c.pid", 30)
         await asyncio.to_thread(cluster.kill_primary_and_wait_for_the_promotion)
-        subprocess.run([sys.executable, "-m", "toolq.cli.main", "cancel", session.turn_id], check=True,
-                       env={**os.environ, **SENTINEL_ENV, "REDIS_URL": cluster.url}, capture_output=True,
-                       timeout=60)
+        done = await asyncio.to_thread(toolq, cluster, "cancel", session.turn_id)
+        assert done.returncode == 0, done.stderr
 
     events: list = []
     with FakeModel([[b.function_call("hang", {"seconds": 50}, "call_c")], final()]) as fake:
@@ -251,3 +285,41 @@ def test_a_command_running_through_a_failover_keeps_an_honest_output(cluster, wo
                   redis_url=cluster.url, sentinel_master=MASTER, timeout=90)
     assert after.outcome.status == "completed", after.outcome
     assert "after-failover" in after.outputs_of(1)[0]["output"]
+
+
+def test_a_failover_to_a_replica_that_holds_nothing_still_ends_every_call(empty_replica_cluster, worker, drive,
+                                                                          tmp_path, capsys):
+    """The far end of asynchronous replication: the promoted replica never got a write, so the
+    turn's records, the queued messages and the workers' adverts are all gone at once."""
+    cluster = empty_replica_cluster
+    worker(["toolq", "faults"], concurrency=2, redis_url=cluster.url, env=SENTINEL_ENV)
+
+    turn_record: list[int] = []
+
+    async def fail_over(session, runtime):
+        await asyncio.to_thread(wait_for_pid, tmp_path / "hang-call_h.pid", 30)
+        assert not cluster._replica_in_sync(), "the replica was meant never to sync"
+        await asyncio.to_thread(cluster.kill_primary_and_wait_for_the_promotion)
+        promoted = redis.Redis(port=cluster.replica.port, password=cluster.password)
+        turn_record.append(promoted.exists(keys.turn(session.turn_id)))
+        promoted.close()
+
+    run = drive([[b.function_call("hang", {"seconds": 4}, "call_h"),
+                  b.function_call("sleep_echo", {"ms": 200, "text": "beside"}, "call_s")], final()],
+                redis_url=cluster.url, sentinel_master=MASTER, during=fail_over, timeout=110, turn_timeout=90)
+    with capsys.disabled():
+        print("failover to an empty replica:", run.outcome.status, run.outcome.error,
+              "; the turn's record on the new primary just after the promotion:", turn_record)
+    if run.outcome.status == "completed":
+        outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
+        with capsys.disabled():
+            print("outputs:", outputs)
+        assert set(outputs) == {"call_h", "call_s"}
+        assert honest(outputs["call_h"], "woke up"), outputs["call_h"]
+        assert honest(outputs["call_s"], "beside"), outputs["call_s"]
+    else:
+        assert run.outcome.status == "failed" and run.outcome.error and "\n" not in run.outcome.error
+    after = drive([[b.function_call("sleep_echo", {"ms": 10, "text": "after"}, "c_after")], final()],
+                  redis_url=cluster.url, sentinel_master=MASTER, timeout=90)
+    assert after.outcome.status == "completed", after.outcome
+    assert json.loads(after.outputs_of(1)[0]["output"])["text"] == "after"
