@@ -10,6 +10,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -86,7 +87,7 @@ def worker(redis_server, tmp_path):
     """Factory: extra workers for one test (fault tests kill them)."""
     started: list[WorkerProcess] = []
 
-    def make(queues: list[str], concurrency: int = 1, redis_url: str | None = None, *, tools: list[str] = (),
+    def make(queues: list[str], concurrency: int = 1, redis_url: str | None = None, *, tools: Sequence[str] = (),
              env: dict[str, str] | None = None, **kw: Any) -> WorkerProcess:
         w = WorkerProcess(redis_url or redis_server.url, queues=queues, concurrency=concurrency,
                           tools=[TEST_TOOLS, *tools], env={**WORKER_ENV, **(env or {})}, logdir=tmp_path, **kw)

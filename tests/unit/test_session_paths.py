@@ -371,7 +371,8 @@ def test_the_turn_deadline_stops_a_running_call_says_why_and_ends_the_turn(redis
     assert revoked == sent and len(sent) == 1
     written = late.completed_item("call_slow")
     assert written["state"] == "timed_out" and written["status"] == "failed"
-    assert re.fullmatch(r"call timed out after [0-9]+\.[0-9]s and was stopped", outputs_of(stored)["call_slow"])
+    assert re.fullmatch(r"call timed out after [0-9]+\.[0-9]s \(the turn's deadline\) and toolq told its worker to "
+                        r"stop it; it may have run on until the worker heard", outputs_of(stored)["call_slow"])
     assert_each_call_has_one_output(stored)
     assert (record["state"], record["error"], record["call_state"]) == ("failed", outcome.error, "timed_out")
     assert after.outcome.status == "completed" and after.outcome.final_message == "next turn"

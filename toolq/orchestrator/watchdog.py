@@ -107,6 +107,13 @@ class Watchdog:
             return self.synthesize(entry, CallState.TIMED_OUT,
                                    f"call stopped: the turn's deadline passed after {waited:.1f}s before any "
                                    "worker reported starting it")
+        spec = entry.spec
+        if spec is not None and entry.inv.deadline < entry.started_at + spec.timeout:
+            # The turn's deadline came before the call's own time limit, which the worker enforces
+            # itself: only the revoke stops it, and a worker cut from Redis hears it late.
+            return self.synthesize(entry, CallState.TIMED_OUT,
+                                   f"call timed out after {waited:.1f}s (the turn's deadline) and toolq told its "
+                                   "worker to stop it; it may have run on until the worker heard")
         return self.synthesize(entry, CallState.TIMED_OUT, f"call timed out after {waited:.1f}s and was stopped")
 
     def synthesize(self, entry: CallEntry, state: CallState, text: str) -> ToolResult:
