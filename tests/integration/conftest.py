@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
