@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.integration.conftest import WORKER_ENV, run_session, settings_for
+from tests.integration.conftest import TEST_TOOLS, WORKER_ENV, run_session, settings_for
 from tests.integration.test_faults import final, wait_for_pid
 from toolq.core import keys
 from toolq.core.honest import INFRASTRUCTURE_TEXT, known_form
 from toolq.dev.fake_model import builders as b
 from toolq.dev.fake_model.server import FakeModel
-from toolq.local.embedded import RedisServer, free_port, redis_server_binary, wait_for
+from toolq.local.embedded import RedisServer, WorkerProcess, free_port, redis_server_binary, wait_for
 from toolq.orchestrator.history import pairing_problems
 
 pytestmark = pytest.mark.integration
@@ -323,3 +323,17 @@ def test_a_failover_to_a_replica_that_holds_nothing_still_ends_every_call(empty_
                   redis_url=cluster.url, sentinel_master=MASTER, timeout=90)
     assert after.outcome.status == "completed", after.outcome
     assert json.loads(after.outputs_of(1)[0]["output"])["text"] == "after"
+
+
+def test_a_worker_on_sentinel_with_a_wrong_password_or_no_master_name_exits_at_start_in_one_line(cluster, tmp_path):
+    wrong = cluster.url.replace(f":{cluster.password}@", ":wrong-pw@")
+    for what, url, env in [("a wrong data-node password", wrong, SENTINEL_ENV),
+                           ("no TOOLQ_SENTINEL_MASTER", cluster.url, WORKER_ENV)]:
+        w = WorkerProcess(url, queues=["toolq"], concurrency=1, tools=[TEST_TOOLS], env=env, logdir=tmp_path,
+                          name="login@test")
+        out = subprocess.run(w.argv(), env={**os.environ, **env, "REDIS_URL": url}, capture_output=True, text=True,
+                             timeout=120)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (what, out.returncode, out.stderr[-2000:])
+        assert "wrong-pw" not in lines[0] and cluster.password not in lines[0], (what, lines[0])
+        assert ("refused the worker's login" if "password" in what else "TOOLQ_SENTINEL_MASTER") in lines[0], lines[0]
