@@ -39,10 +39,12 @@ class SentinelCluster:
     """A primary, a replica (`replicaof`) and three sentinels (quorum 2), with a password on the
     data nodes; everything it started is stopped on exit."""
 
-    def __init__(self, *, synced: bool = True) -> None:
+    def __init__(self, *, synced: bool = True, sentinel_password: str | None = None) -> None:
         """`synced=False`: the replica's first sync never starts (the primary waits a minute before
-        it), so a failover promotes a replica that holds nothing: every write is lost."""
+        it), so a failover promotes a replica that holds nothing: every write is lost.
+        `sentinel_password`: the sentinels' own `requirepass` (and what they give each other)."""
         self.synced = synced
+        self.sentinel_password = sentinel_password
         self._tmp = tempfile.TemporaryDirectory(prefix="toolq-sentinel-")
         self.dir = Path(self._tmp.name)
         self.password = secrets.token_hex(16)
@@ -90,12 +92,15 @@ class SentinelCluster:
             f"sentinel down-after-milliseconds {MASTER} 1000",
             f"sentinel failover-timeout {MASTER} 3000",
             f"sentinel parallel-syncs {MASTER} 1",
+            *([f"requirepass {self.sentinel_password}", f"sentinel sentinel-pass {self.sentinel_password}"]
+              if self.sentinel_password else []),
         ]) + "\n")
         return subprocess.Popen([redis_server_binary(), str(conf), "--sentinel"], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
 
     def _ask(self, port: int, *command: str) -> object:
-        client = redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=0.5, decode_responses=True)
+        client = redis.Redis(port=port, password=self.sentinel_password, socket_connect_timeout=0.5, socket_timeout=0.5,
+                             decode_responses=True)
         try:
             return client.execute_command(*command)
         except redis.RedisError:
@@ -337,3 +342,17 @@ def test_a_worker_on_sentinel_with_a_wrong_password_or_no_master_name_exits_at_s
         assert out.returncode == 2 and len(lines) == 1, (what, out.returncode, out.stderr[-2000:])
         assert "wrong-pw" not in lines[0] and cluster.password not in lines[0], (what, lines[0])
         assert ("refused the worker's login" if "password" in what else "TOOLQ_SENTINEL_MASTER") in lines[0], lines[0]
+
+
+def test_sentinels_with_a_password_of_their_own(worker, drive):
+    """TOOLQ_SENTINEL_PASSWORD reaches every client's sentinel connections: kombu's and Celery's
+    (`sentinel_kwargs`) and toolq's own; the data nodes keep theirs, from the URL."""
+    with SentinelCluster(sentinel_password="sentinel-secret-1") as cluster:
+        with pytest.raises(redis.AuthenticationError):  # they do ask for it
+            redis.Redis(port=cluster.sentinel_ports[0]).execute_command("SENTINEL", "MASTERS")
+        env = {**SENTINEL_ENV, "TOOLQ_SENTINEL_PASSWORD": "sentinel-secret-1"}
+        worker(["toolq"], concurrency=1, redis_url=cluster.url, env=env)
+        run = drive([[b.function_call("sleep_echo", {"ms": 10, "text": "guarded"}, "c1")], final()],
+                    redis_url=cluster.url, sentinel_master=MASTER, sentinel_password="sentinel-secret-1", timeout=90)
+        assert run.outcome.status == "completed", run.outcome
+        assert json.loads(run.outputs_of(1)[0]["output"])["text"] == "guarded"
