@@ -110,10 +110,14 @@ def test_the_client_factory_follows_sentinel_and_leaves_a_plain_url_as_from_url_
     t = parse_redis_url(CELERY_FORM, "mymaster", sentinel_password="spw")
     sync = redis_clients.sync_client(t, client_name="x")
     assert isinstance(sync.connection_pool, sentinel.SentinelConnectionPool)
+    manager = sync.connection_pool.sentinel_manager
     assert sync.connection_pool.service_name == "mymaster"
     assert sync.connection_pool.connection_kwargs["password"] == "pw"
     assert sync.connection_pool.sentinel_manager.sentinels[0].connection_pool.connection_kwargs["password"] == "spw"
+    closed: list[bool] = []
+    manager.close = lambda: closed.append(True)
     sync.close()
+    assert closed == [True], "closing the client closes its connections to the sentinels"
 
     async def check() -> None:
         r = redis_clients.async_client(t, max_connections=3, blocking=True, client_name="ledger", socket_timeout=5)

@@ -43,8 +43,7 @@ def sync_client(where: RedisTarget | str, **options: Any) -> redis.Redis:
     if not t.is_sentinel:
         return redis.Redis.from_url(t.url, **options)
     manager = sentinel.Sentinel(list(t.sentinels), sentinel_kwargs=_sentinel_options(t, options))
-    pool = sentinel.SentinelConnectionPool(_master(t), manager, **_login(t), **options)
-    return redis.Redis.from_pool(pool)
+    return redis.Redis.from_pool(_SyncSentinelPool(_master(t), manager, **_login(t), **options))
 
 
 def async_client(where: RedisTarget | str, *, max_connections: int | None = None, blocking: bool = False,
@@ -74,6 +73,14 @@ def dedicated_pool(r: aioredis.Redis, name: str) -> aioredis.ConnectionPool:
         return _SentinelPool(pool.service_name, pool.sentinel_manager, owns_manager=False, max_connections=1,
                              connection_class=pool.connection_class, **kwargs)
     return aioredis.ConnectionPool(connection_class=pool.connection_class, max_connections=1, **kwargs)
+
+
+class _SyncSentinelPool(sentinel.SentinelConnectionPool):
+    """Closes its sentinels' connections with its own (the client's `close()`)."""
+
+    def close(self) -> None:
+        super().close()
+        self.sentinel_manager.close()
 
 
 class _SentinelPool(asentinel.SentinelConnectionPool):
