@@ -197,7 +197,9 @@ def test_a_turn_runs_on_a_sentinel_managed_primary(cluster, worker, drive):
     assert status.returncode == 0 and "c1" in status.stdout, status.stderr
 
 
-def test_a_failover_mid_turn_leaves_honest_outputs_and_the_fleet_serving(cluster, worker, drive, tmp_path, capsys):
+@pytest.mark.parametrize("hang", [4.0, 1.0], ids=["the-call-ends-after-the-promotion", "the-call-ends-with-no-primary"])
+def test_a_failover_mid_turn_leaves_honest_outputs_and_the_fleet_serving(cluster, worker, drive, tmp_path, capsys,
+                                                                         hang):
     """SIGKILL the primary while a call runs: Redis's replication is asynchronous, so what the old
     primary had not passed on is lost; every call still gets one output, the turn ends, and a new
     turn on the same workers (no restart) completes on the promoted replica."""
@@ -208,7 +210,7 @@ def test_a_failover_mid_turn_leaves_honest_outputs_and_the_fleet_serving(cluster
         await asyncio.sleep(0.3)
         await asyncio.to_thread(cluster.kill_primary_and_wait_for_the_promotion)
 
-    run = drive([[b.function_call("hang", {"seconds": 4}, "call_h"),
+    run = drive([[b.function_call("hang", {"seconds": hang}, "call_h"),
                   b.function_call("sleep_echo", {"ms": 200, "text": "beside"}, "call_s")], final()],
                 redis_url=cluster.url, sentinel_master=MASTER, during=fail_over, timeout=110, turn_timeout=90)
     show = capsys.disabled  # what a failover did, for whoever runs this with -s
