@@ -5,17 +5,20 @@ completed, and one that met the restart as it started read the same)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import redis
 from pydantic import BaseModel
 
+from toolq.core import keys
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
 from toolq.core.catalog import Catalog, ToolContext, tool
 from toolq.core.honest import INFRASTRUCTURE_TEXT, Known, known_form
 from toolq.core.states import CallState
 from toolq.local.embedded import RedisServer
+from toolq.workers import execute as execute_module
 from toolq.workers.execute import execute
 
 
@@ -28,6 +31,12 @@ def invocation(name: str, tmp_path, spec) -> dict:
                           tool_name=ToolName.plain(name), payload=FunctionPayload(arguments="{}"),
                           deadline=time.time() + 30, workspace=str(tmp_path),
                           spec_digest=spec.digest()).model_dump(mode="json")
+
+
+@pytest.fixture(autouse=True)
+def brief_end_retries(monkeypatch):
+    """The end record is retried for seconds in production; these tests keep Redis away for good."""
+    monkeypatch.setattr(execute_module, "RECORD_END_FOR", 0.3)
 
 
 def test_a_call_that_ran_is_completed_though_redis_went_away_before_its_end_was_recorded(tmp_path):
@@ -127,3 +136,25 @@ def test_redis_lost_at_any_round_trip_leaves_an_honest_output_and_one_run_at_mos
             assert result["status"] == CallState.REJECTED and known_form(output) is Known.NOT_RUN, (k, output)
         seen.add(result["status"])
     assert seen == {CallState.REJECTED, CallState.COMPLETED}  # the sweep reached both sides of the start
+
+
+def test_the_end_of_a_call_is_recorded_once_redis_is_back(tmp_path, monkeypatch):
+    """Redis away for a moment as the call ends (a failover): the end record is retried, so the
+    ledger does not keep a completed call `running` (found by helper-28's Sentinel tests)."""
+    monkeypatch.setattr(execute_module, "RECORD_END_FOR", 20.0)
+    catalog = Catalog()
+    with RedisServer(workdir=tmp_path) as server:
+        r = redis.Redis.from_url(server.url, socket_connect_timeout=1)
+
+        @tool(name="ends_in_an_outage", catalog=catalog)
+        def ends_in_an_outage(args: NoArgs, ctx: ToolContext) -> str:
+            server.kill()
+            threading.Timer(1.0, server.start).start()  # back, on the same port, a second later
+            return "done"
+
+        inv = invocation("ends_in_an_outage", tmp_path, ends_in_an_outage.tool_spec)
+        result = execute(inv, hostname="w@test", r=r, catalog=catalog)
+        task_id = ToolInvocation.model_validate(inv).task_id
+        state = r.hget(keys.call(task_id), "state")
+    assert result["status"] == CallState.COMPLETED
+    assert state == b"completed"

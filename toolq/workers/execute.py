@@ -147,14 +147,30 @@ def _set_state(r: redis.Redis, inv: ToolInvocation, **fields: Any) -> None:
         p.execute()
 
 
+#: How long the end of a call is retried while Redis is away (a Sentinel failover takes seconds;
+#: the result store behind it retries too). Past it the ledger keeps saying `running`.
+RECORD_END_FOR = 10.0
+
+
 def _record_end(r: redis.Redis, inv: ToolInvocation, status: CallState) -> None:
     """The call ran: its result is its output even when the ledger cannot hear of it (Redis
-    restarting). Raising here answered a call that had completed as `failed` (the fault campaign)."""
-    try:
-        _set_state(r, inv, state=status, finished_at=time.time())
-    except redis.RedisError as e:
-        log.warning("%s %s ended %s, but Redis could not record it (%s); its result is returned",
-                    inv.call_id, inv.tool_name, status, e)
+    restarting). Raising here answered a call that had completed as `failed` (the fault campaign);
+    one try left a call that completed during a failover `running` in `toolq status` for good."""
+    end, delay = time.monotonic() + RECORD_END_FOR, 0.1
+    while True:
+        try:
+            _set_state(r, inv, state=status, finished_at=time.time())
+            return
+        except redis.RedisError as e:
+            if time.monotonic() + delay > end:
+                log.warning("%s %s ended %s, but Redis could not record it (%s); its result is returned",
+                            inv.call_id, inv.tool_name, status, e)
+                return
+        try:
+            time.sleep(delay)
+        except Exception:  # the task's soft time limit: the result goes back unrecorded, not lost
+            return
+        delay = min(delay * 2, 1.0)
 
 
 def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redelivery: bool = False,
