@@ -294,3 +294,66 @@ def test_an_output_flood_until_the_timeout_is_slowed_down(drive, redteam_worker,
     drive(script, redis_url=redteam_worker.redis.url, workspace=tmp_path, turn_timeout=4)
     written = int((tmp_path / "written").read_text())
     assert written <= 256 * 1024 * 1024, f"the worker read {written / 2**20:.0f} MiB of one call's output in 4 s"
+
+
+SESSION_HOST_TAKEOVER = r"""
+import os, socket
+host = None
+pid = os.getpid()
+while pid > 1:  # Landlock: the session host is an ancestor; bwrap: a pid namespace hides it
+    pid = int(open(f'/proc/{pid}/status').read().split('PPid:')[1].split()[0])
+    try:
+        if b'sessions.host' in open(f'/proc/{pid}/cmdline', 'rb').read():
+            host = pid
+            break
+    except OSError:
+        break
+print('HOST', host)
+if host:
+    for sig in (19, 9):
+        try:
+            os.kill(host, sig)
+            print('SIGNALLED', sig)
+        except OSError as e:
+            print('kill', sig, e.errno)
+dirs = set()
+for line in open('/proc/net/unix').read().splitlines()[1:]:
+    f = line.split()
+    if len(f) > 7 and 'toolq-sessions-' in f[7]:
+        dirs.add(os.path.dirname(f[7]))
+print('DIRS', len(dirs))
+for d in sorted(dirs) + [os.getcwd()]:
+    for how in ('socket', 'pair'):
+        try:
+            s = socket.socket(socket.AF_UNIX) if how == 'socket' else socket.socketpair()[0]
+            s.bind(os.path.join(d, 'stolen.sock'))
+            s.listen()
+            print('LISTENING', 'IN-WORKSPACE' if d == os.getcwd() else 'IN-HOSTS-FOLDER', how)
+        except OSError as e:
+            print(how, e.errno)
+        finally:
+            if d != os.getcwd():
+                try:
+                    os.unlink(os.path.join(d, 'stolen.sock'))
+                except OSError:
+                    pass
+"""
+
+
+def test_a_command_cannot_take_its_session_hosts_socket(drive, redteam_worker, tmp_path):
+    """A pool child waits up to 10 s for a session host the worker restarts, then sends it the
+    host's key and its own environment (REDIS_URL with its password, the signing key). A command
+    that stopped or killed its host and listened on the socket's path would read them: it cannot
+    signal the host (bwrap: a pid namespace; Landlock ABI 6: signals scoped), cannot make a unix
+    socket (Landlock's filter), cannot bind in the host's 0700 folder (bwrap: not even visible),
+    and under Landlock cannot listen on a socketpair's end bound in its workspace (it is
+    connected). The worker serves the next call."""
+    (tmp_path / "take.py").write_text(SESSION_HOST_TAKEOVER)
+    out = attack(drive, redteam_worker, tmp_path, {"call_take": "python3 take.py 2>&1", "call_next": "sleep 2; echo NEXT"})
+    code, body = out["call_take"]
+    assert code == 0, body
+    assert "SIGNALLED" not in body and "IN-HOSTS-FOLDER" not in body, body
+    if redteam_worker.backend == "landlock":
+        assert "HOST None" not in body and "DIRS 0" not in body, body  # the attack found its host and folder
+        assert "LISTENING" not in body, body
+    assert out["call_next"] == (0, "NEXT\n"), out["call_next"]
