@@ -357,3 +357,29 @@ def test_a_command_cannot_take_its_session_hosts_socket(drive, redteam_worker, t
         assert "HOST None" not in body and "DIRS 0" not in body, body  # the attack found its host and folder
         assert "LISTENING" not in body, body
     assert out["call_next"] == (0, "NEXT\n"), out["call_next"]
+
+
+SENTINEL_PASSWORD = f"sentinel-{secrets.token_hex(8)}"
+
+
+@pytest.fixture(scope="module", params=["bwrap", "landlock"])
+def sentinel_env_worker(request, locked_redis, tmp_path_factory):  # noqa: F811 - the fixture above
+    yield from hostile_workers(request.param, locked_redis, tmp_path_factory,
+                               TOOLQ_SENTINEL_PASSWORD=SENTINEL_PASSWORD, TOOLQ_SENTINEL_MASTER="toolq-master")
+
+
+def test_the_sentinels_password_is_not_reachable_from_a_command(drive, sentinel_env_worker, tmp_path):
+    """TOOLQ_SENTINEL_PASSWORD is in the worker's environment, so in its session host's (which
+    reads it with `target_from_env`) and in the request a pool child sends that host (`env`): a
+    command looks for it in its own environment, in every process's environ and command line it
+    can read (its parents' included), and in the session host's socket folder."""
+    out = attack(drive, sentinel_env_worker, tmp_path, {
+        "call_env": "env; echo ENV-DONE",
+        "call_proc": "for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do tr '\\0' '\\n' < $f 2>/dev/null; done "
+                     "| grep -a -c SENTINEL; echo PROC-DONE",
+        "call_parent": "cat /proc/$PPID/environ /proc/1/environ 2>&1 | tr '\\0' '\\n'; echo PARENT-DONE",
+        "call_dirs": "cat /tmp/toolq-sessions-*/* 2>&1 | head -c 300; echo DIRS-DONE",
+    })
+    for call, (code, body) in out.items():
+        assert SENTINEL_PASSWORD not in body, (call, body)
+        assert "-DONE" in body, (call, body)
