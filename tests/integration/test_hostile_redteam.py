@@ -380,6 +380,6 @@ def test_the_sentinels_password_is_not_reachable_from_a_command(drive, sentinel_
         "call_parent": "cat /proc/$PPID/environ /proc/1/environ 2>&1 | tr '\\0' '\\n'; echo PARENT-DONE",
         "call_dirs": "cat /tmp/toolq-sessions-*/* 2>&1 | head -c 300; echo DIRS-DONE",
     })
-    for call, (code, body) in out.items():
+    for call, (_, body) in out.items():
         assert SENTINEL_PASSWORD not in body, (call, body)
         assert "-DONE" in body, (call, body)
