@@ -15,6 +15,8 @@ running: the campaign names each broken contract, and there must be none."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from toolq.dev.bench import chaos
@@ -30,3 +32,24 @@ def test_a_seeded_fault_campaign_keeps_every_contract(seed, tmp_path):
     assert tally.turns == TURNS
     assert all(tally.faults[f"fleet:{f}"] == 1 for f in chaos.FLEET_FAULTS if f != "none"), tally.faults
     assert tally.violations == [], "\n".join(chaos.report(tally))
+
+
+#: The hosts campaign's bounded run: every network fault once, and a worker SIGKILLed on its host
+#: (the fault that needs the call's host found); ~1.5 minutes on a loaded 2-core machine.
+HOSTS_FAULTS = (*chaos.NETWORK_FAULTS, "kill_worker")
+
+
+def test_a_seeded_fault_campaign_across_hosts_keeps_every_contract():
+    """The same campaign on the hosts harness (`toolq bench chaos --hosts`): Redis, the orchestrator
+    and two workers in network namespaces of their own, partitioned mid-call and healed; after
+    each turn the same checks, and every worker serving again without a restart."""
+    from toolq.dev.hosts import cannot_run, harness_namespaces
+
+    reason = cannot_run()
+    if reason:
+        pytest.skip(reason)
+    tally = chaos.campaign(4, len(HOSTS_FAULTS), fleet=HOSTS_FAULTS, hosts=True)
+    assert tally.turns == len(HOSTS_FAULTS)
+    assert all(tally.faults[f"fleet:{f}"] == 1 for f in HOSTS_FAULTS), tally.faults
+    assert tally.violations == [], "\n".join(chaos.report(tally))
+    assert not [n for n in harness_namespaces() if n.startswith(f"toolq-{os.getpid()}x")]

@@ -305,7 +305,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         try:
             bench = importlib.import_module(f"toolq.dev.bench.{name}")
             if name in CAMPAIGNS:
-                code = max(code, 1 if bench.run(turns=args.turns, seeds=seeds)["violations"] else 0)
+                code = max(code, 1 if bench.run(turns=args.turns, seeds=seeds, hosts=args.hosts)["violations"] else 0)
             else:
                 bench.run()
         except FleetNotReady as e:
@@ -472,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--turns", type=int, default=24, metavar="N", help="chaos: turns per campaign (default 24)")
     bn.add_argument("--seed", default="1", metavar="S", help="chaos: the campaign's seed, or a range 1..3 "
                     "for one campaign per seed (default 1)")
+    bn.add_argument("--hosts", action="store_true", help="chaos: on the hosts harness (Redis, the orchestrator "
+                    "and two workers each in a network namespace; root), with partitions and a slow link "
+                    "beside the other faults")
     bn.set_defaults(func=_cmd_bench)
     return p
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import ctypes
 import json
 import os
 import re
@@ -38,6 +39,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,9 @@ SWITCH = "switch"
 NOWHERE_MAC = "02:00:5e:00:de:ad"
 #: The harness's directory lives here, not in /tmp, which worker hosts do not share.
 BASE_DIR = Path("/var/tmp")
+NETNS_DIR = Path("/var/run/netns")
+_CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -120,6 +126,12 @@ def sweep_stale() -> list[str]:
     return stale
 
 
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns to a network namespace: {os.strerror(err)}")
+
+
 @dataclass
 class Host:
     role: str
@@ -151,8 +163,8 @@ class Host:
 class HostRedis(RedisServer):
     """A `redis-server` on a host's address (and its loopback), probed from inside its namespace."""
 
-    def __init__(self, host: Host, workdir: Path) -> None:
-        super().__init__(port=6379, workdir=workdir)
+    def __init__(self, host: Host, workdir: Path, args: list[str] | None = None) -> None:
+        super().__init__(port=6379, workdir=workdir, args=args)
         self.host = host
         self.with_parent = True
 
@@ -167,7 +179,7 @@ class HostRedis(RedisServer):
         conf = self.dir / "redis.conf"
         conf.write_text(self.config())
         conf.chmod(0o600)
-        self.proc = subprocess.Popen(self.host.wrap([self.binary or "redis-server", str(conf)]),
+        self.proc = subprocess.Popen(self.host.wrap([self.binary or "redis-server", str(conf), *self.args]),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=self._preexec())
         wait_for(lambda: self._exited() or self.answers(), 10, f"redis on {self.host.netns}", self.dir / "redis.log")
@@ -282,13 +294,49 @@ class Hosts:
         path.mkdir(exist_ok=True)
         return path
 
-    def redis(self, role: str = "redis") -> HostRedis:
-        return self._started(HostRedis(self.hosts[role], self.host_dir(role)))
+    def redis(self, role: str = "redis", args: list[str] | None = None) -> HostRedis:
+        return self._started(HostRedis(self.hosts[role], self.host_dir(role), args))
 
-    def worker(self, role: str, redis_url: str, **kw: Any) -> HostWorker:
-        """A started worker (ready) on host `role`; its log in the host's directory."""
+    def worker(self, role: str, redis_url: str, *, start: bool = True, **kw: Any) -> HostWorker:
+        """A started worker (ready) on host `role`, its log in the host's directory; with
+        `start=False` made but not started (the caller starts it), still stopped at close."""
         kw.setdefault("name", f"{role}@{self.netns(role)}")
-        return self._started(HostWorker(self.hosts[role], redis_url, logdir=self.host_dir(role), **kw))
+        worker = HostWorker(self.hosts[role], redis_url, logdir=self.host_dir(role), **kw)
+        if not start:
+            self._children.append(worker)
+            return worker
+        return self._started(worker)
+
+    def host_of(self, pid: int) -> str | None:
+        """The role of the host whose network process `pid` is on (None: gone, or on none of them)."""
+        try:
+            ino = os.stat(f"/proc/{pid}/ns/net").st_ino
+        except OSError:
+            return None
+        for role in self.roles:
+            try:
+                if os.stat(NETNS_DIR / self.netns(role)).st_ino == ino:
+                    return role
+            except OSError:
+                continue
+        return None
+
+    @contextmanager
+    def inside(self, role: str) -> Iterator[None]:
+        """The calling thread on host `role`'s network (and every thread and process it starts
+        meanwhile: they inherit it), back on its own at the end: an orchestrator run in this
+        process (the campaign's turns) then reaches Redis and the workers over the harness's links."""
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        target = os.open(NETNS_DIR / self.netns(role), os.O_RDONLY)
+        try:
+            _setns(target)
+            try:
+                yield
+            finally:
+                _setns(own)
+        finally:
+            os.close(target)
+            os.close(own)
 
     def process(self, role: str, argv: list[str], env: dict[str, str] | None = None, log: str = "process.log") \
             -> HostProcess:

@@ -1,27 +1,5 @@
-"""`toolq bench chaos --turns N --seed S`: the seeded fault campaign of issue 13, also run (short)
-by tests/integration/test_campaign.py.
-
-Each campaign owns its stack (a private Redis, AOF on for odd seeds and off for even ones, a real
-prefork worker loading `chaos_tools`) and the fake model. Every turn draws a shape (a few calls, a
-32-call step, a 10 MB output, duplicate call_ids), a stream fault (HTTP 500/429, a cut stream, a
-malformed frame, a stall longer than the client's idle timeout) and a fleet fault (a cancel of the
-turn mid-call, mid-stream before `response.completed` or before any call came, a cancel of one
-call as `toolq cancel TURN --call` does, a SIGKILLed pool child or whole worker mid-call, a warm
-shutdown mid-call (each followed by a new worker), a Redis restart, or a SIGKILLed orchestrator,
-mid-call or mid-stream, followed by `toolq resume`). Nothing raises on a broken contract: each is
-counted as a violation and named, so the bench prints the whole table and the test asserts it is
-empty.
-
-Checked on every turn: every model request's input is paired, the final history answers every
-call exactly once, no call ran more often than it was asked for (the tools' own evidence), a
-completed turn ran every call, one terminal event, a cancel ends `cancelled`, the turn ended within
-its deadline, the calls' processes are gone, every output is the tool's own or one of toolq's
-statements and never an infrastructure exception's text (`toolq/core/honest.py`; the report counts
-outputs by form); after the campaign, nothing it started is running.
-The call a fault hit is told the truth: a cancelled call `cancelled`, a call on a SIGKILLed worker
-`lost` (it may have run), a call on a worker shut down warm `completed` only if it finished; no
-call is answered `completed` without having run; a stalled stream is retried after the idle timeout.
-"""
+"""One seeded campaign: its stack, its turns (driven in process, or by a `toolq run` killed
+and resumed), its faults, and the contracts checked after each turn."""
 
 from __future__ import annotations
 
@@ -29,132 +7,48 @@ import asyncio
 import json
 import logging
 import os
-import random
 import secrets
-import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from toolq.core import import_path
 from toolq.core.honest import INFRASTRUCTURE_TEXT, known_form
 from toolq.core.settings import Settings
+from toolq.dev.bench.chaos.plan import (
+    CHAOS_TOOLS,
+    CUT,
+    DEADLINE,
+    FLEET_FAULTS,
+    IDLE_TIMEOUT,
+    LATE_BY,
+    LEASE,
+    NETWORK_FAULTS,
+    OUTPUT_TYPES,
+    TERMINAL,
+    WARM_GRACE,
+    WORKER_LOST,
+    Planner,
+    TurnPlan,
+)
+from toolq.dev.bench.chaos.procs import (
+    alive,
+    counting,
+    output_text,
+    processes_under,
+    read_pid,
+    wait_for_pid,
+    wait_until,
+)
 from toolq.dev.bench.chaos_tools import end_file, pid_file, runs_file
-from toolq.dev.fake_model import builders as b
 from toolq.dev.fake_model.server import FakeModel
 from toolq.orchestrator.history import pairing_problems
-
-CHAOS_TOOLS = "toolq.dev.bench.chaos_tools"
-#: A turn's deadline (TOOLQ_TURN_TIMEOUT); a turn that takes 10 s more has hung.
-DEADLINE = 30.0
-LATE_BY = 10.0
-#: The killed orchestrator's lease: `toolq resume` may take over this long after the kill.
-LEASE = 1.0
-
-#: The client's stream idle timeout (TOOLQ_STREAM_IDLE_TIMEOUT); a stalled stream stalls longer.
-IDLE_TIMEOUT = 3.0
-STALL = IDLE_TIMEOUT + 2
-#: How long a warm shutdown may take before the worker is SIGKILLed (the hang call sleeps 6 s).
-WARM_GRACE = 15.0
-
-STREAM_FAULTS = ("none", "500", "429", "cut", "malformed", "stall")
-FLEET_FAULTS = ("none", "cancel", "cancel_call", "cancel_before_start", "cancel_mid_stream", "kill_child",
-                "kill_worker", "warm_shutdown", "redis_restart", "kill_orchestrator", "kill_orchestrator_mid_stream")
-#: Fleet faults whose response is held (a gate, a stall before any call): a stream fault at the
-#: response's end would never be reached.
-HELD = ("kill_orchestrator_mid_stream", "cancel_mid_stream", "cancel_before_start")
-#: Fleet faults that cost a worker mid-call: its calls may be answered `lost`, not run.
-WORKER_LOST = ("kill_worker", "warm_shutdown")
-SHAPES = ("calls", "calls", "wide", "flood")
-WIDE = 32
-TERMINAL = ("turn.completed", "turn.aborted", "turn.failed")
-#: The history items that answer a call.
-OUTPUT_TYPES = ("function_call_output", "custom_tool_call_output")
-
-
-@dataclass
-class TurnPlan:
-    turn: int
-    script: list
-    counts: dict[str, int]
-    """How many calls carry each call_id (a duplicate call_id runs, and is answered, twice)."""
-    shape: str
-    stream: str
-    fleet: str
-
-    @property
-    def hang_id(self) -> str:
-        return f"call_{self.turn}_hang"
-
-    @property
-    def calls(self) -> int:
-        return sum(self.counts.values())
-
-
-class Deck:
-    """Draws from `choices` so each comes up once per round, in a seeded order: a short campaign
-    still meets every fault."""
-
-    def __init__(self, rng: random.Random, choices: tuple[str, ...]) -> None:
-        self.rng, self.choices = rng, choices
-        self.left: list[str] = []
-
-    def draw(self) -> str:
-        if not self.left:
-            self.left = list(self.choices)
-            self.rng.shuffle(self.left)
-        return self.left.pop()
-
-
-class Planner:
-    def __init__(self, seed: int, fleet: tuple[str, ...] = FLEET_FAULTS) -> None:
-        self.rng = random.Random(seed)
-        self.shapes, self.fleet = Deck(self.rng, SHAPES), Deck(self.rng, fleet)
-
-    def plan(self, turn: int) -> TurnPlan:
-        rng = self.rng
-        shape, fleet = self.shapes.draw(), self.fleet.draw()
-        # mid-stream, the response stops before its end: a cut or malformed end would never be sent
-        stream = rng.choice(STREAM_FAULTS[:3] if fleet in HELD else STREAM_FAULTS)
-        n = WIDE if shape == "wide" else rng.randint(1, 8)
-        ids = [f"call_{turn}_{i}" for i in range(n)]
-        if n > 1 and rng.random() < 0.3:
-            ids[-1] = ids[0]  # a duplicate call_id: both calls run, both are answered
-        calls = [b.function_call("chaos_count", {}, i) for i in ids]
-        if shape == "flood":
-            ids.append(f"call_{turn}_flood")
-            calls.insert(rng.randint(0, len(calls)), b.function_call("chaos_flood", {"mib": 10}, ids[-1]))
-        if fleet != "none":  # something running long enough to cancel or kill (or to outlive its orchestrator)
-            ids.append(f"call_{turn}_hang")
-            seconds = 3 if fleet.startswith("kill_orchestrator") else 6
-            calls.append(b.function_call("chaos_hang", {"seconds": seconds}, ids[-1]))
-        script: list = []
-        if stream == "500":
-            script.append([b.http_error(500)])
-        elif stream == "429":
-            script.append([b.http_error(429, headers={"retry-after-ms": "50"})])
-        if fleet in ("kill_orchestrator_mid_stream", "cancel_mid_stream"):
-            script.append(b.response(*calls, b.gate()))  # the calls are committed; response.completed never comes
-        elif fleet == "cancel_before_start":  # cancelled while the response has sent no call yet
-            script.append(b.response(b.stall(IDLE_TIMEOUT / 2), *calls))
-        elif stream == "stall":  # the client's idle timeout turns the silence into a retried request
-            script.append(b.response(*calls, b.stall(STALL)))
-        elif stream == "cut":
-            script.append(b.response(*calls, b.cut_after(clean=False)))
-        elif stream == "malformed":
-            script.append(b.response(*calls, b.malformed_frame()))
-        else:
-            script.append(calls)
-        script.append([b.message(f"turn {turn} done")])
-        return TurnPlan(turn, script, dict(Counter(ids)), shape, stream, fleet)
 
 
 @dataclass
@@ -163,6 +57,7 @@ class Tally:
 
     seed: int
     aof: bool
+    hosts: bool = False
     turns: int = 0
     calls: int = 0
     faults: Counter = field(default_factory=Counter)
@@ -207,67 +102,103 @@ class TurnRun:
 
 
 class Campaign:
-    """A seeded campaign on its own Redis and worker, in `workdir` (the workspace and the logs)."""
+    """A seeded campaign on its own Redis and worker, in `workdir` (the workspace and the logs).
+
+    The stack is this class's seam: `stack()` starts Redis and the workers (`self.workers`, by
+    host), `role_of(pid)` names the worker a call runs on, `network_fault` and `after_turn` make
+    and check what only separate hosts can (`hosts.HostsCampaign`, the same campaign with
+    Redis, the orchestrator and two workers on hosts a network joins). The turns and the checks
+    are written once, here."""
 
     def __init__(self, seed: int, workdir: Path, *, concurrency: int = 4) -> None:
         self.seed, self.workdir, self.concurrency = seed, workdir, concurrency
         self.aof = seed % 2 == 1
         self.signing_key = secrets.token_hex(32)
         self.workspace = workdir / "workspace"
-        self.workspace.mkdir(parents=True, exist_ok=True)
         self.server: Any = None
-        self.worker: Any = None
+        self.workers: dict[str, Any] = {}
+        """The workers serving now, by the host they run on."""
         self.retired: list[Any] = []
         """Workers shut down warm (stopped for good when the campaign ends)."""
         self.generation = 0
         self.tally = Tally(seed, self.aof)
 
-    def run(self, turns: int, fleet: tuple[str, ...] = FLEET_FAULTS) -> Tally:
-        from toolq.local.embedded import RedisServer
+    @property
+    def redis_args(self) -> list[str]:
+        return ["--appendonly", "yes", "--appendfsync", "always"] if self.aof else []
 
+    def run(self, turns: int, fleet: tuple[str, ...] = FLEET_FAULTS) -> Tally:
         started = time.monotonic()
-        args = ["--appendonly", "yes", "--appendfsync", "always"] if self.aof else []
-        with counting(logging.getLogger("toolq.stranded"), self.tally), \
-                RedisServer(workdir=self._dir("redis"), args=args) as self.server:
-            self.worker = self.new_worker(f"chaos{self.seed}-{self.server.port}@campaign").start()
-            try:
-                planner = Planner(self.seed, fleet)
-                for turn in range(turns):
-                    self.turn(planner.plan(turn))
-            finally:
-                for w in (self.worker, *self.retired):
-                    w.stop(grace=3)
-        self.tally.leftovers += [f"process {pid} still running after the campaign: {cmd}"
-                                 for pid, cmd in processes_under(self.workdir)]
+        with counting(logging.getLogger("toolq.stranded"), self.tally), self.stack():
+            planner = Planner(self.seed, fleet)
+            for turn in range(turns):
+                self.turn(planner.plan(turn))
         self.tally.seconds = time.monotonic() - started
         return self.tally
 
-    def new_worker(self, name: str) -> Any:
+    @contextmanager
+    def stack(self) -> Iterator[None]:
+        """Redis and one worker on this machine; what it started is gone at the end (else a violation)."""
+        from toolq.local.embedded import RedisServer
+
+        self.workspace.mkdir(parents=True, exist_ok=True)
+        with RedisServer(workdir=self._dir("redis"), args=self.redis_args) as self.server:
+            self.workers = {"local": self.new_worker("local", f"chaos{self.seed}-{self.server.port}@campaign")}
+            self.workers["local"].start()
+            try:
+                yield
+            finally:
+                self.stop_workers()
+        self.count_leftovers()
+
+    def stop_workers(self) -> None:
+        for w in (*self.workers.values(), *self.retired):
+            w.stop(grace=3)
+
+    def count_leftovers(self) -> None:
+        self.tally.leftovers += [f"process {pid} still running after the campaign: {cmd}"
+                                 for pid, cmd in processes_under(self.workdir)]
+
+    def new_worker(self, role: str, name: str) -> Any:
+        """A worker (not started) for host `role`."""
         from toolq.local.embedded import WorkerProcess
 
         return WorkerProcess(self.server.url, concurrency=self.concurrency, tools=[CHAOS_TOOLS],
                              env={"TOOLQ_SIGNING_KEY": self.signing_key}, logdir=self.workdir, name=name)
 
-    async def replace_worker(self, warm: bool) -> None:
-        """SIGKILL the worker's whole process group (a machine dying) and start it again under the
-        same name (as systemd would), or SIGTERM its main process (a warm shutdown: its running
-        calls may finish) and start a new one meanwhile, so later calls have somewhere to run."""
-        old = self.worker
+    def role_of(self, pid: int) -> str:
+        """The host of the worker running process `pid` (a call's)."""
+        return next(iter(self.workers))
+
+    async def network_fault(self, plan: TurnPlan, pid: int) -> None:
+        """A fault of `NETWORK_FAULTS` once the hang call runs as `pid` (hosts only)."""
+        raise ValueError(f"{plan.fleet} needs separate hosts (--hosts)")
+
+    def after_turn(self, plan: TurnPlan, what: str) -> None:
+        """Checks once a turn is checked (hosts: every worker serving again after a heal)."""
+
+    async def replace_worker(self, warm: bool, pid: int) -> None:
+        """SIGKILL the whole process group of the worker running `pid` (a machine dying) and start
+        it again under the same name (as systemd would), or SIGTERM its main process (a warm
+        shutdown: its running calls may finish) and start a new one on its host meanwhile, so
+        later calls have somewhere to run."""
+        role = self.role_of(pid)
+        old = self.workers[role]
         if warm:
             old.terminate()  # `WorkerProcess`: a SIGTERM to its main process alone
             self.retired.append(old)
             self.generation += 1
             base, _, host = old.name.partition("@")
             name = f"{base.split('-w')[0]}-w{self.generation}@{host}"
-            self.worker = self.new_worker(name)
+            self.workers[role] = self.new_worker(role, name)
         else:
             os.killpg(old.proc.pid, signal.SIGKILL)
             await asyncio.to_thread(old.proc.wait, 5)
             old.proc = None
             self.generation += 1  # its log is evidence: the restart starts a new one
             old.log.replace(old.log.with_suffix(f".killed-{self.generation}.log"))
-        self.worker.start(wait=False)  # from the loop's thread: the parent-death signal is tied to it
-        await asyncio.to_thread(self.worker.wait_ready)
+        self.workers[role].start(wait=False)  # from the loop's thread: the parent-death signal is tied to it
+        await asyncio.to_thread(self.workers[role].wait_ready)
         if warm:
             await asyncio.to_thread(old.stop, WARM_GRACE)
 
@@ -301,6 +232,7 @@ class Campaign:
                 t.broken.append(f"{what}: the turn raised {type(e).__name__}: {e}")
                 return
         self.check(plan, run, what)
+        self.after_turn(plan, what)
 
     async def _in_process(self, plan: TurnPlan, fake: FakeModel) -> TurnRun:
         from toolq.orchestrator.turn import Runtime, Session
@@ -339,11 +271,13 @@ class Campaign:
 
             await cancel(self.settings(fake), session.turn_id, plan.hang_id)
         elif plan.fleet in WORKER_LOST:
-            await self.replace_worker(warm=plan.fleet == "warm_shutdown")
+            await self.replace_worker(warm=plan.fleet == "warm_shutdown", pid=pid)
         elif plan.fleet == "redis_restart":
             await asyncio.to_thread(self.server.restart)
         elif plan.fleet == "kill_child":
             os.kill(pid, signal.SIGKILL)
+        elif plan.fleet in NETWORK_FAULTS:
+            await self.network_fault(plan, pid)
 
     async def _killed_and_resumed(self, plan: TurnPlan, fake: FakeModel) -> TurnRun:
         """`toolq run` in its own process, SIGKILLed once the hang call runs (mid-call, or mid-stream
@@ -444,7 +378,7 @@ class Campaign:
                 t.double.append(f"{what}: {call_id} ran {ran} times for {asked} call(s)")
             # after a Redis restart a call may have been stopped before it ran ("may or may not have
             # run"); a worker killed or shut down with calls it had taken loses them
-            elif (ran < asked and run.status == "completed" and plan.fleet not in ("redis_restart", *WORKER_LOST)
+            elif (ran < asked and run.status == "completed" and plan.fleet not in ("redis_restart", *WORKER_LOST, *CUT)
                   and call_id != (plan.hang_id if plan.fleet == "cancel_call" else None)):
                 t.broken.append(f"{what}: {call_id} ran {ran} times for {asked} call(s) in a completed turn")
             if call_id in told and told[call_id]["state"] == "completed" and ran == 0:
@@ -499,159 +433,3 @@ class Campaign:
             late = finished - turn_ended
             return f"the hang call finished {late:.1f}s after its turn ended" if late > 1.0 else None
         return f"the hang call's process {pid} still runs" if alive(pid) else None
-
-
-# --- processes -----------------------------------------------------------------------------------
-
-
-class _Count(logging.Handler):
-    def __init__(self, tally: Tally) -> None:
-        super().__init__(logging.WARNING)
-        self.tally = tally
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.tally.requeued += 1
-
-
-@contextmanager
-def counting(logger: logging.Logger, tally: Tally) -> Iterator[None]:
-    """Count the stranded calls requeued (one warning each), whatever the bench's log level."""
-    handler, level = _Count(tally), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
-
-def output_text(output: Any) -> str:
-    """A history output's text: a string, or its content parts' texts."""
-    if isinstance(output, list):
-        return "".join(str(part.get("text", "")) for part in output if isinstance(part, dict))
-    return "" if output is None else str(output)
-
-
-def read_pid(path: Path) -> int | None:
-    try:
-        text = path.read_text()
-    except OSError:
-        return None
-    return int(text) if text.strip().isdigit() else None
-
-
-def wait_until(ready: Any, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while not ready() and time.monotonic() < end:
-        time.sleep(0.02)
-    return bool(ready())
-
-
-def wait_for_pid(path: Path, timeout: float, proc: subprocess.Popen | None = None) -> int | None:
-    """The pid the hang call wrote, once it runs; None if it did not within `timeout` (or `proc`,
-    the orchestrator, ended first)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and (proc is None or proc.poll() is None):
-        pid = read_pid(path)
-        if pid is not None:
-            return pid
-        time.sleep(0.02)
-    return None
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[-1][:1] != "Z"
-    except OSError:
-        return False
-
-
-def wait_gone(pid: int, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while alive(pid) and time.monotonic() < end:
-        time.sleep(0.05)
-    return not alive(pid)
-
-
-def processes_under(path: Path) -> list[tuple[int, str]]:
-    """Live processes whose command line names `path` (the campaign's workers, orchestrators, Redis)."""
-    found = []
-    marker = str(path)
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmd and not wait_gone(int(entry.name), 5):
-            found.append((int(entry.name), cmd.strip()[:200]))
-    return found
-
-
-# --- the bench -----------------------------------------------------------------------------------
-
-
-def campaign(seed: int, turns: int, workdir: Path | None = None, fleet: tuple[str, ...] = FLEET_FAULTS) -> Tally:
-    """Run one seeded campaign of `turns` turns in `workdir`, else in a temporary directory that
-    is removed unless a contract broke (then `Tally.kept` names it: workers' and orchestrators' logs)."""
-    if workdir is not None:
-        return Campaign(seed, workdir).run(turns, fleet)
-    tmp = Path(tempfile.mkdtemp(prefix=f"toolq-chaos-{seed}-"))
-    tally = Campaign(seed, tmp).run(turns, fleet)
-    if tally.violations:
-        tally.kept = tmp
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tally
-
-
-def report(t: Tally) -> list[str]:
-    def counts(c: Counter) -> str:
-        return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "none"
-
-    rows = [("faults injected", counts(t.faults)), ("turns ended", counts(t.outcomes)),
-            ("calls answered", counts(t.answered)), ("pairing violations", len(t.pairing)),
-            ("double executions", len(t.double)), ("past their deadline", f"{len(t.late)}   (slowest: {slowest(t)})"),
-            ("leftover processes", len(t.leftovers)), ("infrastructure output", len(t.guessed)),
-            ("outputs by form", counts(t.forms)), ("other broken contracts", len(t.broken)),
-            ("requeued, dead worker", t.requeued)]
-    lines = [f"chaos seed {t.seed} (Redis {'with AOF' if t.aof else 'without persistence'}): {t.turns} turns, "
-             f"{t.calls} calls in {t.seconds:.0f} s", *(f"  {label:<22} : {value}" for label, value in rows)]
-    if t.why:  # what the calls that did not complete were told (the commonest)
-        lines += ["  calls not completed, as told:", *(f"    {n:>4} x {why}" for why, n in t.why.most_common(6))]
-    lines += [f"  VIOLATION {v}" for v in t.violations]
-    return lines + ([f"  logs kept in {t.kept}"] if t.kept else [])
-
-
-def slowest(t: Tally) -> str:
-    if not t.turn_seconds:
-        return "none"
-    what, took = max(t.turn_seconds.items(), key=lambda kv: kv[1])
-    return f"{took:.1f}s, {what.split(' ', 2)[-1]}"
-
-
-def parse_seeds(text: str) -> list[int]:
-    """`3` or a range `1..3`."""
-    lo, sep, hi = text.partition("..")
-    return list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
-
-
-def run(out: IO[str] = sys.stdout, turns: int = 24, seeds: Sequence[int] = (1,)) -> dict[str, Any]:
-    # Faults make toolq warn by design (lost results, reconnects); the table says what matters.
-    logging.getLogger("toolq").setLevel(logging.ERROR)
-    tallies = []
-    for seed in seeds:
-        tallies.append(campaign(seed, turns))
-        print("\n".join(report(tallies[-1])), file=out, flush=True)
-    violations = sum(len(t.violations) for t in tallies)
-    print(f"chaos: {len(tallies)} campaign(s), {violations} violation(s)", file=out, flush=True)
-    return {"turns": sum(t.turns for t in tallies), "calls": sum(t.calls for t in tallies),
-            "violations": violations}
-
-
-if __name__ == "__main__":
-    run()
