@@ -53,6 +53,18 @@ def test_a_malformed_sentinel_url_is_one_line(url, problem):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("url", [
+    "sentinel://:s3cr3tpw/xyz@h1:26379",  # an unencoded '/': urlsplit reads 's3cr3tpw' as the port
+    "sentinel://:pw@h1;redis://:topsecretpassword@h2",  # an unencoded ';' splits the password
+])
+def test_a_malformed_sentinel_url_never_shows_its_password(url):
+    """helper-30 (red team): both errors echoed the password, into terminals and worker logs."""
+    with pytest.raises(ValueError) as e:
+        parse_redis_url(url, "m")
+    assert "s3cr3t" not in str(e.value) and "topsecret" not in str(e.value), str(e.value)
+    assert "percent-encoded" in str(e.value)
+
+
 def test_settings_give_the_result_backend_database_1_of_the_same_sentinels():
     s = Settings.load({"REDIS_URL": CELERY_FORM, "TOOLQ_SENTINEL_MASTER": "mymaster",
                        "TOOLQ_SENTINEL_PASSWORD": "sentinel-secret"})

@@ -84,12 +84,17 @@ def target_from_env(url: str, env: Mapping[str, str]) -> RedisTarget:
 
 def _sentinel_part(part: str, logins: set[tuple[str | None, str | None]], dbs: set[int]) -> tuple[str, int]:
     if not part.startswith(SENTINEL_SCHEME):
-        raise ValueError(f"each ';'-separated part of a Sentinel URL must start with sentinel:// (got {part[:20]!r})")
+        # Never echo the part: an unencoded ';' in a password splits it, and the rest is password.
+        scheme = part.partition("://")[0][:20] if "://" in part else "no scheme"
+        raise ValueError(f"each ';'-separated part of a Sentinel URL must start with sentinel:// (one starts with "
+                         f"{scheme!r}; a password holding ';' must be percent-encoded as %3B)")
     try:
         split = urlsplit(part)
         host, port = split.hostname, split.port or DEFAULT_SENTINEL_PORT
-    except ValueError as e:  # a port that is not a number
-        raise ValueError(f"malformed sentinel:// URL part: {e}") from None
+    except ValueError:  # a port that is not a number
+        # Not `e`: urlsplit reads the start of a password holding an unencoded '/' as the port.
+        raise ValueError("malformed sentinel:// URL part: its port is not a number (a password holding '/' or "
+                         "';' must be percent-encoded)") from None
     if not host:
         raise ValueError("a sentinel:// URL part names no host")
     if split.query or split.fragment:

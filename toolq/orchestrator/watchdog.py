@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from toolq.core import keys
 from toolq.core.calls import ToolResult, aborted_text
 from toolq.core.contracts import TIME_LIMIT_MARGIN
 from toolq.core.honest import interrupted
@@ -93,10 +92,13 @@ class Watchdog:
         waited = now - entry.added_at
         ended = await _probe_value(self.records.recorded_end(entry.inv.task_id)) if entry.started_at else None
         if ended is not None:
+            # The unsigned ledger's worker name is quoted only when it is the one that reported
+            # starting the call: whoever reaches Redis could write a sentence there for the model.
             state, worker = ended
+            where = f"worker {worker}" if worker == entry.worker else "a worker"
             return self.synthesize(entry, CallState.LOST, interrupted(
-                entry.tool, f"it ended {state} on worker {keys.worker_name(worker)}, but its result never reached "
-                "the orchestrator (lost on the way back through Redis), so its output is unknown"))
+                entry.tool, f"it ended {state} on {where}, but its result never reached the orchestrator (lost on "
+                "the way back through Redis), so its output is unknown"))
         try:
             await self.transport.revoke([entry.inv.task_id])
         except Exception as e:  # Redis away: nobody could be told to stop it
