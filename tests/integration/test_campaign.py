@@ -53,3 +53,24 @@ def test_a_seeded_fault_campaign_across_hosts_keeps_every_contract():
     assert all(tally.faults[f"fleet:{f}"] == 1 for f in HOSTS_FAULTS), tally.faults
     assert tally.violations == [], "\n".join(chaos.report(tally))
     assert not [n for n in harness_namespaces() if n.startswith(f"toolq-{os.getpid()}x")]
+
+
+#: The Sentinel campaign's bounded run: two failovers (the promoted replica's old primary, back as
+#: its replica, is promoted again), an orchestrator killed and resumed, a cancel of one call and a
+#: worker cut from Redis past the window, on the new primaries; ~1.5 minutes on a loaded machine.
+SENTINEL_FAULTS = ("failover", "failover", "kill_orchestrator", "cancel_call", "cut_worker_long")
+
+
+def test_a_seeded_fault_campaign_across_hosts_on_sentinel_keeps_every_contract():
+    """`toolq bench chaos --sentinel`: Redis is a primary, a replica and three sentinels on the
+    Redis host, and the primary is SIGKILLed mid-call: the calls in flight get honest outputs and
+    the turns go on on the promoted replica, without a restart of any process."""
+    from toolq.dev.hosts import cannot_run
+
+    reason = cannot_run()
+    if reason:
+        pytest.skip(reason)
+    tally = chaos.campaign(5, len(SENTINEL_FAULTS), fleet=SENTINEL_FAULTS, sentinel=True)
+    assert tally.turns == len(SENTINEL_FAULTS)
+    assert tally.faults["fleet:failover"] == 2, tally.faults
+    assert tally.violations == [], "\n".join(chaos.report(tally))

@@ -305,7 +305,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         try:
             bench = importlib.import_module(f"toolq.dev.bench.{name}")
             if name in CAMPAIGNS:
-                code = max(code, 1 if bench.run(turns=args.turns, seeds=seeds, hosts=args.hosts)["violations"] else 0)
+                done = bench.run(turns=args.turns, seeds=seeds, hosts=args.hosts, sentinel=args.sentinel)
+                code = max(code, 1 if done["violations"] else 0)
             else:
                 bench.run()
         except FleetNotReady as e:
@@ -475,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--hosts", action="store_true", help="chaos: on the hosts harness (Redis, the orchestrator "
                     "and two workers each in a network namespace; root), with partitions and a slow link "
                     "beside the other faults")
+    bn.add_argument("--sentinel", action="store_true", help="chaos: --hosts with Redis as a primary, a replica and "
+                    "three sentinels; a failover (the primary SIGKILLed mid-call) stands for the Redis restart")
     bn.set_defaults(func=_cmd_bench)
     return p
 

@@ -163,8 +163,8 @@ class Host:
 class HostRedis(RedisServer):
     """A `redis-server` on a host's address (and its loopback), probed from inside its namespace."""
 
-    def __init__(self, host: Host, workdir: Path, args: list[str] | None = None) -> None:
-        super().__init__(port=6379, workdir=workdir, args=args)
+    def __init__(self, host: Host, workdir: Path, args: list[str] | None = None, port: int = 6379) -> None:
+        super().__init__(port=port, workdir=workdir, args=args)
         self.host = host
         self.with_parent = True
 
@@ -194,6 +194,96 @@ class HostRedis(RedisServer):
                                               "--no-auth-warning", "-a", self.password, *args]),
                               capture_output=True, text=True, timeout=10)
         return done.stdout
+
+
+class HostSentinels:
+    """A primary (port 6379), a replica (6380) and three sentinels (26379-26381, quorum 2) on one
+    host, monitoring `MASTER`: `url` is Celery's `sentinel://` form, `fail_over()` SIGKILLs the
+    primary, waits for the sentinels to promote the replica, and starts the dead one again as the
+    new primary's replica, in sync before it returns (so the next failover loses nothing).
+    `restart` is `fail_over`: to a campaign, the primary restarting is a failover."""
+
+    MASTER = "toolqmaster"
+    PORTS = (6379, 6380)
+    SENTINEL_PORTS = (26379, 26380, 26381)
+
+    def __init__(self, hosts: Hosts, role: str, args: list[str]) -> None:
+        self.h, self.host = hosts, hosts.hosts[role]
+        self.password = secrets.token_hex(16)
+        self.args = [*args, "--masterauth", self.password, "--repl-diskless-sync-delay", "0"]
+        self.nodes: dict[int, HostRedis] = {}
+        for port in self.PORTS:
+            replica = [] if port == self.PORTS[0] else ["--replicaof", self.host.addr, str(self.PORTS[0])]
+            node = HostRedis(self.host, hosts.host_dir(f"{role}{port}"), [*self.args, *replica], port)
+            node.password = self.password
+            self.nodes[port] = node
+        self.sentinels: list[HostProcess] = []
+        self.failovers = 0
+
+    @property
+    def url(self) -> str:
+        return ";".join(f"sentinel://:{self.password}@{self.host.addr}:{p}" for p in self.SENTINEL_PORTS) + "/0"
+
+    def start(self) -> HostSentinels:
+        for node in self.nodes.values():
+            self.h._started(node)
+        for port in self.SENTINEL_PORTS:
+            d = self.h.host_dir(f"sentinel{port}")
+            conf = d / "sentinel.conf"  # a sentinel rewrites its own config
+            conf.write_text("\n".join([
+                f"port {port}", f"bind {self.host.addr} 127.0.0.1", f'dir "{d}"', f'logfile "{d / "sentinel.log"}"',
+                f"sentinel monitor {self.MASTER} {self.host.addr} {self.PORTS[0]} 2",
+                f"sentinel auth-pass {self.MASTER} {self.password}",
+                f"sentinel down-after-milliseconds {self.MASTER} 1000",
+                f"sentinel failover-timeout {self.MASTER} 3000",
+                f"sentinel parallel-syncs {self.MASTER} 1"]) + "\n")
+            self.sentinels.append(self.h.process(self.host.role, ["redis-server", str(conf), "--sentinel"],
+                                                 log=f"sentinel{port}.out"))
+        wait_for(lambda: self._in_sync(self.PORTS[1]), 20, "the replica's first sync")
+        wait_for(lambda: all(self._sees_replica(p) for p in self.SENTINEL_PORTS), 20, "the sentinels see the replica")
+        return self
+
+    def _ask(self, port: int, *args: str, password: str | None = None) -> str:
+        auth = ["--no-auth-warning", "-a", password] if password else []
+        done = subprocess.run(self.host.wrap(["redis-cli", "-h", self.host.addr, "-p", str(port), *auth, *args]),
+                              capture_output=True, text=True, timeout=10)
+        return done.stdout
+
+    def _in_sync(self, port: int) -> bool:
+        return "master_link_status:up" in self._ask(port, "info", "replication", password=self.password)
+
+    def _sees_replica(self, port: int) -> bool:
+        return "OK" in self._ask(port, "SENTINEL", "CKQUORUM", self.MASTER) and \
+            self._ask(port, "SENTINEL", "REPLICAS", self.MASTER).strip() != ""
+
+    def primary(self) -> int | None:
+        """The primary's port, as a sentinel says."""
+        for port in self.SENTINEL_PORTS:
+            said = self._ask(port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.MASTER).split()
+            if len(said) == 2 and said[1].isdigit():
+                return int(said[1])
+        return None
+
+    def cli(self, *args: str) -> str:
+        """`redis-cli` on the current primary."""
+        return self._ask(self.primary() or self.PORTS[0], *args, password=self.password)
+
+    def fail_over(self, timeout: float = 60) -> None:
+        old = self.primary() or self.PORTS[0]
+        new = next(p for p in self.PORTS if p != old)
+        self.nodes[old].kill()
+        wait_for(lambda: self.primary() == new, timeout, "the sentinels promote the replica")
+        node = self.nodes[old]
+        node.args = [*self.args, "--replicaof", self.host.addr, str(new)]
+        node.start()
+        wait_for(lambda: self._in_sync(old), timeout, "the old primary's sync as a replica")
+        self.failovers += 1
+
+    restart = fail_over
+
+    def stop(self) -> None:
+        for child in (*self.sentinels, *self.nodes.values()):
+            child.stop(grace=3)
 
 
 class HostWorker(WorkerProcess):
@@ -306,6 +396,10 @@ class Hosts:
             self._children.append(worker)
             return worker
         return self._started(worker)
+
+    def sentinels(self, role: str = "redis", args: list[str] | None = None) -> HostSentinels:
+        """A primary, a replica and three sentinels on host `role` (`HostSentinels`), started."""
+        return HostSentinels(self, role, args or []).start()
 
     def host_of(self, pid: int) -> str | None:
         """The role of the host whose network process `pid` is on (None: gone, or on none of them)."""

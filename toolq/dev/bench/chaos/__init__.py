@@ -51,6 +51,7 @@ from toolq.dev.bench.chaos.plan import (
     HOSTS_FAULTS,
     IDLE_TIMEOUT,
     NETWORK_FAULTS,
+    SENTINEL_FAULTS,
     SHAPES,
     WIDE,
     Deck,
@@ -58,21 +59,23 @@ from toolq.dev.bench.chaos.plan import (
     TurnPlan,
 )
 
-__all__ = ["CHAOS_TOOLS", "FLEET_FAULTS", "HELD", "HOSTS_FAULTS", "IDLE_TIMEOUT", "NETWORK_FAULTS", "SHAPES", "WIDE",
-           "Campaign", "Deck", "Planner", "Tally", "TurnPlan", "TurnRun", "campaign", "parse_seeds", "report", "run"]
+__all__ = ["CHAOS_TOOLS", "FLEET_FAULTS", "HELD", "HOSTS_FAULTS", "IDLE_TIMEOUT", "NETWORK_FAULTS", "SENTINEL_FAULTS",
+           "SHAPES", "WIDE", "Campaign", "Deck", "Planner", "Tally", "TurnPlan", "TurnRun", "campaign", "parse_seeds",
+           "report", "run"]
 
 # --- the bench -----------------------------------------------------------------------------------
 
 
 def campaign(seed: int, turns: int, workdir: Path | None = None, fleet: tuple[str, ...] = FLEET_FAULTS,
-             hosts: bool = False) -> Tally:
+             hosts: bool = False, sentinel: bool = False) -> Tally:
     """Run one seeded campaign of `turns` turns in `workdir`, else in a temporary directory that
     is removed unless a contract broke (then `Tally.kept` names it: workers' and orchestrators' logs).
-    With `hosts`, on the hosts harness (`hosts.py`), in the harness's own directory."""
-    if hosts:
+    With `hosts`, on the hosts harness (`hosts.py`), in the harness's own directory; with
+    `sentinel` too, on a primary, a replica and three sentinels there."""
+    if hosts or sentinel:
         from toolq.dev.bench.chaos.hosts import HostsCampaign
 
-        return HostsCampaign(seed).run(turns, fleet)
+        return HostsCampaign(seed, sentinel=sentinel).run(turns, fleet)
     if workdir is not None:
         return Campaign(seed, workdir).run(turns, fleet)
     tmp = Path(tempfile.mkdtemp(prefix=f"toolq-chaos-{seed}-"))
@@ -94,7 +97,7 @@ def report(t: Tally) -> list[str]:
             ("leftover processes", len(t.leftovers)), ("infrastructure output", len(t.guessed)),
             ("outputs by form", counts(t.forms)), ("other broken contracts", len(t.broken)),
             ("requeued, dead worker", t.requeued)]
-    kind = "chaos --hosts" if t.hosts else "chaos"
+    kind = "chaos --hosts --sentinel" if t.sentinel else "chaos --hosts" if t.hosts else "chaos"
     lines = [f"{kind} seed {t.seed} (Redis {'with AOF' if t.aof else 'without persistence'}): {t.turns} turns, "
              f"{t.calls} calls in {t.seconds:.0f} s", *(f"  {label:<22} : {value}" for label, value in rows)]
     if t.why:  # what the calls that did not complete were told (the commonest)
@@ -116,10 +119,11 @@ def parse_seeds(text: str) -> list[int]:
     return list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
 
 
-def run(out: IO[str] = sys.stdout, turns: int = 24, seeds: Sequence[int] = (1,), hosts: bool = False) \
-        -> dict[str, Any]:
+def run(out: IO[str] = sys.stdout, turns: int = 24, seeds: Sequence[int] = (1,), hosts: bool = False,
+        sentinel: bool = False) -> dict[str, Any]:
     # Faults make toolq warn by design (lost results, reconnects); the table says what matters.
     logging.getLogger("toolq").setLevel(logging.ERROR)
+    hosts = hosts or sentinel
     if hosts:
         from toolq.dev.hosts import cannot_run
 
@@ -129,7 +133,8 @@ def run(out: IO[str] = sys.stdout, turns: int = 24, seeds: Sequence[int] = (1,),
             return {"turns": 0, "calls": 0, "violations": 1}
     tallies = []
     for seed in seeds:
-        tallies.append(campaign(seed, turns, fleet=HOSTS_FAULTS if hosts else FLEET_FAULTS, hosts=hosts))
+        fleet = SENTINEL_FAULTS if sentinel else HOSTS_FAULTS if hosts else FLEET_FAULTS
+        tallies.append(campaign(seed, turns, fleet=fleet, hosts=hosts, sentinel=sentinel))
         print("\n".join(report(tallies[-1])), file=out, flush=True)
     violations = sum(len(t.violations) for t in tallies)
     print(f"chaos: {len(tallies)} campaign(s), {violations} violation(s)", file=out, flush=True)

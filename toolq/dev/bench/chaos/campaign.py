@@ -31,6 +31,7 @@ from toolq.dev.bench.chaos.plan import (
     LEASE,
     NETWORK_FAULTS,
     OUTPUT_TYPES,
+    REDIS_LOST,
     TERMINAL,
     WARM_GRACE,
     WORKER_LOST,
@@ -58,6 +59,7 @@ class Tally:
     seed: int
     aof: bool
     hosts: bool = False
+    sentinel: bool = False
     turns: int = 0
     calls: int = 0
     faults: Counter = field(default_factory=Counter)
@@ -121,6 +123,8 @@ class Campaign:
         self.retired: list[Any] = []
         """Workers shut down warm (stopped for good when the campaign ends)."""
         self.generation = 0
+        self.sentinel_master: str | None = None
+        """The master's name when `self.server` is a group of sentinels (`sentinel://` URL)."""
         self.tally = Tally(seed, self.aof)
 
     @property
@@ -208,7 +212,8 @@ class Campaign:
         return d
 
     def settings(self, fake: FakeModel) -> Settings:
-        return Settings(redis_url=self.server.url, openai_base_url=fake.base_url, openai_api_key="chaos",
+        return Settings(redis_url=self.server.url, sentinel_master=self.sentinel_master,
+                        openai_base_url=fake.base_url, openai_api_key="chaos",
                         workspace=self.workspace, tools=[CHAOS_TOOLS], signing_key=self.signing_key,
                         turn_timeout=DEADLINE, turn_lease=LEASE, stream_idle_timeout=IDLE_TIMEOUT)
 
@@ -272,7 +277,7 @@ class Campaign:
             await cancel(self.settings(fake), session.turn_id, plan.hang_id)
         elif plan.fleet in WORKER_LOST:
             await self.replace_worker(warm=plan.fleet == "warm_shutdown", pid=pid)
-        elif plan.fleet == "redis_restart":
+        elif plan.fleet in REDIS_LOST:
             await asyncio.to_thread(self.server.restart)
         elif plan.fleet == "kill_child":
             os.kill(pid, signal.SIGKILL)
@@ -289,6 +294,7 @@ class Campaign:
         env = {**{k: v for k, v in os.environ.items() if not k.startswith(("TOOLQ_", "OPENAI_", "CELERY_"))},
                "REDIS_URL": self.server.url, "OPENAI_BASE_URL": fake.base_url,
                "OPENAI_API_KEY": "chaos", "TOOLQ_SIGNING_KEY": self.signing_key, "TOOLQ_TOOLS": CHAOS_TOOLS,
+               **({"TOOLQ_SENTINEL_MASTER": self.sentinel_master} if self.sentinel_master else {}),
                "TOOLQ_TURN_LEASE": f"{LEASE:g}", "TOOLQ_TURN_TIMEOUT": f"{DEADLINE:g}",
                "TOOLQ_STREAM_IDLE_TIMEOUT": f"{IDLE_TIMEOUT:g}"}
         out = self.workdir / f"orchestrator-{plan.turn}.jsonl"
@@ -378,7 +384,7 @@ class Campaign:
                 t.double.append(f"{what}: {call_id} ran {ran} times for {asked} call(s)")
             # after a Redis restart a call may have been stopped before it ran ("may or may not have
             # run"); a worker killed or shut down with calls it had taken loses them
-            elif (ran < asked and run.status == "completed" and plan.fleet not in ("redis_restart", *WORKER_LOST, *CUT)
+            elif (ran < asked and run.status == "completed" and plan.fleet not in (*REDIS_LOST, *WORKER_LOST, *CUT)
                   and call_id != (plan.hang_id if plan.fleet == "cancel_call" else None)):
                 t.broken.append(f"{what}: {call_id} ran {ran} times for {asked} call(s) in a completed turn")
             if call_id in told and told[call_id]["state"] == "completed" and ran == 0:

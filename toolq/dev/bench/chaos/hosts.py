@@ -25,7 +25,7 @@ from typing import Any
 
 from toolq.dev.bench.chaos.campaign import Campaign
 from toolq.dev.bench.chaos.plan import CHAOS_TOOLS, TurnPlan
-from toolq.dev.hosts import Hosts
+from toolq.dev.hosts import Hosts, HostSentinels
 
 ROLES = ["redis", "orch", "w1", "w2"]
 WORKERS = ("w1", "w2")
@@ -39,9 +39,10 @@ RATE = "256kbit"
 class HostsCampaign(Campaign):
     """The campaign with Redis, the orchestrator and two workers on hosts a network joins."""
 
-    def __init__(self, seed: int, *, concurrency: int = 2) -> None:
+    def __init__(self, seed: int, *, concurrency: int = 2, sentinel: bool = False) -> None:
         super().__init__(seed, Path(), concurrency=concurrency)  # the harness's directory, set by stack()
-        self.tally.hosts = True
+        self.tally.hosts, self.tally.sentinel = True, sentinel
+        self.sentinel_master = HostSentinels.MASTER if sentinel else None
         self.hosts: Hosts | None = None
         self.touched: dict[str, int] = {}
         """The workers a network fault of this turn touched: role, and the process that must still serve."""
@@ -55,7 +56,8 @@ class HostsCampaign(Campaign):
     def stack(self) -> Iterator[None]:
         with Hosts(ROLES, workers=set(WORKERS)) as self.hosts:
             self.workdir, self.workspace = self.h.dir, self.h.workspace
-            self.server = self.h.redis(args=self.redis_args)
+            self.server = self.h.sentinels(args=self.redis_args) if self.sentinel_master else \
+                self.h.redis(args=self.redis_args)
             for role in WORKERS:
                 self.workers[role] = self.new_worker(role, f"chaos{self.seed}-{role}@{self.h.netns(role)}")
                 self.workers[role].start(wait=False)
@@ -76,7 +78,8 @@ class HostsCampaign(Campaign):
 
     def new_worker(self, role: str, name: str) -> Any:
         return self.h.worker(role, self.server.url, start=False, name=name, concurrency=self.concurrency,
-                             tools=[CHAOS_TOOLS], env={"TOOLQ_SIGNING_KEY": self.signing_key})
+                             tools=[CHAOS_TOOLS], env={"TOOLQ_SIGNING_KEY": self.signing_key,
+                                  **({"TOOLQ_SENTINEL_MASTER": self.sentinel_master} if self.sentinel_master else {})})
 
     def role_of(self, pid: int) -> str:
         role = self.h.host_of(pid)

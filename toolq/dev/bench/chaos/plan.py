@@ -35,6 +35,11 @@ WORKER_LOST = ("kill_worker", "warm_shutdown")
 #: to its worker lost (one way), the orchestrator cut from Redis, the workers' links slowed.
 NETWORK_FAULTS = ("cut_worker_short", "cut_worker_long", "drop_redis_to_worker", "cut_orchestrator", "slow_link")
 HOSTS_FAULTS = (*FLEET_FAULTS, *NETWORK_FAULTS)
+#: On a primary, a replica and three sentinels (`--sentinel`): the primary SIGKILLed mid-call and the
+#: replica promoted stands for the Redis restart.
+SENTINEL_FAULTS = (*(f for f in HOSTS_FAULTS if f != "redis_restart"), "failover")
+#: Faults that cost Redis (a restart, a failover): a call may be stopped before it ran.
+REDIS_LOST = ("redis_restart", "failover")
 #: A partition can cost calls a worker had taken but not started (answered, never run).
 CUT = NETWORK_FAULTS[:4]
 SHAPES = ("calls", "calls", "wide", "flood")
