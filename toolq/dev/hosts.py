@@ -150,14 +150,30 @@ class Host:
     @staticmethod
     def _mounts(hidden: Path, kept: list[Path]) -> str:
         """A shell script for a mount namespace of the host's own: an empty /tmp, and the harness's
-        directory hidden under an empty tmpfs but for the folders kept (bound aside, moved back)."""
-        lines = ["set -e", "mount -t tmpfs -o mode=1777 tmpfs /tmp"]
-        lines += [f"mkdir /tmp/.keep{k} && mount --bind {shlex.quote(str(p))} /tmp/.keep{k}"
-                  for k, p in enumerate(kept)]
-        lines.append(f"mount -t tmpfs -o mode=0700 tmpfs {shlex.quote(str(hidden))}")
-        lines += [f"mkdir -p {shlex.quote(str(p))} && mount --move /tmp/.keep{k} {shlex.quote(str(p))}"
-                  for k, p in enumerate(kept)]
+        directory hidden under an empty tmpfs but for the folders kept. Each kept folder, and
+        toolq's own files where they live under /tmp (a checkout cloned there, its venv), is bound
+        aside before anything is covered, then moved back on top."""
+        keep = [*kept, *_toolq_under_tmp()]
+        stage = hidden / ".stage"
+        q = shlex.quote
+        lines = ["set -e"]
+        lines += [f"mkdir -p {q(str(stage / str(k)))} && mount --bind {q(str(p))} {q(str(stage / str(k)))}"
+                  for k, p in enumerate(keep)]
+        lines.append("mount -t tmpfs -o mode=1777 tmpfs /tmp")
+        lines += [f"mkdir /tmp/.keep{k} && mount --move {q(str(stage / str(k)))} /tmp/.keep{k}"
+                  for k in range(len(keep))]
+        lines.append(f"mount -t tmpfs -o mode=0700 tmpfs {q(str(hidden))}")
+        lines += [f"mkdir -p {q(str(p))} && mount --move /tmp/.keep{k} {q(str(p))}" for k, p in enumerate(keep)]
         return "\n".join([*lines, 'exec "$@"'])
+
+
+def _toolq_under_tmp() -> list[Path]:
+    """What a worker host needs of this machine's /tmp to run toolq at all: the checkout and the
+    Python installs it runs from, when they live there (CI clones into a temporary folder)."""
+    here = Path(__file__).resolve().parents[2]
+    found = {Path(p).resolve() for p in (here, sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    tmp = Path("/tmp")
+    return sorted(p for p in found if p != tmp and tmp in p.parents)
 
 
 class HostRedis(RedisServer):
