@@ -206,10 +206,16 @@ class HostRedis(RedisServer):
 
     def cli(self, *args: str) -> str:
         """`redis-cli` on the server's own host: the test process's namespace cannot reach it."""
-        done = subprocess.run(self.host.wrap(["redis-cli", "-h", self.host.addr, "-p", str(self.port),
-                                              "--no-auth-warning", "-a", self.password, *args]),
-                              capture_output=True, text=True, timeout=10)
-        return done.stdout
+        return redis_cli(self.host, self.port, self.password, *args)
+
+
+def redis_cli(host: Host, port: int, password: str | None, *args: str) -> str:
+    """`redis-cli` on `host` (the test process's namespace cannot reach it). The password goes in
+    REDISCLI_AUTH, never on the command line, which every local process can read (helper-30)."""
+    env = {**os.environ, "REDISCLI_AUTH": password} if password else None
+    done = subprocess.run(host.wrap(["redis-cli", "-h", host.addr, "-p", str(port), *args]), env=env,
+                          capture_output=True, text=True, timeout=10)
+    return done.stdout
 
 
 class HostSentinels:
@@ -260,10 +266,7 @@ class HostSentinels:
         return self
 
     def _ask(self, port: int, *args: str, password: str | None = None) -> str:
-        auth = ["--no-auth-warning", "-a", password] if password else []
-        done = subprocess.run(self.host.wrap(["redis-cli", "-h", self.host.addr, "-p", str(port), *auth, *args]),
-                              capture_output=True, text=True, timeout=10)
-        return done.stdout
+        return redis_cli(self.host, port, password, *args)
 
     def _in_sync(self, port: int) -> bool:
         return "master_link_status:up" in self._ask(port, "info", "replication", password=self.password)
