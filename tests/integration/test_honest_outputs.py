@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_faults import final, wait_for_pid
-from toolq.core.honest import INFRASTRUCTURE_TEXT, Known, known_form
+from toolq.core.honest import INFRASTRUCTURE_TEXT, Known, honest, known_form
 from toolq.dev.fake_model import builders as b
 from toolq.local.embedded import RedisServer
 
@@ -25,11 +25,6 @@ pytestmark = pytest.mark.integration
 #: Redis with AOF: what the worker stores after the outage (the call's result) is what the
 #: orchestrator reads, so the test can tell a real result from a guessed one.
 DURABLE = ["--appendonly", "yes", "--appendfsync", "always"]
-
-
-def honest(output: str, own: str) -> bool:
-    """The tool's own result, or one of toolq's statements; never an exception standing in."""
-    return not INFRASTRUCTURE_TEXT.search(output) and (own in output or known_form(output) is not None)
 
 
 def outage_after(pidfile: Path, server: RedisServer, seconds: float = 2.0):

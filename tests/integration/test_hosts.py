@@ -23,7 +23,7 @@ import pytest
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
 from tests.responses_schema import schema_errors
 from toolq.core import import_path
-from toolq.core.honest import INFRASTRUCTURE_TEXT, known_form
+from toolq.core.honest import honest, known_form
 from toolq.dev.fake_model import builders as b
 from toolq.dev.hosts import HostRedis, Hosts, HostWorker, cannot_run, harness_namespaces, netem_available, sweep_stale
 from toolq.orchestrator.history import pairing_problems
@@ -215,9 +215,7 @@ def partition_during_call(fleet: Fleet, call_id: str, seconds: float, cut: list[
 
 
 def assert_honest(output: str, own: str) -> None:
-    """The tool's own result (`own` in it), or toolq's statement of what it knows."""
-    assert not INFRASTRUCTURE_TEXT.search(output), output
-    assert own in output or known_form(output) is not None, output
+    assert honest(output, own), output
 
 
 def advertised(fleet: Fleet, role: str) -> bool:
@@ -301,24 +299,40 @@ def test_one_way_loss_from_redis_to_a_worker_mid_call_gets_an_honest_output(flee
     assert still_running(fleet.workers[fleet.cut_worker])
 
 
-def test_the_orchestrator_cut_from_redis_mid_turn_still_answers_every_call(fleet: Fleet) -> None:
-    calls = [counting(f"call_{i}", 5) for i in range(2)]
+def two_calls_through(fleet: Fleet, fault: Callable[[], None], *, seconds: float = 5,
+                      first_turn: str = "turn.completed") -> tuple[dict[str, str], float]:
+    """Two calls of `seconds` run while `fault` holds for twice the catalog window, then it heals:
+    the first turn ends `first_turn`, the next completes, each call ran once with its real or
+    honest output. Returns the outputs and when the fault began."""
+    calls = [counting(f"call_{i}", seconds) for i in range(2)]
     script = {"by_prompt": {"cut": [calls, [b.message("done")]], "again": after_the_heal(2)}}
+    started: list[float] = []
 
     def during(k: int) -> None:
         if k == 0:
             wait_until(lambda: runs(fleet, "call_0") > 0 and runs(fleet, "call_1") > 0, 30, "both calls starting")
-            fleet.hosts.cut("orch", "redis")
+            started.append(time.time())
+            fault()
             time.sleep(2 * CATALOG_TTL)
             fleet.hosts.heal()
 
     conversation = fleet.converse(script, ["cut", "again"], during=during)
-    assert conversation.ended(0) == "turn.completed" and conversation.ended(1) == "turn.completed"
+    assert conversation.ended(0) == first_turn and conversation.ended(1) == "turn.completed"
+    return each_ran_once(fleet, conversation, 2), started[0]
+
+
+def each_ran_once(fleet: Fleet, conversation: Conversation, n: int) -> dict[str, str]:
+    """Every request paired, and calls call_0..call_<n-1> each ran once with a real or honest output."""
     assert conversation.unpaired() == []
     outputs = conversation.outputs()
-    for i in range(2):
+    for i in range(n):
         assert runs(fleet, f"call_{i}") == 1
         assert_honest(outputs[f"call_{i}"], "done")
+    return outputs
+
+
+def test_the_orchestrator_cut_from_redis_mid_turn_still_answers_every_call(fleet: Fleet) -> None:
+    two_calls_through(fleet, lambda: fleet.hosts.cut("orch", "redis"))
     assert all(still_running(w) for w in fleet.workers.values())
 
 
@@ -350,32 +364,12 @@ def test_delay_and_loss_on_a_worker_link_keep_every_call_answered_once(netem: No
     conversation = fleet.converse(script, ["slow"], during=during)
     fleet.hosts.heal()
     assert conversation.ended(0) == "turn.completed"
-    assert conversation.unpaired() == []
-    outputs = conversation.outputs()
-    for i in range(4):
-        assert runs(fleet, f"call_{i}") == 1
-        assert_honest(outputs[f"call_{i}"], "done")
+    each_ran_once(fleet, conversation, 4)
 
 
 def test_redis_unreachable_by_every_host_mid_call_gets_honest_outputs(fleet: Fleet) -> None:
     """A frozen Redis host, seen from the network: no host reaches it for longer than the windows."""
-    calls = [counting(f"call_{i}", 5) for i in range(2)]
-    script = {"by_prompt": {"cut": [calls, [b.message("done")]], "again": after_the_heal(2)}}
-
-    def during(k: int) -> None:
-        if k == 0:
-            wait_until(lambda: runs(fleet, "call_0") > 0 and runs(fleet, "call_1") > 0, 30, "both calls starting")
-            fleet.hosts.isolate("redis")
-            time.sleep(2 * CATALOG_TTL)
-            fleet.hosts.heal()
-
-    conversation = fleet.converse(script, ["cut", "again"], during=during)
-    assert conversation.ended(0) == "turn.completed" and conversation.ended(1) == "turn.completed"
-    assert conversation.unpaired() == []
-    outputs = conversation.outputs()
-    for i in range(2):
-        assert runs(fleet, f"call_{i}") == 1
-        assert_honest(outputs[f"call_{i}"], "done")
+    two_calls_through(fleet, lambda: fleet.hosts.isolate("redis"))
     assert all(still_running(w) for w in fleet.workers.values())
 
 
@@ -383,28 +377,10 @@ def test_the_orchestrator_cut_from_redis_past_the_turns_deadline_gets_honest_out
     """The turn's deadline passes while the orchestrator cannot reach Redis to stop its calls: the
     turn ends at its deadline, each call is told it timed out, and one said stopped was."""
     fleet.env["TOOLQ_TURN_TIMEOUT"] = "12"
-    calls = [counting(f"call_{i}", 20) for i in range(2)]
-    script = {"by_prompt": {"cut": [calls, [b.message("done")]], "again": after_the_heal(2)}}
-
-    started: list[float] = []
-
-    def during(k: int) -> None:
-        if k == 0:
-            wait_until(lambda: runs(fleet, "call_0") > 0 and runs(fleet, "call_1") > 0, 30, "both calls starting")
-            started.append(time.time())
-            fleet.hosts.cut("orch", "redis")
-            time.sleep(2 * CATALOG_TTL)
-            fleet.hosts.heal()
-
-    conversation = fleet.converse(script, ["cut", "again"], during=during)
-    assert conversation.ended(0) == "turn.failed" and conversation.ended(1) == "turn.completed"
-    assert conversation.unpaired() == []
-    outputs = conversation.outputs()
-    for i in range(2):
-        assert runs(fleet, f"call_{i}") == 1
-        assert_honest(outputs[f"call_{i}"], "done")
+    outputs, started = two_calls_through(fleet, lambda: fleet.hosts.cut("orch", "redis"), seconds=20,
+                                         first_turn="turn.failed")
     # By now (the next turn done) a call that was not stopped has ended: one said stopped has not.
-    time.sleep(max(0.0, started[0] + 20 + 2 - time.time()))  # 20 s: the calls' sleep
+    time.sleep(max(0.0, started + 20 + 2 - time.time()))  # 20 s: the calls' sleep
     for i in range(2):
         if "was stopped" in outputs[f"call_{i}"]:
             assert not (fleet.workspace / f"ends-call_{i}.txt").exists(), outputs[f"call_{i}"]
@@ -421,8 +397,4 @@ def test_slow_links_from_the_workers_keep_every_call_answered_once(fleet: Fleet)
     fleet.hosts.heal()
     assert any(not re.search(r"overlimits 0\b", stats) for stats in held), held  # the links did slow it
     assert conversation.ended(0) == "turn.completed"
-    assert conversation.unpaired() == []
-    outputs = conversation.outputs()
-    for i in range(4):
-        assert runs(fleet, f"call_{i}") == 1
-        assert_honest(outputs[f"call_{i}"], "done")
+    each_ran_once(fleet, conversation, 4)

@@ -23,7 +23,7 @@ import redis
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV, run_session, settings_for
 from tests.integration.test_faults import final, wait_for_pid
 from toolq.core import keys
-from toolq.core.honest import INFRASTRUCTURE_TEXT, known_form
+from toolq.core.honest import honest
 from toolq.dev.fake_model import builders as b
 from toolq.dev.fake_model.server import FakeModel
 from toolq.local.embedded import RedisServer, WorkerProcess, free_port, redis_server_binary, wait_for
@@ -160,11 +160,6 @@ def toolq(cluster: SentinelCluster, *args: str) -> subprocess.CompletedProcess:
                           timeout=60, env={**os.environ, **SENTINEL_ENV, "REDIS_URL": cluster.url})
 
 
-def honest(output: str, own: str) -> bool:
-    """The tool's own result, or one of toolq's statements; never an exception standing in."""
-    return not INFRASTRUCTURE_TEXT.search(output) and (own in output or known_form(output) is not None)
-
-
 def test_a_turn_runs_on_a_sentinel_managed_primary(cluster, worker, drive):
     worker(["toolq"], concurrency=2, redis_url=cluster.url, env=SENTINEL_ENV, name="sentinel@test")
     names: set[str] = set()
@@ -197,6 +192,20 @@ def test_a_turn_runs_on_a_sentinel_managed_primary(cluster, worker, drive):
     assert status.returncode == 0 and "c1" in status.stdout, status.stderr
 
 
+def assert_the_failover_turn_told_the_truth(run, show) -> None:
+    """The turn with `call_h` (hang) and `call_s` (sleep_echo) through a failover: completed with
+    each call's own or honest output, or failed with a one-line reason."""
+    if run.outcome.status == "completed":
+        outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
+        with show():
+            print("outputs:", outputs)
+        assert set(outputs) == {"call_h", "call_s"}
+        assert honest(outputs["call_h"], "woke up"), outputs["call_h"]
+        assert honest(outputs["call_s"], "beside"), outputs["call_s"]
+    else:
+        assert run.outcome.status == "failed" and run.outcome.error and "\n" not in run.outcome.error
+
+
 @pytest.mark.parametrize("hang", [4.0, 1.0], ids=["the-call-ends-after-the-promotion", "the-call-ends-with-no-primary"])
 def test_a_failover_mid_turn_leaves_honest_outputs_and_the_fleet_serving(cluster, worker, drive, tmp_path, capsys,
                                                                          hang):
@@ -216,15 +225,7 @@ def test_a_failover_mid_turn_leaves_honest_outputs_and_the_fleet_serving(cluster
     show = capsys.disabled  # what a failover did, for whoever runs this with -s
     with show():
         print("failover turn:", run.outcome.status, run.outcome.error)
-    if run.outcome.status == "completed":
-        outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
-        with show():
-            print("outputs:", outputs)
-        assert set(outputs) == {"call_h", "call_s"}
-        assert honest(outputs["call_h"], "woke up"), outputs["call_h"]
-        assert honest(outputs["call_s"], "beside"), outputs["call_s"]
-    else:
-        assert run.outcome.status == "failed" and run.outcome.error and "\n" not in run.outcome.error
+    assert_the_failover_turn_told_the_truth(run, show)
     assert cluster.master_port() == cluster.replica.port
     # the ledger's records of the turn were replicated before the kill: the new primary has them
     done = toolq(cluster, "status", run.outcome.turn_id, "--json")
@@ -317,15 +318,7 @@ def test_a_failover_to_a_replica_that_holds_nothing_still_ends_every_call(empty_
     with capsys.disabled():
         print("failover to an empty replica:", run.outcome.status, run.outcome.error,
               "; the turn's record on the new primary just after the promotion:", turn_record)
-    if run.outcome.status == "completed":
-        outputs = {o["call_id"]: o["output"] for o in run.outputs_of(1)}
-        with capsys.disabled():
-            print("outputs:", outputs)
-        assert set(outputs) == {"call_h", "call_s"}
-        assert honest(outputs["call_h"], "woke up"), outputs["call_h"]
-        assert honest(outputs["call_s"], "beside"), outputs["call_s"]
-    else:
-        assert run.outcome.status == "failed" and run.outcome.error and "\n" not in run.outcome.error
+    assert_the_failover_turn_told_the_truth(run, capsys.disabled)
     after = drive([[b.function_call("sleep_echo", {"ms": 10, "text": "after"}, "c_after")], final()],
                   redis_url=cluster.url, sentinel_master=MASTER, timeout=90)
     assert after.outcome.status == "completed", after.outcome

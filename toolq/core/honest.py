@@ -65,6 +65,12 @@ def known_form(output: str) -> Known | None:
     return None
 
 
+def honest(output: str, own: str) -> bool:
+    """Whether an output is the tool's own result (`own` is in it) or one of toolq's statements,
+    and never an infrastructure exception standing in for the tool (what fault tests assert)."""
+    return not INFRASTRUCTURE_TEXT.search(output) and (own in output or known_form(output) is not None)
+
+
 #: The text of an infrastructure exception standing in for a tool's output: what no output may be.
 INFRASTRUCTURE_TEXT = re.compile(
     r"failed: (ConnectionError|TimeoutError|BusyLoadingError|ReadOnlyError|RedisError|"
