@@ -136,7 +136,7 @@ class Watchdog:
 
 
 async def _probe_value(check: Any) -> Any:
-    """A watchdog read from the ledger; None when it could not be made (Redis unreachable)."""
+    """A watchdog read from the ledger or the fleet; None when it could not be made (Redis unreachable)."""
     try:
         return await check
     except asyncio.CancelledError:
@@ -147,11 +147,6 @@ async def _probe_value(check: Any) -> Any:
 
 
 async def _probe(check: Any) -> bool | None:
-    """A watchdog question to the fleet; None when it could not be asked (Redis unreachable)."""
-    try:
-        return bool(await check)
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        log.info("watchdog probe failed: %s", e)
-        return None
+    """A watchdog question to the fleet (a yes or no); None when it could not be asked."""
+    answer = await _probe_value(check)
+    return None if answer is None else bool(answer)

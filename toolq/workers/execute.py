@@ -106,8 +106,6 @@ return {cancelled, first, prev[1], prev[2], prev[3]}
 """
 
 
-
-
 class StillRunning(Exception):
     """A second delivery of a call whose first one still runs: acked with no result (Celery's Ignore)."""
 

@@ -8,7 +8,6 @@ run, and says so; one the host never got (a connection it closed when it died) i
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 import select
@@ -20,6 +19,7 @@ from pydantic import BaseModel
 
 from toolq.workers.mcp.wire import CallReply, CallRequest, Listing, ListRequest
 from toolq.workers.processes import CallCancelled
+from toolq.workers.unix_socket import connect_when_listening
 
 #: How often a child waiting on a call checks whether the turn or the call was cancelled.
 CANCEL_POLL = 0.25
@@ -27,8 +27,6 @@ CANCEL_POLL = 0.25
 #: How often a request waiting for a restarting host tries to connect again.
 RECONNECT_POLL = 0.05
 
-#: Errors of a connect while the host is restarting: its socket is not there yet, or not listening.
-_NOT_LISTENING = {errno.ENOENT, errno.ECONNREFUSED}
 
 
 class HostUnavailable(Exception):
@@ -49,19 +47,12 @@ class HostClient:
     def _connection(self, wait: float, is_cancelled: Callable[[], bool]) -> socket.socket:
         if self._sock is not None and self._pid == os.getpid():
             return self._sock
-        end = time.monotonic() + wait
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(self.path)
-                break
-            except OSError as e:
-                sock.close()
-                if e.errno not in _NOT_LISTENING or time.monotonic() + RECONNECT_POLL > end:
-                    raise HostUnavailable(f"the worker's MCP host is not running ({e.strerror})") from None
-            if is_cancelled():
-                raise CallCancelled()
-            time.sleep(RECONNECT_POLL)
+        try:
+            sock = connect_when_listening(self.path, wait, is_cancelled, RECONNECT_POLL)
+        except OSError as e:
+            raise HostUnavailable(f"the worker's MCP host is not running ({e.strerror})") from None
+        if sock is None:
+            raise CallCancelled()
         self._sock, self._pid, self._file = sock, os.getpid(), sock.makefile("rb")
         return sock
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import errno
 import os
 import select
 import socket
@@ -12,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from toolq.workers.sessions.protocol import ExecRequest, OutputFrame, Reply, WriteRequest
+from toolq.workers.unix_socket import connect_when_listening
 
 if TYPE_CHECKING:
     from toolq.core.catalog import LiveOutput
@@ -31,8 +31,6 @@ def set_key(key: bytes | None) -> None:
 STEP = 0.05
 #: How long a request waits for a host the worker is restarting (a killed host is back in about a second).
 HOST_RESTART_WAIT = 10.0
-#: Errors of a connect while the host is restarting: its socket is not there yet, or not listening.
-_NOT_LISTENING = {errno.ENOENT, errno.ECONNREFUSED}
 #: How a frame of streamed output starts (a reply never does).
 _FRAME = b'{"progress":'
 
@@ -56,19 +54,13 @@ def socket_path() -> str | None:
 def _connect(path: str, is_cancelled: Callable[[], bool], wait: float) -> socket.socket:
     """A connection to the host, waiting up to `wait` for one the worker is restarting (its
     watcher starts a new host on the same path when one dies)."""
-    end = time.monotonic() + wait
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(path)
-            return sock
-        except OSError as e:
-            sock.close()
-            if e.errno not in _NOT_LISTENING or time.monotonic() + STEP > end:
-                raise HostUnavailable(f"the session host does not answer: {e}") from None
-        if is_cancelled():
-            raise Cancelled()
-        time.sleep(STEP)
+    try:
+        sock = connect_when_listening(path, wait, is_cancelled, STEP)
+    except OSError as e:
+        raise HostUnavailable(f"the session host does not answer: {e}") from None
+    if sock is None:
+        raise Cancelled()
+    return sock
 
 
 def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], timeout: float,
