@@ -108,9 +108,11 @@ LAYERS = {"toolq.core": 0, "toolq.workers": 1, "toolq.local": 2, "toolq.orchestr
 #: What the orchestrator and the embedded stack use of the worker layer: the Celery app's
 #: configuration (both ends of a queue build it), loading tool modules, running one call in
 #: process (the in-memory transport), the stale pool cgroups an embedded stack clears, and the
-#: Redis clients (both ends must follow a Sentinel-managed primary the same way).
+#: Redis clients (both ends must follow a Sentinel-managed primary the same way), the workspace
+#: store and the archive code (the orchestrator packs an upload and applies a turn's changes back).
 WORKER_MODULES_ABOVE = {"toolq.workers.config", "toolq.workers.loader", "toolq.workers.execute",
-                        "toolq.workers.isolation.limits", "toolq.workers.redis_clients"}
+                        "toolq.workers.isolation.limits", "toolq.workers.redis_clients",
+                        "toolq.workers.store", "toolq.workers.environments.archive"}
 
 
 def layer_of(module: str) -> str:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from toolq.core import untrusted
+from toolq.core.environments import EnvRef
 from toolq.core.items import (
     ContentPart,
     CustomToolCallOutputItem,
@@ -109,6 +110,9 @@ class ToolInvocation(BaseModel):
     """Set by a `Session`: the exec_command sessions this call starts or uses belong to it."""
     stream_output: bool = False
     """Someone watches the turn: publish a running command's output (toolq/workers/streaming.py)."""
+    environment: EnvRef | None = None
+    """The environment the call runs in (toolq/core/environments.py): only a worker on its host
+    runs it, with the environment as its workspace (`workspace` is then unused)."""
     permit: Permit | None = None
     """The tool's max_concurrency permit the orchestrator took for this call: the worker renews it
     while the call runs and releases it at the end (toolq/core/permits.py)."""
