@@ -156,6 +156,17 @@ ENV = {
     "redis_connections": ("TOOLQ_REDIS_CONNECTIONS",),
     # how often an idle worker polls its queues (toolq/workers/config.py)
     "worker_poll": ("TOOLQ_WORKER_POLL",),
+    # environments: workspaces on the fleet (toolq/workers/environments, toolq/workers/store)
+    "store": ("TOOLQ_STORE",),
+    "store_ttl": ("TOOLQ_STORE_TTL",),
+    "store_max_blob_mb": ("TOOLQ_STORE_MAX_BLOB_MB",),
+    "host_id": ("TOOLQ_HOST_ID",),
+    "env_root": ("TOOLQ_ENV_ROOT",),
+    "env_disk_mb": ("TOOLQ_ENV_DISK_MB",),
+    "env_idle": ("TOOLQ_ENV_IDLE",),
+    "env_lifetime": ("TOOLQ_ENV_LIFETIME",),
+    "upload_max_mb": ("TOOLQ_UPLOAD_MAX_MB",),
+    "upload_max_files": ("TOOLQ_UPLOAD_MAX_FILES",),
 }
 
 SECRETS = {"openai_api_key", "flower_password", "signing_key", "sentinel_password"}
@@ -283,6 +294,30 @@ class Settings(BaseModel):
     """Seconds a worker's BRPOP on its queues waits for a message before it is sent again (None:
     kombu's 1 s). A warm shutdown waits for the one in flight; the embedded stack's workers poll
     every 0.1 s. Only workers read it: kombu also sleeps this long between a client's empty polls."""
+    # --- environments: workspaces that live on the fleet (toolq/workers/environments) ---
+    store: str = "redis"
+    """The workspace store of uploads and checkpoints: `redis` (the broker's Redis) or
+    `s3://BUCKET/PREFIX` (S3-compatible; endpoint and credentials from the standard `AWS_*` variables)."""
+    store_ttl: float = Field(default=7 * 86400.0, gt=0)
+    """Seconds a blob is kept in the Redis store after its last use."""
+    store_max_blob_mb: int = Field(default=256, ge=1, le=4096)
+    """The largest blob (an upload's or a checkpoint's tar) the store takes."""
+    host_id: str | None = None
+    """The name of this worker's machine in placement (default: its hostname). Worker processes with
+    one host id must share one `env_root` (the same machine)."""
+    env_root: Path | None = None
+    """Where a host keeps its base cache and environments (default: /var/lib/toolq/envs as root, else
+    $XDG_STATE_HOME/toolq/envs)."""
+    env_disk_mb: int = Field(default=20_480, ge=1)
+    """Disk the environments of one host may use together: a new one past it is refused."""
+    env_idle: float = Field(default=3600.0, gt=0)
+    """Seconds an environment may go unused before its host destroys it."""
+    env_lifetime: float = Field(default=86_400.0, gt=0)
+    """Seconds after which an environment is destroyed whatever it does."""
+    upload_max_mb: int = Field(default=256, ge=1)
+    """The largest folder `--upload` packs (its files' bytes)."""
+    upload_max_files: int = Field(default=100_000, ge=1)
+    """The most files `--upload` packs."""
 
     @field_validator("redis_url", "result_url")
     @classmethod

@@ -73,6 +73,10 @@ GROUPS: list[tuple[str, str, tuple[str, ...]]] = [
     ("MCP servers", "Workers: the servers each one hosts "
      "([operating.md](operating.md#mcp-servers-tools-on-the-fleet)).",
      ("mcp", "mcp_config")),
+    ("Environments", "Workers keep environments (`env_*`, `host_id`); the orchestrator packs uploads; both "
+     "read and write the store ([operating.md](operating.md#environments-workspaces-on-the-fleet)).",
+     ("store", "store_ttl", "store_max_blob_mb", "host_id", "env_root", "env_disk_mb", "env_idle", "env_lifetime",
+      "upload_max_mb", "upload_max_files")),
 ]
 
 #: What a field's docstring does not say: its whole description when it has none, else a note
