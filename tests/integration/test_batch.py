@@ -119,7 +119,10 @@ def test_twenty_turns_one_failing_one_cancelled_then_a_rerun_skips_the_finished(
     assert by_status["cancelled"][0]["calls"] == 1 and by_status["cancelled"][0]["failed_calls"] == 1
     hang_bodies = [body for body in first_requests if body.get("instructions") == "be slow"]
     assert len(hang_bodies) == 1  # its own instructions; cancelled before a second request
-    assert "21/21 turns" in stderr.splitlines()[-2] and "1 cancelled" in stderr, stderr  # plain progress: no TTY
+    # Plain progress (no TTY): its last line counts every turn. Under load a log line (an honest
+    # warning, such as a conversation lease that Redis dropped) may come after it.
+    progress = [line for line in stderr.splitlines() if "/21 turns" in line]
+    assert progress and "21/21 turns" in progress[-1] and "1 cancelled" in stderr, stderr
     assert "18 completed, 1 failed, 1 cancelled, 1 invalid" in stderr
 
     # Again with the same --out: only the cancelled and the invalid lines run (the hang now finishes).
