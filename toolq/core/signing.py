@@ -39,6 +39,8 @@ GENERATE = "python3 -c 'import secrets; print(secrets.token_hex(32))'"
 _INVOCATION = "toolq.invocation.v1"
 _META = "toolq.result-meta.v1"
 _OUTPUT = "toolq.call-output.v1"
+_ENV_REQUEST = "envreq"
+_ENV_REPLY = "envrep"
 
 
 def _reduce(o: Any) -> Any:
@@ -127,6 +129,38 @@ class Signer:
             return False
         return self._matches(message.get("sig"), _OUTPUT, task_id, {"seq": message.get("seq"),
                                                                     "text": message["text"]})
+
+    # --- environments (issue 28): the orchestrator signs a request, the host seals its reply -------
+    # On the wire (`core.environments`): a request is LPUSHed to `host_requests_key(host)` as the JSON
+    # `{"request": <EnvRequest>, "sig": sign_env_request(...)}`; its reply to `reply_key(request id)`
+    # as `seal_env_reply(<EnvReply>)` = `{"reply": <EnvReply>, "sig": ...}`. The request id binds
+    # both: a reply cannot answer another request, nor a request pass for a reply.
+
+    def sign_env_request(self, request: dict[str, Any]) -> str:
+        return self._mac(_ENV_REQUEST, str(request.get("id")), request)
+
+    def env_request_refusal(self, request: Any, signature: Any, now: float | None = None) -> str | None:
+        """Why a host must not act on this request, or None."""
+        if not isinstance(request, dict):
+            return "it is not an environment request"
+        if not signature:
+            return "it carries no signature"
+        if not self._matches(signature, _ENV_REQUEST, str(request.get("id")), request):
+            return "its signature does not match (forged or altered)"
+        deadline = request.get("deadline")
+        if not isinstance(deadline, (int, float)) or (now if now is not None else time.time()) > deadline:
+            return "its deadline has passed (the orchestrator stopped waiting, or a replay)"
+        return None
+
+    def seal_env_reply(self, reply: dict[str, Any]) -> dict[str, Any]:
+        return {"reply": reply, "sig": self._mac(_ENV_REPLY, str(reply.get("id")), reply)}
+
+    def env_reply_genuine(self, request_id: str, message: Any) -> bool:
+        """Whether `message` (a sealed reply read from `reply_key(request_id)`) answers that request."""
+        if not isinstance(message, dict) or not isinstance(message.get("reply"), dict):
+            return False
+        reply = message["reply"]
+        return reply.get("id") == request_id and self._matches(message.get("sig"), _ENV_REPLY, request_id, reply)
 
     def accept_meta(self, task_id: str, meta: Any) -> bool:
         """True for a genuine meta; a refused one is logged (the caller drops it)."""
