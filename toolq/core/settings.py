@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import pwd
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +37,22 @@ TOO_WIDE = ("/", "/home", "/root", "/opt", "/srv", "/tmp", "/var", "/var/lib", "
 
 #: One SSE event of the model's stream at most, unless `max_sse_event_bytes` says otherwise.
 DEFAULT_MAX_EVENT_BYTES = 8 * 1024 * 1024
+
+#: What `store` may be (besides `redis`): an S3 bucket, its name as S3 allows one, and a key prefix.
+S3_STORE = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(?P<prefix>[A-Za-z0-9._/-]*))?$")
+#: The largest blob the Redis store takes: a Redis string holds 512 MiB at most (`proto-max-bulk-len`).
+REDIS_STORE_MAX_BLOB_MB = 512
+
+
+def s3_store_location(store: str) -> tuple[str, str] | None:
+    """`s3://BUCKET/PREFIX` -> (bucket, prefix without its slashes); `redis` -> None; else ValueError."""
+    if store == "redis":
+        return None
+    found = S3_STORE.match(store)
+    if not found:
+        raise ValueError("must be redis or s3://BUCKET/PREFIX (a bucket name of 3 to 63 lowercase letters, "
+                         "digits, '.' and '-')")
+    return found["bucket"], (found["prefix"] or "").strip("/")
 
 
 def absolute_workspace(path: str | Path) -> Path:
@@ -301,7 +318,8 @@ class Settings(BaseModel):
     store_ttl: float = Field(default=7 * 86400.0, gt=0)
     """Seconds a blob is kept in the Redis store after its last use."""
     store_max_blob_mb: int = Field(default=256, ge=1, le=4096)
-    """The largest blob (an upload's or a checkpoint's tar) the store takes."""
+    """The largest blob (an upload's or a checkpoint's tar) the store takes: at most 512 with the
+    Redis store (a Redis string's limit); up to 4096 with S3."""
     host_id: str | None = None
     """The name of this worker's machine in placement (default: its hostname). Worker processes with
     one host id must share one `env_root` (the same machine)."""
@@ -341,6 +359,21 @@ class Settings(BaseModel):
                     raise ValueError(f"{ENV[name][0]} is a sentinel:// URL: set {redis_target.MASTER_ENV} to the "
                                      "name of the master the sentinels monitor")
         return v or None
+
+    @field_validator("store")
+    @classmethod
+    def _store_url(cls, v: str) -> str:
+        s3_store_location(v)
+        return v
+
+    @field_validator("store_max_blob_mb")
+    @classmethod
+    def _redis_blob_cap(cls, v: int, info: ValidationInfo) -> int:
+        # `store` is checked first (declared first): when it failed, it is the error to report.
+        if info.data.get("store") == "redis" and v > REDIS_STORE_MAX_BLOB_MB:
+            raise ValueError(f"at most {REDIS_STORE_MAX_BLOB_MB} with TOOLQ_STORE=redis (a Redis string's limit); "
+                             "use an s3:// store for larger blobs")
+        return v
 
     @field_validator("workspace")
     @classmethod
