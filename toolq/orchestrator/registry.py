@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from toolq.core.calls import FUNCTIONS_NAMESPACE, FunctionPayload, ToolCall, ToolInvocation, ToolName
 from toolq.core.catalog import Catalog, ToolSpec, is_nullable, load_arguments, map_subschemas
+from toolq.core.environments import EnvRef
 from toolq.core.errors import Fatal, RespondToModel
 
 if TYPE_CHECKING:
@@ -29,6 +30,8 @@ class StepContext:
     workspace: str | None = None
     conversation: str | None = None
     """The conversation (a `Session`) the call belongs to: its exec_command sessions live as long as it."""
+    environment: EnvRef | None = None
+    """The environment the calls run in (on its host), or None: the shared `workspace`."""
 
 
 class Registry:
@@ -79,6 +82,7 @@ class Registry:
             workspace=step.workspace,
             spec_digest=spec.digest(),
             conversation=step.conversation,
+            environment=step.environment,
         )
 
     def _validate_arguments(self, spec: ToolSpec, raw: str) -> None:

@@ -45,8 +45,10 @@ class FleetSnapshot:
     read_at: float
     """`time.monotonic()` when it was read."""
 
-    def servers(self, spec: ToolSpec) -> list[WorkerAdvert]:
-        return [w for w in self.workers if w.serves(spec.tool_name, spec.digest())]
+    def servers(self, spec: ToolSpec, host: str | None = None) -> list[WorkerAdvert]:
+        """Live workers serving the declaration; with `host`, only those on that environment host."""
+        return [w for w in self.workers if w.serves(spec.tool_name, spec.digest())
+                and (host is None or getattr(w, "env_host", None) == host)]
 
     def other_declarations(self, spec: ToolSpec) -> list[WorkerAdvert]:
         """Live workers that serve a tool of this name with another declaration (another version)."""
@@ -74,6 +76,13 @@ def unserved_message(spec: ToolSpec, snapshot: FleetSnapshot) -> str:
     if module:
         return text + f": start one with `toolq worker --tools {module}`{queue}"
     return text + f": start a worker that serves it{queue}"
+
+
+def host_gone_message(spec: ToolSpec, host: str) -> str:
+    """A call of an environment whose host has no live worker serving it (the host is gone)."""
+    return (f"no live worker on host `{host}`, where this conversation's environment lives, serves tool "
+            f"`{spec.tool_name}`: the host may be gone, and the environment with it (it is recreated from its "
+            "last checkpoint at the next turn)")
 
 
 class FleetCatalog:
@@ -146,22 +155,23 @@ class FleetCatalog:
                     continue
         return out
 
-    async def serves(self, spec: ToolSpec) -> bool:
-        """Whether a live worker serves the declaration by the cached snapshot (no waiting)."""
-        return bool((await self.snapshot()).servers(spec))
+    async def serves(self, spec: ToolSpec, host: str | None = None) -> bool:
+        """Whether a live worker (on `host`, for a call of an environment there) serves the
+        declaration by the cached snapshot (no waiting)."""
+        return bool((await self.snapshot()).servers(spec, host))
 
-    async def unserved(self, spec: ToolSpec) -> str | None:
-        """None as soon as a live worker serves the call's declaration; otherwise, after the grace
-        (counted from the end of the boot of workers this process is starting), the output that
-        tells the model which worker to start. A wait past `NOTICE_AFTER` is said once per tool, however
-        many of its calls wait."""
+    async def unserved(self, spec: ToolSpec, host: str | None = None) -> str | None:
+        """None as soon as a live worker (on `host`, when given) serves the call's declaration;
+        otherwise, after the grace (counted from the end of the boot of workers this process is
+        starting), the output that tells the model which worker to start. A wait past
+        `NOTICE_AFTER` is said once per tool, however many of its calls wait."""
         began = time.monotonic()
         end = began + self.grace
         tool = str(spec.tool_name)
         self._waiting[tool] += 1
         try:
             snapshot = await self.snapshot()
-            while not snapshot.servers(spec):
+            while not snapshot.servers(spec, host):
                 now = time.monotonic()
                 starting = self.starting
                 booting = starting is not None and starting.booting
@@ -171,7 +181,7 @@ class FleetCatalog:
                     return (f"no worker could run tool `{spec.tool_name}`: the workers toolq started for this run "
                             f"failed to start ({starting.error})")
                 if now >= end:
-                    return unserved_message(spec, snapshot)
+                    return unserved_message(spec, snapshot) if host is None else host_gone_message(spec, host)
                 if now - began >= NOTICE_AFTER and tool not in self._noticed:
                     self._noticed.add(tool)
                     log.warning("waiting for a worker to serve %s%s", spec.tool_name,

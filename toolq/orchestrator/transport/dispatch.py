@@ -27,6 +27,7 @@ from toolq.core.advert import tool_queue
 from toolq.core.calls import ToolInvocation
 from toolq.core.catalog import ToolSpec
 from toolq.core.contracts import TIME_LIMIT_MARGIN, task_name
+from toolq.core.environments import host_queue
 from toolq.core.flower_args import flower_args as shown_args
 from toolq.core.session_records import SessionRecord, instance_queue
 from toolq.core.settings import Settings
@@ -60,7 +61,7 @@ _MAKING_APP = threading.Lock()
 
 log = logging.getLogger("toolq.dispatch")
 
-__all__ = ["DispatchError", "Dispatcher"]
+__all__ = ["DispatchError", "Dispatcher", "call_queue"]
 
 #: Control broadcasts (revoke, ping, inspect) at once. Each holds a broker-pool connection while
 #: it takes a producer, which takes another from the same pool (`broker_pool_limit`, 10): ten at
@@ -68,10 +69,23 @@ __all__ = ["DispatchError", "Dispatcher"]
 #: asks the fleet, so they are bounded well below half the pool.
 CONTROL_CONCURRENCY = 4
 
+def call_queue(inv: ToolInvocation, spec: ToolSpec) -> str:
+    """The queue a call goes to: its declaration's, or that declaration's queue on the host of the
+    environment it runs in (only that host's workers consume it). A `write_stdin` goes to its
+    session's worker instead (`_route`)."""
+    if inv.environment is not None:
+        return host_queue(inv.environment.host, tool_queue(spec))
+    return tool_queue(spec)
+
+
 def flower_args(inv: ToolInvocation, spec: ToolSpec) -> str:
     """The task message's args as Flower shows them (`core.flower_args`, the worker's rules)."""
     return shown_args({"call_id": inv.call_id, "turn_id": inv.turn_id, "payload": inv.payload.model_dump(mode="json")},
                       spec)
+
+
+def _env_host(inv: ToolInvocation) -> str | None:
+    return inv.environment.host if inv.environment is not None else None
 
 
 class Dispatcher:
@@ -132,9 +146,9 @@ class Dispatcher:
         """Queue the call; False if it had been queued before (it is not sent again). `on_session`
         hears the record of a session-routed call's session once it is routed (the view shows its command)."""
         try:
-            if spec.route != "session" and await self.fleet.serves(spec):
+            if spec.route != "session" and await self.fleet.serves(spec, _env_host(inv)):
                 # The common case, in one round trip: claimed, queued and marked sent at once.
-                sent = await self._claim_and_send(inv, spec, tool_queue(spec))
+                sent = await self._claim_and_send(inv, spec, call_queue(inv, spec))
                 if sent is Sent.CLAIMED_BEFORE:
                     log.warning("↻ %s was claimed but never sent (its orchestrator died); sent it now", inv.call_id)
             elif await self.ledger.claim(inv, spec.queue) or await self._claimed_unsent(inv):
@@ -171,11 +185,11 @@ class Dispatcher:
             if on_session is not None:
                 on_session(session)
             return instance_queue(session.instance)
-        unserved = await self.fleet.unserved(spec)  # fleet catalog hook: no live worker serves it
+        unserved = await self.fleet.unserved(spec, _env_host(inv))  # fleet catalog hook: no live worker serves it
         if unserved:
             await self.ledger.set_state(inv.task_id, CallState.REJECTED, finished_at=time.time())
             raise DispatchError(unserved, state=CallState.REJECTED)
-        return tool_queue(spec)
+        return call_queue(inv, spec)
 
     async def _claim_and_send(self, inv: ToolInvocation, spec: ToolSpec, queue: str) -> Sent:
         return await self.ledger.claim_and_send(inv, spec.queue, queue_key(queue), self._message(inv, spec, queue))
@@ -255,7 +269,7 @@ class Dispatcher:
     async def resend(self, inv: ToolInvocation, spec: ToolSpec) -> None:
         """Send a call again under its task id, at the head of its queue (where a restored message
         goes): its message was lost. The worker's started marker still runs it at most once."""
-        queue = tool_queue(spec)
+        queue = call_queue(inv, spec)
         await self.ledger.r.rpush(queue_key(queue), self._message(inv, spec, queue))
 
     async def restore(self, tags: list[str]) -> None:

@@ -26,13 +26,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-from toolq.core.advert import tool_queue
 from toolq.core.calls import ToolInvocation
 from toolq.core.catalog import ToolSpec
 from toolq.core.session_records import lost_session
 from toolq.core.states import CallState
 from toolq.orchestrator.transport import CallWatch, TaskOutcome
-from toolq.orchestrator.transport.dispatch import Dispatcher
+from toolq.orchestrator.transport.dispatch import Dispatcher, call_queue
 from toolq.orchestrator.transport.ledger import Ledger
 from toolq.orchestrator.transport.results import ResultRouter
 
@@ -105,7 +104,7 @@ class StrandedCalls:
         # Sent before a worker died, and not taken: on its queue still, or lost with that worker.
         missing = {t for t, w in due.items() if t not in taken and w.queued_at < fleet.departed_at}
         if missing:
-            missing -= await self.dispatcher.queued(missing, {tool_queue(due[t].spec) for t in missing})
+            missing -= await self.dispatcher.queued(missing, {call_queue(due[t].inv, due[t].spec) for t in missing})
         if not taken and not missing:  # on their queues (a busy fleet), or started
             return []
         hostnames = {w.hostname for w in snapshot.workers}
