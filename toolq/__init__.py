@@ -6,6 +6,7 @@ Public names, for whoever uses them (like `temporalio.activity` / `temporalio.cl
 - callers with their own agent loop: `Fleet` (`tool_specs()`, `run_calls(items)`);
 - the whole loop, as `toolq run` runs it: `Session` on a `Runtime`, with typed events
   (`TurnEvent`, `ToolCallView`, `CallState`); `Settings` for configuration;
+- workspaces on the fleet: `Environment` (`Fleet.environment(...)`), each turn's `TurnDiff`;
 - users' own tests: `toolq.testing` (the fake model, one call in-process).
 
 Imports are lazy: `from toolq import tool` loads neither Celery nor the built-in tools.
@@ -40,16 +41,20 @@ _EXPORTS = {
     "CallState": "toolq.core.states",
     "TurnEvent": "toolq.orchestrator.turn_events",
     "ToolCallView": "toolq.orchestrator.turn_events",
+    "Environment": "toolq.orchestrator.environments",
+    "TurnDiff": "toolq.core.environments",
 }
 
-__all__ = ["CallState", "Fleet", "RespondToModel", "Runtime", "Session", "Settings", "ToolCallView", "ToolContext",
-           "ToolReturn", "TurnEvent", "TurnOutcome", "tool"]
+__all__ = ["CallState", "Environment", "Fleet", "RespondToModel", "Runtime", "Session", "Settings", "ToolCallView",
+           "ToolContext", "ToolReturn", "TurnDiff", "TurnEvent", "TurnOutcome", "tool"]
 
 if TYPE_CHECKING:
     from toolq.core.catalog import ToolContext, ToolReturn, tool
+    from toolq.core.environments import TurnDiff
     from toolq.core.errors import RespondToModel
     from toolq.core.settings import Settings
     from toolq.core.states import CallState
+    from toolq.orchestrator.environments import Environment
     from toolq.orchestrator.fleet import Fleet
     from toolq.orchestrator.turn import Runtime, Session, TurnOutcome
     from toolq.orchestrator.turn_events import ToolCallView, TurnEvent

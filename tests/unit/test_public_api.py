@@ -12,8 +12,8 @@ from pathlib import Path
 import toolq
 
 PACKAGE = Path(toolq.__file__).parent
-PUBLIC = ["CallState", "Fleet", "RespondToModel", "Runtime", "Session", "Settings", "ToolCallView", "ToolContext",
-          "ToolReturn", "TurnEvent", "TurnOutcome", "tool"]
+PUBLIC = ["CallState", "Environment", "Fleet", "RespondToModel", "Runtime", "Session", "Settings", "ToolCallView",
+          "ToolContext", "ToolReturn", "TurnDiff", "TurnEvent", "TurnOutcome", "tool"]
 
 
 def test_the_public_names_are_pinned_and_each_has_a_docstring():

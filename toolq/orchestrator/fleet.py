@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -21,12 +22,14 @@ from pydantic import BaseModel
 
 from toolq.core.calls import ToolName
 from toolq.core.catalog import Catalog
+from toolq.core.environments import EnvironmentRecord, GitSource
 from toolq.core.errors import ConfigurationError, Fatal
 from toolq.core.items import OutputItem, ResponseItem, ToolSearchOutputItem, decode_item
 from toolq.core.settings import Settings, workspace_problem
 from toolq.core.signing import required_signer
 from toolq.orchestrator.barrier import Step, flush_background
 from toolq.orchestrator.binding import BoundCall, bind_item
+from toolq.orchestrator.environments import Environment, Environments, Upload, environment_record, pending_source
 from toolq.orchestrator.limits import FleetLimits
 from toolq.orchestrator.registry import Registry, StepContext
 from toolq.orchestrator.transport.celery import CeleryTransport
@@ -91,12 +94,14 @@ class Fleet:
         from toolq.orchestrator.mcp_tools import FleetMcpTools
 
         self.mcp_tools = FleetMcpTools(self.registry, dispatcher.fleet)
+        # --- end of the MCP hook
+        self.environments = Environments(ledger.r, settings, dispatcher.signer)
+        """Workspaces placed on worker hosts (issue 28): uploads, creation, checkpoints, forks."""
 
     async def follow_fleet_tools(self) -> int:
         """Make the registry's MCP namespaces what live workers offer now (at a turn's start; `open`
         does it once). Returns how many MCP tools it holds."""
         return await self.mcp_tools.follow()
-        # --- end of the MCP hook
 
     def _check_limit_overrides(self) -> None:
         """Say that TOOLQ_TOOL_LIMITS names a plain tool nobody loaded (a typo applies to nothing,
@@ -160,6 +165,14 @@ class Fleet:
                 await fleet.end_open_turns("failed", f"{type(e).__name__}: {e}")
                 raise
 
+    def environment(self, upload: Path | str | Upload | None = None, git: str | GitSource | None = None,
+                    checkpoint: str | None = None) -> Environment:
+        """An environment on a worker host, made from a folder (`upload`), a repository (`git`:
+        `URL[@REF]`), a checkpoint, or nothing: `env = await fleet.environment(upload="src")`, or
+        `async with fleet.environment(...) as env:` (destroyed when the block ends). Its calls run
+        there: `run_calls(items, environment=env)`, `Session(runtime, environment=env)`."""
+        return Environment(self.environments, pending_source(upload, git, checkpoint))
+
     def tool_specs(self) -> list[dict[str, Any]]:
         """The `tools` array of a Responses request: every tool but the deferred ones no search found."""
         return self.registry.model_visible_specs(self.loaded_tools)
@@ -170,8 +183,8 @@ class Fleet:
     def step(self, ctx: StepContext, emit: Emit = ignore) -> Step:
         return Step(ctx, self.transport, self.ledger, emit, self.limits, stream_output=self.settings.stream_output)
 
-    async def run_calls(self, items: Iterable[Any], turn_id: str | None = None, *,
-                        emit: Emit = ignore) -> list[dict[str, Any]]:
+    async def run_calls(self, items: Iterable[Any], turn_id: str | None = None, *, emit: Emit = ignore,
+                        environment: Environment | EnvironmentRecord | None = None) -> list[dict[str, Any]]:
         """Run every call among one response's output items; one output item per call, in call order.
 
         `items`: the response's `output`, as the openai SDK returns it (objects or `model_dump()`s)
@@ -179,8 +192,10 @@ class Fleet:
         append to the next request's `input`. Successive calls for one `turn_id` never collide,
         and `toolq cancel TURN_ID` from any process gives the unfinished calls aborted outputs.
         Raises `Fatal` (with `.outputs`) after every call has its output if the runtime broke a
-        contract (a tool invoked with a payload kind it does not take)."""
+        contract (a tool invoked with a payload kind it does not take). `environment`: the calls run
+        in it, on its host (`fleet.environment(...)`), instead of in the shared workspace."""
         turn_id = turn_id or self.turn_id
+        env = environment_record(environment)
         if problem := workspace_problem(self.settings.workspace, must_exist=False):  # as `Session` refuses it
             raise ConfigurationError(problem)
         decoded = [decode_item(_as_wire(i)) for i in items]
@@ -191,7 +206,7 @@ class Fleet:
             if self._toucher is None or self._toucher.done():
                 self._toucher = asyncio.create_task(self._touch())
         ctx = StepContext(turn_id, await self.ledger.next_step(turn_id), time.time() + self.settings.turn_timeout,
-                          str(self.settings.workspace))
+                          str(self.settings.workspace), environment=env.ref() if env is not None else None)
         step = self.step(ctx, emit)
         async with TurnScope(self.ledger, self.router, turn_id, on_call_cancel=step.cancel_unsent,
                              linger=WATCH_LINGER) as scope:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from toolq.core import keys
 from toolq.core.calls import ToolName
 from toolq.core.catalog import Catalog
+from toolq.core.environments import EnvironmentRecord, EnvRef, EnvSource, GitSource, TurnDiff
 from toolq.core.errors import ConfigurationError
 from toolq.core.items import (
     CustomToolCallOutputItem,
@@ -35,8 +36,16 @@ from toolq.core.items import (
     is_api_item,
 )
 from toolq.core.reasoning import reasoning_for
+from toolq.core.session_records import conversation_key
 from toolq.core.settings import Settings, absolute_workspace, workspace_problem
 from toolq.orchestrator.barrier import Step
+from toolq.orchestrator.environments import (
+    Environment,
+    EnvironmentRefused,
+    environment_record,
+    lost_note,
+    pending_source,
+)
 from toolq.orchestrator.fleet import Fleet, ToolSource, new_turn_id
 from toolq.orchestrator.history import History
 from toolq.orchestrator.model_client import ModelClient, ModelError, ModelSettings, backoff, build_request
@@ -95,6 +104,11 @@ class TurnOutcome:
     model_unreachable: bool = False
     """The model's endpoint never answered this turn (every connection failed): the command line
     exits 2, as for any start that could not happen (a wrong OPENAI_BASE_URL)."""
+    environment: str | None = None
+    """The environment the turn's calls ran in (issue 28), or None: the shared workspace."""
+    diff: TurnDiff | None = None
+    """What the turn changed in its environment: the checkpoint taken at its end and its diff
+    (None without an environment, or when the checkpoint could not be taken)."""
 
 
 class DeadlinePassed(Exception):
@@ -146,7 +160,9 @@ class Session:
     """
 
     def __init__(self, runtime: Runtime, *, instructions: str | None = None,
-                 reasoning: dict[str, Any] | None = None, workspace: str | Path | None = None) -> None:
+                 reasoning: dict[str, Any] | None = None, workspace: str | Path | None = None,
+                 environment: Environment | EnvironmentRecord | None = None, upload: str | Path | None = None,
+                 git: str | GitSource | None = None, from_checkpoint: str | None = None) -> None:
         self.rt = runtime
         self.fleet = runtime.fleet
         where = absolute_workspace(workspace) if workspace else runtime.settings.workspace
@@ -177,10 +193,27 @@ class Session:
         """What the running turn has made toolq keep in Redis, bounded by TOOLQ_TURN_STORE_MB."""
         self.conversation = ConversationLease(runtime.fleet.ledger.r, new_conversation_id())
         """Its exec_command sessions live while it is held: from the first turn to `close()`."""
+        # --- environments (issue 28): the calls run in an environment on one worker host
+        self._handle = environment if isinstance(environment, Environment) else None
+        self.environment: EnvironmentRecord | None = environment_record(environment)
+        """The environment its calls run in (its record, whose host may change when one dies)."""
+        self._env_to_make: EnvSource | Path | None = None
+        """A source given to the Session itself: made at the first turn, owned by the conversation."""
+        if upload is not None or git is not None or from_checkpoint is not None:
+            if environment is not None:
+                raise ConfigurationError("Session: give an environment, or a source to make one from, not both")
+            self._env_to_make = pending_source(upload, git, from_checkpoint)
 
     async def close(self) -> None:
-        """End the conversation: every exec_command session it started is killed."""
-        await self.conversation.release()
+        """End the conversation: every exec_command session it started is killed, and the
+        environment it made for itself (`upload=`, `git=`, `from_checkpoint=`) is destroyed."""
+        try:
+            if self._env_to_make is not None and self.environment is not None:
+                await self.fleet.environments.destroy(self.environment.id)
+        except Exception as e:  # its host's reaper destroys it once the conversation's key is gone
+            log.warning("could not destroy environment %s: %s", self.environment.id if self.environment else "", e)
+        finally:
+            await self.conversation.release()
 
     def cancel(self) -> None:
         """Cancel the running turn from this process (Ctrl-C). Other processes use the ledger."""
@@ -201,6 +234,7 @@ class Session:
             await self.fleet.follow_fleet_tools()  # MCP hook: this turn offers the MCP tools live workers host now
             await self.fleet.ledger.start_turn(turn_id, prompt, self.workspace)
             await self._hold_conversation(turn_id)
+            await self._keep_environment(durable=False)
             self._lease = await self.rt.turns.take_lease(turn_id)
             await self.rt.turns.save_settings(turn_id, self._turn_settings(deadline))
             if not self._store.full:  # else the loop stops the turn first, having written none of it
@@ -209,6 +243,9 @@ class Session:
         except REDIS_FAULTS as e:  # nothing ran: one line naming the server, and a turn.failed
             outcome.status, outcome.error = "failed", str(RedisUnreachable(settings.redis_url, e))
             outcome.could_not_start = True
+            return await self._end(turn_id, outcome, emit)
+        except EnvironmentRefused as e:  # no environment to run in: nothing ran, one line, exit 2
+            outcome.status, outcome.error, outcome.could_not_start = "failed", str(e), True
             return await self._end(turn_id, outcome, emit)
         # Started once its records are in Redis: a turn that could not start names no turn id a
         # user would look for (`toolq status` knows none), only its one-line error and turn.failed.
@@ -285,6 +322,10 @@ class Session:
         except ModelError as e:
             outcome.status, outcome.error = "failed", e.message
             outcome.model_unreachable = e.unreachable and not self._model_answered
+        except EnvironmentRefused as e:  # its host died and no other could take the environment up
+            if self._step is not None:
+                await self._commit(*await self._kept_outputs(await self._step.abort()))
+            outcome.status, outcome.error = "failed", str(e)
         except Exception as e:  # a bug: still one terminal event, a paired history, the calls stopped
             log.exception("the turn loop of %s failed", turn_id)
             if self._step is not None:
@@ -295,6 +336,8 @@ class Session:
             if self._scope is not None:
                 scope, self._scope = self._scope, None
                 await scope.__aexit__(None, None, None)
+        if not self._superseded:
+            await self._checkpoint(outcome, emit)
         outcome = await self._end(turn_id, outcome, emit)
         if heartbeat is not None:
             await stop(heartbeat)
@@ -329,11 +372,53 @@ class Session:
             emit(ErrorEvent(message=outcome.error or ""))
             emit(TurnFailed(turn_id=turn_id, error=TurnError(message=outcome.error or "")))
         elif outcome.status == "completed":
-            emit(TurnCompleted(turn_id=turn_id, usage=outcome.usage.model_dump()))
+            diff = outcome.diff
+            emit(TurnCompleted(turn_id=turn_id, usage=outcome.usage.model_dump(), environment=outcome.environment,
+                               checkpoint=diff.checkpoint if diff is not None else None, diff=diff))
         # Not recorded when the Redis to record it in is away, or when the turn's new orchestrator will.
         if not (outcome.could_not_start or self._superseded):
             await self._finish(turn_id, outcome)
         return outcome
+
+    async def _keep_environment(self, *, durable: bool = True) -> None:
+        """Make the Session's own environment at its first turn; recreate the environment from its
+        last checkpoint on another host when its host is gone (the model is told what was lost)."""
+        envs = self.fleet.environments
+        if self.environment is None and self._env_to_make is not None:
+            source = self._env_to_make
+            if isinstance(source, Path):
+                source = (await envs.upload(source)).source
+            self.environment = await envs.create(source, owner=conversation_key(self.conversation.id))
+            return
+        env = self.environment
+        if env is None or await envs.host_alive(env.host):
+            return
+        old_host = env.host
+        log.warning("host %s of environment %s is gone: recreating it from %s", old_host, env.id,
+                    env.checkpoint or "its source")
+        env = self.environment = await envs.recreate(env)
+        if self._handle is not None:
+            self._handle.record = env
+        note = MessageItem(role="developer", content=[InputText(text=lost_note(env, old_host))])
+        if durable:
+            await self._commit(note)
+        else:  # a turn's start: the whole history goes to Redis next
+            self.history.record(note)
+
+    def _env_ref(self) -> EnvRef | None:
+        return self.environment.ref() if self.environment is not None else None
+
+    async def _checkpoint(self, outcome: TurnOutcome, emit: Emit) -> None:
+        """At each turn's end: the environment's changes as a checkpoint, and the turn's diff."""
+        env = self.environment
+        if env is None or outcome.could_not_start:
+            return
+        outcome.environment = env.id
+        try:
+            outcome.diff = await self.fleet.environments.checkpoint(env)
+        except Exception as e:  # the turn's outcome stands; the next turn starts from the last checkpoint
+            log.warning("no checkpoint of environment %s: %s", env.id, e)
+            emit(ErrorEvent(message=f"no checkpoint of environment {env.id} was taken: {e}"))
 
     async def _hold_conversation(self, turn_id: str) -> None:
         try:
@@ -383,7 +468,8 @@ class Session:
         # step_index: one per model request, retries included, so task ids never collide
         for step_no, calls in pending:  # a resumed turn: the calls that had no output yet, first
             step = self._step = self.fleet.step(StepContext(turn_id, step_no, deadline, self.workspace,
-                                                         conversation=self.conversation.id), emit)
+                                                         conversation=self.conversation.id,
+                                                         environment=self._env_ref()), emit)
             for c in calls:
                 bound = self.fleet.bind(decode_item(c.item), step.ctx, c.output_index or 0)
                 if bound is not None:
@@ -404,8 +490,10 @@ class Session:
                 outcome.status = "failed"
                 outcome.error = f"turn stopped after {settings.max_steps} model responses with tool calls"
                 return
+            await self._keep_environment()  # its host died mid-turn: the next request says so
             step = self._step = self.fleet.step(StepContext(turn_id, step_index, deadline, self.workspace,
-                                                        conversation=self.conversation.id), emit)
+                                                        conversation=self.conversation.id,
+                                                        environment=self._env_ref()), emit)
             step_index += 1
             body = build_request(self.rt.client.settings.model, self.history.for_prompt(),
                                  self.fleet.registry.model_visible_specs(self.loaded_tools),

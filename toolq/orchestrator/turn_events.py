@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
+from toolq.core.environments import TurnDiff
 from toolq.core.states import CallState
 
 
@@ -148,6 +149,12 @@ class TurnCompleted(_Event):
     type: Literal["turn.completed"] = "turn.completed"
     turn_id: str
     usage: dict[str, Any] = Field(default_factory=dict)
+    environment: str | None = None
+    """The environment the turn ran in (issue 28); absent for the shared workspace."""
+    checkpoint: str | None = None
+    """The checkpoint taken at the turn's end: `toolq run --from` it."""
+    diff: TurnDiff | None = None
+    """What the turn changed: a unified diff of text files, binary and deleted files."""
 
 
 class TurnError(BaseModel):
