@@ -1,0 +1,1176 @@
+"""Trees <-> tars, safely (issue 28 items 1, 4 and 8).
+
+An environment's files travel as tars: an uploaded folder (`pack_dir`), a git commit's
+`git archive`, a checkpoint's changes against its base (`tree_delta`). Every tar that reaches a
+host or comes back from one is hostile input: the commands that wrote a checkpoint's files are the
+model's. So a tar is only ever *parsed* with `tarfile` (never `extractall`), every member is
+checked before anything is written (`_members`), and writes go through directory fds opened with
+O_NOFOLLOW, one component at a time, with O_CREAT|O_EXCL: nothing in the destination is followed,
+even if something else changes it meanwhile.
+
+The tars this module writes are deterministic (sorted, mtime 0, owner 0 with no names, permission
+bits only), so one folder always packs to one blob id and the store keeps it once.
+"""
+
+from __future__ import annotations
+
+import difflib
+import errno
+import hashlib
+import io
+import os
+import secrets
+import stat
+import subprocess
+import tarfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from toolq.core.environments import MAX_PATCH_BYTES, Checkpoint, TurnDiff
+from toolq.workers.workspace import MAX_SYMLINKS, PROTECTED_DIR, open_entry
+
+if TYPE_CHECKING:
+    from toolq.core.settings import Settings
+
+MiB = 1 << 20
+#: A file larger than this is listed as binary in a diff, not diffed.
+MAX_DIFF_FILE = 1 << 20
+_READ_CHUNK = 1 << 16
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+#: The names overlayfs marks an upper directory opaque with (as root; unprivileged, `userxattr`).
+_OPAQUE = ("trusted.overlay.opaque", "user.overlay.opaque")
+#: Marks a file as a whiteout (newer kernels, beside the 0/0 character device).
+_XWHITEOUT = ("trusted.overlay.whiteout", "user.overlay.whiteout")
+#: A metacopy file holds no data and a redirected directory holds another's: the upper dir alone
+#: would not tell the changes, so an overlay with them is refused (the host mounts without both).
+_UNSUPPORTED_XATTRS = ("trusted.overlay.metacopy", "user.overlay.metacopy",
+                       "trusted.overlay.redirect", "user.overlay.redirect")
+
+Kind = Literal["file", "dir", "symlink"]
+
+
+class ArchiveError(Exception):
+    """A tree or tar refused: one line for the user, naming the member."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on one tar or tree: its files' bytes and its members (files, directories and links)."""
+
+    max_bytes: int
+    max_files: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Limits:
+        return cls(max_bytes=settings.upload_max_mb * MiB, max_files=settings.upload_max_files)
+
+
+DEFAULT_LIMITS = Limits(max_bytes=256 * MiB, max_files=100_000)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One member of a tree: a regular file (its size and sha256), a directory, or a symlink (its
+    target). `mode` holds the permission bits only (no suid, sgid or sticky bit)."""
+
+    kind: Kind
+    mode: int
+    size: int = 0
+    sha256: str | None = None
+    target: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in (("kind", self.kind), ("mode", self.mode), ("size", self.size),
+                                  ("sha256", self.sha256), ("target", self.target)) if v is not None}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Entry:
+        return cls(kind=data["kind"], mode=int(data["mode"]), size=int(data.get("size", 0)),
+                   sha256=data.get("sha256"), target=data.get("target"))
+
+
+Manifest = dict[str, Entry]
+
+
+def manifest_to_json(manifest: Manifest) -> dict[str, dict[str, Any]]:
+    return {path: entry.to_json() for path, entry in sorted(manifest.items())}
+
+
+def manifest_from_json(data: dict[str, dict[str, Any]]) -> Manifest:
+    return {path: Entry.from_json(entry) for path, entry in data.items()}
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A folder packed for upload: the tar (its sha256 is its blob id) and what it holds."""
+
+    tar: bytes
+    manifest: Manifest
+    skipped: list[str] = field(default_factory=list)
+    """Sockets, FIFOs and devices in the folder: a tar carries none."""
+
+    @property
+    def blob(self) -> str:
+        return hashlib.sha256(self.tar).hexdigest()
+
+
+@dataclass
+class Delta:
+    """An environment's changes against its base. `added` lists new files and links (and a new
+    directory only when nothing new is under it), `changed` what differs in content, mode or kind,
+    `deleted` what is gone (a directory once, nothing under it). `tar` holds every added and
+    changed member, new directories included (None when there are none); `entries` is its manifest."""
+
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    tar: bytes | None = None
+    entries: Manifest = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    """Sockets, FIFOs and devices the commands left: not carried."""
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, tar: bytes | None) -> Delta:
+        return cls(added=list(checkpoint.added), changed=list(checkpoint.changed), deleted=list(checkpoint.deleted),
+                   tar=tar, entries=manifest_of(tar) if tar else {})
+
+
+@dataclass
+class ApplyReport:
+    """What `apply_delta` did to the user's folder: the paths applied and those refused, each with
+    its reason (one line each)."""
+
+    applied: list[str] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        return [f"not applied: {path} ({reason})" for path, reason in self.refused]
+
+
+# ---- names ---------------------------------------------------------------------------------------
+
+def _order(path: str) -> list[str]:
+    """Sort key: a directory's members right after it, before its next sibling (`a`, `a/x`, `a-b`)."""
+    return path.split("/")
+
+
+def _in_git_dir(path: str) -> bool:
+    return any(part.lower() == PROTECTED_DIR for part in path.split("/"))
+
+
+def _parents(path: str) -> Iterator[str]:
+    """`a/b/c` -> `a`, `a/b`."""
+    parts = path.split("/")
+    for i in range(1, len(parts)):
+        yield "/".join(parts[:i])
+
+
+def _checked_name(raw: str, what: str = "member") -> str | None:
+    """A member's name made relative (`./` and a trailing `/` dropped); None for the root itself.
+    Raises for a name that could land anywhere but below the destination."""
+    if "\0" in raw:
+        raise ArchiveError(f"{what} {raw!r} has a NUL byte in its name")
+    if raw.startswith("/"):
+        raise ArchiveError(f"{what} {raw!r} has an absolute path")
+    name = raw.rstrip("/")
+    while name.startswith("./"):
+        name = name[2:].lstrip("/")
+    if name in ("", "."):
+        return None
+    parts = name.split("/")
+    if ".." in parts:
+        raise ArchiveError(f"{what} {raw!r} has a `..` component")
+    if "" in parts or "." in parts:
+        raise ArchiveError(f"{what} {raw!r} is not a plain relative path")
+    return name
+
+
+def _escapes(path: str, target: str, links: dict[str, str]) -> bool:
+    """Whether symlink `path` -> `target` leads out of the tree, resolving through the tree's own
+    symlinks (`links`) as the kernel would: `s -> .` then `q -> s/..` leaves it, though `q`'s
+    target alone does not look like it. A missing component counts as a directory."""
+    if not target or target.startswith("/") or "\0" in target:
+        return True
+    here = path.split("/")[:-1]
+    todo = target.split("/")
+    hops = 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not here:
+                return True
+            here.pop()
+            continue
+        link = links.get("/".join([*here, part]))
+        if link is None:
+            here.append(part)
+            continue
+        hops += 1
+        if hops > MAX_SYMLINKS or link.startswith("/"):
+            return True
+        todo[:0] = link.split("/")
+    return False
+
+
+# ---- writing tars --------------------------------------------------------------------------------
+
+class _TarWriter:
+    """A deterministic tar: members in `_order`, mtime 0, owner 0, no owner names, permission bits."""
+
+    def __init__(self) -> None:
+        self._buffer = io.BytesIO()
+        self._tar = tarfile.open(fileobj=self._buffer, mode="w", format=tarfile.PAX_FORMAT)
+
+    def add(self, name: str, entry: Entry, data: bytes = b"") -> None:
+        info = tarfile.TarInfo(name)
+        info.mtime = 0
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        info.mode = entry.mode & 0o777
+        if entry.kind == "dir":
+            info.type = tarfile.DIRTYPE
+        elif entry.kind == "symlink":
+            info.type = tarfile.SYMTYPE
+            info.linkname = entry.target or ""
+        else:
+            info.size = len(data)
+        self._tar.addfile(info, io.BytesIO(data) if entry.kind == "file" else None)
+
+    def finish(self) -> bytes:
+        self._tar.close()
+        return self._buffer.getvalue()
+
+
+def _tar_of(members: Iterable[tuple[str, Entry, bytes]]) -> bytes:
+    writer = _TarWriter()
+    for name, entry, data in sorted(members, key=lambda m: _order(m[0])):
+        writer.add(name, entry, data)
+    return writer.finish()
+
+
+# ---- reading trees by fd -------------------------------------------------------------------------
+
+@dataclass
+class _Node:
+    path: str
+    parent: int
+    """An fd of the directory holding it (valid until the walk moves on)."""
+    name: str
+    status: os.stat_result
+    fd: int | None = None
+    """A directory's own fd (O_NOFOLLOW), for its xattrs."""
+
+
+def _walk(root: int, *, descend: Callable[[str], bool] = lambda path: True) -> Iterator[_Node]:
+    """Every entry under the directory open at `root`, in `_order`, a directory before its
+    members; symlinks are never followed (entries are lstat'ed, directories opened O_NOFOLLOW).
+    An unreadable directory raises (a skipped one would read as deleted)."""
+    stack: list[tuple[int, str, Iterator[str]]] = [(root, "", iter(sorted(os.listdir(root))))]
+    try:
+        while stack:
+            fd, rel, names = stack[-1]
+            name = next(names, None)
+            if name is None:
+                stack.pop()
+                if fd != root:
+                    os.close(fd)
+                continue
+            path = f"{rel}/{name}" if rel else name
+            status = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if not stat.S_ISDIR(status.st_mode) or not descend(path):
+                yield _Node(path, fd, name, status)
+                continue
+            sub = open_entry(fd, name, directory=True)
+            stack.append((sub, path, iter(sorted(os.listdir(sub)))))
+            yield _Node(path, fd, name, os.fstat(sub), sub)
+    finally:
+        for fd, _, _ in stack:
+            if fd != root:
+                os.close(fd)
+
+
+def _read_file(parent: int, name: str, path: str, most: int) -> tuple[bytes, os.stat_result]:
+    """A regular file's bytes, opened by name under `parent` without following a link; at most
+    `most` bytes, or ArchiveError."""
+    fd = os.open(name, _READ_FLAGS, dir_fd=parent)
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise ArchiveError(f"{path} is no longer a regular file")
+        data = _read_fd(fd, path, most)
+    finally:
+        os.close(fd)
+    return data, status
+
+
+def _read_fd(fd: int, path: str, most: int) -> bytes:
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        chunk = os.read(fd, _READ_CHUNK)
+        if not chunk:
+            return b"".join(chunks)
+        total += len(chunk)
+        if total > most:
+            raise _TooBig(path)
+        chunks.append(chunk)
+
+
+class _TooBig(ArchiveError):
+    """Raised inside a read; the caller says which cap."""
+
+
+def _kind_of(mode: int) -> Kind | None:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return None
+
+
+class _Budget:
+    """The caps on one tree or tar, counted as it is read."""
+
+    def __init__(self, limits: Limits, what: str) -> None:
+        self.limits, self.what = limits, what
+        self.files = self.bytes = 0
+
+    def count(self, path: str, size: int = 0) -> None:
+        self.files += 1
+        self.bytes += size
+        if self.files > self.limits.max_files:
+            raise ArchiveError(f"{self.what} has more than {self.limits.max_files} files and folders "
+                               f"(at {path}); TOOLQ_UPLOAD_MAX_FILES raises the cap")
+        if self.bytes > self.limits.max_bytes:
+            raise self.too_big(path)
+
+    def left(self) -> int:
+        return self.limits.max_bytes - self.bytes
+
+    def too_big(self, path: str) -> ArchiveError:
+        return ArchiveError(f"{self.what} holds more than {self.limits.max_bytes // MiB} MB of files "
+                            f"(at {path}); TOOLQ_UPLOAD_MAX_MB raises the cap")
+
+
+# ---- packing an upload ---------------------------------------------------------------------------
+
+def pack_dir(path: Path, limits: Limits = DEFAULT_LIMITS) -> Packed:
+    """The folder as a deterministic tar and its manifest. A git checkout packs its tracked and
+    untracked-not-ignored files (as `git ls-files` lists them); any other folder, every file.
+    `.git` is never packed; a symlink is kept only if it stays inside the folder (one leading out
+    is refused: dropping it would change the project silently). Sockets, FIFOs and devices are
+    skipped and listed."""
+    folder = Path(path)
+    try:
+        root = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise ArchiveError(f"cannot open the folder {folder}: {e.strerror}") from None
+    try:
+        listed = _git_listing(folder) if os.path.lexists(folder / ".git") else None
+        budget = _Budget(limits, f"the folder {folder}")
+        members: dict[str, tuple[Entry, bytes]] = {}
+        skipped: list[str] = []
+        try:
+            for node in _packed_nodes(root, listed):
+                _pack_node(node, members, skipped, budget)
+        except OSError as e:
+            raise ArchiveError(f"cannot read {folder}: {e.strerror}: {e.filename or ''}".rstrip(": ")) from None
+        links = {p: e.target or "" for p, (e, _) in members.items() if e.kind == "symlink"}
+        for link, target in sorted(links.items()):
+            if _escapes(link, target, links):
+                raise ArchiveError(f"the symlink {link} -> {target} leads outside the folder {folder}; "
+                                   "replace it with a file or a link inside it")
+        manifest = {p: e for p, (e, _) in members.items()}
+        return Packed(_tar_of((p, e, d) for p, (e, d) in members.items()), manifest, skipped)
+    finally:
+        os.close(root)
+
+
+def _pack_node(node: _Node, members: dict[str, tuple[Entry, bytes]], skipped: list[str], budget: _Budget) -> None:
+    kind = _kind_of(node.status.st_mode)
+    mode = stat.S_IMODE(node.status.st_mode) & 0o777
+    if kind is None:
+        skipped.append(node.path)
+        return
+    if kind == "dir":
+        budget.count(node.path)
+        members[node.path] = (Entry("dir", mode), b"")
+    elif kind == "symlink":
+        budget.count(node.path)
+        target = os.readlink(node.name, dir_fd=node.parent)
+        members[node.path] = (Entry("symlink", 0o777, target=target), b"")
+    else:
+        try:
+            data, status = _read_file(node.parent, node.name, node.path, budget.left())
+        except _TooBig:
+            raise budget.too_big(node.path) from None
+        budget.count(node.path, len(data))
+        members[node.path] = (Entry("file", stat.S_IMODE(status.st_mode) & 0o777, len(data),
+                                    hashlib.sha256(data).hexdigest()), data)
+
+
+def _packed_nodes(root: int, listed: list[str] | None) -> Iterator[_Node]:
+    """The nodes to pack: every one under `root` but `.git`, or those git listed with the
+    directories on their way (a listed directory, a submodule, whole)."""
+    if listed is None:
+        yield from (n for n in _walk(root, descend=lambda p: not _in_git_dir(p)) if not _in_git_dir(n.path))
+        return
+    wanted = sorted({p for p in listed if not _in_git_dir(p)}, key=_order)
+    seen: set[str] = set()
+    for path in wanted:
+        for parent in [*_parents(path), path]:
+            if parent in seen:
+                continue
+            seen.add(parent)
+            node = _node_at(root, parent)
+            if node is None:
+                break  # tracked but deleted from the work tree, or under a symlink: not there to pack
+            try:
+                yield node
+                if node.fd is not None and parent == path:
+                    for sub in _walk(node.fd, descend=lambda p: not _in_git_dir(p)):
+                        if not _in_git_dir(sub.path):
+                            sub.path = f"{path}/{sub.path}"
+                            seen.add(sub.path)
+                            yield sub
+            finally:
+                if node.fd is not None:
+                    os.close(node.fd)
+                os.close(node.parent)
+            if node.fd is None and parent != path:
+                break
+
+
+def _node_at(root: int, path: str) -> _Node | None:
+    """The node at `path` under `root`, reached without following a link (None if absent there)."""
+    parts = path.split("/")
+    fd = os.dup(root)
+    try:
+        for part in parts[:-1]:
+            sub = open_entry(fd, part, directory=True)
+            os.close(fd)
+            fd = sub
+        status = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+        own = open_entry(fd, parts[-1], directory=True) if stat.S_ISDIR(status.st_mode) else None
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return None
+        raise
+    return _Node(path, fd, parts[-1], status, own)
+
+
+def _git_listing(folder: Path) -> list[str]:
+    """`git ls-files` of a checkout: tracked and untracked-not-ignored files. The user's own folder,
+    but git is kept from running anything it names (fsmonitor, hooks) and from the user's GIT_*
+    variables and the system config; no pager."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(GIT_CONFIG_NOSYSTEM="1", GIT_PAGER="cat", PAGER="cat", GIT_TERMINAL_PROMPT="0",
+               GIT_OPTIONAL_LOCKS="0", GIT_CEILING_DIRECTORIES=str(folder.resolve().parent))
+    argv = ["git", "--no-pager", "-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null",
+            "ls-files", "-z", "-co", "--exclude-standard"]
+    try:
+        done = subprocess.run(argv, cwd=folder, env=env, capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ArchiveError(f"cannot list the git checkout {folder}: {e}") from None
+    if done.returncode != 0:
+        reason = os.fsdecode(done.stderr).strip().splitlines()
+        raise ArchiveError(f"git cannot list the checkout {folder}: {reason[0] if reason else done.returncode}")
+    return sorted({os.fsdecode(name) for name in done.stdout.split(b"\0") if name})
+
+
+# ---- reading tars --------------------------------------------------------------------------------
+
+@dataclass
+class _Member:
+    name: str
+    info: tarfile.TarInfo
+    kind: Kind
+
+
+def _members(tar: bytes, limits: Limits | None, what: str = "the archive") -> list[_Member]:
+    """Every member of an untrusted tar, checked before anything is written: plain relative names,
+    no duplicates, files, directories and symlinks only, no member under a symlink or a file, no
+    link leading out, no name a pax or GNU header changes behind a short one, nothing after the
+    last member, and the caps on declared sizes and count."""
+    budget = _Budget(limits, what) if limits else None
+    found: list[_Member] = []
+    try:
+        archive = tarfile.open(fileobj=io.BytesIO(tar), mode="r:")
+    except tarfile.TarError as e:
+        raise ArchiveError(f"{what} is not a tar: {e}") from None
+    try:
+        while True:
+            try:
+                info = archive.next()
+            except tarfile.TarError as e:
+                raise ArchiveError(f"{what} is damaged after {found[-1].name if found else 'its start'}: {e}") from None
+            if info is None:
+                break
+            if "path" in archive.pax_headers or "linkpath" in archive.pax_headers:
+                raise ArchiveError(f"{what} has a global pax header that renames its members")
+            _check_spelling(tar, info, what)
+            name = _checked_name(info.name)
+            kind = _member_kind(info, what)
+            if name is None:
+                if kind != "dir":
+                    raise ArchiveError(f"{what}'s member {info.name!r} names the destination itself")
+                continue
+            if budget:
+                budget.count(name, info.size if kind == "file" else 0)
+            if kind == "file" and info.offset_data + info.size > len(tar):
+                raise ArchiveError(f"{what}'s member {name} declares {info.size} bytes but the archive ends first")
+            found.append(_Member(name, info, kind))
+        end = archive.offset
+    finally:
+        archive.close()
+    if tar[end:].count(0) != len(tar) - end:
+        raise ArchiveError(f"{what} has bytes after {found[-1].name if found else 'its start'} that are no tar member "
+                           "(a member holding more than it declares?)")
+    _check_tree(found, what)
+    return found
+
+
+def _check_spelling(tar: bytes, info: tarfile.TarInfo, what: str) -> None:
+    """A pax or GNU long-name header may give a name the ustar header cannot hold (longer than its
+    100 bytes, or not ASCII), never rename a member the ustar header names plainly: a reader that
+    skips those headers would see another archive."""
+    header = tar[info.offset_data - 512:info.offset_data]
+    if len(header) < 512:
+        raise ArchiveError(f"{what}'s member {info.name!r} has a truncated header")
+    for field_name, value, raw in (("path", info.name, _ustar_name(header)), ("link", info.linkname, header[157:257])):
+        spelt = raw.split(b"\0", 1)[0]
+        encoded = os.fsencode(value)
+        if not value or encoded == spelt or (field_name == "path" and encoded.rstrip(b"/") == spelt.rstrip(b"/")):
+            continue
+        if len(encoded) <= 100 and value.isascii():
+            raise ArchiveError(f"{what}'s member {spelt.decode(errors='replace')!r} is renamed to {value!r} "
+                               f"by an extended header")
+
+
+def _ustar_name(header: bytes) -> bytes:
+    name = header[0:100].split(b"\0", 1)[0]
+    if header[257:262] == b"ustar":
+        prefix = header[345:500].split(b"\0", 1)[0]
+        if prefix:
+            return prefix + b"/" + name
+    return name
+
+
+def _member_kind(info: tarfile.TarInfo, what: str) -> Kind:
+    if info.issparse():
+        raise ArchiveError(f"{what}'s member {info.name!r} is a sparse file, which toolq does not unpack")
+    if info.isreg():
+        return "file"
+    if info.isdir():
+        return "dir"
+    if info.issym():
+        return "symlink"
+    kind = ("a hard link" if info.islnk() else "a character device" if info.ischr() else "a block device"
+            if info.isblk() else "a FIFO" if info.isfifo() else f"of type {info.type!r}")
+    raise ArchiveError(f"{what}'s member {info.name!r} is {kind}, which toolq does not unpack")
+
+
+def _check_tree(found: list[_Member], what: str) -> None:
+    kinds: dict[str, Kind] = {}
+    for member in found:
+        if member.name in kinds:
+            raise ArchiveError(f"{what} holds {member.name} twice")
+        kinds[member.name] = member.kind
+    for member in found:
+        for parent in _parents(member.name):
+            if kinds.get(parent, "dir") != "dir":
+                raise ArchiveError(f"{what}'s member {member.name} lies under {parent}, which is a {kinds[parent]}")
+    links = {m.name: m.info.linkname for m in found if m.kind == "symlink"}
+    for name, target in links.items():
+        if _escapes(name, target, links):
+            raise ArchiveError(f"{what}'s symlink {name} -> {target!r} leads outside it")
+
+
+def _member_data(tar: bytes, member: _Member) -> bytes:
+    start = member.info.offset_data
+    return tar[start:start + member.info.size]
+
+
+def _entry_of(member: _Member, data: bytes = b"") -> Entry:
+    mode = member.info.mode & 0o777
+    if member.kind == "file":
+        return Entry("file", mode, len(data), hashlib.sha256(data).hexdigest())
+    if member.kind == "symlink":
+        return Entry("symlink", 0o777, target=member.info.linkname)
+    return Entry("dir", mode)
+
+
+def manifest_of(tar: bytes) -> Manifest:
+    """What a tar holds: path -> Entry (its members checked as `extract` checks them, caps aside)."""
+    return {m.name: _entry_of(m, _member_data(tar, m) if m.kind == "file" else b"") for m in _members(tar, None)}
+
+
+# ---- extracting ----------------------------------------------------------------------------------
+
+class _Dirs:
+    """Directory fds along the path being written, each opened O_NOFOLLOW from its parent's; a
+    directory's final mode is set when the writer leaves it (so a read-only one is filled first)."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.stack: list[tuple[str, int, int | None]] = []  # (path, fd, mode to set on leaving)
+
+    def enter(self, path: str, mode: int | None = None, *, create: bool = True) -> int:
+        """The fd of directory `path` (its parents opened or made on the way)."""
+        while self.stack and not (path == self.stack[-1][0] or path.startswith(self.stack[-1][0] + "/")):
+            self._leave()
+        if self.stack and self.stack[-1][0] == path:
+            if mode is not None:
+                self.stack[-1] = (path, self.stack[-1][1], mode)
+            return self.stack[-1][1]
+        here = self.stack[-1][0] if self.stack else ""
+        rest = path[len(here):].lstrip("/").split("/")
+        for i, part in enumerate(rest):
+            parent = self.stack[-1][1] if self.stack else self.root
+            made = False
+            if create:
+                try:
+                    os.mkdir(part, 0o700, dir_fd=parent)
+                    made = True
+                except FileExistsError:
+                    pass
+            fd = open_entry(parent, part, directory=True)
+            sub = f"{here}/{'/'.join(rest[:i + 1])}".lstrip("/")
+            last = i == len(rest) - 1
+            # a directory the tar holds no member for gets the usual mode
+            self.stack.append((sub, fd, mode if last and mode is not None else 0o755 if made else None))
+        return self.stack[-1][1]
+
+    def parent_of(self, path: str) -> int:
+        parent = path.rpartition("/")[0]
+        return self.enter(parent) if parent else self._to_root()
+
+    def _to_root(self) -> int:
+        while self.stack:
+            self._leave()
+        return self.root
+
+    def _leave(self) -> None:
+        _, fd, mode = self.stack.pop()
+        try:
+            if mode is not None:
+                os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        while self.stack:
+            self._leave()
+
+
+def extract(tar: bytes, dest: Path, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Unpack an untrusted tar into `dest`, an empty directory the caller made (and removes if this
+    raises). Every member is checked first (`_members`); then each is written through directory fds
+    opened O_NOFOLLOW, files created O_EXCL|O_NOFOLLOW, modes without suid/sgid/sticky, and the bytes
+    written are counted against the caps again."""
+    members = sorted(_members(tar, limits), key=lambda m: _order(m.name))
+    try:
+        root = os.open(dest, _DIR_FLAGS)
+    except OSError as e:
+        raise ArchiveError(f"cannot open {dest}: {e.strerror}") from None
+    dirs = _Dirs(root)
+    written = 0
+    try:
+        if os.listdir(root):
+            raise ArchiveError(f"{dest} is not empty")
+        for member in members:
+            try:
+                written += _write_member(tar, member, dirs, limits.max_bytes - written)
+            except OSError as e:
+                raise ArchiveError(f"cannot unpack {member.name}: {e.strerror}") from None
+        dirs.close()
+    finally:
+        try:
+            dirs.close()
+        finally:
+            os.close(root)
+
+
+def _write_member(tar: bytes, member: _Member, dirs: _Dirs, room: int) -> int:
+    """Write one checked member into a fresh tree; the bytes written."""
+    mode = member.info.mode & 0o777
+    if member.kind == "dir":
+        dirs.enter(member.name, mode)
+        return 0
+    parent = dirs.parent_of(member.name)
+    name = member.name.rpartition("/")[2]
+    if member.kind == "symlink":
+        os.symlink(member.info.linkname, name, dir_fd=parent)
+        return 0
+    data = _member_data(tar, member)
+    if len(data) != member.info.size or len(data) > room:
+        raise ArchiveError(f"the archive's member {member.name} holds more bytes than the caps allow")
+    fd = os.open(name, _CREATE_FLAGS, 0o600, dir_fd=parent)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    return len(data)
+
+
+# ---- an environment's changes --------------------------------------------------------------------
+
+def tree_delta(base: Manifest, env_dir: Path, *, upper: Path | None = None,
+               limits: Limits = DEFAULT_LIMITS) -> Delta:
+    """The environment's changes against its base manifest. Copy mode (`upper` None): `env_dir` is
+    walked whole and compared with the base (size first, then sha256). Overlay mode: only the
+    overlay's upper dir is walked: a 0/0 character device (or a file marked so) is a whiteout, an
+    opaque directory hides the base under it, a file copied up unchanged is no change. Nothing is
+    followed; the caps count what the delta carries."""
+    top = upper if upper is not None else env_dir
+    try:
+        root = os.open(top, _DIR_FLAGS)
+    except OSError as e:
+        raise ArchiveError(f"cannot open {top}: {e.strerror}") from None
+    scan = _Scan(base, _Budget(limits, "the environment's changes"))
+    try:
+        for node in _walk(root):
+            if upper is not None:
+                scan.upper_node(node)
+            else:
+                scan.node(node)
+    except OSError as e:
+        raise ArchiveError(f"cannot read the environment: {e.strerror}: {e.filename or ''}".rstrip(": ")) from None
+    finally:
+        os.close(root)
+    return scan.delta(overlay=upper is not None)
+
+
+class _Scan:
+    def __init__(self, base: Manifest, budget: _Budget) -> None:
+        self.base, self.budget = base, budget
+        self.present: set[str] = set()
+        self.whiteouts: set[str] = set()
+        self.opaque: list[str] = []
+        self.members: dict[str, tuple[Entry, bytes]] = {}
+        self.skipped: list[str] = []
+
+    def node(self, node: _Node) -> None:
+        kind = _kind_of(node.status.st_mode)
+        if kind is None:
+            self.skipped.append(node.path)
+            return
+        self.present.add(node.path)
+        self._compare(node, kind)
+
+    def upper_node(self, node: _Node) -> None:
+        mode = node.status.st_mode
+        if stat.S_ISCHR(mode) and node.status.st_rdev == 0:
+            self.whiteouts.add(node.path)
+            return
+        if node.fd is not None:
+            _refuse_xattrs(node.fd, node.path, _UNSUPPORTED_XATTRS[2:])
+            if any(_xattr(node.fd, name) == b"y" for name in _OPAQUE):
+                self.opaque.append(node.path)
+        elif stat.S_ISREG(mode):
+            fd = os.open(node.name, _READ_FLAGS, dir_fd=node.parent)
+            try:
+                if node.status.st_size == 0 and any(_xattr(fd, name) is not None for name in _XWHITEOUT):
+                    self.whiteouts.add(node.path)
+                    return
+                _refuse_xattrs(fd, node.path, _UNSUPPORTED_XATTRS)
+            finally:
+                os.close(fd)
+        self.node(node)
+
+    def _compare(self, node: _Node, kind: Kind) -> None:
+        was = self.base.get(node.path)
+        mode = stat.S_IMODE(node.status.st_mode) & 0o777
+        if kind == "dir":
+            entry = Entry("dir", mode)
+            if was != entry:
+                self._carry(node.path, entry, b"")
+            return
+        if kind == "symlink":
+            entry = Entry("symlink", 0o777, target=os.readlink(node.name, dir_fd=node.parent))
+            if was != entry:
+                self._carry(node.path, entry, b"")
+            return
+        if was is not None and was.kind == "file" and was.size == node.status.st_size \
+                and _same_file(node, was):
+            return  # size first, then the hash: only a changed file is read into the tar
+        try:
+            data, status = _read_file(node.parent, node.name, node.path, self.budget.left())
+        except _TooBig:
+            raise self.budget.too_big(node.path) from None
+        entry = Entry("file", stat.S_IMODE(status.st_mode) & 0o777, len(data), hashlib.sha256(data).hexdigest())
+        if entry != self.base.get(node.path):
+            self._carry(node.path, entry, data)
+
+    def _carry(self, path: str, entry: Entry, data: bytes) -> None:
+        self.budget.count(path, len(data))
+        self.members[path] = (entry, data)
+
+    def delta(self, *, overlay: bool) -> Delta:
+        if overlay:
+            gone = {p for p in self.whiteouts if p in self.base}
+            for top in self.opaque:
+                gone.update(p for p in self.base if p.startswith(top + "/") and p not in self.present)
+            # a base entry under an upper non-directory is gone too (a file replaced a directory)
+            replaced = [p for p, (e, _) in self.members.items() if e.kind != "dir"]
+            for top in replaced:
+                gone.update(p for p in self.base if p.startswith(top + "/"))
+        else:
+            gone = {p for p in self.base if p not in self.present}
+        deleted = sorted((p for p in gone if not any(q in gone for q in _parents(p))), key=_order)
+        carried = sorted(self.members, key=_order)
+        added_dirs = {p for p in carried if p not in self.base and self.members[p][0].kind == "dir"}
+        under_new = {q for p in carried for q in _parents(p)}
+        added = [p for p in carried if p not in self.base and not (p in added_dirs and p in under_new)]
+        changed = [p for p in carried if p in self.base]
+        entries = {p: e for p, (e, _) in self.members.items()}
+        tar = _tar_of((p, e, d) for p, (e, d) in self.members.items()) if self.members else None
+        return Delta(added, changed, deleted, tar, entries, sorted(self.skipped, key=_order))
+
+
+def _same_file(node: _Node, was: Entry) -> bool:
+    fd = os.open(node.name, _READ_FLAGS, dir_fd=node.parent)
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or stat.S_IMODE(status.st_mode) & 0o777 != was.mode:
+            return False
+        digest = hashlib.sha256()
+        while chunk := os.read(fd, _READ_CHUNK):
+            digest.update(chunk)
+        return digest.hexdigest() == was.sha256
+    finally:
+        os.close(fd)
+
+
+def _xattr(fd: int, name: str) -> bytes | None:
+    try:
+        return os.getxattr(fd, name)
+    except OSError as e:
+        if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.EPERM, errno.EACCES):
+            return None
+        raise
+
+
+def _refuse_xattrs(fd: int, path: str, names: Iterable[str]) -> None:
+    for name in names:
+        if _xattr(fd, name) is not None:
+            raise ArchiveError(f"the overlay marks {path} with {name}; toolq reads overlays mounted with "
+                               "metacopy=off,redirect_dir=off")
+
+
+# ---- the diff a turn's outcome carries -----------------------------------------------------------
+
+def unified_diff(base_tar: bytes | None, delta: Delta, checkpoint: str = "") -> TurnDiff:
+    """The delta as git shows it: a unified diff of its text files (`a/` and `b/`, `/dev/null` for
+    an added or deleted file, git's file modes), the other files listed as binary, the deleted
+    paths listed; cut at MAX_PATCH_BYTES (truncated set). Symlinks diff as their targets, as in git."""
+    diff = TurnDiff(checkpoint=checkpoint, deleted=list(delta.deleted))
+    out: list[str] = []
+    size = 0
+    for path, text, gone in _file_patches(base_tar, delta):
+        if text is None:
+            if not gone:
+                diff.binary.append(path)
+            continue
+        if diff.truncated:
+            continue
+        encoded = text.encode("utf-8", "surrogateescape")
+        if len(encoded) > MAX_PATCH_BYTES - size:
+            diff.truncated = True
+            cut = encoded[:MAX_PATCH_BYTES - size].decode("utf-8", "ignore")
+            out.append(cut[:cut.rfind("\n") + 1])  # whole lines only
+            continue
+        out.append(text)
+        size += len(encoded)
+    diff.patch = "".join(out)
+    return diff
+
+
+def _file_patches(base_tar: bytes | None, delta: Delta) -> Iterator[tuple[str, str | None, bool]]:
+    """(path, its patch or None for a binary file, whether it was deleted) for each file of the delta."""
+    before_tar, after_tar = base_tar or b"", delta.tar or b""
+    base_members = {m.name: m for m in _members(before_tar, None, "the base")} if base_tar else {}
+
+    def side(tar: bytes, member: _Member | None) -> tuple[Entry, bytes] | None:
+        if member is None or member.kind == "dir":
+            return None
+        data = _member_data(tar, member) if member.kind == "file" else b""
+        return _entry_of(member, data), data
+
+    new_members = _members(after_tar, None, "the delta") if delta.tar else []
+    for member in sorted(new_members, key=lambda m: _order(m.name)):
+        after = side(after_tar, member)
+        if after is not None:
+            yield member.name, _file_patch(member.name, side(before_tar, base_members.get(member.name)), after), False
+    for path in delta.deleted:
+        for gone in sorted((p for p in base_members if p == path or p.startswith(path + "/")), key=_order):
+            before = side(before_tar, base_members[gone])
+            if before is not None:
+                yield gone, _file_patch(gone, before, None), True
+
+
+def _git_mode(entry: Entry) -> str:
+    if entry.kind == "symlink":
+        return "120000"
+    return "100755" if entry.mode & 0o111 else "100644"
+
+
+def _text(entry: Entry, data: bytes) -> list[str] | None:
+    """The lines of a file git would diff as text (a symlink: its target); None for binary."""
+    if entry.kind == "symlink":
+        data = os.fsencode(entry.target or "")
+    if len(data) > MAX_DIFF_FILE or b"\0" in data:
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n\\ No newline at end of file\n"
+    return lines
+
+
+def _file_patch(path: str, before: tuple[Entry, bytes] | None, after: tuple[Entry, bytes] | None) -> str | None:
+    old = _text(*before) if before else []
+    new = _text(*after) if after else []
+    if old is None or new is None:
+        return None
+    head = [f"diff --git a/{path} b/{path}\n"]
+    if before is None and after is not None:
+        head.append(f"new file mode {_git_mode(after[0])}\n")
+    elif after is None and before is not None:
+        head.append(f"deleted file mode {_git_mode(before[0])}\n")
+    elif before is not None and after is not None and _git_mode(before[0]) != _git_mode(after[0]):
+        head += [f"old mode {_git_mode(before[0])}\n", f"new mode {_git_mode(after[0])}\n"]
+    if old == new:
+        return "".join(head) if len(head) > 1 else ""
+    hunks = list(difflib.unified_diff(old, new, f"a/{path}" if before else "/dev/null",
+                                      f"b/{path}" if after else "/dev/null", n=3, lineterm="\n"))
+    return "".join(head + hunks)
+
+
+# ---- applying a turn's changes back --------------------------------------------------------------
+
+def apply_delta(target: Path, base: Manifest, checkpoint: Checkpoint, delta_tar: bytes | None,
+                limits: Limits = DEFAULT_LIMITS) -> ApplyReport:
+    """Apply a checkpoint's changes to the user's folder `target` (the folder uploaded as `base`).
+
+    A path is applied only where the folder still holds what was uploaded: one changed there
+    meanwhile (content, mode or kind; for an added path, anything there) is refused and listed, as
+    is anything under `.git`, any path through a symlink in the folder, and a symlink leading out.
+    Files are written to a temporary name in their directory and renamed over (atomic), through
+    directory fds opened O_NOFOLLOW; deletions remove only what still equals the base."""
+    members = sorted(_members(delta_tar, limits, "the checkpoint"), key=lambda m: _order(m.name)) if delta_tar else []
+    try:
+        root = os.open(target, _DIR_FLAGS & ~os.O_NOFOLLOW)
+    except OSError as e:
+        raise ArchiveError(f"cannot open {target}: {e.strerror}") from None
+    applier = _Applier(root, target, base, delta_tar or b"")
+    try:
+        for raw in sorted(checkpoint.deleted, key=_order):
+            name = _checked_name(raw, "deleted path")
+            if name is not None:
+                applier.delete(name)
+        links = {p: e.target or "" for p, e in base.items() if e.kind == "symlink" and p not in applier.removed}
+        links.update({m.name: m.info.linkname for m in members if m.kind == "symlink"})
+        for member in members:
+            applier.write(member, links)
+    finally:
+        os.close(root)
+    return applier.report
+
+
+class _Refused(Exception):
+    pass
+
+
+class _Applier:
+    def __init__(self, root: int, target: Path, base: Manifest, tar: bytes) -> None:
+        self.root, self.target, self.base, self.tar = root, target, base, tar
+        self.report = ApplyReport()
+        self.removed: set[str] = set()
+        self.refused_dirs: set[str] = set()
+
+    def refuse(self, path: str, reason: str) -> None:
+        self.report.refused.append((path, reason))
+
+    def _parent(self, path: str, *, create: bool = False) -> int:
+        """An fd of `path`'s directory, each component opened O_NOFOLLOW (a symlink on the way is
+        refused); missing ones made if `create`."""
+        fd = os.dup(self.root)
+        try:
+            for part in path.split("/")[:-1]:
+                try:
+                    sub = open_entry(fd, part, directory=True)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    sub = open_entry(fd, part, directory=True)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise _Refused("it lies under a symlink or a file in the folder") from None
+                    raise
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _current(self, parent: int, name: str) -> Entry | None:
+        """What the folder holds at `name` now, as a manifest entry (None if nothing)."""
+        try:
+            status = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        kind = _kind_of(status.st_mode)
+        mode = stat.S_IMODE(status.st_mode) & 0o777
+        if kind == "dir":
+            return Entry("dir", mode)
+        if kind == "symlink":
+            return Entry("symlink", 0o777, target=os.readlink(name, dir_fd=parent))
+        if kind == "file":
+            fd = os.open(name, _READ_FLAGS, dir_fd=parent)
+            try:
+                digest = hashlib.sha256()
+                size = 0
+                while chunk := os.read(fd, _READ_CHUNK):
+                    digest.update(chunk)
+                    size += len(chunk)
+                return Entry("file", stat.S_IMODE(os.fstat(fd).st_mode) & 0o777, size, digest.hexdigest())
+            finally:
+                os.close(fd)
+        return Entry("file", -1)  # a FIFO or device: never equal to anything uploaded
+
+    def _guard(self, path: str) -> None:
+        if _in_git_dir(path):
+            raise _Refused(f"it is inside a `{PROTECTED_DIR}` directory")
+        for parent in _parents(path):
+            if parent in self.refused_dirs:
+                raise _Refused(f"its folder {parent} was not applied")
+
+    def delete(self, path: str) -> None:
+        """Remove `path` (a directory with everything under it) where it still equals the base."""
+        try:
+            self._guard(path)
+            if path not in self.base:
+                return
+            under = sorted((p for p in self.base if p == path or p.startswith(path + "/")), key=_order, reverse=True)
+            for gone in under:
+                self._delete_one(gone)
+        except _Refused as e:
+            self.refuse(path, str(e))
+        except OSError as e:
+            self.refuse(path, e.strerror or str(e))
+
+    def _delete_one(self, path: str) -> None:
+        try:
+            parent = self._parent(path)
+        except FileNotFoundError:
+            self.removed.add(path)
+            return
+        except _Refused as e:
+            self.refuse(path, str(e))
+            return
+        name = path.rpartition("/")[2]
+        try:
+            now = self._current(parent, name)
+            if now is None:
+                self.removed.add(path)
+                return
+            if now != self.base[path]:
+                self.refuse(path, f"it changed in {self.target} since the upload")
+                return
+            if now.kind == "dir":
+                try:
+                    os.rmdir(name, dir_fd=parent)
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise
+                    self.refuse(path, f"it holds files added in {self.target} since the upload")
+                    return
+            else:
+                os.unlink(name, dir_fd=parent)
+            self.removed.add(path)
+            self.report.applied.append(path)
+        finally:
+            os.close(parent)
+
+    def write(self, member: _Member, links: dict[str, str]) -> None:
+        path = member.name
+        try:
+            self._guard(path)
+            if member.kind == "symlink" and _escapes(path, member.info.linkname, links):
+                raise _Refused(f"the symlink leads outside {self.target}")
+            parent = self._parent(path, create=True)
+            try:
+                if self._write_at(parent, member):
+                    self.report.applied.append(path)
+            finally:
+                os.close(parent)
+        except _Refused as e:
+            if member.kind == "dir":
+                self.refused_dirs.add(path)
+            self.refuse(path, str(e))
+        except OSError as e:
+            if member.kind == "dir":
+                self.refused_dirs.add(path)
+            self.refuse(path, e.strerror or str(e))
+
+    def _write_at(self, parent: int, member: _Member) -> bool:
+        """Write one member where the folder still holds the base's entry; whether anything changed."""
+        path, name = member.name, member.name.rpartition("/")[2]
+        data = _member_data(self.tar, member) if member.kind == "file" else b""
+        wanted = _entry_of(member, data)
+        now = self._current(parent, name)
+        if now == wanted:
+            return False
+        was = None if path in self.removed else self.base.get(path)
+        if now != was:
+            reason = "it was created" if was is None else "it changed"
+            raise _Refused(f"{reason} in {self.target} since the upload")
+        if member.kind == "dir":
+            if now is not None and now.kind != "dir":
+                os.unlink(name, dir_fd=parent)
+            if now is None or now.kind != "dir":
+                os.mkdir(name, 0o700, dir_fd=parent)
+            fd = open_entry(parent, name, directory=True)
+            try:
+                os.fchmod(fd, wanted.mode)
+            finally:
+                os.close(fd)
+            return True
+        if now is not None and now.kind == "dir":
+            os.rmdir(name, dir_fd=parent)  # its base members were deleted first; ENOTEMPTY if more came
+        temp = f".toolq-apply-{secrets.token_hex(6)}"
+        if member.kind == "symlink":
+            os.symlink(member.info.linkname, temp, dir_fd=parent)
+        else:
+            fd = os.open(temp, _CREATE_FLAGS, 0o600, dir_fd=parent)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fchmod(fd, wanted.mode)
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                os.unlink(temp, dir_fd=parent)
+                raise
+            os.close(fd)
+        os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        return True
