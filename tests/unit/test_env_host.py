@@ -1,0 +1,176 @@
+"""A host's environments on disk (toolq/workers/environments/host.py), with a real redis-server
+and the Redis store: made from an upload (overlay as root, a copy forced), checkpointed, taken up
+by a second environment, destroyed to nothing, refused past the disk cap, reaped."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from toolq.core.environments import (
+    EMPTY_BASE,
+    Checkpoint,
+    EnvironmentRecord,
+    EnvSource,
+    env_key,
+    host_envs_key,
+    new_environment_id,
+)
+from toolq.local.embedded import RedisServer
+from toolq.workers.environments import archive
+from toolq.workers.environments.host import EnvError, EnvHost, _mount_points
+from toolq.workers.store.redis_store import RedisStore
+
+LIMITS = archive.Limits(max_bytes=64 << 20, max_files=10_000)
+MODES = ["copy", pytest.param("overlay", marks=pytest.mark.skipif(os.geteuid() != 0, reason="overlay needs root"))]
+
+
+@pytest.fixture(scope="module")
+def r() -> Iterator[redis.Redis]:
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        yield client
+        client.close()
+
+
+@pytest.fixture
+def store(r: redis.Redis) -> RedisStore:
+    return RedisStore(r, ttl=600, max_bytes=64 << 20)
+
+
+@pytest.fixture
+def hosts() -> Iterator[list[EnvHost]]:
+    made: list[EnvHost] = []
+    yield made
+    for h in made:  # never leave a mount behind on the machine
+        for env_id in h.env_ids():
+            h.destroy(env_id)
+        for point in sorted(_mount_points(), reverse=True):
+            if point.startswith(str(h.root) + "/"):
+                os.system(f"umount -l '{point}'")
+
+
+def make_host(hosts: list[EnvHost], root: Path, store: RedisStore, r: redis.Redis, mode: str,
+              cap_mb: int = 1024) -> EnvHost:
+    h = EnvHost(root, "h1", store, cap_mb << 20, LIMITS, r=r, mode=mode)  # type: ignore[arg-type]
+    hosts.append(h)
+    return h
+
+
+def upload(tmp_path: Path, store: RedisStore) -> str:
+    folder = tmp_path / "project"
+    (folder / "src").mkdir(parents=True)
+    (folder / "README").write_text("hello\n")
+    (folder / "src" / "main.py").write_text("print('one')\n")
+    (folder / "src" / "old.txt").write_text("to be deleted\n")
+    (folder / "link").symlink_to("README")
+    return store.put(archive.pack_dir(folder, LIMITS).tar)
+
+
+def record(r: redis.Redis, base: str, *, owner: str = "owner:1", start: str | None = None,
+           **kw: object) -> EnvironmentRecord:
+    rec = EnvironmentRecord(id=new_environment_id(), host="h1", source=EnvSource(kind="upload", blob=base),
+                            base=base, owner=owner, start=start, state="ready", **kw)  # type: ignore[arg-type]
+    r.set(owner, "1")
+    r.set(env_key(rec.id), rec.model_dump_json())
+    r.sadd(host_envs_key("h1"), rec.id)
+    return rec
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_environment_from_an_upload_is_the_folder_and_its_checkpoint_carries_it_to_a_second(
+        tmp_path: Path, store: RedisStore, r: redis.Redis, hosts: list[EnvHost], mode: str) -> None:
+    base = upload(tmp_path, store)
+    h = make_host(hosts, tmp_path / "root", store, r, mode)
+    first = record(r, base)
+    assert h.create(first) == mode
+    ws = h.path(first.id)
+    assert h.present(first.id)
+    assert (ws / "README").read_text() == "hello\n" and os.readlink(ws / "link") == "README"
+    assert (str(ws) in _mount_points()) == (mode == "overlay")
+    base_tree = tmp_path / "root" / "bases" / base / "tree"
+
+    # A turn's work: one file added, one changed, one deleted.
+    (ws / "new.txt").write_text("added\n")
+    (ws / "src" / "main.py").write_text("print('two')\n")
+    (ws / "src" / "old.txt").unlink()
+    checkpoint, diff = h.checkpoint(first)
+    cp = Checkpoint.model_validate_json(store.get(checkpoint))
+    assert (cp.base, cp.added, cp.changed, cp.deleted) == (base, ["new.txt"], ["src/main.py"], ["src/old.txt"])
+    assert diff.checkpoint == checkpoint and "+print('two')" in diff.patch and "b/new.txt" in diff.patch
+    assert diff.deleted == ["src/old.txt"]
+    # The base cache is untouched by the environment's writes.
+    assert (base_tree / "src" / "main.py").read_text() == "print('one')\n" and (base_tree / "src" / "old.txt").exists()
+
+    second = record(r, base, start=checkpoint)
+    h.create(second)
+    ws2 = h.path(second.id)
+    assert (ws2 / "new.txt").read_text() == "added\n"
+    assert (ws2 / "src" / "main.py").read_text() == "print('two')\n"
+    assert not (ws2 / "src" / "old.txt").exists() and (ws2 / "README").exists()
+    # Environments never see each other's files.
+    (ws2 / "only-second").write_text("x")
+    assert not (ws / "only-second").exists()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_destroy_kills_what_runs_inside_unmounts_and_leaves_nothing(
+        tmp_path: Path, store: RedisStore, r: redis.Redis, hosts: list[EnvHost], mode: str) -> None:
+    import subprocess
+
+    h = make_host(hosts, tmp_path / "root", store, r, mode)
+    rec = record(r, EMPTY_BASE)
+    h.create(rec)
+    ws = h.path(rec.id)
+    (ws / "sub").mkdir()
+    proc = subprocess.Popen(["sleep", "600"], cwd=ws / "sub")
+    (ws / "escape").symlink_to("/etc")  # a link a careless removal would follow
+    assert h.destroy(rec.id)
+    assert proc.wait(timeout=30) == -9
+    assert not h.env_dir(rec.id).exists() and not h.present(rec.id)
+    assert not any(p.startswith(str(h.env_dir(rec.id))) for p in _mount_points())
+    assert Path("/etc/hostname").exists() or Path("/etc/passwd").exists()
+    assert not h.destroy(rec.id)  # twice: nothing left to do
+
+
+def test_a_create_past_the_disk_cap_is_refused_in_one_line(
+        tmp_path: Path, store: RedisStore, r: redis.Redis, hosts: list[EnvHost]) -> None:
+    h = make_host(hosts, tmp_path / "root", store, r, "copy", cap_mb=1)
+    first = record(r, EMPTY_BASE)
+    h.create(first)
+    (h.path(first.id) / "big").write_bytes(os.urandom(2 << 20))
+    h.env_bytes(first.id, fresh=True)
+    with pytest.raises(EnvError) as refused:
+        h.create(record(r, EMPTY_BASE))
+    assert re.fullmatch(r"host h1: environments use [23] MB of TOOLQ_ENV_DISK_MB=1; not created", str(refused.value))
+    assert h.env_ids() == [first.id]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_reaper_ends_environments_whose_owner_is_gone_or_idle_also_after_a_restart(
+        tmp_path: Path, store: RedisStore, r: redis.Redis, hosts: list[EnvHost], mode: str) -> None:
+    r.delete(host_envs_key("h1"))
+    h = make_host(hosts, tmp_path / "root", store, r, mode)
+    orphan, idle, kept = (record(r, EMPTY_BASE, owner=f"owner:{i}", idle_limit=60.0) for i in range(3))
+    for rec in (orphan, idle, kept):
+        h.create(rec)
+    r.delete(orphan.owner)
+    r.set(env_key(idle.id), idle.model_copy(update={"used_at": time.time() - 120}).model_dump_json())
+    assert sorted(h.reap()) == sorted([orphan.id, idle.id])
+    assert h.env_ids() == [kept.id]
+    assert json.loads(r.get(env_key(orphan.id)) or b"{}")["state"] == "destroyed"
+    assert r.smembers(host_envs_key("h1")) == {kept.id.encode()}
+
+    # A worker restart with Redis's keys lost too: a new host on the same root finds the
+    # environment on disk with no record, and ends it.
+    r.delete(env_key(kept.id), host_envs_key("h1"))
+    again = make_host(hosts, tmp_path / "root", store, r, mode)
+    assert again.reap() == [kept.id]
+    assert again.env_ids() == [] and not any(p.startswith(str(tmp_path / "root" / "envs")) for p in _mount_points())

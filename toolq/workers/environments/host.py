@@ -1,0 +1,701 @@
+"""A host's environments on disk (issue 28): the base cache, each environment's workspace, its
+checkpoints, its end, and the reaper.
+
+Layout under the host's root (`TOOLQ_ENV_ROOT`), shared by every worker process of the machine:
+
+    bases/<base id>/tree           a base unpacked once (`archive.extract`), read-only; manifest.json beside it
+    envs/<env id>/upper,work,merged   overlay mode: the environment's writes over the base (`merged` is its workspace)
+    envs/<env id>/tree             copy mode: a copy of the base (no hard link reaches a base file)
+    envs/<env id>/env.json         mode and base, written last: an environment without it is half-made
+    locks/                         flock files: a base is unpacked once, an environment made or ended once
+    git/<hash of url>/             bare clones of git sources (made outside any sandbox, hooks off)
+
+What a command wrote is hostile data (the security rule): the host never follows a link in an
+environment (checkpoints read by fd, removal by `shutil.rmtree`'s fd walk, a checkpoint laid over
+a new environment through dir fds with O_NOFOLLOW) and never runs anything from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from toolq.core.environments import (
+    BLOB_ID,
+    EMPTY_BASE,
+    Checkpoint,
+    EnvironmentRecord,
+    EnvMode,
+    GitSource,
+    HostAdvert,
+    TurnDiff,
+    env_key,
+    git_cache_key,
+    host_envs_key,
+)
+from toolq.core.libc import libc
+from toolq.core.signing import canonical
+from toolq.workers.environments import archive
+from toolq.workers.store import BlobStore
+
+log = logging.getLogger("toolq.worker.environments")
+
+ENV_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
+MB = 1024 * 1024
+_MNT_DETACH = 2
+#: How long a computed size of an environment is reused before it is walked again.
+SIZE_FRESH = 5.0
+#: git may take this long to clone or fetch a source (the request's deadline bounds it too).
+GIT_TIMEOUT = 600.0
+
+
+class EnvError(Exception):
+    """An operation on an environment that did not happen; `str(e)` is one line for the user."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+def _env_id(env_id: str) -> str:
+    if not isinstance(env_id, str) or not ENV_ID.match(env_id):
+        raise EnvError(f"invalid environment id {env_id!r}")
+    return env_id
+
+
+def _base_id(base: str) -> str:
+    if base != EMPTY_BASE and not (isinstance(base, str) and BLOB_ID.match(base)):
+        raise EnvError(f"invalid base id {base!r}")
+    return base
+
+
+# ---- mounts ---------------------------------------------------------------------------------------
+
+def _mount(*args: str) -> None:
+    done = subprocess.run(["mount", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise OSError(errno.EPERM, (done.stderr.strip() or f"mount exited {done.returncode}").splitlines()[-1])
+
+
+def _mount_points() -> set[str]:
+    """This namespace's mount points (mountinfo's 5th field, its octal escapes undone)."""
+    points = set()
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split(b" ")
+            if len(fields) > 4:
+                points.add(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), fields[4]).decode(
+                    errors="surrogateescape"))
+    return points
+
+
+def _unmount(path: Path) -> None:
+    """Unmount `path`, lazily if something still holds it (a process we could not kill yet)."""
+    if libc.umount2(str(path).encode(), 0) != 0 and ctypes.get_errno() == errno.EBUSY:
+        libc.umount2(str(path).encode(), _MNT_DETACH)
+
+
+def _overlay_options(lower: Path, upper: Path, work: Path) -> str:
+    return f"lowerdir={lower},upperdir={upper},workdir={work}"
+
+
+def _plain_path(path: Path) -> bool:
+    """Whether a path can go in overlay's options (a comma or colon would split them)."""
+    return not any(c in str(path) for c in ",:\\\n")
+
+
+def can_mount_overlay(scratch: Path) -> bool:
+    """Whether this process may mount an overlay here (root, or CAP_SYS_ADMIN): tried once."""
+    if not _plain_path(scratch):
+        return False
+    try:
+        top = Path(tempfile.mkdtemp(dir=scratch, prefix=".probe-"))
+    except OSError:
+        return False
+    try:
+        for d in ("lower", "upper", "work", "merged"):
+            (top / d).mkdir()
+        (top / "lower" / "f").write_bytes(b"")
+        _mount("-t", "overlay", "overlay", "-o", _overlay_options(top / "lower", top / "upper", top / "work"),
+               str(top / "merged"))
+    except (OSError, subprocess.SubprocessError):
+        return False
+    else:
+        ok = (top / "merged" / "f").exists()
+        _unmount(top / "merged")
+        return ok
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+# ---- sizes and processes --------------------------------------------------------------------------
+
+def disk_bytes(top: Path) -> int:
+    """Bytes a tree uses on disk, walked without following a link."""
+    total = 0
+    stack = [str(top)]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            total += st.st_blocks * 512
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(e.path)
+    return total
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def kill_processes_in(top: Path, device: int | None = None) -> int:
+    """SIGKILL every process whose cwd or root lies under `top` (or on `device`, an overlay's own):
+    a session's command, a sandbox cell of the environment. Returns how many."""
+    killed, me = 0, os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        for link in ("cwd", "root"):
+            where = f"/proc/{name}/{link}"
+            try:
+                hit = _under(os.readlink(where), str(top))
+                if not hit and device is not None:
+                    hit = os.stat(where).st_dev == device
+            except OSError:
+                continue
+            if hit:
+                with contextlib.suppress(OSError):
+                    os.kill(int(name), signal.SIGKILL)
+                    killed += 1
+                break
+    return killed
+
+
+# ---- laying files into a workspace (by dir fd, never following a link) ----------------------------
+
+def _open_dir(parent: int, name: str) -> int:
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+
+
+def _remove_entry(parent: int, name: str) -> None:
+    try:
+        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(name, dir_fd=parent)  # fd-based: never follows a link out
+    else:
+        os.unlink(name, dir_fd=parent)
+
+
+def _walk_to(top: int, parts: list[str], *, create: bool) -> int | None:
+    """A dir fd for `parts` below `top`; a missing or non-directory component is made a directory
+    when `create`, else None. The caller closes the fd."""
+    fd = os.dup(top)
+    for part in parts:
+        try:
+            nxt = _open_dir(fd, part)
+        except OSError as e:
+            if not create or e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                os.close(fd)
+                if create:
+                    raise
+                return None
+            _remove_entry(fd, part)  # a file or a link where the checkpoint has a directory
+            os.mkdir(part, 0o755, dir_fd=fd)
+            nxt = _open_dir(fd, part)
+        os.close(fd)
+        fd = nxt
+    return fd
+
+
+def _split(rel: str) -> list[str]:
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if not parts or any(p == ".." for p in parts):
+        raise EnvError(f"a checkpoint names an invalid path {rel!r}")
+    return parts
+
+
+def delete_paths(workspace: Path, paths: list[str]) -> None:
+    top = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for rel in paths:
+            parts = _split(rel)
+            parent = _walk_to(top, parts[:-1], create=False)
+            if parent is None:
+                continue  # under a link or already gone: nothing of the base to delete there
+            try:
+                _remove_entry(parent, parts[-1])
+            finally:
+                os.close(parent)
+    finally:
+        os.close(top)
+
+
+def copy_in(source: Path, workspace: Path) -> None:
+    """Lay the tree `source` (extracted by `archive.extract`, so trusted) over `workspace`."""
+    top = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for here, dirs, files in os.walk(source):
+            rel_dir = os.path.relpath(here, source)
+            parts = [] if rel_dir == "." else rel_dir.split(os.sep)
+            parent = _walk_to(top, parts, create=True)
+            assert parent is not None
+            try:
+                for name in dirs + files:
+                    _copy_entry(os.path.join(here, name), parent, name)
+            finally:
+                os.close(parent)
+    finally:
+        os.close(top)
+
+
+def _copy_entry(src: str, parent: int, name: str) -> None:
+    st = os.lstat(src)
+    mode = stat.S_IMODE(st.st_mode) & 0o777  # never a set-id bit
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            existing = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if not stat.S_ISDIR(existing.st_mode):
+                os.unlink(name, dir_fd=parent)
+                raise FileNotFoundError
+        except FileNotFoundError:
+            os.mkdir(name, mode, dir_fd=parent)
+        fd = _open_dir(parent, name)
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+    elif stat.S_ISLNK(st.st_mode):
+        _remove_entry(parent, name)
+        os.symlink(os.readlink(src), name, dir_fd=parent)
+    elif stat.S_ISREG(st.st_mode):
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISREG(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+                _remove_entry(parent, name)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent)
+        try:
+            with open(src, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    os.write(fd, chunk)
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+
+
+# ---- the host -------------------------------------------------------------------------------------
+
+class EnvHost:
+    """One machine's environments. Every worker process of the host makes one on the same root;
+    they share the files and serialise on flock files (one per base, one per environment)."""
+
+    def __init__(self, root: Path, host: str, store: BlobStore | None, cap_bytes: int, limits: archive.Limits, *,
+                 r: redis.Redis | None = None, mode: EnvMode | None = None) -> None:
+        """`mode`: forced (tests); None: overlay if this process may mount one, copy otherwise."""
+        self.root, self.host, self.store, self.cap_bytes, self.limits, self.r = root, host, store, cap_bytes, limits, r
+        for d in ("bases", "envs", "locks", "git", "tmp"):
+            (root / d).mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(root, 0o700)
+        self.mode: EnvMode = mode or ("overlay" if can_mount_overlay(root / "tmp") else "copy")
+        if self.mode == "overlay" and not _plain_path(root):
+            self.mode = "copy"
+        self._sizes: dict[str, tuple[float, int]] = {}
+
+    # --- paths and locks ---
+
+    def env_dir(self, env_id: str) -> Path:
+        return self.root / "envs" / _env_id(env_id)
+
+    def path(self, env_id: str) -> Path:
+        """The workspace the environment's calls run in."""
+        d = self.env_dir(env_id)
+        meta = self._meta(d)
+        mode = meta.get("mode") if meta else self.mode
+        return d / ("merged" if mode == "overlay" else "tree")
+
+    def present(self, env_id: str) -> bool:
+        """Made on this host and whole (overlay: still mounted)."""
+        try:
+            d = self.env_dir(env_id)
+        except EnvError:
+            return False
+        meta = self._meta(d)
+        if meta is None:
+            return False
+        if meta.get("mode") == "overlay":
+            return str(d / "merged") in _mount_points()
+        return (d / "tree").is_dir()
+
+    @contextlib.contextmanager
+    def _locked(self, name: str) -> Iterator[None]:
+        fd = os.open(self.root / "locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _meta(d: Path) -> dict[str, Any] | None:
+        try:
+            return json.loads((d / "env.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    # --- bases ---
+
+    def base_dir(self, base: str) -> Path:
+        """The base's cache, unpacked on first use (once per host, whichever process asks first)."""
+        d = self.root / "bases" / _base_id(base)
+        if (d / "manifest.json").exists():
+            return d
+        with self._locked(f"base-{base}"):
+            if (d / "manifest.json").exists():
+                return d
+            tar: bytes | None = None
+            manifest: archive.Manifest = {}
+            if base != EMPTY_BASE:
+                if self.store is None:
+                    raise EnvError("this host has no workspace store to fetch the base from")
+                tar = self.store.get(base)
+                manifest = archive.manifest_of(tar)
+            tmp = Path(tempfile.mkdtemp(dir=self.root / "bases", prefix=".new-"))
+            try:
+                (tmp / "tree").mkdir(mode=0o755)
+                if tar is not None:
+                    archive.extract(tar, tmp / "tree", self.limits)
+                (tmp / "size").write_text(str(disk_bytes(tmp / "tree")))
+                (tmp / "manifest.json").write_text(json.dumps(archive.manifest_to_json(manifest)))
+                os.rename(tmp, d)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        return d
+
+    def manifest(self, base: str) -> archive.Manifest:
+        return archive.manifest_from_json(json.loads((self.base_dir(base) / "manifest.json").read_text()))
+
+    def bases(self) -> list[str]:
+        return sorted(p.name for p in (self.root / "bases").iterdir()
+                      if not p.name.startswith(".") and (p / "manifest.json").exists())
+
+    def _read_only_base(self, tree: Path) -> None:
+        """Overlay mode: the base tree becomes a read-only bind of itself, so nothing (not the
+        worker's own code by mistake) writes into a cache every environment of the base reads."""
+        if str(tree) in _mount_points():
+            return
+        try:
+            _mount("--bind", str(tree), str(tree))
+            _mount("-o", "remount,bind,ro", str(tree))
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("base %s stays writable by the worker: %s", tree.parent.name, e)
+
+    # --- sizes and the cap ---
+
+    def env_bytes(self, env_id: str, *, fresh: bool = False) -> int:
+        seen = self._sizes.get(env_id)
+        if seen is not None and not fresh and time.monotonic() - seen[0] < SIZE_FRESH:
+            return seen[1]
+        d = self.env_dir(env_id)
+        size = disk_bytes(d / "upper") + disk_bytes(d / "tree")
+        self._sizes[env_id] = (time.monotonic(), size)
+        return size
+
+    def used_bytes(self) -> int:
+        total = 0
+        for d in (self.root / "envs").iterdir():
+            if ENV_ID.match(d.name):
+                total += self.env_bytes(d.name)
+        for b in self.bases():
+            with contextlib.suppress(OSError, ValueError):
+                total += int((self.root / "bases" / b / "size").read_text())
+        return total
+
+    def _check_cap(self, adding: int) -> None:
+        used = self.used_bytes()
+        if used >= self.cap_bytes or used + adding > self.cap_bytes:
+            raise EnvError(f"host {self.host}: environments use {-(-used // MB)} MB of "
+                           f"TOOLQ_ENV_DISK_MB={self.cap_bytes // MB}; not created")
+
+    # --- create ---
+
+    def create(self, record: EnvironmentRecord) -> EnvMode:
+        """Make the environment (idempotent: one already whole here is kept). A git source's base
+        is resolved here and written into `record.base`."""
+        d = self.env_dir(record.id)
+        if record.source.kind == "git" and record.source.git is not None and record.base in ("", None):
+            record.base = self.git_base(record.source.git)
+        base = _base_id(record.base)
+        with self._locked(record.id):
+            if self.present(record.id):
+                meta = self._meta(d) or {}
+                return meta.get("mode", self.mode)
+            if d.exists():
+                self._remove(record.id)  # half-made by a process that died
+            base_dir = self.base_dir(base)
+            adding = int((base_dir / "size").read_text()) if self.mode == "copy" else 0
+            self._check_cap(adding)
+            d.mkdir(mode=0o700)
+            try:
+                if self.mode == "overlay":
+                    self._read_only_base(base_dir / "tree")
+                    for sub in ("upper", "work", "merged"):
+                        (d / sub).mkdir(mode=0o755)
+                    _mount("-t", "overlay", "overlay", "-o",
+                           _overlay_options(base_dir / "tree", d / "upper", d / "work"), str(d / "merged"))
+                else:
+                    # A copy, never a hard link: a command must not reach a base file.
+                    shutil.copytree(base_dir / "tree", d / "tree", symlinks=True)
+                workspace = d / ("merged" if self.mode == "overlay" else "tree")
+                if record.start:
+                    self._lay_checkpoint(record.start, base, workspace)
+                (d / "env.json").write_text(json.dumps({"mode": self.mode, "base": base, "created_at": time.time()}))
+            except BaseException as e:
+                self._remove(record.id)
+                if isinstance(e, OSError):
+                    raise EnvError(f"host {self.host}: environment {record.id} not created: "
+                                   f"{e.strerror or e}") from None
+                raise
+        self.env_bytes(record.id, fresh=True)
+        return self.mode
+
+    def _lay_checkpoint(self, checkpoint_id: str, base: str, workspace: Path) -> None:
+        if self.store is None:
+            raise EnvError("this host has no workspace store to fetch the checkpoint from")
+        cp = self.read_checkpoint(checkpoint_id)
+        if cp.base != base:
+            raise EnvError(f"checkpoint {checkpoint_id} is of base {cp.base}, not {base}")
+        delete_paths(workspace, cp.deleted)
+        if cp.delta:
+            tar = self.store.get(cp.delta)
+            tmp = Path(tempfile.mkdtemp(dir=self.root / "tmp", prefix="delta-"))
+            try:
+                (tmp / "x").mkdir()
+                archive.extract(tar, tmp / "x", self.limits)
+                copy_in(tmp / "x", workspace)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def read_checkpoint(self, checkpoint_id: str) -> Checkpoint:
+        assert self.store is not None
+        try:
+            return Checkpoint.model_validate_json(self.store.get(checkpoint_id))
+        except ValueError:
+            raise EnvError(f"checkpoint {checkpoint_id} is not a checkpoint record") from None
+
+    # --- checkpoint ---
+
+    def checkpoint(self, record: EnvironmentRecord) -> tuple[str, TurnDiff]:
+        """The environment's changes against its base, put in the store: (checkpoint id, diff)."""
+        if self.store is None:
+            raise EnvError("this host has no workspace store to put the checkpoint in")
+        d = self.env_dir(record.id)
+        with self._locked(record.id):
+            meta = self._meta(d)
+            if meta is None or not self.present(record.id):
+                raise EnvError(f"environment {record.id} is not on host {self.host}")
+            base = meta["base"]
+            overlay = meta.get("mode") == "overlay"
+            workspace = d / ("merged" if overlay else "tree")
+            delta = archive.tree_delta(self.manifest(base), workspace, upper=d / "upper" if overlay else None,
+                                       limits=self.limits)
+        delta_id = self.store.put(delta.tar) if delta.tar else None
+        cp = Checkpoint(base=base, delta=delta_id, added=sorted(delta.added), changed=sorted(delta.changed),
+                        deleted=sorted(delta.deleted))
+        checkpoint_id = self.store.put(canonical(cp.model_dump(mode="json")))
+        # The base's side of changed and deleted files: from the store (the cache holds a tree).
+        base_tar = None if base == EMPTY_BASE or not (delta.changed or delta.deleted) else self.store.get(base)
+        diff = archive.unified_diff(base_tar, delta, checkpoint_id)
+        self.env_bytes(record.id, fresh=True)
+        return checkpoint_id, diff
+
+    # --- destroy ---
+
+    def destroy(self, env_id: str) -> bool:
+        """Kill what runs in it, unmount, remove. True if there was something to destroy."""
+        d = self.env_dir(env_id)
+        with self._locked(env_id):
+            if not d.exists():
+                return False
+            self._remove(env_id)
+        self._sizes.pop(env_id, None)
+        return True
+
+    def _remove(self, env_id: str) -> None:
+        d = self.env_dir(env_id)
+        merged = d / "merged"
+        device = None
+        if str(merged) in _mount_points():
+            with contextlib.suppress(OSError):
+                device = os.stat(merged).st_dev
+        kill_processes_in(d, device)
+        if str(merged) in _mount_points():
+            _unmount(merged)
+        if str(merged) in _mount_points():  # never remove through a live overlay
+            libc.umount2(str(merged).encode(), _MNT_DETACH)
+        shutil.rmtree(d, ignore_errors=True)  # fd-based (rmtree.avoids_symlink_attacks)
+        if d.exists():
+            raise EnvError(f"host {self.host}: environment {env_id} could not be removed")
+
+    def env_ids(self) -> list[str]:
+        return sorted(p.name for p in (self.root / "envs").iterdir() if ENV_ID.match(p.name))
+
+    # --- the reaper ---
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Destroy every environment of this host whose record is gone (or ended, or now placed on
+        another host), whose owner key no longer exists, or whose idle limit or lifetime passed;
+        its record is marked `destroyed`. Works from the disk too, so an environment survives
+        neither a worker restart nor a Redis that lost its keys. Nothing is destroyed while Redis
+        does not answer. Returns the ids destroyed."""
+        if self.r is None:
+            return []
+        now = time.time() if now is None else now
+        ids = set(self.env_ids()) | {i.decode() if isinstance(i, bytes) else str(i)
+                                      for i in self.r.smembers(host_envs_key(self.host))}
+        done = []
+        for env_id in sorted(ids):
+            if not ENV_ID.match(env_id):
+                self.r.srem(host_envs_key(self.host), env_id)
+                continue
+            raw = _bytes(self.r.get(env_key(env_id)))
+            why = self._reason_to_end(raw, now)
+            if why is None:
+                continue
+            if self.destroy(env_id):
+                log.info("environment %s destroyed: %s", env_id, why)
+            if raw is not None and why != "it is placed on another host":
+                self.update_record(env_id, state="destroyed", size=0)
+            self.r.srem(host_envs_key(self.host), env_id)
+            done.append(env_id)
+        return done
+
+    def _reason_to_end(self, raw: bytes | None, now: float) -> str | None:
+        if raw is None:
+            return "its record is gone"
+        try:
+            rec = EnvironmentRecord.model_validate_json(raw)
+        except ValueError:
+            return "its record is unreadable"
+        if rec.host != self.host:
+            return "it is placed on another host"
+        if rec.state in ("destroyed", "destroying", "lost", "failed"):
+            return f"it is {rec.state}"
+        if not self.r or not self.r.exists(rec.owner):
+            return f"its owner {rec.owner} is gone"
+        if rec.state == "creating":
+            return None  # its create request is on its way, or running now
+        if now - rec.used_at > rec.idle_limit:
+            return f"idle for {now - rec.used_at:.0f} s (limit {rec.idle_limit:.0f} s)"
+        if now - rec.created_at > rec.lifetime:
+            return f"its lifetime of {rec.lifetime:.0f} s passed"
+        return None
+
+    def update_record(self, env_id: str, **fields: Any) -> bool:
+        """Set fields of the record in `env_key(env_id)` atomically (never recreating a deleted one)."""
+        assert self.r is not None
+        return bool(update_record(self.r, env_id, **fields))
+
+    # --- the advert ---
+
+    def advert(self) -> HostAdvert:
+        return HostAdvert(host=self.host, mode=self.mode, bases=self.bases(), environments=len(self.env_ids()),
+                          used_bytes=self.used_bytes(), cap_bytes=self.cap_bytes)
+
+    # --- git sources ---
+
+    def git_base(self, source: GitSource) -> str:
+        """Clone (or fetch) the repository on the host, outside any sandbox, and put `git archive`
+        of the ref's commit in the store: the base id (cached by commit in Redis)."""
+        if self.store is None:
+            raise EnvError("this host has no workspace store to put the repository's tree in")
+        url, ref = source.url, source.ref or "HEAD"
+        if url.startswith("-") or ref.startswith("-") or "\n" in url or "\n" in ref:
+            raise EnvError(f"git source {url}@{ref} refused: neither may start with '-'")
+        repo = self.root / "git" / hashlib.sha256(url.encode()).hexdigest()[:32]
+        with self._locked(f"git-{repo.name}"):
+            if not (repo / "HEAD").exists():
+                shutil.rmtree(repo, ignore_errors=True)
+                _git(["clone", "--bare", "--quiet", "--", url, str(repo)], url)
+            else:
+                _git(["--git-dir", str(repo), "fetch", "--quiet", "--force", "--", url,
+                      "+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*"], url)
+            commit = _git(["--git-dir", str(repo), "rev-parse", "--verify", "--end-of-options", f"{ref}^{{commit}}"],
+                          url).strip()
+            cache = git_cache_key(url, commit)
+            if self.r is not None:
+                cached = _bytes(self.r.get(cache))
+                if cached is not None and self.store.has(cached.decode()):
+                    return cached.decode()
+            tar = _git_bytes(["--git-dir", str(repo), "-c", "tar.umask=0022", "archive", "--format=tar", commit], url)
+        base = self.store.put(tar)
+        if self.r is not None:
+            self.r.set(cache, base)
+        return base
+
+
+def _git_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "SSH_AUTH_SOCK")}
+    return {**env, "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "/bin/false",
+            "GIT_ALLOW_PROTOCOL": "http:https:git:ssh:file"}
+
+
+_GIT_SAFE = ["-c", "core.hooksPath=/dev/null", "-c", "protocol.ext.allow=never", "-c", "core.fsmonitor=false"]
+
+
+def _git_bytes(args: list[str], url: str) -> bytes:
+    try:
+        done = subprocess.run(["git", *_GIT_SAFE, *args], capture_output=True, env=_git_env(), timeout=GIT_TIMEOUT,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise EnvError(f"git {args[0]} of {url} failed: {e}") from None
+    if done.returncode != 0:
+        last = (done.stderr.decode(errors="replace").strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise EnvError(f"git source {url}: {last}")
+    return done.stdout
+
+
+def _git(args: list[str], url: str) -> str:
+    return _git_bytes(args, url).decode(errors="replace")
+
+
+# One round trip, atomic: a JSON record's fields set in place, only if it still exists.
+_UPDATE = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+local rec = cjson.decode(raw)
+for k, v in pairs(cjson.decode(ARGV[1])) do rec[k] = v end
+redis.call('SET', KEYS[1], cjson.encode(rec), 'KEEPTTL')
+return 1
+"""
+
+
+def update_record(r: redis.Redis, env_id: str, **fields: Any) -> int:
+    return int(r.eval(_UPDATE, 1, env_key(env_id), json.dumps(fields)))
+
+
+def _bytes(value: Any) -> bytes | None:
+    return value.encode() if isinstance(value, str) else value
