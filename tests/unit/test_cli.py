@@ -76,7 +76,7 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 
 def test_subcommands_are_listed_in_the_order_a_user_needs_them():
     assert list(subcommands()) == ["run", "resume", "batch", "worker", "up", "down", "cancel", "status", "turns",
-                                   "workers", "queues", "calls", "flower", "config", "demo", "fake-model", "decode",
+                                   "workers", "envs", "queues", "calls", "flower", "config", "demo", "fake-model", "decode",
                                    "bench"]
     listing = cli.build_parser().format_help().split("COMMAND\n")[-1]
     assert re.findall(r"^    (\S+)", listing, re.M) == list(subcommands())

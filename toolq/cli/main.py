@@ -168,9 +168,15 @@ def read_prompt(arg: str | None, stdin: IO[str]) -> str:
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from toolq.cli.envs import ChoiceError, choose
     from toolq.cli.run import run_prompt
     from toolq.orchestrator.model_client import missing_api_key
 
+    try:  # before the prompt is read from stdin: a wrong option costs nothing
+        environment = choose(upload=args.upload, git=args.git, checkpoint=args.from_, workspace=args.workspace,
+                             apply=args.apply, patch=args.patch)
+    except ChoiceError as e:
+        raise UsageError(str(e)) from None
     prompt = read_prompt(args.prompt, sys.stdin)
     settings = _settings(args)
     # Before the embedded stack starts: a run that cannot authenticate should not wait for it.
@@ -179,7 +185,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(problem)
     return run_prompt(settings, prompt, json_events=args.json,
                       session_file=Path(args.session) if args.session else None,
-                      last_message_file=Path(args.output_last_message) if args.output_last_message else None)
+                      last_message_file=Path(args.output_last_message) if args.output_last_message else None,
+                      environment=environment)
+
+
+def _cmd_envs(args: argparse.Namespace) -> int:
+    from toolq.cli.envs import envs_cmd, envs_rm_cmd
+    from toolq.core.settings import Settings
+
+    if args.envs_command == "rm":
+        return envs_rm_cmd(Settings.load(), args.env_id)
+    return envs_cmd(Settings.load(), as_json=args.json)
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
@@ -348,6 +364,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "for others), off (never one), or none|minimal|low|medium|high|xhigh|max")
     r.add_argument("--session", help="JSON file holding the conversation: read before the turn, written after it "
                                      "(cancelled turns included), so the next `toolq run --session` continues it")
+    r.add_argument("--upload", metavar="DIR", help="run the turn in an environment on a worker host made from a "
+                   "copy of DIR (a git checkout: its tracked and untracked-not-ignored files); no shared folder needed")
+    r.add_argument("--git", metavar="URL[@REF]", help="run the turn in an environment cloned from URL at REF "
+                   "(default HEAD) on the worker host")
+    r.add_argument("--from", dest="from_", metavar="CHECKPOINT", help="run the turn in an environment made from "
+                   "an earlier turn's checkpoint (its `checkpoint` in --json or a batch result)")
+    r.add_argument("--apply", action="store_true", help="with --upload: apply the turn's changes back to DIR when "
+                   "it ends (files changed in DIR meanwhile are refused and listed)")
+    r.add_argument("--patch", metavar="FILE", help="with --upload, --git or --from: write the turn's unified diff "
+                   "to FILE when it ends")
     r.set_defaults(func=_cmd_run)
 
     rs = sub.add_parser("resume", help="finish an orphaned turn (its `toolq run` died) from Redis: finished calls "
@@ -424,6 +450,14 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--json", action="store_true", help="one JSON object per worker instance, with every tool")
     wk.set_defaults(func=_cmd_workers)
 
+    ev = sub.add_parser("envs", help="environments on the fleet: id, host, source, size, age, owner, state; "
+                                     "`toolq envs rm ID` destroys one")
+    ev.add_argument("--json", action="store_true", help="one JSON object per environment")
+    ev_sub = ev.add_subparsers(dest="envs_command", metavar="rm", help="`toolq envs rm ID`: destroy one")
+    ev_rm = ev_sub.add_parser("rm", help="destroy one environment (its processes, sessions and files)")
+    ev_rm.add_argument("env_id", metavar="ID", help="the environment, as `toolq envs` lists it (env_...)")
+    ev.set_defaults(func=_cmd_envs)
+
     qs = sub.add_parser("queues", help="each tool queue: calls waiting on it and the live workers that consume it")
     qs.add_argument("--json", action="store_true", help="one JSON object per queue")
     qs.set_defaults(func=_cmd_queues)
@@ -486,6 +520,10 @@ def main(argv: list[str] | None = None) -> int:
     from toolq.core.errors import ConfigurationError
 
     if argv is None:  # the command line's process: nothing is imported from where it was started
+        from toolq.local.launcher import try_launch  # the standard library only
+
+        if (launched := try_launch(sys.argv[1:])) is not None:  # a warm fleet's launcher ran it
+            exit_now(launched)
         import_path.isolate()
     args = build_parser().parse_args(argv)
     if argv is None and args.command in RUNTIME_MODULES:

@@ -23,6 +23,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from toolq.cli.envs import EnvChoice, Placed, environment_instructions, place
 from toolq.cli.exits import exit_status
 from toolq.cli.terminal import printable
 from toolq.cli.view import TICK_SECS, JsonView, LiveView
@@ -39,20 +40,31 @@ from toolq.orchestrator.turn import Runtime, Session, TurnOutcome, new_turn_id
 SESSION = "session file"
 #: How refusals name the final message's file.
 LAST_MESSAGE = "--output-last-message"
+#: ... and the turn's diff's file.
+PATCH = "--patch"
 
 
 def run_prompt(settings: Settings, prompt: str, *, json_events: bool = False, session_file: Path | None = None,
-               last_message_file: Path | None = None) -> int:
-    if problem := workspace_problem(settings.workspace):
+               last_message_file: Path | None = None, environment: EnvChoice | None = None) -> int:
+    """`environment`: the turn runs in an environment on a worker host (`--upload`, `--git`,
+    `--from`) instead of the shared workspace, which is then neither checked nor used."""
+    if environment is None and (problem := workspace_problem(settings.workspace)):
         raise ConfigurationError(problem)
+    # Where toolq's own files may not lie: the model's commands write in the shared workspace;
+    # with --apply toolq writes the turn's changes into the uploaded folder.
+    guarded: list[Path] = [settings.workspace] if environment is None else \
+        [environment.upload] if environment.apply and environment.upload else []
     if session_file:
-        trusted_files.refuse_inside(session_file, [settings.workspace], SESSION)
+        trusted_files.refuse_inside(session_file, guarded, SESSION)
     history = load_session(session_file) if session_file else None
     with ExitStack() as stack:
-        answer = stack.enter_context(LastMessageFile.open(last_message_file, settings.workspace)) \
+        answer = stack.enter_context(LastMessageFile.open(last_message_file, guarded)) \
             if last_message_file else None
+        patch = stack.enter_context(LastMessageFile.open(environment.patch, guarded, PATCH)) \
+            if environment is not None and environment.patch else None
         settings, starting = with_redis(settings, stack, json_events)
-        outcome, history = asyncio.run(_run(settings, prompt, json_events, history, starting=starting))
+        outcome, history = asyncio.run(_run(settings, prompt, json_events, history, starting=starting,
+                                            environment=environment, patch=patch))
         if session_file:
             save_session(session_file, history)
         if outcome.could_not_start and json_events:  # stdout is the events; the one line goes to stderr
@@ -71,24 +83,24 @@ class LastMessageFile:
         self.fd, self.path = fd, path
 
     @classmethod
-    def open(cls, path: Path, workspace: Path) -> LastMessageFile:
-        trusted_files.refuse_inside(path, [workspace], LAST_MESSAGE)
+    def open(cls, path: Path, workspace: Path | list[Path], what: str = LAST_MESSAGE) -> LastMessageFile:
+        trusted_files.refuse_inside(path, workspace if isinstance(workspace, list) else [workspace], what)
         flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             fd = os.open(path, flags, 0o644)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise ConfigurationError(f"{LAST_MESSAGE} {path} is a symbolic link; toolq does not write "
+                raise ConfigurationError(f"{what} {path} is a symbolic link; toolq does not write "
                                          "through one") from None
             if e.errno == errno.ENXIO:  # a FIFO nobody reads (O_NONBLOCK: the open does not wait for one)
-                raise ConfigurationError(f"{LAST_MESSAGE} {path} is not a regular file") from None
-            raise ConfigurationError(f"{LAST_MESSAGE} {path}: {e.strerror}") from None
+                raise ConfigurationError(f"{what} {path} is not a regular file") from None
+            raise ConfigurationError(f"{what} {path}: {e.strerror}") from None
         st = os.fstat(fd)
         problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode)
                    else f"belongs to uid {st.st_uid}, not you" if st.st_uid != os.geteuid() else None)
         if problem:  # checked before it is emptied: another user's file is left as it was
             os.close(fd)
-            raise ConfigurationError(f"{LAST_MESSAGE} {path} {problem}")
+            raise ConfigurationError(f"{what} {path} {problem}")
         os.ftruncate(fd, 0)
         return cls(fd, path)
 
@@ -243,14 +255,22 @@ async def _saved_settings(settings: Settings, turn_id: str) -> TurnSettings | No
 
 
 async def _run(settings: Settings, prompt: str, json_events: bool, history: History | None = None, *,
-               turn_id: str | None = None, resume: bool = False,
-               starting: WorkersStarting | None = None) -> tuple[TurnOutcome, History]:
+               turn_id: str | None = None, resume: bool = False, starting: WorkersStarting | None = None,
+               environment: EnvChoice | None = None,
+               patch: LastMessageFile | None = None) -> tuple[TurnOutcome, History]:
     view: Any = JsonView() if json_events else LiveView()  # JSON on stdout; the live view on stderr
     runtime = await Runtime.create(settings)
     runtime.fleet.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
+    placed: Placed | None = None
     try:
-        session = Session(runtime, instructions=settings.instructions or default_instructions(settings))
-    except BaseException:  # a refused workspace (a resumed turn's): the one line, and nothing left open
+        if environment is not None:
+            placed = await place(runtime, settings, environment, view)
+        instructions = settings.instructions or (
+            environment_instructions(environment) if environment is not None else default_instructions(settings))
+        session = Session(runtime, instructions=instructions, **placed.session_args(settings) if placed else {})
+    except BaseException:  # a refused workspace (a resumed turn's) or environment: the one line, nothing left open
+        if placed is not None:
+            await placed.destroy()
         await runtime.aclose()
         raise
     if history is not None:
@@ -272,7 +292,10 @@ async def _run(settings: Settings, prompt: str, json_events: bool, history: Hist
     try:
         if resume:
             return await session.resume(turn_id, view), session.history
-        return await session.run_turn(prompt, view, turn_id=turn_id), session.history
+        outcome = await session.run_turn(prompt, view, turn_id=turn_id)
+        if placed is not None:  # `turn.completed` carried the checkpoint and the diff; now --patch, --apply
+            await placed.deliver(outcome, view, patch)
+        return outcome, session.history
     finally:
         if ticker is not None:
             ticker.cancel()
@@ -283,6 +306,8 @@ async def _run(settings: Settings, prompt: str, json_events: bool, history: Hist
         if pending:
             await asyncio.wait(pending, timeout=2.0)
         await session.close()  # the conversation ends with `toolq run`: so do its sessions
+        if placed is not None:
+            await placed.destroy()  # and so does its environment
         await runtime.aclose()
 
 

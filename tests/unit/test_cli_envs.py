@@ -1,0 +1,173 @@
+"""Environments on the command line: which options go together, how a source is read, what the
+turn's end and `toolq envs` print. Pure: no Redis, no worker."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from toolq.cli import main as cli
+from toolq.cli.envs import (
+    ChoiceError,
+    apply_lines,
+    choose,
+    diff_fields,
+    diff_summary,
+    parse_git,
+    render_envs,
+)
+from toolq.core.environments import EnvironmentRecord, EnvSource, GitSource, TurnDiff
+from toolq.orchestrator.turn_events import TurnCompleted
+
+CHECKPOINT = "ab" * 32
+
+
+@pytest.mark.parametrize("given, said", [
+    ({"upload": ".", "workspace": "."}, "--upload and --workspace are exclusive"),
+    ({"git": "u", "checkpoint": CHECKPOINT}, "--git and --from are exclusive"),
+    ({"upload": ".", "git": "u", "checkpoint": CHECKPOINT}, "--upload and --git and --from are exclusive"),
+    ({"checkpoint": CHECKPOINT, "workspace": "."}, "--from and --workspace are exclusive"),
+    ({"apply": True}, "--apply needs --upload DIR"),
+    ({"git": "u", "apply": True}, "--apply needs --upload DIR"),
+    ({"patch": "p.diff"}, "--patch needs --upload, --git or --from"),
+    ({"workspace": ".", "patch": "p.diff"}, "--patch needs --upload, --git or --from"),
+    ({"checkpoint": "nope"}, "--from takes a checkpoint id (64 hex digits"),
+    ({"git": "-uhoh"}, "may not start with '-'"),
+    ({"git": "https://h/r@-x"}, "may not start with '-'"),
+    ({"git": "https://h/r@a..b"}, "is not a ref"),
+])
+def test_options_that_do_not_go_together_are_one_line(given, said):
+    with pytest.raises(ChoiceError) as e:
+        choose(**given)
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_no_environment_option_keeps_the_shared_workspace():
+    assert choose() is None
+    assert choose(workspace="/srv/ws") is None
+
+
+def test_upload_takes_an_existing_folder_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "file").write_text("x")
+    choice = choose(upload="proj", apply=True, patch="out.diff")
+    assert choice is not None and choice.upload == tmp_path / "proj" and choice.apply
+    assert choice.patch == tmp_path / "out.diff" and choice.label == str(tmp_path / "proj")
+    for bad in ("missing", "file"):
+        with pytest.raises(ChoiceError, match=f"--upload {bad}: not a folder"):
+            choose(upload=bad)
+
+
+def test_from_takes_a_checkpoint_id_and_patch_goes_with_any_source():
+    choice = choose(checkpoint=CHECKPOINT.upper(), patch="x.diff")
+    assert choice is not None and choice.checkpoint == CHECKPOINT and choice.git is None and choice.upload is None
+    assert choose(git="https://example.org/r.git", patch="x.diff") is not None
+
+
+@pytest.mark.parametrize("spec, url, ref", [
+    ("https://example.org/r.git", "https://example.org/r.git", "HEAD"),
+    ("https://example.org/r.git@v1.2", "https://example.org/r.git", "v1.2"),
+    ("https://example.org/r.git@feature/x", "https://example.org/r.git", "feature/x"),
+    ("https://user@example.org/r.git", "https://user@example.org/r.git", "HEAD"),
+    ("https://user@example.org/r.git@main", "https://user@example.org/r.git", "main"),
+    ("git@github.com:org/r.git", "git@github.com:org/r.git", "HEAD"),
+    ("git@github.com:org/r.git@0123abc", "git@github.com:org/r.git", "0123abc"),
+    ("git://127.0.0.1:9418/r.git@main", "git://127.0.0.1:9418/r.git", "main"),
+    ("/srv/git/r.git@main", "/srv/git/r.git", "main"),
+    ("./r@main", "./r", "main"),
+])
+def test_git_url_and_ref_are_split_at_the_last_at_that_leaves_a_whole_url(spec, url, ref):
+    assert parse_git(spec) == GitSource(url=url, ref=ref)
+
+
+def test_a_wrong_combination_on_the_command_line_exits_2_in_one_line_before_reading_the_prompt(capsys, tmp_path):
+    code = cli.main(["run", "--upload", str(tmp_path), "--workspace", str(tmp_path), "hi"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("toolq run: --upload and --workspace are exclusive: give one (--workspace keeps the "
+                                 "shared folder; the others make an environment on a worker host)\n")
+    assert cli.main(["run", "--apply", "hi"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_envs_command_parses_its_list_and_rm():
+    p = cli.build_parser()
+    listing = p.parse_args(["envs", "--json"])
+    assert listing.json and listing.envs_command is None
+    rm = p.parse_args(["envs", "rm", "env_0123"])
+    assert rm.envs_command == "rm" and rm.env_id == "env_0123"
+    run = p.parse_args(["run", "--from", CHECKPOINT, "--patch", "x.diff", "hi"])
+    assert run.from_ == CHECKPOINT and run.patch == "x.diff" and not run.apply
+
+
+def test_envs_without_redis_says_what_to_set(capsys, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
+    assert cli.main(["envs"]) == 2 and "set REDIS_URL" in capsys.readouterr().err
+    assert cli.main(["envs", "rm", "env_x"]) == 2 and "set REDIS_URL" in capsys.readouterr().err
+
+
+DIFF = TurnDiff(checkpoint=CHECKPOINT, patch="diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n"
+                "diff --git a/n b/n\nnew file mode 100644\n--- /dev/null\n+++ b/n\n@@ -0,0 +1 @@\n+n\n",
+                binary=["logo.png"], deleted=["old.txt"])
+
+
+def test_the_outcome_fields_name_the_environment_checkpoint_and_diff():
+    assert diff_fields(None, None) == {}
+    assert diff_fields("env_1", DIFF) == {
+        "environment": "env_1", "checkpoint": CHECKPOINT,
+        "diff": {"checkpoint": CHECKPOINT, "patch": DIFF.patch, "binary": ["logo.png"], "deleted": ["old.txt"], "truncated": False}}
+    assert diff_fields("env_1", None) == {"environment": "env_1", "checkpoint": None, "diff": None}
+    assert diff_summary(DIFF) == f"checkpoint {CHECKPOINT[:12]}: 2 text files in the patch, 1 binary, 1 deleted"
+
+
+@dataclass
+class Refused:
+    path: str
+    reason: str
+
+
+@dataclass
+class Report:
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    refused: list[Refused] = field(default_factory=list)
+
+
+def test_apply_says_what_was_applied_in_one_line_and_lists_each_refused_file(tmp_path):
+    report = Report(added=["new.txt"], changed=["a.py", "b.py"],
+                    refused=[Refused("notes.md", "changed in the folder since the upload"),
+                             Refused("evil\x1b[2J", "a link")])
+    lines = apply_lines(tmp_path, report)
+    assert lines[0] == f"applied to {tmp_path}: 1 added, 2 changed, 0 deleted; 2 refused"
+    assert lines[1] == "  refused notes.md: changed in the folder since the upload"
+    assert "\x1b" not in lines[2] and lines[2].startswith("  refused evil")
+    assert apply_lines(tmp_path, Report()) == [f"applied to {tmp_path}: 0 added, 0 changed, 0 deleted"]
+
+
+def record(env_id: str, **kw) -> EnvironmentRecord:
+    base = {"host": "h1", "source": EnvSource(kind="upload", blob="00" * 32, label="/home/u/proj"),
+            "base": "00" * 32, "owner": "toolq:conv:c1", "state": "ready", "created_at": 1000.0, "size": 3 * 1024 ** 2}
+    return EnvironmentRecord(id=env_id, **{**base, **kw})
+
+
+def test_envs_lists_id_host_source_size_age_owner_state():
+    records = [record("env_b", host="h2", created_at=900.0, state="destroyed",
+                      source=EnvSource(kind="git", git=GitSource(url="git://x/r", ref="main"))),
+               record("env_a")]
+    table = render_envs(records, now=1090.0)
+    lines = table.splitlines()
+    assert lines[0].split() == ["ID", "HOST", "SOURCE", "SIZE", "AGE", "OWNER", "STATE"]
+    assert lines[1].split() == ["env_a", "h1", "/home/u/proj", "3.0", "MiB", "90s", "toolq:conv:c1", "ready"]
+    assert lines[2].split()[:3] == ["env_b", "h2", "git://x/r@main"] and lines[2].split()[-1] == "destroyed"
+    rows = [json.loads(line) for line in render_envs(records, now=1090.0, as_json=True).splitlines()]
+    assert [r["id"] for r in rows] == ["env_a", "env_b"] and rows[0]["age"] == 90.0 and rows[0]["size"] == 3 * 1024 ** 2
+    assert "no environments" in render_envs([], now=0.0)
+
+
+def test_a_shared_workspace_turns_completed_event_keeps_its_fields():
+    event = TurnCompleted(turn_id="turn-1", usage={"input_tokens": 3}).to_json()
+    assert sorted(event) == ["timestamp", "turn_id", "type", "usage"]
