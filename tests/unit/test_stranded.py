@@ -201,3 +201,37 @@ def test_a_write_to_a_session_whose_worker_is_gone_is_answered_and_not_resent(mo
     else:  # its worker is alive: the write waits for it
         assert not watch.done.done()
     assert d.resent == []
+
+
+@pytest.mark.parametrize("on_queue", [True, False])
+def test_a_call_of_an_environment_whose_host_is_gone_is_taken_off_its_queue_and_answered_not_run(monkeypatch,
+                                                                                                 on_queue):
+    """Only that host's workers consume its queue: once none lives, a message still on it is taken
+    off (so it can never run) and the call is answered as not run, naming the host."""
+    from toolq.core.environments import EnvRef
+
+    monkeypatch.setattr(stranded_module, "GONE_AFTER", 0.0)
+    d = FakeDispatcher({}, held=set())
+    removed: list[tuple[str, str]] = []
+
+    async def unqueue(task_id, queue):
+        removed.append((task_id, queue))
+        return on_queue
+
+    d.unqueue = unqueue
+    stranded = StrandedCalls(d, FakeRouter(), FakeLedger(), after=0.0, interval=0.0)
+    call = inv("e1").model_copy(update={"environment": EnvRef(id="env_1", host="dead-box")})
+
+    async def run():
+        watch = CallWatch(task_id=call.task_id)
+        await stranded.check(call, SPEC, time.time() - 10, watch)
+        return watch
+
+    watch = asyncio.run(run())
+    assert removed and removed[0][1].startswith("toolq.h.dead-box.noop.")
+    if on_queue:
+        outcome = watch.done.result()
+        assert outcome.state is CallState.REJECTED
+        assert outcome.reason.startswith("noop was not run: the worker host `dead-box`")
+    else:  # a dead worker took it: put back first, taken off at a later sweep
+        assert not watch.done.done()

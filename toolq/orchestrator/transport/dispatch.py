@@ -266,6 +266,14 @@ class Dispatcher:
             found |= {message_task_id(raw) for raw in await self.ledger.r.lrange(queue_key(queue), 0, -1)}
         return task_ids & found
 
+    async def unqueue(self, task_id: str, queue: str) -> bool:
+        """Take the call's message off its queue, if it is there: True when this removed it (no
+        worker can take it any more). Asked only of a queue nobody consumes (a host gone)."""
+        for raw in await self.ledger.r.lrange(queue_key(queue), 0, -1):
+            if message_task_id(raw) == task_id:
+                return bool(await self.ledger.r.lrem(queue_key(queue), 1, raw))  # type: ignore[arg-type]  # bytes, as read
+        return False
+
     async def resend(self, inv: ToolInvocation, spec: ToolSpec) -> None:
         """Send a call again under its task id, at the head of its queue (where a restored message
         goes): its message was lost. The worker's started marker still runs it at most once."""

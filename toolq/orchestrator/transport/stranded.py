@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from toolq.core.calls import ToolInvocation
 from toolq.core.catalog import ToolSpec
+from toolq.core.honest import not_run
 from toolq.core.session_records import lost_session
 from toolq.core.states import CallState
 from toolq.orchestrator.transport import CallWatch, TaskOutcome
@@ -77,6 +78,8 @@ class StrandedCalls:
         self._sweep: asyncio.Future | None = None
         self._missing_since: dict[str, float] = {}
         """Session-holding instance -> when a sweep first found it missing from the catalog."""
+        self._host_missing_since: dict[str, float] = {}
+        """Environment host with calls waiting -> when a sweep first found no live worker on it."""
 
     async def check(self, inv: ToolInvocation, spec: ToolSpec, queued_at: float, watch: CallWatch) -> None:
         """Called while a sent call waits to start; a sweep, when one is due, covers every such call."""
@@ -99,7 +102,9 @@ class StrandedCalls:
         # Only calls not started since: a running one is the lost-worker watchdog's.
         due = {t: w for t, w in self._waiting.items() if now - w.queued_at >= self.after and w.unstarted}
         self._end_orphaned_writes(due, {w.instance for w in snapshot.workers})
-        due = {t: w for t, w in due.items() if w.watch.session is None}  # writes: only their session's worker
+        await self._end_unhosted(due, {getattr(w, "env_host", None) for w in snapshot.workers})
+        # writes: only their session's worker; a call of an environment whose host is gone: answered
+        due = {t: w for t, w in due.items() if w.watch.session is None and not w.watch.done.done()}
         taken = {t: tag for t, tag in (await self.dispatcher.taken()).items() if t in due}
         # Sent before a worker died, and not taken: on its queue still, or lost with that worker.
         missing = {t for t, w in due.items() if t not in taken and w.queued_at < fleet.departed_at}
@@ -125,6 +130,25 @@ class StrandedCalls:
             log.warning("↻ %s was taken by a worker that died before starting it; %s", t,
                         "put back on its queue" if t in taken else "its message was lost with it: sent again")
         return stranded
+
+    async def _end_unhosted(self, due: dict[str, Waiting], live_hosts: set[str | None]) -> None:
+        """A call of an environment waits on its host's queue, which only that host's workers
+        consume: once no worker of the host has lived for `GONE_AFTER` seconds, the host is gone
+        (and its environment with it). A message still on the queue is taken off it, so it can
+        never run, and the call is answered as not run; one a dead worker took is put back on the
+        queue first (above), and taken off at a later sweep."""
+        now = time.monotonic()
+        waiting = {w.inv.environment.host for w in due.values() if w.inv.environment is not None}
+        self._host_missing_since = {h: self._host_missing_since.get(h, now) for h in waiting - live_hosts}
+        for task_id, w in due.items():
+            env = w.inv.environment
+            if env is None or now - self._host_missing_since.get(env.host, now) < GONE_AFTER:
+                continue
+            if await self.dispatcher.unqueue(task_id, call_queue(w.inv, w.spec)):
+                log.warning("✗ %s: host %s of environment %s is gone; taken off its queue", task_id, env.host, env.id)
+                w.watch.finish(TaskOutcome(state=CallState.REJECTED, reason=not_run(
+                    w.spec.tool_name, f"the worker host `{env.host}` of this conversation's environment is gone "
+                    "(it is recreated from its last checkpoint at the next turn)")))
 
     def _end_orphaned_writes(self, due: dict[str, Waiting], live: set[str]) -> None:
         """A write_stdin waits on the queue of the one worker instance that holds its session: if
