@@ -108,6 +108,10 @@ class WorkerAdvert(BaseModel):
     queues: list[str]
     """The queues it was told to consume (`--queues`, or every queue of its catalog)."""
     sandbox: str | None = None
+    env_host: str | None = None
+    """The host id its environments are placed under (`toolq.core.environments`); None: it serves none."""
+    env_mode: str | None = None
+    """How its host makes environments: `overlay`, or `copy` where it cannot mount one."""
     draining: bool = False
     """In warm shutdown: it finishes its calls but takes no new ones, so it serves nothing."""
     tools: list[ToolRef]

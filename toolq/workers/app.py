@@ -40,6 +40,7 @@ from toolq.core.settings import Settings, mask_url_password
 from toolq.core.states import FAILURE, CallState, celery_state
 from toolq.workers import config, isolation, kombu_acks, pool_exits, presence, redis_clients, stopping
 from toolq.workers.config import configure_app, longest_timeout, make_app
+from toolq.workers.environments import agent as environments
 from toolq.workers.execute import StillRunning, execute
 from toolq.workers.loader import load_catalog
 from toolq.workers.mcp.worker import sync as sync_mcp_tools
@@ -182,6 +183,26 @@ def _session_host(sender: Any = None, instance: Any = None, **_: Any) -> None:
 
 worker_shutdown.connect(lambda **_: session_host.stop(), weak=False)
 # --- end of the session hooks
+
+
+# --- environments (toolq/workers/environments): this host's environments, set up before the pool
+# forks (children run calls in them), their calls' host queues consumed, and the agent thread (the
+# orchestrator's requests, the host's advert, the reaper) in the main process from ready to exit.
+@celeryd_after_setup.connect
+def _environments(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    envs = environments.setup(Settings.load())
+    if envs is not None:
+        presence.add_host_queues(instance.app.amqp.queues, catalog(), envs.host)
+
+
+@worker_ready.connect
+def _environments_agent(**_: Any) -> None:
+    environments.start(redis_clients.sync_client(config.broker_target(app.conf), client_name="toolq-environments"),
+                       signing.signer_for(app.conf.get(signing.CONF_KEY)))
+
+
+worker_shutdown.connect(lambda **_: environments.stop(), weak=False)
+# --- end of the environment hooks
 
 
 def _hostname(task: Any) -> str:

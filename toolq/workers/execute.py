@@ -29,6 +29,8 @@ from toolq.core.signing import Signer
 from toolq.core.states import TERMINAL, CallState, parse_state
 from toolq.core.truncate import bound_output
 from toolq.workers import permit
+from toolq.workers.environments import agent as environments
+from toolq.workers.environments.host import update_record
 from toolq.workers.processes import CallCancelled
 from toolq.workers.streaming import OutputStream
 
@@ -187,6 +189,7 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
         return started
     started_at = started
 
+    touch_environment(r, inv)
     # DEBUG: Celery's own lines (received, succeeded in) say as much at INFO, once per call.
     log.debug("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
     stream = output_stream(inv, spec, r, signer)
@@ -300,7 +303,9 @@ def refusal(inv: ToolInvocation, spec: ToolSpec | None, hostname: str) -> Outcom
             f"tool {inv.tool_name} is declared differently on worker {hostname} than in the orchestrator "
             f"(declaration {spec.digest()} != {inv.spec_digest}); not run. Load the same tool modules on both sides."
         ), {"success": False}
-    workspace = Path(inv.workspace or os.getcwd())
+    if inv.environment is not None and (refused := environment_refusal(inv, hostname)):
+        return CallState.REJECTED, refused, {"success": False}
+    workspace = workspace_of(inv)
     # Checked here too, where the call runs: the orchestrator checked the path when the turn began,
     # and a symlink put there since (or a forged resumed turn) led the commands into /etc.
     if problem := workspace_problem(workspace, must_exist=False):
@@ -311,6 +316,51 @@ def refusal(inv: ToolInvocation, spec: ToolSpec | None, hostname: str) -> Outcom
             "Workers must share the workspace (same host or a shared volume)."
         ), {"success": False}
     return None
+
+
+def workspace_of(inv: ToolInvocation) -> Path:
+    """Where the call runs: its environment's workspace on this host, else the shared workspace."""
+    if inv.environment is not None:
+        envs = environments.current()
+        if envs is not None:
+            return envs.path(inv.environment.id)
+    return Path(inv.workspace or os.getcwd())
+
+
+#: A call of an environment touches its record's `used_at` (its idle limit) at most this often.
+TOUCH_EVERY = 10.0
+_touched: dict[str, float] = {}
+
+
+def environment_refusal(inv: ToolInvocation, hostname: str) -> str | None:
+    """Why the call cannot run in its environment here (another host's, or not here), if so."""
+    assert inv.environment is not None
+    env = inv.environment
+    envs = environments.current()
+    if envs is None:
+        return not_run(inv.tool_name, f"environment {env.id} is on host {env.host}, and worker {hostname} serves "
+                                      "no environments")
+    if env.host != envs.host:
+        return not_run(inv.tool_name, f"environment {env.id} is on host {env.host}, not on this worker's host "
+                                      f"{envs.host} (worker {hostname})")
+    if not envs.present(env.id):
+        return not_run(inv.tool_name, f"environment {env.id} is not present on host {envs.host} (destroyed, or "
+                                      "lost with its host's disk)")
+    return None
+
+
+def touch_environment(r: redis.Redis, inv: ToolInvocation) -> None:
+    """Keep the environment from its idle limit: its record's `used_at`, now and then."""
+    if inv.environment is None:
+        return
+    now = time.monotonic()
+    if now - _touched.get(inv.environment.id, -TOUCH_EVERY) < TOUCH_EVERY:
+        return
+    _touched[inv.environment.id] = now
+    try:
+        update_record(r, inv.environment.id, used_at=time.time())
+    except redis.RedisError:
+        pass  # the idle limit is hours; the next call tries again
 
 
 async def call_tool(inv: ToolInvocation, spec: ToolSpec, catalog: Catalog,
@@ -329,7 +379,7 @@ async def call_tool(inv: ToolInvocation, spec: ToolSpec, catalog: Catalog,
 async def _run_handler(inv: ToolInvocation, spec: ToolSpec, catalog: Catalog, is_cancelled: Callable[[], bool],
                        time_limit_errors: tuple[type[BaseException], ...], stream: OutputStream | None) -> Outcome:
     started_at = time.time()
-    workspace = Path(inv.workspace or os.getcwd())
+    workspace = workspace_of(inv)
     ctx = ToolContext(invocation=inv, workspace=workspace, is_cancelled=is_cancelled, catalog=catalog, output=stream)
     try:
         if isinstance(inv.payload, FunctionPayload):

@@ -22,6 +22,7 @@ import redis
 from toolq.core import keys
 from toolq.core.advert import TOOL_QUEUE_PREFIX, ToolAdvert, ToolRef, WorkerAdvert, consumer_queues
 from toolq.core.catalog import Catalog
+from toolq.core.environments import HOST_QUEUE_PREFIX, host_queue
 from toolq.core.session_records import instance_queue
 from toolq.core.settings import Settings
 from toolq.workers import redis_clients
@@ -133,15 +134,26 @@ class Advertiser:
 
 
 def configured_queues(consume_from: Any) -> list[str]:
-    """The queues a worker was told to consume, without the per-tool ones added to them, nor its
-    instance queue (`write_stdin` to its own sessions: no tool is routed there by its spec)."""
+    """The queues a worker was told to consume, without the per-tool ones added to them (nor their
+    host queues), nor its instance queue (`write_stdin` to its own sessions: no tool is routed
+    there by its spec)."""
     own = instance_queue(instance_id())
-    return sorted(q for q in consume_from if not q.startswith(TOOL_QUEUE_PREFIX) and q != own)
+    return sorted(q for q in consume_from
+                  if not q.startswith((TOOL_QUEUE_PREFIX, HOST_QUEUE_PREFIX)) and q != own)
 
 
 def add_tool_queues(amqp_queues: Any, catalog: Catalog) -> list[str]:
     """At worker setup, after `--queues` has been applied: consume the per-tool queues too."""
     added = consumer_queues(catalog, configured_queues(amqp_queues.consume_from))
+    for q in added:
+        amqp_queues.select_add(q)
+    return added
+
+
+def add_host_queues(amqp_queues: Any, catalog: Catalog, host: str) -> list[str]:
+    """With environments: each per-tool queue on this host too (`host_queue`), where the calls of
+    the host's environments arrive; every worker process of the host consumes them."""
+    added = [host_queue(host, q) for q in consumer_queues(catalog, configured_queues(amqp_queues.consume_from))]
     for q in added:
         amqp_queues.select_add(q)
     return added
@@ -156,11 +168,12 @@ def _sandbox_in_use(settings: Settings) -> str:
 
 
 def worker_record(*, hostname: str, concurrency: int, queues: list[str], catalog: Catalog,
-                  settings: Settings) -> tuple[WorkerAdvert, list[ToolAdvert]]:
+                  settings: Settings, env_host: str | None = None,
+                  env_mode: str | None = None) -> tuple[WorkerAdvert, list[ToolAdvert]]:
     served = [s for s in catalog if s.queue in set(queues)]
     record = WorkerAdvert(instance=instance_id(), hostname=hostname, host=socket.gethostname(), pid=os.getpid(),
                           started_at=time.time(), concurrency=concurrency, queues=queues,
-                          sandbox=_sandbox_in_use(settings),
+                          sandbox=_sandbox_in_use(settings), env_host=env_host, env_mode=env_mode,
                           tools=[ToolRef.of(s) for s in served])
     return record, [ToolAdvert.of(s) for s in served]
 
@@ -168,11 +181,15 @@ def worker_record(*, hostname: str, concurrency: int, queues: list[str], catalog
 def advertise(consumer: Any, catalog: Catalog, settings: Settings) -> None:
     """At `worker_ready` (its sender is the consumer): the worker takes calls from now on."""
     global _current
+    from toolq.workers.environments import agent as environments
+
     controller = getattr(consumer, "controller", None)
+    envs = environments.current()
     record, tools = worker_record(hostname=str(consumer.hostname),
                                   concurrency=int(getattr(controller, "concurrency", 0) or settings.concurrency),
                                   queues=configured_queues(consumer.app.amqp.queues.consume_from), catalog=catalog,
-                                  settings=settings)
+                                  settings=settings, env_host=envs.host if envs else None,
+                                  env_mode=envs.mode if envs else None)
     advertiser = Advertiser(redis_clients.sync_client(broker_target(consumer.app.conf), client_name="toolq-presence"),
                             record, tools)
     advertiser.start()
