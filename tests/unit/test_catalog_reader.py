@@ -63,6 +63,15 @@ def test_toolq_workers_shows_one_row_per_instance_and_json_keeps_every_tool():
     assert render_workers([], now=0.0) == "no live workers in the fleet catalog (start one with `toolq worker`)\n"
 
 
+def test_toolq_workers_names_a_workers_environment_host_and_mode():
+    spec = only(declared())
+    records = [worker(spec, sandbox="bwrap", env_host="h1", env_mode="overlay"),
+               worker(spec, hostname="w2@h", sandbox="landlock", env_host="h", env_mode="copy")]
+    table = render_workers(records, now=1090.0).splitlines()
+    assert table[1].split()[4:10] == ["h1", "(h)", "4", "90s", "bwrap,", "envs"]
+    assert "landlock, envs copy" in table[2] and " h " in table[2]
+
+
 class ScriptedCatalog(FleetCatalog):
     """The fleet catalog with no Redis: empty until `serve_after` reads, then `worker(spec)`."""
 

@@ -40,12 +40,19 @@ def tool_names(w: WorkerAdvert) -> str:
     return ", ".join([*plain, *(f"{ns}.* ({n})" for ns, n in sorted(spaces.items()))])
 
 
+def host_of(w: WorkerAdvert) -> str:
+    """The machine, and the host id its environments are placed under when that differs (TOOLQ_HOST_ID)."""
+    return w.host if not w.env_host or w.env_host == w.host else f"{w.env_host} ({w.host})"
+
+
 def worker_row(w: WorkerAdvert, now: float) -> dict[str, Any]:
     names = tool_names(w)
     tools = f"{len(w.tools)}: {names}" if names else "0"
     return {"worker": w.hostname, "instance": w.instance[:8], "state": "draining" if w.draining else "ready",
-            "pid": w.pid, "host": w.host, "concurrency": w.concurrency, "up": _uptime(max(now - w.started_at, 0.0)),
-            "sandbox": w.sandbox, "tools": tools if len(tools) <= TOOLS_WIDTH else tools[:TOOLS_WIDTH - 1] + "…"}
+            "pid": w.pid, "host": host_of(w), "concurrency": w.concurrency,
+            "up": _uptime(max(now - w.started_at, 0.0)),
+            "sandbox": f"{w.sandbox}, envs {w.env_mode}" if w.env_mode else w.sandbox,
+            "tools": tools if len(tools) <= TOOLS_WIDTH else tools[:TOOLS_WIDTH - 1] + "…"}
 
 
 def render_workers(workers: list[WorkerAdvert], now: float, as_json: bool = False) -> str:
