@@ -169,7 +169,7 @@ def _parents(path: str) -> Iterator[str]:
         yield "/".join(parts[:i])
 
 
-def _checked_name(raw: str, what: str = "member") -> str | None:
+def _checked_name(raw: str, what: str = "the archive's member") -> str | None:
     """A member's name made relative (`./` and a trailing `/` dropped); None for the root itself.
     Raises for a name that could land anywhere but below the destination."""
     if "\0" in raw:
@@ -189,12 +189,14 @@ def _checked_name(raw: str, what: str = "member") -> str | None:
     return name
 
 
-def _escapes(path: str, target: str, links: dict[str, str]) -> bool:
+def _escapes(path: str, target: str, links: dict[str, str]) -> str | None:
     """Whether symlink `path` -> `target` leads out of the tree, resolving through the tree's own
     symlinks (`links`) as the kernel would: `s -> .` then `q -> s/..` leaves it, though `q`'s
     target alone does not look like it. A missing component counts as a directory."""
-    if not target or target.startswith("/") or "\0" in target:
-        return True
+    if not target or "\0" in target:
+        return "has no usable target"
+    if target.startswith("/"):
+        return OUTSIDE
     here = path.split("/")[:-1]
     todo = target.split("/")
     hops = 0
@@ -204,7 +206,7 @@ def _escapes(path: str, target: str, links: dict[str, str]) -> bool:
             continue
         if part == "..":
             if not here:
-                return True
+                return OUTSIDE
             here.pop()
             continue
         link = links.get("/".join([*here, part]))
@@ -212,10 +214,15 @@ def _escapes(path: str, target: str, links: dict[str, str]) -> bool:
             here.append(part)
             continue
         hops += 1
-        if hops > MAX_SYMLINKS or link.startswith("/"):
-            return True
+        if hops > MAX_SYMLINKS:
+            return "loops"
+        if link.startswith("/"):
+            return OUTSIDE
         todo[:0] = link.split("/")
-    return False
+    return None
+
+
+OUTSIDE = "leads outside"
 
 
 # ---- writing tars --------------------------------------------------------------------------------
@@ -385,9 +392,10 @@ def pack_dir(path: Path, limits: Limits = DEFAULT_LIMITS) -> Packed:
             raise ArchiveError(f"cannot read {folder}: {e.strerror}: {e.filename or ''}".rstrip(": ")) from None
         links = {p: e.target or "" for p, (e, _) in members.items() if e.kind == "symlink"}
         for link, target in sorted(links.items()):
-            if _escapes(link, target, links):
-                raise ArchiveError(f"the symlink {link} -> {target} leads outside the folder {folder}; "
-                                   "replace it with a file or a link inside it")
+            if why := _escapes(link, target, links):
+                raise ArchiveError(f"the symlink {link} -> {target} {why} the folder {folder}; "
+                                   "replace it with a file or a link inside it" if why == OUTSIDE else
+                                   f"the symlink {link} -> {target} in {folder} {why}")
         manifest = {p: e for p, (e, _) in members.items()}
         return Packed(_tar_of((p, e, d) for p, (e, d) in members.items()), manifest, skipped)
     finally:
@@ -518,7 +526,7 @@ def _members(tar: bytes, limits: Limits | None, what: str = "the archive") -> li
             if "path" in archive.pax_headers or "linkpath" in archive.pax_headers:
                 raise ArchiveError(f"{what} has a global pax header that renames its members")
             _check_spelling(tar, info, what)
-            name = _checked_name(info.name)
+            name = _checked_name(info.name, f"{what}'s member")
             kind = _member_kind(info, what)
             if name is None:
                 if kind != "dir":
@@ -552,8 +560,11 @@ def _check_spelling(tar: bytes, info: tarfile.TarInfo, what: str) -> None:
         if not value or encoded == spelt or (field_name == "path" and encoded.rstrip(b"/") == spelt.rstrip(b"/")):
             continue
         if len(encoded) <= 100 and value.isascii():
-            raise ArchiveError(f"{what}'s member {spelt.decode(errors='replace')!r} is renamed to {value!r} "
-                               f"by an extended header")
+            was = spelt.decode(errors="replace")
+            if field_name == "path":
+                raise ArchiveError(f"{what}'s member {was!r} is renamed to {value!r} by an extended header")
+            raise ArchiveError(f"{what}'s member {info.name!r} has its link target {was!r} changed to {value!r} "
+                               "by an extended header")
 
 
 def _ustar_name(header: bytes) -> bytes:
@@ -591,8 +602,8 @@ def _check_tree(found: list[_Member], what: str) -> None:
                 raise ArchiveError(f"{what}'s member {member.name} lies under {parent}, which is a {kinds[parent]}")
     links = {m.name: m.info.linkname for m in found if m.kind == "symlink"}
     for name, target in links.items():
-        if _escapes(name, target, links):
-            raise ArchiveError(f"{what}'s symlink {name} -> {target!r} leads outside it")
+        if why := _escapes(name, target, links):
+            raise ArchiveError(f"{what}'s symlink {name} -> {target!r} {why}" + (" it" if why == OUTSIDE else ""))
 
 
 def _member_data(tar: bytes, member: _Member) -> bytes:
@@ -1114,8 +1125,8 @@ class _Applier:
         path = member.name
         try:
             self._guard(path)
-            if member.kind == "symlink" and _escapes(path, member.info.linkname, links):
-                raise _Refused(f"the symlink leads outside {self.target}")
+            if member.kind == "symlink" and (why := _escapes(path, member.info.linkname, links)):
+                raise _Refused(f"the symlink {why}" + (f" {self.target}" if why == OUTSIDE else ""))
             parent = self._parent(path, create=True)
             try:
                 if self._write_at(parent, member):

@@ -1,0 +1,425 @@
+"""Trees <-> tars for environments (issue 28 items 1 and 4): packing an upload, unpacking it,
+an environment's changes against its base (copy and overlay), the diff a turn carries, and
+applying the changes back to the user's folder. The hostile tars are in test_archive_hostile.py."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from toolq.core.environments import MAX_PATCH_BYTES, Checkpoint
+from toolq.workers.environments.archive import (
+    ArchiveError,
+    Delta,
+    Entry,
+    Limits,
+    apply_delta,
+    extract,
+    manifest_from_json,
+    manifest_of,
+    manifest_to_json,
+    pack_dir,
+    tree_delta,
+    unified_diff,
+)
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mknod, trusted.* xattrs, mount)")
+
+
+def _write(root: Path, files: dict[str, str | bytes]) -> None:
+    for name, content in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, str):
+            path.write_text(content)
+        else:
+            path.write_bytes(content)
+
+
+def _project(root: Path) -> Path:
+    root.mkdir()
+    _write(root, {"README.md": "# demo\n", "src/app.py": "print('hi')\n", "src/data.bin": b"\x00\x01\x02",
+                  "docs/a/b/deep.txt": "deep\n"})
+    (root / "run.sh").write_text("#!/bin/sh\necho run\n")
+    (root / "run.sh").chmod(0o755)
+    (root / "empty").mkdir()
+    (root / "src" / "link.md").symlink_to("../README.md")
+    return root
+
+
+def _checkpoint(delta: Delta) -> Checkpoint:
+    return Checkpoint(base="b" * 64, added=delta.added, changed=delta.changed, deleted=delta.deleted)
+
+
+# ---- packing and unpacking -----------------------------------------------------------------------
+
+def test_a_folder_round_trips_through_pack_and_extract(tmp_path):
+    packed = pack_dir(_project(tmp_path / "p"))
+    (tmp_path / "out").mkdir()
+    extract(packed.tar, tmp_path / "out")
+    assert (tmp_path / "out/src/app.py").read_text() == "print('hi')\n"
+    assert (tmp_path / "out/src/data.bin").read_bytes() == b"\x00\x01\x02"
+    assert os.readlink(tmp_path / "out/src/link.md") == "../README.md"
+    assert (tmp_path / "out/run.sh").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "out/empty").is_dir()
+    assert pack_dir(tmp_path / "out").manifest == packed.manifest == manifest_of(packed.tar)
+    assert packed.manifest["src/link.md"] == Entry("symlink", 0o777, target="../README.md")
+    assert manifest_from_json(manifest_to_json(packed.manifest)) == packed.manifest
+
+
+def test_packing_is_deterministic_whatever_the_times_owners_and_special_bits(tmp_path):
+    project = _project(tmp_path / "p")
+    first = pack_dir(project)
+    os.utime(project / "README.md", (1, 1))
+    os.chown(project / "src/app.py", 1234, 5678) if os.geteuid() == 0 else None
+    (project / "run.sh").chmod(0o4755)  # suid: never carried
+    second = pack_dir(project)
+    assert first.tar == second.tar and first.blob == second.blob
+    with tarfile.open(fileobj=io.BytesIO(second.tar)) as tar:
+        members = tar.getmembers()
+    assert [m.name for m in members] == sorted((m.name for m in members), key=lambda n: n.split("/"))
+    assert {(m.mtime, m.uid, m.gid, m.uname, m.gname) for m in members} == {(0, 0, 0, "", "")}
+    assert all(m.mode & 0o7000 == 0 for m in members)
+
+
+def test_a_symlink_leading_out_of_the_folder_is_refused_by_name(tmp_path):
+    project = _project(tmp_path / "p")
+    (project / "src/passwd").symlink_to("/etc/passwd")
+    with pytest.raises(ArchiveError, match=r"src/passwd -> /etc/passwd leads outside"):
+        pack_dir(project)
+    (project / "src/passwd").unlink()
+    (project / "up").symlink_to("..")
+    with pytest.raises(ArchiveError, match=r"the symlink up -> \.\. leads outside"):
+        pack_dir(project)
+
+
+def test_a_folder_past_the_caps_is_refused_with_the_setting_to_raise(tmp_path):
+    project = _project(tmp_path / "p")
+    with pytest.raises(ArchiveError, match=r"more than 3 files and folders .*TOOLQ_UPLOAD_MAX_FILES"):
+        pack_dir(project, Limits(max_bytes=1 << 20, max_files=3))
+    (project / "big").write_bytes(b"x" * (2 << 20))
+    with pytest.raises(ArchiveError, match=r"more than 1 MB of files \(at big\); TOOLQ_UPLOAD_MAX_MB"):
+        pack_dir(project, Limits(max_bytes=1 << 20, max_files=100))
+
+
+def test_a_fifo_in_the_folder_is_skipped_and_listed_and_dot_git_is_never_packed(tmp_path):
+    project = _project(tmp_path / "p")
+    os.mkfifo(project / "pipe")
+    _write(project, {"vendor/lib/.git/config": "[core]\n", "vendor/lib/x.py": "x = 1\n"})
+    packed = pack_dir(project)  # no .git at the top: every file, but never a .git
+    assert packed.skipped == ["pipe"]
+    assert "vendor/lib/x.py" in packed.manifest
+    assert not any(".git" in p.split("/") for p in packed.manifest)
+
+
+def _git(repo: Path, *argv: str) -> None:
+    env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(repo.parent), "GIT_AUTHOR_NAME": "t",
+           "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    subprocess.run(["git", *argv], cwd=repo, env=env, check=True, capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_git_checkout_packs_tracked_and_untracked_files_but_not_ignored_ones_nor_git(tmp_path):
+    repo = _project(tmp_path / "repo")
+    _git(repo, "init", "-q")
+    _write(repo, {".gitignore": "*.log\nbuild/\n", "debug.log": "noise\n", "build/out.o": b"\x7fELF"})
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "one")
+    _write(repo, {"notes.txt": "untracked, kept\n", "src/trace.log": "ignored\n"})
+    (repo / "README.md").unlink()  # tracked but deleted in the work tree: not there, not packed
+    (repo / "src/link.md").unlink()
+    # a repository that would run a program on `git status`-like commands: git must not run it
+    marker = tmp_path / "fsmonitor-ran"
+    hook = tmp_path / "hook.sh"
+    hook.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    hook.chmod(0o755)
+    _git(repo, "config", "core.fsmonitor", str(hook))
+    packed = pack_dir(repo)
+    names = set(packed.manifest)
+    assert {"notes.txt", ".gitignore", "src/app.py", "run.sh", "docs/a/b/deep.txt"} <= names
+    assert {"docs", "docs/a", "docs/a/b", "src"} <= names  # the directories on the way
+    assert not names & {"debug.log", "build", "build/out.o", "src/trace.log", "README.md", "empty"}
+    assert not any(p == ".git" or p.startswith(".git/") for p in names)
+    assert not marker.exists()
+
+
+# ---- an environment's changes: copy mode ---------------------------------------------------------
+
+def test_tree_delta_in_copy_mode_lists_added_changed_and_deleted_once(tmp_path):
+    packed = pack_dir(_project(tmp_path / "p"))
+    env = tmp_path / "env"
+    env.mkdir()
+    extract(packed.tar, env)
+    assert tree_delta(packed.manifest, env) == Delta()  # nothing changed: nothing carried
+    (env / "src/app.py").write_text("print('changed')\n")
+    (env / "run.sh").chmod(0o644)  # mode only
+    shutil.rmtree(env / "docs")
+    (env / "src/data.bin").unlink()
+    _write(env, {"new/pkg/mod.py": "x = 1\n", "top.txt": "t\n"})
+    (env / "made").mkdir()
+    (env / "empty").rmdir()
+    (env / "empty").write_text("now a file\n")  # a directory became a file
+    delta = tree_delta(packed.manifest, env)
+    assert delta.added == ["made", "new/pkg/mod.py", "top.txt"]
+    assert delta.changed == ["empty", "run.sh", "src/app.py"]
+    assert delta.deleted == ["docs", "src/data.bin"]  # docs once, nothing under it
+    assert set(manifest_of(delta.tar or b"")) == {"empty", "made", "new", "new/pkg", "new/pkg/mod.py", "run.sh",
+                                                  "src/app.py", "top.txt"}
+    assert delta.entries["run.sh"].mode == 0o644
+
+
+def test_tree_delta_refuses_a_change_past_the_caps(tmp_path):
+    packed = pack_dir(_project(tmp_path / "p"))
+    env = tmp_path / "env"
+    env.mkdir()
+    extract(packed.tar, env)
+    (env / "big").write_bytes(b"x" * 4096)
+    with pytest.raises(ArchiveError, match="at big"):
+        tree_delta(packed.manifest, env, limits=Limits(max_bytes=1024, max_files=100))
+    assert tree_delta(packed.manifest, env, limits=Limits(max_bytes=8192, max_files=100)).added == ["big"]
+
+
+def test_tree_delta_never_follows_a_symlink_the_commands_made(tmp_path):
+    packed = pack_dir(_project(tmp_path / "p"))
+    env = tmp_path / "env"
+    env.mkdir()
+    extract(packed.tar, env)
+    (env / "etc").symlink_to("/etc")
+    delta = tree_delta(packed.manifest, env)
+    assert delta.added == ["etc"] and delta.entries["etc"] == Entry("symlink", 0o777, target="/etc")
+
+
+# ---- overlay mode --------------------------------------------------------------------------------
+
+_OVERLAY_SCRIPT = textwrap.dedent("""
+    import os, shutil, subprocess, sys
+    lower, upper, work, merged, extra = sys.argv[1:6]
+    done = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                           f"lowerdir={lower},upperdir={upper},workdir={work}{extra}", merged], capture_output=True)
+    if done.returncode:
+        print("cannot mount an overlay:", done.stderr.decode().strip()); sys.exit(3)
+    m = lambda p: os.path.join(merged, p)
+    open(m("src/app.py"), "w").write("print('changed')\\n")
+    open(m("README.md"), "a").close()                    # copied up, content and mode unchanged
+    os.chmod(m("run.sh"), 0o755)                         # the same mode: copied up, no change
+    os.unlink(m("src/data.bin"))                         # a whiteout
+    shutil.rmtree(m("docs"))                             # a directory's whiteout
+    shutil.rmtree(m("src")); os.mkdir(m("src"))          # an opaque directory
+    open(m("src/app.py"), "w").write("print('changed')\\n")
+    os.makedirs(m("new/pkg")); open(m("new/pkg/mod.py"), "w").write("x = 1\\n")
+    subprocess.run(["umount", merged], check=True)
+""")
+
+
+@pytest.mark.parametrize("how", ["root", "userns"])
+def test_tree_delta_reads_a_real_overlay_upper_dir(tmp_path, how):
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare")
+    if how == "root" and os.geteuid() != 0:
+        pytest.skip("mounting an overlay outside a user namespace needs root")
+    packed = pack_dir(_project(tmp_path / "p"))
+    for name in ("lower", "upper", "work", "merged"):
+        (tmp_path / name).mkdir()
+    extract(packed.tar, tmp_path / "lower")
+    unshare = ["unshare", "-m"] if how == "root" else ["unshare", "-Urm"]
+    extra = "" if how == "root" else ",userxattr"
+    done = subprocess.run([*unshare, sys.executable, "-c", _OVERLAY_SCRIPT, *(str(tmp_path / n) for n in
+                           ("lower", "upper", "work", "merged")), extra], capture_output=True, text=True)
+    if done.returncode == 3 or "unshare" in done.stderr and done.returncode:
+        pytest.skip(f"overlay cannot be mounted here: {(done.stdout + done.stderr).strip()[:200]}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    delta = tree_delta(packed.manifest, tmp_path / "merged", upper=tmp_path / "upper")
+    assert delta.added == ["new/pkg/mod.py"]
+    assert delta.changed == ["src/app.py"]
+    assert delta.deleted == ["docs", "src/data.bin", "src/link.md"]  # src is opaque: its old members are gone
+    # the same changes made in a copy give the same delta
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    extract(packed.tar, copy)
+    shutil.rmtree(copy / "docs")
+    shutil.rmtree(copy / "src")
+    _write(copy, {"src/app.py": "print('changed')\n", "new/pkg/mod.py": "x = 1\n"})
+    assert tree_delta(packed.manifest, copy) == delta
+
+
+@needs_root
+def test_tree_delta_reads_whiteouts_and_opaque_dirs_made_by_hand(tmp_path):
+    packed = pack_dir(_project(tmp_path / "p"))
+    upper = tmp_path / "upper"
+    _write(upper, {"README.md": "# demo\n", "src/app.py": "print('v2')\n"})  # README copied up unchanged
+    os.mknod(upper / "run.sh", 0o600 | 0o020000, os.makedev(0, 0))  # a whiteout
+    (upper / "docs").mkdir()
+    os.setxattr(upper / "docs", "trusted.overlay.opaque", b"y")
+    (upper / "docs/fresh.txt").write_text("fresh\n")
+    os.mknod(upper / "ghost", 0o600 | 0o020000, os.makedev(0, 0))  # a whiteout of nothing in the base
+    delta = tree_delta(packed.manifest, tmp_path / "merged-unused", upper=upper)
+    assert delta.added == ["docs/fresh.txt"]
+    assert delta.changed == ["src/app.py"]
+    assert delta.deleted == ["docs/a", "run.sh"]
+
+
+@needs_root
+def test_an_overlay_with_metacopy_files_is_refused(tmp_path):
+    packed = pack_dir(_project(tmp_path / "p"))
+    upper = tmp_path / "upper"
+    _write(upper, {"README.md": ""})
+    os.setxattr(upper / "README.md", "trusted.overlay.metacopy", b"")
+    with pytest.raises(ArchiveError, match="README.md with trusted.overlay.metacopy"):
+        tree_delta(packed.manifest, tmp_path, upper=upper)
+
+
+# ---- the diff a turn carries ---------------------------------------------------------------------
+
+def _changed_env(tmp_path: Path) -> tuple[bytes, Delta]:
+    packed = pack_dir(_project(tmp_path / "p"))
+    env = tmp_path / "env"
+    env.mkdir()
+    extract(packed.tar, env)
+    (env / "src/app.py").write_text("print('hi')\nprint('bye')\n")
+    (env / "run.sh").chmod(0o644)
+    (env / "src/data.bin").write_bytes(b"\x00\x09")
+    _write(env, {"new.txt": "no newline"})
+    shutil.rmtree(env / "docs")
+    return packed.tar, tree_delta(packed.manifest, env)
+
+
+def test_unified_diff_has_gits_shape(tmp_path):
+    base, delta = _changed_env(tmp_path)
+    diff = unified_diff(base, delta, "cp1")
+    assert diff.checkpoint == "cp1" and not diff.truncated
+    assert diff.binary == ["src/data.bin"]
+    assert diff.deleted == ["docs"]
+    assert diff.patch == textwrap.dedent("""\
+        diff --git a/new.txt b/new.txt
+        new file mode 100644
+        --- /dev/null
+        +++ b/new.txt
+        @@ -0,0 +1 @@
+        +no newline
+        \\ No newline at end of file
+        diff --git a/run.sh b/run.sh
+        old mode 100755
+        new mode 100644
+        diff --git a/src/app.py b/src/app.py
+        --- a/src/app.py
+        +++ b/src/app.py
+        @@ -1 +1,2 @@
+         print('hi')
+        +print('bye')
+        diff --git a/docs/a/b/deep.txt b/docs/a/b/deep.txt
+        deleted file mode 100644
+        --- a/docs/a/b/deep.txt
+        +++ /dev/null
+        @@ -1 +0,0 @@
+        -deep
+        """)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_git_apply_takes_the_patch(tmp_path):
+    base, delta = _changed_env(tmp_path)
+    patch = tmp_path / "turn.patch"
+    patch.write_text(unified_diff(base, delta).patch)
+    target = tmp_path / "target"
+    target.mkdir()
+    extract(base, target)
+    done = subprocess.run(["git", "apply", "--check", "-v", str(patch)], cwd=target, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_patch_past_the_cap_is_cut_at_a_line_and_marked_truncated(tmp_path):
+    env = tmp_path / "env"
+    env.mkdir()
+    line = "x" * 99 + "\n"
+    _write(env, {"a.txt": line * (MAX_PATCH_BYTES // 200), "b.txt": line * (MAX_PATCH_BYTES // 150)})
+    diff = unified_diff(None, tree_delta({}, env))
+    assert diff.truncated
+    assert len(diff.patch.encode()) <= MAX_PATCH_BYTES
+    assert diff.patch.startswith("diff --git a/a.txt b/a.txt\n") and diff.patch.endswith("\n")
+    assert "diff --git a/b.txt b/b.txt\n" in diff.patch
+
+
+# ---- applying the changes back -------------------------------------------------------------------
+
+def _uploaded(tmp_path: Path) -> tuple[Path, Path, dict[str, Entry]]:
+    folder = _project(tmp_path / "folder")
+    packed = pack_dir(folder)
+    env = tmp_path / "env"
+    env.mkdir()
+    extract(packed.tar, env)
+    return folder, env, packed.manifest
+
+
+def test_apply_delta_brings_the_changes_back(tmp_path):
+    folder, env, base = _uploaded(tmp_path)
+    (env / "src/app.py").write_text("print('patched')\n")
+    _write(env, {"created/one.txt": "1\n"})
+    (env / "run.sh").chmod(0o700)
+    shutil.rmtree(env / "docs")
+    (env / "src/link.md").unlink()
+    (env / "src/link.md").symlink_to("app.py")
+    delta = tree_delta(base, env)
+    report = apply_delta(folder, base, _checkpoint(delta), delta.tar)
+    assert report.refused == []
+    assert pack_dir(folder).manifest == pack_dir(env).manifest
+    assert not any(name.startswith(".toolq-apply") for name in os.listdir(folder / "src"))
+
+
+def test_apply_delta_refuses_what_changed_in_the_folder_meanwhile(tmp_path):
+    folder, env, base = _uploaded(tmp_path)
+    (env / "src/app.py").write_text("print('from the env')\n")
+    (env / "README.md").write_text("# env\n")
+    (env / "docs/a/b/deep.txt").unlink()
+    _write(env, {"notes.txt": "env notes\n"})
+    delta = tree_delta(base, env)
+    (folder / "src/app.py").write_text("print('the user edited me')\n")  # meanwhile, in the folder
+    (folder / "docs/a/b/deep.txt").write_text("user\n")
+    (folder / "notes.txt").write_text("the user's own notes\n")
+    report = apply_delta(folder, base, _checkpoint(delta), delta.tar)
+    assert sorted(report.refused) == [
+        ("docs/a/b/deep.txt", f"it changed in {folder} since the upload"),
+        ("notes.txt", f"it was created in {folder} since the upload"),
+        ("src/app.py", f"it changed in {folder} since the upload"),
+    ]
+    assert report.applied == ["README.md"]
+    assert (folder / "src/app.py").read_text() == "print('the user edited me')\n"
+    assert (folder / "notes.txt").read_text() == "the user's own notes\n"
+    assert (folder / "README.md").read_text() == "# env\n"
+    assert report.lines()[0].startswith("not applied: ")
+
+
+def test_apply_delta_never_writes_into_git_nor_through_a_symlink_in_the_folder(tmp_path):
+    folder, env, base = _uploaded(tmp_path)
+    _write(env, {".git/hooks/post-checkout": "#!/bin/sh\nrm -rf ~\n", "docs/a/b/more.txt": "more\n"})
+    delta = tree_delta(base, env)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.rmtree(folder / "docs/a")
+    (folder / "docs/a").symlink_to(outside)  # the user's folder changed: docs/a now leads out
+    report = apply_delta(folder, base, _checkpoint(delta), delta.tar)
+    refused = dict(report.refused)
+    assert refused[".git"] == "it is inside a `.git` directory"
+    assert refused["docs/a/b/more.txt"] == "it lies under a symlink or a file in the folder"
+    assert not (folder / ".git").exists() and list(outside.iterdir()) == []
+
+
+def test_apply_delta_refuses_a_link_that_leads_out_through_the_folders_own_links(tmp_path):
+    folder, env, base = _uploaded(tmp_path)
+    (folder / "here").symlink_to(".")
+    base = pack_dir(folder).manifest
+    env2 = tmp_path / "env2"
+    env2.mkdir()
+    extract(pack_dir(folder).tar, env2)
+    (env2 / "escape").symlink_to("here/..")  # alone it stays inside; through `here` it leaves
+    delta = tree_delta(base, env2)
+    report = apply_delta(folder, base, _checkpoint(delta), delta.tar)
+    assert report.refused == [("escape", f"the symlink leads outside {folder}")]
+    assert not (folder / "escape").is_symlink()
