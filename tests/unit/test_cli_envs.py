@@ -4,7 +4,6 @@ turn's end and `toolq envs` print. Pure: no Redis, no worker."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -18,8 +17,9 @@ from toolq.cli.envs import (
     parse_git,
     render_envs,
 )
-from toolq.core.environments import EnvironmentRecord, EnvSource, GitSource, TurnDiff
+from toolq.core.environments import Checkpoint, EnvironmentRecord, EnvSource, GitSource, TurnDiff
 from toolq.orchestrator.turn_events import TurnCompleted
+from toolq.workers.environments.archive import ApplyReport
 
 CHECKPOINT = "ab" * 32
 
@@ -123,29 +123,16 @@ def test_the_outcome_fields_name_the_environment_checkpoint_and_diff():
     assert diff_summary(DIFF) == f"checkpoint {CHECKPOINT[:12]}: 2 text files in the patch, 1 binary, 1 deleted"
 
 
-@dataclass
-class Refused:
-    path: str
-    reason: str
-
-
-@dataclass
-class Report:
-    added: list[str] = field(default_factory=list)
-    changed: list[str] = field(default_factory=list)
-    deleted: list[str] = field(default_factory=list)
-    refused: list[Refused] = field(default_factory=list)
-
-
 def test_apply_says_what_was_applied_in_one_line_and_lists_each_refused_file(tmp_path):
-    report = Report(added=["new.txt"], changed=["a.py", "b.py"],
-                    refused=[Refused("notes.md", "changed in the folder since the upload"),
-                             Refused("evil\x1b[2J", "a link")])
-    lines = apply_lines(tmp_path, report)
-    assert lines[0] == f"applied to {tmp_path}: 1 added, 2 changed, 0 deleted; 2 refused"
+    checkpoint = Checkpoint(base="00" * 32, added=["new.txt"], changed=["a.py", "b.py", "notes.md"], deleted=["old"])
+    report = ApplyReport(applied=["new.txt", "a.py", "b.py", "old"],
+                         refused=[("notes.md", "changed in the folder since the upload"), ("evil\x1b[2J", "a link")])
+    lines = apply_lines(tmp_path, report, checkpoint)
+    assert lines[0] == f"applied to {tmp_path}: 1 added, 2 changed, 1 deleted; 2 refused:"
     assert lines[1] == "  refused notes.md: changed in the folder since the upload"
-    assert "\x1b" not in lines[2] and lines[2].startswith("  refused evil")
-    assert apply_lines(tmp_path, Report()) == [f"applied to {tmp_path}: 0 added, 0 changed, 0 deleted"]
+    assert "\x1b" not in lines[2] and lines[2].startswith("  refused evil") and len(lines) == 3
+    assert apply_lines(tmp_path, ApplyReport(), Checkpoint(base="e")) == [
+        f"applied to {tmp_path}: 0 added, 0 changed, 0 deleted"]
 
 
 def record(env_id: str, **kw) -> EnvironmentRecord:

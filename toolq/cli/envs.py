@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from toolq.cli.status import render_json_lines
 from toolq.cli.terminal import printable
-from toolq.core.environments import BLOB_ID, EnvironmentRecord, GitSource, TurnDiff
+from toolq.core.environments import BLOB_ID, Checkpoint, EnvironmentRecord, GitSource, TurnDiff
 from toolq.core.errors import ConfigurationError
 from toolq.core.settings import Settings, workspace_problem
 
 if TYPE_CHECKING:
     from toolq.cli.run import LastMessageFile
     from toolq.cli.view import JsonView, LiveView
+    from toolq.workers.environments.archive import ApplyReport
 
 
 class ChoiceError(ValueError):
@@ -148,17 +149,17 @@ def diff_summary(diff: TurnDiff) -> str:
     return f"checkpoint {diff.checkpoint[:12]}: " + ", ".join(parts) + cut
 
 
-def apply_lines(folder: Path, report: Any) -> list[str]:
+def apply_lines(folder: Path, report: ApplyReport, checkpoint: Checkpoint) -> list[str]:
     """`--apply`'s report: one line of what was applied, then one line per refused file (changed
-    in the folder since the upload, or a path toolq does not write)."""
-    applied = {what: list(getattr(report, what, []) or []) for what in ("added", "changed", "deleted")}
-    refused = getattr(report, "refused", []) or []
-    counts = ", ".join(f"{len(paths)} {what}" for what, paths in applied.items())
-    lines = [f"applied to {folder}: {counts}" + (f"; {len(refused)} refused" if refused else "")]
-    for item in refused:
-        path, why = (item if isinstance(item, tuple) else (getattr(item, "path", item), getattr(item, "reason", "")))
-        lines.append(f"  refused {path}" + (f": {why}" if why else ""))
-    return [printable(line, lines=False) for line in lines]
+    in the folder since the upload, under .git, through a link)."""
+    applied = set(report.applied)
+    counts = [(len(applied & set(paths)), what) for paths, what in
+              ((checkpoint.added, "added"), (checkpoint.changed, "changed"), (checkpoint.deleted, "deleted"))]
+    line = f"applied to {folder}: " + ", ".join(f"{n} {what}" for n, what in counts)
+    if report.refused:
+        line += f"; {len(report.refused)} refused:"
+    lines = [line, *(f"  refused {path}: {reason}" for path, reason in report.refused)]
+    return [printable(one, lines=False) for one in lines]
 
 
 # ---- a turn in an environment: place it, then deliver what it changed ------------------------------
@@ -250,7 +251,7 @@ class Placed:
             report = await asyncio.to_thread(apply_delta, folder, self.manifest or {}, checkpoint, delta)
         except (ArchiveError, StoreError, ConfigurationError, OSError) as e:
             return [f"toolq run: nothing applied to {folder}: {e}"]
-        return apply_lines(folder, report)
+        return apply_lines(folder, report, checkpoint)
 
 
 #: Destroying the run's environment waits this long at most; the host's reaper does it otherwise.
