@@ -1,0 +1,209 @@
+"""Environments on real workers (issue 28): a folder uploaded to a worker host, a turn's changes as
+its diff, a host SIGKILLed between two turns and the conversation going on on the other host from
+its checkpoint, and a fork whose environments never see each other's writes.
+
+Two hosts are simulated by two workers with their own `TOOLQ_HOST_ID` and `TOOLQ_ENV_ROOT`, on a
+Redis of this module's own (so no other test's worker is a host placement could choose).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import TEST_TOOLS, catalog_of, settings_for
+from toolq.core.environments import host_key
+from toolq.dev.fake_model import builders as b
+from toolq.dev.fake_model.server import FakeModel
+from toolq.local.embedded import RedisServer
+from toolq.orchestrator.history import pairing_problems
+from toolq.orchestrator.turn import Runtime, Session
+
+pytestmark = pytest.mark.integration
+
+HOSTS = ("env-a", "env-b")
+
+
+@pytest.fixture(scope="module")
+def redis_env():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def hosts(redis_env, worker, tmp_path):
+    """Two worker hosts on this module's Redis: host id -> its worker. At the end, whatever a
+    killed host left mounted under the test's folder (its base cache, an overlay) is unmounted."""
+    started = {h: worker(["toolq"], concurrency=2, redis_url=redis_env.url, name=f"{h}@test",
+                         env={"TOOLQ_HOST_ID": h, "TOOLQ_ENV_ROOT": str(tmp_path / f"root-{h}")}) for h in HOSTS}
+    yield started
+    for w in started.values():  # stopped before their mounts go (the `worker` fixture's stop is then a no-op)
+        w.stop(grace=3)
+    unmount_under(tmp_path)
+
+
+def unmount_under(top: Path) -> None:
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for point in sorted((p for p in points if p.startswith(f"{top}/")), reverse=True):  # deepest first
+        subprocess.run(["umount", "-l", point], check=False, capture_output=True)
+
+
+def exec_call(call_id: str, cmd: str):
+    return b.function_call("exec_command", {"cmd": cmd, "yield_time_ms": 5000}, call_id)
+
+
+def output_of(body: dict, call_id: str) -> str:
+    (out,) = [i["output"] for i in body["input"] if i.get("type") == "function_call_output"
+              and i.get("call_id") == call_id]
+    return out if isinstance(out, str) else json.dumps(out)
+
+
+def uploaded(tmp_path: Path) -> Path:
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("hello from the upload\n")
+    return folder
+
+
+async def wait_hosts(runtime: Runtime, n: int) -> None:
+    """Until `n` hosts advertise environments (a worker's agent starts at `worker_ready`)."""
+    end = time.monotonic() + 30
+    while len(await runtime.fleet.environments.hosts()) < n:
+        assert time.monotonic() < end, "the hosts never advertised environments"
+        await asyncio.sleep(0.2)
+
+
+async def wait_gone(runtime: Runtime, host: str) -> None:
+    """Until the killed host's advert and its worker's catalog record have expired."""
+    r, end = runtime.fleet.ledger.r, time.monotonic() + 30
+    while await r.exists(host_key(host)) or any(
+            getattr(w, "env_host", None) == host for w in await runtime.fleet.dispatcher.fleet.workers()):
+        assert time.monotonic() < end, f"host {host} still advertised 30 s after its worker was killed"
+        await asyncio.sleep(0.3)
+
+
+def test_an_uploaded_folder_is_read_and_changed_on_a_worker_host_and_the_outcome_carries_the_diff(
+        redis_env, hosts, tmp_path):
+    """The command reads an uploaded file and writes one; the turn's diff names both, and the user's
+    folder is untouched (the environment lives on the host)."""
+    folder = uploaded(tmp_path)
+    script = [[exec_call("c1", "cat notes.txt && echo 'edited on the host' >> notes.txt && echo new > made.txt")],
+              [b.message("done")]]
+
+    async def go():
+        with FakeModel(script) as fake:
+            settings = settings_for(redis_env.url, fake, tmp_path / "unused", tools=[TEST_TOOLS])
+            runtime = await Runtime.create(settings, catalog=catalog_of([TEST_TOOLS]))
+            session = None
+            try:
+                await wait_hosts(runtime, 2)
+                session = Session(runtime, upload=folder)
+                events: list = []
+                outcome = await session.run_turn("go", lambda e: events.append(e.to_json()))
+                record = await runtime.fleet.environments.record(session.environment.id)
+                return outcome, fake.requests, events, record
+            finally:
+                if session is not None:
+                    await session.close()
+                await runtime.aclose()
+
+    outcome, requests, events, record = asyncio.run(asyncio.wait_for(go(), 120))
+    assert outcome.status == "completed", outcome.error
+    assert "hello from the upload" in output_of(requests[1], "c1")
+    assert outcome.environment == record.id and record.host in HOSTS and record.state == "ready"
+    diff = outcome.diff
+    assert diff is not None and diff.checkpoint == record.checkpoint
+    assert "b/notes.txt" in diff.patch and "+edited on the host" in diff.patch
+    assert "b/made.txt" in diff.patch and "+new" in diff.patch
+    completed = [e for e in events if e["type"] == "turn.completed"][-1]
+    assert completed["environment"] == record.id and completed["checkpoint"] == diff.checkpoint
+    assert "made.txt" in completed["diff"]["patch"]
+    assert (folder / "notes.txt").read_text() == "hello from the upload\n" and not (folder / "made.txt").exists()
+    for body in requests:
+        assert pairing_problems(body["input"]) == []
+
+
+def test_a_host_killed_between_two_turns_the_next_goes_on_on_the_other_host_from_the_checkpoint(
+        redis_env, hosts, tmp_path):
+    folder = uploaded(tmp_path)
+    script = {"by_prompt": {
+        "first": [[exec_call("c1", "echo 'turn one' > one.txt")], [b.message("wrote")]],
+        "second": [[exec_call("c2", "cat one.txt notes.txt")], [b.message("read")]],
+    }}
+
+    async def go():
+        with FakeModel(script) as fake:
+            settings = settings_for(redis_env.url, fake, tmp_path / "unused", tools=[TEST_TOOLS])
+            runtime = await Runtime.create(settings, catalog=catalog_of([TEST_TOOLS]))
+            session = None
+            try:
+                await wait_hosts(runtime, 2)
+                session = Session(runtime, upload=folder)
+                first = await session.run_turn("first")
+                assert first.status == "completed", first.error
+                doomed = session.environment.host
+                hosts[doomed].kill()  # SIGKILL: the machine dies, its environment with it
+                await wait_gone(runtime, doomed)
+                second = await session.run_turn("second")
+                return first, second, doomed, session.environment, fake.requests
+            finally:
+                if session is not None:
+                    await session.close()
+                await runtime.aclose()
+
+    first, second, doomed, env, requests = asyncio.run(asyncio.wait_for(go(), 180))
+    assert second.status == "completed", second.error
+    assert env.host != doomed and env.host in HOSTS
+    out = output_of(requests[-1], "c2")
+    assert "turn one" in out and "hello from the upload" in out  # the checkpoint's files and the upload's
+    notes = [i for i in requests[-2]["input"] if i.get("type") == "message" and i.get("role") == "developer"]
+    assert len(notes) == 1 and re.search(r"lost.*running.*checkpoint", json.dumps(notes[0]), re.S)
+    assert first.diff is not None and env.start == first.diff.checkpoint
+    for body in requests:
+        assert pairing_problems(body["input"]) == []
+
+
+def test_fork_gives_environments_with_the_checkpoints_files_that_never_see_each_others_writes(
+        redis_env, hosts, tmp_path):
+    folder = uploaded(tmp_path)
+
+    def call(call_id: str, cmd: str) -> dict:
+        return {"type": "function_call", "call_id": call_id, "name": "exec_command",
+                "arguments": json.dumps({"cmd": cmd, "yield_time_ms": 5000})}
+
+    async def go():
+        with FakeModel([]) as fake:  # no model here: the calls are run as an own agent loop would
+            settings = settings_for(redis_env.url, fake, tmp_path / "unused", tools=[TEST_TOOLS])
+            runtime = await Runtime.create(settings, catalog=catalog_of([TEST_TOOLS]))
+        fleet = runtime.fleet
+        try:
+            await wait_hosts(runtime, 2)
+            async with fleet.environment(upload=folder) as env:
+                await fleet.run_calls([call("seed", "echo seeded > seed.txt")], environment=env)
+                forks = await env.fork(4)
+                try:
+                    assert len({f.id for f in forks}) == 4 and len({f.record.host for f in forks}) == 1
+                    await asyncio.gather(*(fleet.run_calls([call(f"w{i}", f"echo {i} > fork{i}.txt")],
+                                                           environment=f) for i, f in enumerate(forks)))
+                    seen = [await fleet.run_calls([call(f"ls{i}", "ls; cat seed.txt")], environment=f)
+                            for i, f in enumerate(forks)]
+                finally:
+                    await asyncio.gather(*(f.destroy() for f in forks))
+                records = {r.id: r.state for r in await fleet.environments.records()}
+            return seen, [f.id for f in forks], records
+        finally:
+            await runtime.aclose()
+
+    seen, ids, records = asyncio.run(asyncio.wait_for(go(), 180))
+    for i, (out,) in enumerate(seen):
+        text = out["output"]
+        assert "seeded" in text and "notes.txt" in text and f"fork{i}.txt" in text
+        assert [f"fork{j}.txt" for j in range(4) if j != i and f"fork{j}.txt" in text] == []
+    assert all(records[i] == "destroyed" for i in ids)
