@@ -3,12 +3,16 @@ checkpoints, its end, and the reaper.
 
 Layout under the host's root (`TOOLQ_ENV_ROOT`), shared by every worker process of the machine:
 
-    bases/<base id>/tree           a base unpacked once (`archive.extract`), read-only; manifest.json beside it
+    bases/<base id>/tree           a base unpacked once (`archive.extract`); manifest.json beside it
     envs/<env id>/upper,work,merged   overlay mode: the environment's writes over the base (`merged` is its workspace)
     envs/<env id>/tree             copy mode: a copy of the base (no hard link reaches a base file)
     envs/<env id>/env.json         mode and base, written last: an environment without it is half-made
     locks/                         flock files: a base is unpacked once, an environment made or ended once
     git/<hash of url>/             bare clones of git sources (made outside any sandbox, hooks off)
+
+A base is read-only to every command: overlayfs never writes to its lower layer, a copy is a
+copy, and no sandbox binds the host's root (a command sees its environment's workspace only). A
+read-only bind of each base was tried and dropped: it outlived the workers as a mount per base.
 
 What a command wrote is hostile data (the security rule): the host never follows a link in an
 environment (checkpoints read by fd, removal by `shutil.rmtree`'s fd walk, a checkpoint laid over
@@ -402,17 +406,6 @@ class EnvHost:
         return sorted(p.name for p in (self.root / "bases").iterdir()
                       if not p.name.startswith(".") and (p / "manifest.json").exists())
 
-    def _read_only_base(self, tree: Path) -> None:
-        """Overlay mode: the base tree becomes a read-only bind of itself, so nothing (not the
-        worker's own code by mistake) writes into a cache every environment of the base reads."""
-        if str(tree) in _mount_points():
-            return
-        try:
-            _mount("--bind", str(tree), str(tree))
-            _mount("-o", "remount,bind,ro", str(tree))
-        except (OSError, subprocess.SubprocessError) as e:
-            log.warning("base %s stays writable by the worker: %s", tree.parent.name, e)
-
     # --- sizes and the cap ---
 
     def env_bytes(self, env_id: str, *, fresh: bool = False) -> int:
@@ -461,7 +454,6 @@ class EnvHost:
             d.mkdir(mode=0o700)
             try:
                 if self.mode == "overlay":
-                    self._read_only_base(base_dir / "tree")
                     for sub in ("upper", "work", "merged"):
                         (d / sub).mkdir(mode=0o755)
                     _mount("-t", "overlay", "overlay", "-o",
