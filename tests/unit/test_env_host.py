@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,10 +16,12 @@ import pytest
 import redis
 
 from toolq.core.environments import (
+    BLOB_ID,
     EMPTY_BASE,
     Checkpoint,
     EnvironmentRecord,
     EnvSource,
+    GitSource,
     env_key,
     host_envs_key,
     new_environment_id,
@@ -123,8 +126,6 @@ def test_an_environment_from_an_upload_is_the_folder_and_its_checkpoint_carries_
 @pytest.mark.parametrize("mode", MODES)
 def test_destroy_kills_what_runs_inside_unmounts_and_leaves_nothing(
         tmp_path: Path, store: RedisStore, r: redis.Redis, hosts: list[EnvHost], mode: str) -> None:
-    import subprocess
-
     h = make_host(hosts, tmp_path / "root", store, r, mode)
     rec = record(r, EMPTY_BASE)
     h.create(rec)
@@ -174,3 +175,39 @@ def test_the_reaper_ends_environments_whose_owner_is_gone_or_idle_also_after_a_r
     again = make_host(hosts, tmp_path / "root", store, r, mode)
     assert again.reap() == [kept.id]
     assert again.env_ids() == [] and not any(p.startswith(str(tmp_path / "root" / "envs")) for p in _mount_points())
+
+
+def git(*args: str, cwd: Path) -> str:
+    env = {"GIT_CONFIG_NOSYSTEM": "1", "HOME": str(cwd), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", "PATH": os.environ["PATH"]}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout
+
+
+def test_a_git_source_is_cloned_on_the_host_cached_by_commit_and_becomes_the_base(
+        tmp_path: Path, store: RedisStore, r: redis.Redis, hosts: list[EnvHost]) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git("init", "-q", "-b", "main", cwd=repo)
+    (repo / "app.py").write_text("v1\n")
+    # A hook the clone must never run (hooks are off on the host: core.hooksPath=/dev/null).
+    (repo / ".git" / "hooks" / "post-checkout").write_text(f"#!/bin/sh\ntouch {tmp_path}/hook-ran\n")
+    (repo / ".git" / "hooks" / "post-checkout").chmod(0o755)
+    git("add", "app.py", cwd=repo)
+    git("commit", "-q", "-m", "one", cwd=repo)
+    h = make_host(hosts, tmp_path / "root", store, r, "copy")
+    source = GitSource(url=str(repo), ref="main")
+    rec = EnvironmentRecord(id=new_environment_id(), host="h1", source=EnvSource(kind="git", git=source), base="",
+                            owner="owner:git")
+    h.create(rec)
+    assert BLOB_ID.match(rec.base) and (h.path(rec.id) / "app.py").read_text() == "v1\n"
+    assert not (h.path(rec.id) / ".git").exists() and not (tmp_path / "hook-ran").exists()
+    assert h.git_base(source) == rec.base  # the same commit: the cached base
+
+    (repo / "app.py").write_text("v2\n")
+    git("commit", "-q", "-am", "two", cwd=repo)
+    newer = h.git_base(source)  # fetched into the host's bare clone
+    assert newer != rec.base and b"v2" in store.get(newer)
+    with pytest.raises(EnvError, match="neither may start with '-'"):
+        h.git_base(GitSource(url=str(repo), ref="--upload-pack=touch /tmp/x"))
+    with pytest.raises(EnvError, match="git source"):
+        h.git_base(GitSource(url=str(repo), ref="no-such-branch"))

@@ -65,8 +65,9 @@ log = logging.getLogger("toolq.worker.environments")
 ENV_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
 MB = 1024 * 1024
 _MNT_DETACH = 2
-#: How long a computed size of an environment is reused before it is walked again.
-SIZE_FRESH = 5.0
+#: How long a computed size of an environment is reused before it is walked again (the advert and
+#: the cap read it every few seconds; a create and a checkpoint walk their own environment afresh).
+SIZE_FRESH = 30.0
 #: git may take this long to clone or fetch a source (the request's deadline bounds it too).
 GIT_TIMEOUT = 600.0
 
@@ -568,13 +569,15 @@ class EnvHost:
         now = time.time() if now is None else now
         ids = set(self.env_ids()) | {i.decode() if isinstance(i, bytes) else str(i)
                                       for i in self.r.smembers(host_envs_key(self.host))}
+        ids = {i for i in ids if ENV_ID.match(i)}
+        order = sorted(ids)
+        raws = [_bytes(raw) for raw in self.r.mget([env_key(i) for i in order])] if order else []
+        records = dict(zip(order, (_record(raw) for raw in raws), strict=True))
+        owners = sorted({rec.owner for rec in records.values() if rec is not None})
+        alive = dict(zip(owners, self._exist(owners), strict=True))
         done = []
-        for env_id in sorted(ids):
-            if not ENV_ID.match(env_id):
-                self.r.srem(host_envs_key(self.host), env_id)
-                continue
-            raw = _bytes(self.r.get(env_key(env_id)))
-            why = self._reason_to_end(raw, now)
+        for env_id, raw in zip(order, raws, strict=True):
+            why = self._reason_to_end(raw, records[env_id], alive, now)
             if why is None:
                 continue
             if self.destroy(env_id):
@@ -585,18 +588,24 @@ class EnvHost:
             done.append(env_id)
         return done
 
-    def _reason_to_end(self, raw: bytes | None, now: float) -> str | None:
+    def _exist(self, names: list[str]) -> list[bool]:
+        assert self.r is not None
+        with self.r.pipeline(transaction=False) as p:
+            for name in names:
+                p.exists(name)
+            return [bool(n) for n in p.execute()]
+
+    def _reason_to_end(self, raw: bytes | None, rec: EnvironmentRecord | None, alive: dict[str, bool],
+                       now: float) -> str | None:
         if raw is None:
             return "its record is gone"
-        try:
-            rec = EnvironmentRecord.model_validate_json(raw)
-        except ValueError:
+        if rec is None:
             return "its record is unreadable"
         if rec.host != self.host:
             return "it is placed on another host"
         if rec.state in ("destroyed", "destroying", "lost", "failed"):
             return f"it is {rec.state}"
-        if not self.r or not self.r.exists(rec.owner):
+        if not alive.get(rec.owner):
             return f"its owner {rec.owner} is gone"
         if rec.state == "creating":
             return None  # its create request is on its way, or running now
@@ -687,6 +696,13 @@ return 1
 
 def update_record(r: redis.Redis, env_id: str, **fields: Any) -> int:
     return int(r.eval(_UPDATE, 1, env_key(env_id), json.dumps(fields)))
+
+
+def _record(raw: bytes | None) -> EnvironmentRecord | None:
+    try:
+        return EnvironmentRecord.model_validate_json(raw) if raw is not None else None
+    except ValueError:
+        return None
 
 
 def _bytes(value: Any) -> bytes | None:
