@@ -84,7 +84,7 @@ async def wait_gone(runtime: Runtime, host: str) -> None:
     """Until the killed host's advert and its worker's catalog record have expired."""
     r, end = runtime.fleet.ledger.r, time.monotonic() + 30
     while await r.exists(host_key(host)) or any(
-            getattr(w, "env_host", None) == host for w in await runtime.fleet.dispatcher.fleet.workers()):
+            w.env_host == host for w in await runtime.fleet.dispatcher.fleet.workers()):
         assert time.monotonic() < end, f"host {host} still advertised 30 s after its worker was killed"
         await asyncio.sleep(0.3)
 

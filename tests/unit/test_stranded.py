@@ -50,7 +50,8 @@ class FakeFleet:
         self.departed_at = float("-inf")
 
     async def snapshot(self, max_age=None):
-        return SimpleNamespace(workers=[SimpleNamespace(hostname=h, instance=f"inst-{h}") for h in self.hostnames])
+        return SimpleNamespace(workers=[SimpleNamespace(hostname=h, instance=f"inst-{h}", env_host=None)
+                                        for h in self.hostnames])
 
 
 class FakeDispatcher:

@@ -49,6 +49,7 @@ from toolq.core.errors import ConfigurationError
 from toolq.core.session_records import conversation_key
 from toolq.core.settings import Settings
 from toolq.core.signing import Signer
+from toolq.orchestrator.transport.catalog_reader import FleetCatalog
 from toolq.orchestrator.transport.conversation import ConversationLease
 from toolq.workers.redis_clients import dedicated_pool
 
@@ -65,8 +66,6 @@ CREATE_TIMEOUT = 300.0
 REQUEST_TIMEOUT = 120.0
 #: A destroyed or lost record stays listed this long (`toolq envs` shows what happened), then goes.
 GONE_RECORD_TTL = 86_400
-#: How a record's key pattern matches every host's advert.
-_HOSTS_PATTERN = host_key("*")
 
 ONE_SOURCE = "an environment comes from one source: upload, git or checkpoint, not several"
 EnvOp = Literal["create", "checkpoint", "destroy"]
@@ -155,8 +154,11 @@ def parse_git(spec: str) -> GitSource:
 class Environments:
     """Every environment this process makes or reaches, on the fleet's Redis and workspace store."""
 
-    def __init__(self, r: aioredis.Redis, settings: Settings, signer: Signer | None) -> None:
+    def __init__(self, r: aioredis.Redis, settings: Settings, signer: Signer | None,
+                 catalog: FleetCatalog | None = None) -> None:
         self.r, self.settings, self.signer = r, settings, signer
+        self.catalog = catalog or FleetCatalog(r)
+        """Where the hosts are found: each live worker names the host it serves environments of."""
         self._store: BlobStore | None = None
 
     async def store(self) -> BlobStore:
@@ -222,9 +224,10 @@ class Environments:
     # --- hosts -----------------------------------------------------------------------------------
 
     async def hosts(self) -> list[HostAdvert]:
-        """Every live host's advert (an expired one is a host gone)."""
-        names = [k async for k in self.r.scan_iter(match=_HOSTS_PATTERN, count=500)]
-        raws = await self.r.mget(names) if names else []
+        """Every live host's advert (an expired one is a host gone). The hosts are named by the live
+        workers' records (no scan of the keyspace); a host is live while its own advert is."""
+        names = sorted({w.env_host for w in (await self.catalog.snapshot()).workers if w.env_host})
+        raws = await self.r.mget([host_key(h) for h in names]) if names else []
         out = []
         for raw in raws:
             if raw is None:

@@ -95,7 +95,7 @@ class Fleet:
 
         self.mcp_tools = FleetMcpTools(self.registry, dispatcher.fleet)
         # --- end of the MCP hook
-        self.environments = Environments(ledger.r, settings, dispatcher.signer)
+        self.environments = Environments(ledger.r, settings, dispatcher.signer, dispatcher.fleet)
         """Workspaces placed on worker hosts (issue 28): uploads, creation, checkpoints, forks."""
 
     async def follow_fleet_tools(self) -> int:

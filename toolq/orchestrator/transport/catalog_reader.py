@@ -48,7 +48,7 @@ class FleetSnapshot:
     def servers(self, spec: ToolSpec, host: str | None = None) -> list[WorkerAdvert]:
         """Live workers serving the declaration; with `host`, only those on that environment host."""
         return [w for w in self.workers if w.serves(spec.tool_name, spec.digest())
-                and (host is None or getattr(w, "env_host", None) == host)]
+                and (host is None or w.env_host == host)]
 
     def other_declarations(self, spec: ToolSpec) -> list[WorkerAdvert]:
         """Live workers that serve a tool of this name with another declaration (another version)."""

@@ -102,7 +102,7 @@ class StrandedCalls:
         # Only calls not started since: a running one is the lost-worker watchdog's.
         due = {t: w for t, w in self._waiting.items() if now - w.queued_at >= self.after and w.unstarted}
         self._end_orphaned_writes(due, {w.instance for w in snapshot.workers})
-        await self._end_unhosted(due, {getattr(w, "env_host", None) for w in snapshot.workers})
+        await self._end_unhosted(due, {w.env_host for w in snapshot.workers})
         # writes: only their session's worker; a call of an environment whose host is gone: answered
         due = {t: w for t, w in due.items() if w.watch.session is None and not w.watch.done.done()}
         taken = {t: tag for t, tag in (await self.dispatcher.taken()).items() if t in due}
