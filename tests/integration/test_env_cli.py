@@ -291,3 +291,47 @@ def test_envs_lists_an_environment_and_rm_destroys_it(redis_env, host, user_side
     unknown = toolq("envs", "rm", "env_nosuchthing", env=env)
     assert unknown.returncode == 2 and unknown.stderr == (
         "toolq envs rm: no environment env_nosuchthing (`toolq envs` lists them)\n")
+
+
+def test_batch_forks_four_environments_from_one_checkpoint_each_its_own_and_each_destroyed(
+        redis_env, host, user_side, tmp_path):
+    """A run leaves a checkpoint; a batch line `"from": it, "fork": 4` runs four turns, each in its
+    own environment made from it: each sees the checkpoint's files, writes its own file no other
+    sees, and gets its own result line (`fork` 0..3, its environment, checkpoint and diff); every
+    environment is destroyed when its turn ends."""
+    folder = project(user_side, "forked")
+    wait_host(redis_env.url)
+    script = {"by_prompt": {
+        "seed": [[exec_call("c_seed", "echo seeded > state.txt")], [b.message("seeded")]],
+        "fork it": [[exec_call("c_fork", "cat state.txt; ls; cat /proc/sys/kernel/random/uuid > mine.txt")],
+                    [b.message("forked")]]}}
+    with FakeModel(script) as fake:
+        env = cli_env(redis_env.url, fake)
+        seeded = toolq("run", "--upload", str(folder), "--json", "seed", env=env)
+        assert seeded.returncode == 0, seeded.stderr
+        checkpoint = [e for e in events_of(seeded.stdout) if e["type"] == "turn.completed"][-1]["checkpoint"]
+        lines = tmp_path / "batch.jsonl"
+        lines.write_text(json.dumps({"prompt": "fork it", "from": checkpoint, "fork": 4, "id": "group-1"}) + "\n")
+        out = tmp_path / "results.jsonl"
+        done = toolq("batch", str(lines), "--out", str(out), "--concurrency", "4", env=env)
+        fork_requests = [body for body in fake.requests if any(
+            i.get("call_id") == "c_fork" and i.get("type") == "function_call_output" for i in body["input"])]
+    assert done.returncode == 0, done.stderr
+    results = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["fork"])
+    assert [r["fork"] for r in results] == [0, 1, 2, 3] and all(r["status"] == "completed" for r in results)
+    assert all(r["id"] == "group-1" and r["line"] == 1 for r in results)
+    assert len({r["environment"] for r in results}) == 4 and len({r["key"] for r in results}) == 4
+    mine = []
+    for r in results:
+        patch = r["diff"]["patch"]
+        assert r["checkpoint"] == r["diff"]["checkpoint"] and r["checkpoint"] != checkpoint
+        assert "+seeded" in patch and patch.count("+++ b/mine.txt") == 1, patch  # the checkpoint's file, and its own
+        mine.append(patch.split("+++ b/mine.txt", 1)[1].split("\n+", 1)[1].split("\n", 1)[0])
+    assert len(set(mine)) == 4  # four environments, four different files
+    assert len(fork_requests) == 4
+    for body in fork_requests:  # each saw the checkpoint's file, and no other fork's
+        seen = output_of(body, "c_fork")
+        assert "seeded" in seen and "notes.txt" in seen and "mine.txt" not in seen, seen
+    listed = [json.loads(line) for line in toolq("envs", "--json", env=cli_env(redis_env.url)).stdout.splitlines()]
+    states = {r["id"]: r["state"] for r in listed}
+    assert [states.get(r["environment"]) for r in results] == ["destroyed"] * 4, states

@@ -158,3 +158,53 @@ def test_envs_lists_id_host_source_size_age_owner_state():
 def test_a_shared_workspace_turns_completed_event_keeps_its_fields():
     event = TurnCompleted(turn_id="turn-1", usage={"input_tokens": 3}).to_json()
     assert sorted(event) == ["timestamp", "turn_id", "type", "usage"]
+
+
+# ---- `toolq batch` lines with an environment ------------------------------------------------------
+
+def entries_of(*lines: dict | str):
+    from toolq.cli.batch import read_entries
+
+    return read_entries([line if isinstance(line, str) else json.dumps(line) for line in lines])
+
+
+def test_a_batch_line_takes_one_source_and_fork_only_with_from(tmp_path):
+    (tmp_path / "f").write_text("x")
+    bad = entries_of({"prompt": "p", "upload": str(tmp_path), "workspace": str(tmp_path)},
+                     {"prompt": "p", "git": {"url": "git://h/r"}, "from": CHECKPOINT},
+                     {"prompt": "p", "fork": 2},
+                     {"prompt": "p", "from": "nope"},
+                     {"prompt": "p", "from": CHECKPOINT, "fork": 0},
+                     {"prompt": "p", "upload": str(tmp_path / "f")},
+                     {"prompt": "p", "git": {"url": "-x"}},
+                     {"prompt": "p", "environment": "mine"})
+    said = [e.problem for e in bad]
+    assert all(e.turn is None for e in bad) and said[0] == 'line 1: the line: "workspace" and "upload" are exclusive: give one'
+    assert said[1] == 'line 2: the line: "git" and "from" are exclusive: give one'
+    assert said[2] == 'line 3: the line: "fork" needs "from" (N environments forked from that checkpoint)'
+    assert said[3].startswith('line 4: the line: "from" takes a checkpoint id (64 hex digits')
+    assert said[4].startswith("line 5: fork: ") and said[5] == f"line 6: upload {tmp_path / 'f'}: not a folder"
+    assert said[6].startswith("line 7: ") and "may not start with '-'" in said[6]
+    assert "would overwrite toolq's own in the result" in said[7]
+
+
+def test_a_forked_line_is_n_turns_each_with_its_own_key_and_the_sources_are_read():
+    (one, *forks) = entries_of({"prompt": "p", "git": {"url": "git://h/r", "ref": "v1"}, "id": 7},
+                               {"prompt": "q", "from": CHECKPOINT, "fork": 3, "id": 8})
+    assert one.turn is not None and one.turn.git == GitSource(url="git://h/r", ref="v1") and one.fork is None
+    assert one.extras == {"id": 7} and one.turn.environment.label == "git://h/r@v1"
+    assert [e.fork for e in forks] == [0, 1, 2] and len({e.key for e in forks}) == 3
+    assert all(e.number == 2 and e.key.endswith(f"#{e.fork}") and e.extras == {"id": 8} for e in forks)
+    assert forks[0].turn.from_ == CHECKPOINT and forks[0].turn.environment.checkpoint == CHECKPOINT
+
+
+def test_a_batch_result_carries_the_environment_only_when_it_has_one():
+    from toolq.cli.batch import BatchResult
+
+    plain = json.loads(BatchResult(key="1:a", line=1, status="completed").model_dump_json())
+    assert not {"fork", "environment", "checkpoint", "diff"} & set(plain)
+    forked = json.loads(BatchResult(key="1:a#2", line=1, status="completed", fork=2,
+                                    **diff_fields("env_1", DIFF)).model_dump_json())
+    assert forked["fork"] == 2 and forked["environment"] == "env_1" and forked["checkpoint"] == CHECKPOINT
+    assert forked["diff"]["binary"] == ["logo.png"] and forked["diff"]["patch"] == DIFF.patch
+    assert BatchResult.model_validate_json(json.dumps(forked)).fork == 2  # a re-run reads it back

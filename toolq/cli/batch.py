@@ -43,13 +43,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from toolq.cli.batch_progress import Progress, ended_call
+from toolq.cli.envs import (
+    ChoiceError,
+    EnvChoice,
+    check_git,
+    diff_fields,
+    environment_instructions,
+    named_workspace,
+    parse_checkpoint,
+)
 from toolq.cli.exits import EXIT_CANCELLED, EXIT_FAILED
 from toolq.cli.run import CANCEL_SIGNALS, default_instructions, with_redis
 from toolq.cli.terminal import printable
 from toolq.core import trusted_files, untrusted
+from toolq.core.environments import GitSource, TurnDiff
 from toolq.core.errors import ConfigurationError, problems
 from toolq.core.settings import Settings, absolute_workspace, workspace_problem
 from toolq.local.starting import WorkersStarting
@@ -80,15 +98,58 @@ STUCK_AFTER = 30.0
 CLEANUP_GRACE = 5.0
 
 
+#: The most environments one line may fork ("fork": N).
+MAX_FORK = 256
+
+
 class BatchLine(BaseModel):
     """One input line: a turn to run. Other fields pass through to the result (`Entry.extras`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     prompt: str = Field(min_length=1)
     workspace: Path | None = None
     """Where its tools work (default: `--workspace`, or the current directory)."""
     instructions: str | None = None
+    upload: Path | None = None
+    """The turn runs in an environment on a worker host made from a copy of this folder (issue 28)."""
+    git: GitSource | None = None
+    """... cloned from `{"url": ..., "ref": ...}` on the host."""
+    from_: str | None = Field(default=None, alias="from")
+    """... made from an earlier turn's checkpoint."""
+    fork: int | None = Field(default=None, ge=1, le=MAX_FORK)
+    """With "from": N turns of the line, each in its own environment forked from the checkpoint."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> BatchLine:
+        given = [f'"{k}"' for k, v in (("workspace", self.workspace), ("upload", self.upload), ("git", self.git),
+                                       ("from", self.from_)) if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} are exclusive: give one")
+        if self.fork is not None and self.from_ is None:
+            raise ValueError('"fork" needs "from" (N environments forked from that checkpoint)')
+        try:
+            if self.from_ is not None:
+                self.from_ = parse_checkpoint(self.from_)
+            if self.git is not None:
+                check_git(self.git)
+        except ChoiceError as e:
+            raise ValueError(str(e).replace("--from", '"from"').replace("--git", '"git"')) from None
+        return self
+
+    @property
+    def environment(self) -> EnvChoice | None:
+        if self.upload is None and self.git is None and self.from_ is None:
+            return None
+        return EnvChoice(upload=self.upload, git=self.git, checkpoint=self.from_)
+
+
+#: The input's own names (an alias where the wire's name is a Python keyword: "from").
+LINE_FIELDS = frozenset(f.alias or name for name, f in BatchLine.model_fields.items())
+
+
+#: Written only when set (`BatchResult`'s serializer).
+ENV_RESULT_FIELDS = frozenset({"fork", "environment", "checkpoint", "diff"})
 
 
 class BatchResult(BaseModel):
@@ -115,15 +176,30 @@ class BatchResult(BaseModel):
     """With `--transcripts DIR`: the JSONL file of the turn's whole history, one item per line."""
     started: bool = True
     """False: the turn never reached the fleet (Redis away), so a re-run runs it again."""
+    fork: int | None = None
+    """A forked line's turn: which of its N (from 0)."""
+    environment: str | None = None
+    """The environment the turn ran in (an "upload", "git" or "from" line)."""
+    checkpoint: str | None = None
+    """The checkpoint taken at the turn's end: a later line's "from"."""
+    diff: TurnDiff | None = None
+    """What the turn changed: a unified diff of text files, binary and deleted files."""
+
+    @model_serializer(mode="wrap")
+    def _without_unset_environment(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A line of the shared workspace reads as it always did: no environment fields at all."""
+        return {k: v for k, v in handler(self).items() if not (k in ENV_RESULT_FIELDS and v is None)}
 
 
 #: An input field with one of these names would overwrite toolq's own in the result: refused.
-RESERVED = frozenset(BatchResult.model_fields) - frozenset(BatchLine.model_fields)
+RESERVED = frozenset(BatchResult.model_fields) - LINE_FIELDS
 
 
 class Entry(BaseModel):
     number: int
     key: str
+    fork: int | None = None
+    """Which of a forked line's turns (its key ends in `#<fork>`)."""
     turn: BatchLine | None = None
     problem: str | None = None
     """Why the line cannot run (then `turn` is None)."""
@@ -158,7 +234,11 @@ def read_entries(lines: Iterable[str]) -> list[Entry]:
     for number, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
-        entries.append(parse_line(number, raw))
+        entry = parse_line(number, raw)
+        if entry.turn is not None and entry.turn.fork is not None:  # N turns, each known by its own key
+            entries += [entry.model_copy(update={"key": f"{entry.key}#{k}", "fork": k}) for k in range(entry.turn.fork)]
+        else:
+            entries.append(entry)
     return entries
 
 
@@ -172,7 +252,7 @@ def parse_line(number: int, raw: str) -> Entry:
         data = json.loads(raw)
     except ValueError:
         data = None  # pydantic names the problem below
-    extras = {k: v for k, v in data.items() if k not in BatchLine.model_fields} if isinstance(data, dict) else {}
+    extras = {k: v for k, v in data.items() if k not in LINE_FIELDS} if isinstance(data, dict) else {}
     if (bad := untrusted.first_surrogate(extras)) is not None:  # no result could carry it back
         return Entry(number=number, key=key, problem=f"line {number}: {untrusted.describe_surrogate(bad)}")
     if clash := sorted(k for k in extras if k in RESERVED):
@@ -189,6 +269,11 @@ def parse_line(number: int, raw: str) -> Entry:
         turn.workspace = absolute_workspace(turn.workspace)
         if problem := workspace_problem(turn.workspace):
             return Entry(number=number, key=key, extras=extras, problem=f"line {number}: {problem}")
+    if turn.upload is not None:
+        turn.upload = absolute_workspace(turn.upload)
+        if not turn.upload.is_dir():
+            return Entry(number=number, key=key, extras=extras,
+                         problem=f"line {number}: upload {turn.upload}: not a folder")
     return Entry(number=number, key=key, turn=turn, extras=extras)
 
 
@@ -382,9 +467,15 @@ class Batch:
             return
         line = lane.line
         workspace = line.workspace or self.settings.workspace
-        instructions = line.instructions or self.settings.instructions or default_instructions(
-            self.settings.model_copy(update={"workspace": workspace}))
-        session = lane.session = Session(self.rt, instructions=instructions, workspace=workspace)
+        environment = line.environment
+        instructions = line.instructions or self.settings.instructions or (
+            environment_instructions(environment) if environment is not None else
+            default_instructions(self.settings.model_copy(update={"workspace": workspace})))
+        # A line's environment is its turn's own (made at the turn's start, owned by its conversation)
+        # and destroyed when the turn's session closes.
+        session = lane.session = Session(self.rt, instructions=instructions,
+                                         workspace=named_workspace(workspace) if environment else workspace,
+                                         upload=line.upload, git=line.git, from_checkpoint=line.from_)
 
         def heard(event: Any) -> None:
             failed = ended_call(event)
@@ -411,7 +502,8 @@ class Batch:
                                       error=f"toolq failed: {type(e).__name__}: {e}")
             status = outcome.status if outcome.status != "running" else "failed"  # an ended turn is no success
             self._write_lane(lane, status, error=outcome.error, final_message=outcome.final_message,
-                             usage=outcome.usage.model_dump(), started=not outcome.could_not_start)
+                             usage=outcome.usage.model_dump(), started=not outcome.could_not_start,
+                             changes=diff_fields(outcome.environment, outcome.diff))
         finally:
             # Not when a task that never ended is destroyed with the loop at exit (no loop to close
             # it on): its conversation's key then expires by itself.
@@ -428,7 +520,7 @@ class Batch:
 
     def _write_lane(self, lane: Lane, status: Status, *, error: str | None = None,
                     final_message: str | None = None, usage: dict[str, int] | None = None,
-                    started: bool = True) -> None:
+                    started: bool = True, changes: dict[str, Any] | None = None) -> None:
         """The lane's one result (a second call does nothing), its transcript, and the lane let go."""
         if lane.written:
             return
@@ -444,7 +536,7 @@ class Batch:
                 final_message=final_message if final_message is not None else lane.final_message,
                 usage=usage if usage is not None else lane.usage, error=error, calls=lane.calls,
                 failed_calls=lane.failed_calls, duration=round(time.monotonic() - lane.started, 3),
-                transcript=transcript, started=started, **entry.extras))
+                transcript=transcript, started=started, fork=entry.fork, **(changes or {}), **entry.extras))
         except Exception as e:  # a full disk, an unwritable value: said once, the batch goes on and exits 1
             self.unwritten += 1
             self._say(f"could not write the result of line {entry.number} ({lane.turn_id}): {type(e).__name__}: {e}")
@@ -599,8 +691,6 @@ def run_batch(settings: Settings, path: Path, out: Path | None, *, concurrency: 
     `out` None: results go to `results_to` (`--out -`), and nothing is skipped."""
     if not path.is_file():
         raise ConfigurationError(f"batch file {path} is not a file")
-    if problem := workspace_problem(settings.workspace):
-        raise ConfigurationError(problem)
     if out is not None and not out.parent.is_dir():
         raise ConfigurationError(f"the folder of --out {out} does not exist")
     if transcripts is not None:
@@ -608,6 +698,10 @@ def run_batch(settings: Settings, path: Path, out: Path | None, *, concurrency: 
         if not transcripts.parent.is_dir() or (transcripts.exists() and not transcripts.is_dir()):
             raise ConfigurationError(f"--transcripts {transcripts} is not a folder (its parent must exist)")
     entries = read_entries(read_lines(path))
+    # The default workspace only where a line runs in it (not in a workspace or environment of its own).
+    if any(e.turn is None or (e.turn.workspace is None and e.turn.environment is None) for e in entries) and \
+            (problem := workspace_problem(settings.workspace)):
+        raise ConfigurationError(problem)
     workspaces = [settings.workspace, *(e.turn.workspace for e in entries if e.turn and e.turn.workspace)]
     if out is not None:
         trusted_files.refuse_inside(out, workspaces, OUT)

@@ -70,17 +70,21 @@ def parse_git(spec: str) -> GitSource:
         whole = ("/" in left.split("://", 1)[1]) if "://" in left else (":" in left or left.startswith(("/", ".")))
         if right and ":" not in right and whole:
             url, ref = left, right
-    if not url:
+    return check_git(GitSource(url=url, ref=ref))
+
+
+def check_git(git: GitSource) -> GitSource:
+    """Never an option to git, nor a line break in a record (the host runs git with them as arguments)."""
+    if not git.url:
         raise ChoiceError("--git needs a repository URL, as URL or URL@REF")
-    # Never an option to git, nor a line break in a record (the host runs git with them as arguments).
-    for what, value in (("URL", url), ("ref", ref)):
+    for what, value in (("URL", git.url), ("ref", git.ref)):
         if value.startswith("-"):
             raise ChoiceError(f"--git: a {what} may not start with '-': {value!r}")
         if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in value):
             raise ChoiceError(f"--git: the {what} {value!r} holds a space or a control character")
-    if ".." in ref:
-        raise ChoiceError(f"--git: {ref!r} is not a ref (it holds '..')")
-    return GitSource(url=url, ref=ref)
+    if ".." in git.ref:
+        raise ChoiceError(f"--git: {git.ref!r} is not a ref (it holds '..')")
+    return git
 
 
 def parse_checkpoint(text: str) -> str:
@@ -173,6 +177,15 @@ def _say(view: JsonView | LiveView) -> Callable[[str], None]:
     return lambda line: print(printable(line, lines=False), file=sys.stderr, flush=True)
 
 
+def named_workspace(workspace: Path, env_id: str | None = None) -> Path:
+    """The workspace a turn in an environment gives its `Session`: only a name in the ledger (its
+    calls run in the environment), so the current folder, or where it cannot be one (a home, a
+    folder holding toolq's virtualenv) `/toolq-environment[/ID]`, which nothing reads or writes."""
+    if workspace_problem(workspace, must_exist=False) is None:
+        return workspace
+    return Path("/toolq-environment") / env_id if env_id else Path("/toolq-environment")
+
+
 def environments_of(runtime: Any, settings: Settings) -> Any:
     """The fleet's `Environments` (one per fleet), or one on the fleet's Redis."""
     found = getattr(runtime.fleet, "environments", None)
@@ -207,10 +220,7 @@ class Placed:
         """`Session`'s keywords: the environment, and a workspace that is only a name in the ledger
         when the current folder could not be one (a home, a folder holding toolq's virtualenv):
         the calls run in the environment, not there."""
-        args: dict[str, Any] = {"environment": self.handle}
-        if workspace_problem(settings.workspace, must_exist=False):
-            args["workspace"] = f"/toolq-environment/{self.handle.record.id}"
-        return args
+        return {"environment": self.handle, "workspace": named_workspace(settings.workspace, self.handle.record.id)}
 
     async def deliver(self, outcome: Any, view: JsonView | LiveView, patch: LastMessageFile | None) -> None:
         """At the turn's end (`turn.completed` carried the checkpoint and the diff): `--patch`'s file

@@ -388,7 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "re-run with the same --out to skip the turns already done")
     bt.add_argument("file", metavar="FILE", help='JSON lines: {"prompt": ..., "workspace": ..., "instructions": ...} '
                                                  "(only the prompt is required; other fields, such as id, are copied "
-                                                 "into the line's result)")
+                                                 'into the line\'s result); instead of "workspace", an environment on '
+                                                 'a worker host: "upload": DIR, "git": {"url": ..., "ref": ...} or '
+                                                 '"from": CHECKPOINT, with "fork": N for N turns each in its own '
+                                                 "environment forked from that checkpoint")
     bt.add_argument("--out", required=True, metavar="RESULTS",
                     help="JSONL file of one result line per input line (status, final_message, usage, duration, "
                          "...); a re-run replaces a line's result; `-`: write the results to stdout")
@@ -520,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     from toolq.core.errors import ConfigurationError
 
     if argv is None:  # the command line's process: nothing is imported from where it was started
-        from toolq.local.launcher import try_launch  # the standard library only
+        from toolq.cli.launcher import try_launch  # the standard library only
 
         if (launched := try_launch(sys.argv[1:])) is not None:  # a warm fleet's launcher ran it
             exit_now(launched)
