@@ -10,6 +10,7 @@ so this file pins the worker's half without the orchestrator's placement."""
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import time
@@ -113,12 +114,12 @@ def ask(r: redis.Redis, op: str, env: EnvironmentRecord, timeout: float = 60) ->
 
 
 def exec_on(redis_url: str, host: str, env: EnvironmentRecord | Any, cmd: str, *,
-            conversation: str | None = None, timeout: float = 60) -> dict[str, Any]:
+            conversation: str | None = None, timeout: float = 60, yield_ms: int = 10_000) -> dict[str, Any]:
     """One exec_command call of `env`, signed and sent to `host`'s queue of the tool; its result."""
     catalog = load_catalog([TEST_TOOLS])
     spec = next(s for s in catalog if s.name == "exec_command")
     call = ToolCall(tool_name=ToolName.plain("exec_command"), call_id="call_" + secrets.token_hex(4),
-                    payload=FunctionPayload(arguments=json.dumps({"cmd": cmd, "yield_time_ms": 10_000})))
+                    payload=FunctionPayload(arguments=json.dumps({"cmd": cmd, "yield_time_ms": yield_ms})))
     inv = Registry(catalog).bind(call, StepContext("turn-env" + secrets.token_hex(4), 0, time.time() + timeout,
                                                    "/nonexistent-shared-workspace"), 0)
     inv = inv.model_copy(update={"environment": env.ref() if isinstance(env, EnvironmentRecord) else env,
@@ -196,9 +197,30 @@ def test_a_call_of_an_environment_runs_in_it_on_its_host_and_nowhere_else(redis_
     ghost = exec_on(redis_env.url, "h2", env.ref().model_copy(update={"host": "h2"}), "true")
     assert ghost["status"] == "rejected" and "not present on host h2" in output(ghost)
 
+    # A session still running in it when it is destroyed goes with it.
+    session = exec_on(redis_env.url, "h1", env, "sleep 600", conversation="conv-" + secrets.token_hex(4),
+                      yield_ms=300)
+    assert "session" in output(session).lower(), session
+    assert processes_in(workspace)
     assert ask(r, "destroy", env).ok
     assert not (roots["h1"] / "envs" / env.id).exists()
     assert json.loads(r.get(env_key(env.id)) or b"{}")["state"] == "destroyed"
+    end = time.monotonic() + 10  # SIGKILLed: gone once their parents reap them
+    while processes_in(workspace):
+        assert time.monotonic() < end, f"processes still run in the destroyed environment: {processes_in(workspace)}"
+        time.sleep(0.1)
+
+
+def processes_in(workspace: Path) -> list[int]:
+    """Processes whose working directory is in `workspace` (as the host's destroy looks for them)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd").startswith(str(workspace)):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def test_a_command_cannot_write_into_the_base_cache(redis_env, hosts, roots, r, tmp_path):
