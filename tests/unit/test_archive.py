@@ -192,9 +192,12 @@ def test_tree_delta_never_follows_a_symlink_the_commands_made(tmp_path):
     env = tmp_path / "env"
     env.mkdir()
     extract(packed.tar, env)
-    (env / "etc").symlink_to("/etc")
+    (env / "etc").symlink_to("/etc")  # like a venv's bin/python -> /usr/bin/python3
+    (env / "inside").symlink_to("src")
     delta = tree_delta(packed.manifest, env)
-    assert delta.added == ["etc"] and delta.entries["etc"] == Entry("symlink", 0o777, target="/etc")
+    assert delta.added == ["inside"] and delta.entries["inside"] == Entry("symlink", 0o777, target="src")
+    # a link leading out is not carried (no host would unpack the checkpoint): it is said instead
+    assert delta.skipped == ["etc (a symlink that leads outside: not carried)"]
 
 
 # ---- overlay mode --------------------------------------------------------------------------------
@@ -412,14 +415,17 @@ def test_apply_delta_never_writes_into_git_nor_through_a_symlink_in_the_folder(t
 
 
 def test_apply_delta_refuses_a_link_that_leads_out_through_the_folders_own_links(tmp_path):
-    folder, env, base = _uploaded(tmp_path)
+    folder, _, _ = _uploaded(tmp_path)
     (folder / "here").symlink_to(".")
     base = pack_dir(folder).manifest
-    env2 = tmp_path / "env2"
-    env2.mkdir()
-    extract(pack_dir(folder).tar, env2)
-    (env2 / "escape").symlink_to("here/..")  # alone it stays inside; through `here` it leaves
-    delta = tree_delta(base, env2)
-    report = apply_delta(folder, base, _checkpoint(delta), delta.tar)
+    # a checkpoint as a hostile host could send it: alone `escape` stays inside; through `here` it leaves
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        link = tarfile.TarInfo("escape")
+        link.type, link.linkname = tarfile.SYMTYPE, "here/.."
+        tar.addfile(link)
+        tar.addfile(tarfile.TarInfo("fine.txt"), io.BytesIO(b""))
+    report = apply_delta(folder, base, Checkpoint(base="b", added=["escape", "fine.txt"]), buffer.getvalue())
     assert report.refused == [("escape", f"the symlink leads outside {folder}")]
+    assert report.applied == ["fine.txt"]
     assert not (folder / "escape").is_symlink()

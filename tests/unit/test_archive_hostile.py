@@ -70,6 +70,21 @@ def _hidden_after_the_end() -> bytes:
     return _tar(_file("ok.txt")) + _tar(_file("../hidden.txt"))
 
 
+def _negative_size() -> bytes:
+    """A size of -1 in GNU's base-256 field: a reader that adds sizes would owe bytes back."""
+    return _info("neg.bin", size=-1).tobuf(tarfile.GNU_FORMAT) + b"\0" * 1024
+
+
+def _directory_with_data() -> bytes:
+    """A directory declaring 512 bytes, holding a header some readers skip and others read."""
+    hidden = _info("../hidden.txt", size=0).tobuf(tarfile.USTAR_FORMAT)
+    return _info("d", tarfile.DIRTYPE, size=512).tobuf(tarfile.USTAR_FORMAT) + hidden + b"\0" * 1024
+
+
+def _link_chain(n: int) -> bytes:
+    return _tar(*(_info(f"l{i}", tarfile.SYMTYPE, link=f"l{i + 1}") for i in range(n)), _file(f"l{n}"))
+
+
 def _many_files() -> bytes:
     return _tar(*(_info(f"f{i}") for i in range(LIMITS.max_files + 1)), fmt=tarfile.USTAR_FORMAT)
 
@@ -115,6 +130,10 @@ ATTACKS: dict[str, tuple[Callable[[], bytes], str]] = {
     "pax-global-rename": (lambda: _global_rename(), r"global pax header that renames"),
     "gnu-longname-rename": (_gnu_longname_rename, r"'innocent\.txt' is renamed to 'evil\.txt'"),
     "nul-in-name": (lambda: _tar(_file("a.txt", pax={"path": "a\0/../../x" + "y" * 120})), r"NUL byte"),
+    "negative-size": (_negative_size, r"member neg\.bin declares a size of -1 bytes"),
+    "directory-with-data": (_directory_with_data, r"member d declares a size of 512 bytes"),
+    "long-link-target": (lambda: _tar(_info("l", tarfile.SYMTYPE, link="a/" * 2500)), r"symlink l -> .* has a target longer than 4095 bytes"),
+    "link-chain-past-40": (lambda: _link_chain(41), r"symlink l0 -> 'l1' loops"),
     "not-a-tar": (lambda: b"PK\x03\x04" + b"\0" * 2000, r"is not a tar|no tar member|damaged"),
     "gzip": (lambda: b"\x1f\x8b\x08\0" + b"\x01" * 2000, r"is not a tar|no tar member|damaged"),
 }
@@ -225,6 +244,17 @@ def test_long_and_unicode_names_in_pax_headers_are_taken(box):
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_chain_of_40_links_is_taken_and_many_links_resolve_quickly(box):
+    assert extract(_link_chain(40), box / "dest", LIMITS)["l0"].target == "l1"
+    assert (box / "dest/l0").read_text() == "pwned\n"  # the kernel follows 40 too
+    # 200 chains of 30 links through 30 directories each: every link is resolved once, not per chain
+    many = _tar(*(_info(f"c{c}/d{i}/up", tarfile.SYMTYPE, link=f"../d{i + 1}/up" if i < 29 else "../../c0")
+                  for c in range(200) for i in range(30)))
+    (box / "dest2").mkdir()
+    assert len(extract(many, box / "dest2", LIMITS)) == 200 * 30
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_a_git_archive_with_a_very_long_path_is_taken(tmp_path):
     """git writes `<sha>.data` in the ustar name and the path in a pax header when it cannot split it."""
     repo = tmp_path / "repo"
@@ -241,13 +271,17 @@ def test_a_git_archive_with_a_very_long_path_is_taken(tmp_path):
     assert (tmp_path / "dest/sub" / long).read_text() == "long\n"
 
 
-def test_apply_delta_refuses_a_hostile_checkpoint_whole(tmp_path):
+def test_apply_delta_refuses_a_hostile_checkpoint_whole_or_path_by_path(tmp_path):
     folder = tmp_path / "folder"
     folder.mkdir()
     before = _snapshot(tmp_path)
-    with pytest.raises(ArchiveError, match="leads outside"):
+    with pytest.raises(ArchiveError, match="member a/x lies under a, which is a symlink"):
         apply_delta(folder, {}, Checkpoint(base="e", added=["a", "a/x"]),
-                    _tar(_info("a", tarfile.SYMTYPE, link=str(tmp_path)), _file("b")))
+                    _tar(_info("a", tarfile.SYMTYPE, link=str(tmp_path)), _file("a/x")))
+    assert _snapshot(tmp_path) == before
+    report = apply_delta(folder, {}, Checkpoint(base="e", added=["etc", "up"]),
+                         _tar(_info("etc", tarfile.SYMTYPE, link="/etc"), _info("up", tarfile.SYMTYPE, link="..")))
+    assert report.refused == [("etc", f"the symlink leads outside {folder}"), ("up", f"the symlink leads outside {folder}")]
     assert _snapshot(tmp_path) == before
 
 

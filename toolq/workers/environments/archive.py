@@ -189,40 +189,67 @@ def _checked_name(raw: str, what: str = "the archive's member") -> str | None:
     return name
 
 
-def _escapes(path: str, target: str, links: dict[str, str]) -> str | None:
-    """Whether symlink `path` -> `target` leads out of the tree, resolving through the tree's own
-    symlinks (`links`) as the kernel would: `s -> .` then `q -> s/..` leaves it, though `q`'s
-    target alone does not look like it. A missing component counts as a directory."""
-    if not target or "\0" in target:
-        return "has no usable target"
-    if target.startswith("/"):
-        return OUTSIDE
-    here = path.split("/")[:-1]
-    todo = target.split("/")
-    hops = 0
-    while todo:
-        part = todo.pop(0)
-        if part in ("", "."):
-            continue
-        if part == "..":
-            if not here:
-                return OUTSIDE
-            here.pop()
-            continue
-        link = links.get("/".join([*here, part]))
-        if link is None:
-            here.append(part)
-            continue
-        hops += 1
-        if hops > MAX_SYMLINKS:
-            return "loops"
-        if link.startswith("/"):
-            return OUTSIDE
-        todo[:0] = link.split("/")
-    return None
-
-
 OUTSIDE = "leads outside"
+#: The kernel's limit on a symlink's target (PATH_MAX less its NUL).
+MAX_LINK_TARGET = 4095
+
+
+class _Links:
+    """A tree's symlinks resolved from the tree's own links, as the kernel would resolve them,
+    without a file system: `s -> .` then `q -> s/..` leaves the tree, though `q`'s target alone does
+    not look like it. A missing component counts as a directory. Each link is resolved once."""
+
+    def __init__(self, links: dict[str, str]) -> None:
+        self.links = links
+        self._resolved: dict[str, list[str] | str] = {}  # a link -> where it leads (parts) or why not
+        self._active: list[str] = []
+
+    def why_out(self, path: str) -> str | None:
+        """None if link `path` stays inside; else why not (`leads outside`, `loops`, ...)."""
+        found = self._resolve(path)
+        return found if isinstance(found, str) else None
+
+    def _resolve(self, path: str) -> list[str] | str:
+        if path in self._resolved:
+            return self._resolved[path]
+        if path in self._active or len(self._active) >= MAX_SYMLINKS:
+            return "loops"  # not kept: from a shallower start the same link may resolve
+        target = self.links[path]
+        if not target or "\0" in target:
+            found: list[str] | str = "has no usable target"
+        elif len(os.fsencode(target)) > MAX_LINK_TARGET:
+            found = f"has a target longer than {MAX_LINK_TARGET} bytes"
+        elif target.startswith("/"):
+            found = OUTSIDE
+        else:
+            self._active.append(path)
+            try:
+                found = self._walk(path.split("/")[:-1], target)
+            finally:
+                self._active.pop()
+            if found == "loops":
+                return found
+        self._resolved[path] = found
+        return found
+
+    def _walk(self, here: list[str], target: str) -> list[str] | str:
+        for part in target.split("/"):
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if not here:
+                    return OUTSIDE
+                here.pop()
+                continue
+            step = "/".join([*here, part])
+            if step not in self.links:
+                here.append(part)
+                continue
+            found = self._resolve(step)
+            if isinstance(found, str):
+                return found
+            here = list(found)
+        return here
 
 
 # ---- writing tars --------------------------------------------------------------------------------
@@ -289,12 +316,15 @@ def _walk(root: int, *, descend: Callable[[str], bool] = lambda path: True) -> I
                     os.close(fd)
                 continue
             path = f"{rel}/{name}" if rel else name
-            status = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            if not stat.S_ISDIR(status.st_mode) or not descend(path):
-                yield _Node(path, fd, name, status)
-                continue
-            sub = open_entry(fd, name, directory=True)
-            stack.append((sub, path, iter(sorted(os.listdir(sub)))))
+            try:
+                status = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISDIR(status.st_mode) or not descend(path):
+                    yield _Node(path, fd, name, status)
+                    continue
+                sub = open_entry(fd, name, directory=True)
+                stack.append((sub, path, iter(sorted(os.listdir(sub)))))
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, path) from None  # named from the top, for the user
             yield _Node(path, fd, name, os.fstat(sub), sub)
     finally:
         for fd, _, _ in stack:
@@ -391,8 +421,9 @@ def pack_dir(path: Path, limits: Limits = DEFAULT_LIMITS) -> Packed:
         except OSError as e:
             raise ArchiveError(f"cannot read {folder}: {e.strerror}: {e.filename or ''}".rstrip(": ")) from None
         links = {p: e.target or "" for p, (e, _) in members.items() if e.kind == "symlink"}
+        resolver = _Links(links)
         for link, target in sorted(links.items()):
-            if why := _escapes(link, target, links):
+            if why := resolver.why_out(link):
                 raise ArchiveError(f"the symlink {link} -> {target} {why} the folder {folder}; "
                                    "replace it with a file or a link inside it" if why == OUTSIDE else
                                    f"the symlink {link} -> {target} in {folder} {why}")
@@ -483,8 +514,10 @@ def _git_listing(folder: Path) -> list[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     env.update(GIT_CONFIG_NOSYSTEM="1", GIT_PAGER="cat", PAGER="cat", GIT_TERMINAL_PROMPT="0",
                GIT_OPTIONAL_LOCKS="0", GIT_CEILING_DIRECTORIES=str(folder.resolve().parent))
+    # safe.directory: git refuses a checkout another user owns, for fear of its config running
+    # programs; the two that could here are turned off, and the user named this folder.
     argv = ["git", "--no-pager", "-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null",
-            "ls-files", "-z", "-co", "--exclude-standard"]
+            "-c", f"safe.directory={folder.resolve()}", "ls-files", "-z", "-co", "--exclude-standard"]
     try:
         done = subprocess.run(argv, cwd=folder, env=env, capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -504,11 +537,13 @@ class _Member:
     kind: Kind
 
 
-def _members(tar: bytes, limits: Limits | None, what: str = "the archive") -> list[_Member]:
+def _members(tar: bytes, limits: Limits | None, what: str = "the archive", *, links_out: bool = False,
+             ) -> list[_Member]:
     """Every member of an untrusted tar, checked before anything is written: plain relative names,
     no duplicates, files, directories and symlinks only, no member under a symlink or a file, no
     link leading out, no name a pax or GNU header changes behind a short one, nothing after the
-    last member, and the caps on declared sizes and count."""
+    last member, and the caps on declared sizes and count. `links_out`: a symlink leading out is
+    left for the caller to refuse by itself (applying a checkpoint refuses that one path)."""
     budget = _Budget(limits, what) if limits else None
     found: list[_Member] = []
     try:
@@ -532,6 +567,8 @@ def _members(tar: bytes, limits: Limits | None, what: str = "the archive") -> li
                 if kind != "dir":
                     raise ArchiveError(f"{what}'s member {info.name!r} names the destination itself")
                 continue
+            if info.size < 0 or (info.size and kind != "file"):
+                raise ArchiveError(f"{what}'s member {name} declares a size of {info.size} bytes")
             if budget:
                 budget.count(name, info.size if kind == "file" else 0)
             if kind == "file" and info.offset_data + info.size > len(tar):
@@ -543,7 +580,7 @@ def _members(tar: bytes, limits: Limits | None, what: str = "the archive") -> li
     if tar[end:].count(0) != len(tar) - end:
         raise ArchiveError(f"{what} has bytes after {found[-1].name if found else 'its start'} that are no tar member "
                            "(a member holding more than it declares?)")
-    _check_tree(found, what)
+    _check_tree(found, what, links_out)
     return found
 
 
@@ -590,7 +627,7 @@ def _member_kind(info: tarfile.TarInfo, what: str) -> Kind:
     raise ArchiveError(f"{what}'s member {info.name!r} is {kind}, which toolq does not unpack")
 
 
-def _check_tree(found: list[_Member], what: str) -> None:
+def _check_tree(found: list[_Member], what: str, links_out: bool) -> None:
     kinds: dict[str, Kind] = {}
     for member in found:
         if member.name in kinds:
@@ -600,9 +637,12 @@ def _check_tree(found: list[_Member], what: str) -> None:
         for parent in _parents(member.name):
             if kinds.get(parent, "dir") != "dir":
                 raise ArchiveError(f"{what}'s member {member.name} lies under {parent}, which is a {kinds[parent]}")
+    if links_out:
+        return
     links = {m.name: m.info.linkname for m in found if m.kind == "symlink"}
+    resolver = _Links(links)
     for name, target in links.items():
-        if why := _escapes(name, target, links):
+        if why := resolver.why_out(name):
             raise ArchiveError(f"{what}'s symlink {name} -> {target!r} {why}" + (" it" if why == OUTSIDE else ""))
 
 
@@ -683,11 +723,11 @@ class _Dirs:
             self._leave()
 
 
-def extract(tar: bytes, dest: Path, limits: Limits = DEFAULT_LIMITS) -> None:
+def extract(tar: bytes, dest: Path, limits: Limits = DEFAULT_LIMITS) -> Manifest:
     """Unpack an untrusted tar into `dest`, an empty directory the caller made (and removes if this
     raises). Every member is checked first (`_members`); then each is written through directory fds
     opened O_NOFOLLOW, files created O_EXCL|O_NOFOLLOW, modes without suid/sgid/sticky, and the bytes
-    written are counted against the caps again."""
+    written are counted against the caps again. Returns the tar's manifest (`manifest_of`)."""
     members = sorted(_members(tar, limits), key=lambda m: _order(m.name))
     try:
         root = os.open(dest, _DIR_FLAGS)
@@ -695,6 +735,7 @@ def extract(tar: bytes, dest: Path, limits: Limits = DEFAULT_LIMITS) -> None:
         raise ArchiveError(f"cannot open {dest}: {e.strerror}") from None
     dirs = _Dirs(root)
     written = 0
+    manifest: Manifest = {}
     try:
         if os.listdir(root):
             raise ArchiveError(f"{dest} is not empty")
@@ -703,12 +744,17 @@ def extract(tar: bytes, dest: Path, limits: Limits = DEFAULT_LIMITS) -> None:
                 written += _write_member(tar, member, dirs, limits.max_bytes - written)
             except OSError as e:
                 raise ArchiveError(f"cannot unpack {member.name}: {e.strerror}") from None
-        dirs.close()
+            manifest[member.name] = _entry_of(member, _member_data(tar, member) if member.kind == "file" else b"")
+        try:
+            dirs.close()
+        except OSError as e:
+            raise ArchiveError(f"cannot unpack {dest}: {e.strerror}") from None
     finally:
         try:
             dirs.close()
         finally:
             os.close(root)
+    return manifest
 
 
 def _write_member(tar: bytes, member: _Member, dirs: _Dirs, room: int) -> int:
@@ -829,17 +875,30 @@ class _Scan:
         self.budget.count(path, len(data))
         self.members[path] = (entry, data)
 
+    def _drop_links_out(self, gone: set[str]) -> None:
+        """A symlink leading out (a venv's `python -> /usr/bin/python3`) is not carried: no host
+        would unpack the checkpoint. It is listed in `skipped`."""
+        links = {p: e.target or "" for p, e in self.base.items() if e.kind == "symlink" and p not in gone}
+        links.update({p: e.target or "" for p, (e, _) in self.members.items() if e.kind == "symlink"})
+        resolver = _Links(links)
+        for path, (entry, _) in list(self.members.items()):
+            if entry.kind == "symlink" and (why := resolver.why_out(path)):
+                del self.members[path]
+                self.skipped.append(f"{path} (a symlink that {why}: not carried)")
+
     def delta(self, *, overlay: bool) -> Delta:
         if overlay:
             gone = {p for p in self.whiteouts if p in self.base}
             for top in self.opaque:
                 gone.update(p for p in self.base if p.startswith(top + "/") and p not in self.present)
             # a base entry under an upper non-directory is gone too (a file replaced a directory)
-            replaced = [p for p, (e, _) in self.members.items() if e.kind != "dir"]
+            replaced = [p for p, (e, _) in self.members.items() if e.kind != "dir"
+                        and (was := self.base.get(p)) is not None and was.kind == "dir"]
             for top in replaced:
                 gone.update(p for p in self.base if p.startswith(top + "/"))
         else:
             gone = {p for p in self.base if p not in self.present}
+        self._drop_links_out(gone)
         deleted = sorted((p for p in gone if not any(q in gone for q in _parents(p))), key=_order)
         carried = sorted(self.members, key=_order)
         added_dirs = {p for p in carried if p not in self.base and self.members[p][0].kind == "dir"}
@@ -984,7 +1043,8 @@ def apply_delta(target: Path, base: Manifest, checkpoint: Checkpoint, delta_tar:
     is anything under `.git`, any path through a symlink in the folder, and a symlink leading out.
     Files are written to a temporary name in their directory and renamed over (atomic), through
     directory fds opened O_NOFOLLOW; deletions remove only what still equals the base."""
-    members = sorted(_members(delta_tar, limits, "the checkpoint"), key=lambda m: _order(m.name)) if delta_tar else []
+    members = sorted(_members(delta_tar, limits, "the checkpoint", links_out=True),
+                     key=lambda m: _order(m.name)) if delta_tar else []
     try:
         root = os.open(target, _DIR_FLAGS & ~os.O_NOFOLLOW)
     except OSError as e:
@@ -997,8 +1057,9 @@ def apply_delta(target: Path, base: Manifest, checkpoint: Checkpoint, delta_tar:
                 applier.delete(name)
         links = {p: e.target or "" for p, e in base.items() if e.kind == "symlink" and p not in applier.removed}
         links.update({m.name: m.info.linkname for m in members if m.kind == "symlink"})
+        resolver = _Links(links)
         for member in members:
-            applier.write(member, links)
+            applier.write(member, resolver)
     finally:
         os.close(root)
     return applier.report
@@ -1083,6 +1144,8 @@ class _Applier:
             under = sorted((p for p in self.base if p == path or p.startswith(path + "/")), key=_order, reverse=True)
             for gone in under:
                 self._delete_one(gone)
+            if path in self.removed:
+                self.report.applied.append(path)
         except _Refused as e:
             self.refuse(path, str(e))
         except OSError as e:
@@ -1117,15 +1180,14 @@ class _Applier:
             else:
                 os.unlink(name, dir_fd=parent)
             self.removed.add(path)
-            self.report.applied.append(path)
         finally:
             os.close(parent)
 
-    def write(self, member: _Member, links: dict[str, str]) -> None:
+    def write(self, member: _Member, links: _Links) -> None:
         path = member.name
         try:
             self._guard(path)
-            if member.kind == "symlink" and (why := _escapes(path, member.info.linkname, links)):
+            if member.kind == "symlink" and (why := links.why_out(path)):
                 raise _Refused(f"the symlink {why}" + (f" {self.target}" if why == OUTSIDE else ""))
             parent = self._parent(path, create=True)
             try:
@@ -1183,5 +1245,9 @@ class _Applier:
                 os.unlink(temp, dir_fd=parent)
                 raise
             os.close(fd)
-        os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        try:
+            os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        except OSError:
+            os.unlink(temp, dir_fd=parent)
+            raise
         return True
