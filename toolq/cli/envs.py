@@ -25,6 +25,7 @@ from toolq.core.settings import Settings, workspace_problem
 if TYPE_CHECKING:
     from toolq.cli.run import LastMessageFile
     from toolq.cli.view import JsonView, LiveView
+    from toolq.local.starting import WorkersStarting
     from toolq.workers.environments.archive import ApplyReport
 
 
@@ -268,7 +269,21 @@ class Placed:
 DESTROY_GRACE = 30.0
 
 
-async def place(runtime: Any, settings: Settings, choice: EnvChoice, view: JsonView | LiveView) -> Placed:
+async def _host_of(environments: Any, starting: WorkersStarting) -> None:
+    """Until a worker this process started advertises its host (its agent starts once it is ready)."""
+    if not await asyncio.to_thread(starting.wait, EMBEDDED_HOST_WAIT) or starting.error:
+        return  # placement then says no host keeps environments; the boot's own error is logged
+    end = time.monotonic() + EMBEDDED_HOST_WAIT
+    while not await environments.hosts() and time.monotonic() < end:
+        await asyncio.sleep(0.1)
+
+
+#: How long a run's embedded workers may take to boot and advertise their host.
+EMBEDDED_HOST_WAIT = 60.0
+
+
+async def place(runtime: Any, settings: Settings, choice: EnvChoice, view: JsonView | LiveView,
+                starting: WorkersStarting | None = None) -> Placed:
     """Upload (if asked), place and make the run's environment; one line names it and its host."""
     from toolq.orchestrator.environments import Environment, source_of
 
@@ -279,6 +294,8 @@ async def place(runtime: Any, settings: Settings, choice: EnvChoice, view: JsonV
         source, manifest = upload.source, upload.manifest
     else:
         source = source_of(git=choice.git, checkpoint=choice.checkpoint)
+    if starting is not None:  # the embedded stack's workers boot while the folder was packed
+        await _host_of(environments, starting)
     handle = await Environment(environments, source)
     record = handle.record
     _say(view)(f"environment {record.id} on host {record.host}" + (f" ({record.mode})" if record.mode else "")
