@@ -18,6 +18,7 @@ import re
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ REAP_EVERY = 5.0
 #: How long a reply waits for its reader, who BLPOPs it at once if still waiting.
 REPLY_TTL = 60
 POLL = 1
+#: Requests one worker process runs at once (each holds its environment's lock while it runs).
+RUNNERS = 4
 
 _host: EnvHost | None = None
 _agent: Agent | None = None
@@ -126,6 +129,11 @@ class Agent:
         self.envs, self.r, self.signer = envs, r, signer
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Requests run beside the loop: a create from a cold base or a big checkpoint takes longer
+        # than the advert's TTL, and a host whose advert lapsed is taken for dead. A request is
+        # taken off the queue only when a runner is free, so another process of the host may take it.
+        self._runners = ThreadPoolExecutor(max_workers=RUNNERS, thread_name_prefix="toolq-environment")
+        self._free = threading.BoundedSemaphore(RUNNERS)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="toolq-environments", daemon=True)
@@ -135,6 +143,7 @@ class Agent:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=POLL + 5)
+        self._runners.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         next_advert = next_reap = 0.0
@@ -147,15 +156,31 @@ class Agent:
                 if now >= next_reap:
                     next_reap = now + REAP_EVERY
                     self.envs.reap()
-                item = self.r.blpop([host_requests_key(self.envs.host)], timeout=POLL)
-                if item is not None:
-                    self.handle(item[1])
+                if not self._free.acquire(timeout=POLL):
+                    continue
+                try:
+                    item = self.r.blpop([host_requests_key(self.envs.host)], timeout=POLL)
+                except BaseException:
+                    self._free.release()
+                    raise
+                if item is None:
+                    self._free.release()
+                else:
+                    self._runners.submit(self._serve, item[1])
             except (redis.RedisError, OSError) as e:  # Redis away: try again shortly
                 log.warning("environments agent: %s", e)
                 self._stop.wait(POLL)
             except Exception:  # a bug must not end the host's environments for good
                 log.exception("environments agent failed; going on")
                 self._stop.wait(POLL)
+
+    def _serve(self, raw: bytes | str) -> None:
+        try:
+            self.handle(raw)
+        except Exception:  # Redis gone as it replied: the orchestrator's wait says so
+            log.exception("environments: a request could not be answered")
+        finally:
+            self._free.release()
 
     def advertise(self) -> None:
         self.r.set(host_key(self.envs.host), self.envs.advert().model_dump_json(), ex=ADVERT_TTL)
