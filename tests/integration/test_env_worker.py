@@ -175,6 +175,7 @@ def test_a_call_of_an_environment_runs_in_it_on_its_host_and_nowhere_else(redis_
     assert json.loads(r.get(env_key(env.id)) or b"{}")["state"] == "ready"
 
     # Through the sandbox and the session host: the command sees the upload and writes beside it.
+    used_at = json.loads(r.get(env_key(env.id)) or b"{}")["used_at"]
     ran = exec_on(redis_env.url, "h1", env, "cat notes.txt && echo made here > new.txt && pwd",
                   conversation="conv-" + secrets.token_hex(4))
     assert ran["status"] == "completed", ran
@@ -182,6 +183,7 @@ def test_a_call_of_an_environment_runs_in_it_on_its_host_and_nowhere_else(redis_
     workspace = roots["h1"] / "envs" / env.id / ("merged" if reply.mode == "overlay" else "tree")
     assert str(workspace) in output(ran)
     assert (workspace / "new.txt").read_text() == "made here\n"
+    assert json.loads(r.get(env_key(env.id)) or b"{}")["used_at"] > used_at  # kept from its idle limit
 
     # The checkpoint carries it.
     taken = ask(r, "checkpoint", env)

@@ -211,3 +211,15 @@ def test_a_git_source_is_cloned_on_the_host_cached_by_commit_and_becomes_the_bas
         h.git_base(GitSource(url=str(repo), ref="--upload-pack=touch /tmp/x"))
     with pytest.raises(EnvError, match="git source"):
         h.git_base(GitSource(url=str(repo), ref="no-such-branch"))
+
+
+def test_a_reaper_leaves_alone_what_another_fleet_made_on_a_shared_root(
+        tmp_path: Path, store: RedisStore, r: redis.Redis, hosts: list[EnvHost]) -> None:
+    r.delete(host_envs_key("h1"))
+    theirs = EnvHost(tmp_path / "root", "h1", store, 1 << 30, LIMITS, r=None, mode="copy", fleet="their-redis")
+    hosts.append(theirs)
+    env = EnvironmentRecord(id=new_environment_id(), host="h1", source=EnvSource(kind="empty"), base=EMPTY_BASE,
+                            owner="owner:theirs")
+    theirs.create(env)  # its record lives in their Redis, not in ours
+    ours = EnvHost(tmp_path / "root", "h1", store, 1 << 30, LIMITS, r=r, mode="copy", fleet="our-redis")
+    assert ours.reap() == [] and theirs.present(env.id)

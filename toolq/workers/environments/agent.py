@@ -11,6 +11,7 @@ line, consumes no host queue and starts no agent.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ from toolq.core.environments import (
     host_requests_key,
     reply_key,
 )
-from toolq.core.settings import Settings
+from toolq.core.settings import Settings, mask_url_password
 from toolq.core.signing import Signer
 from toolq.workers.environments import archive
 from toolq.workers.environments.host import EnvError, EnvHost, update_record
@@ -73,6 +74,12 @@ def env_root(settings: Settings) -> Path:
     return Path(state) / "toolq" / "envs"
 
 
+def fleet_of(settings: Settings) -> str:
+    """Names the fleet's Redis (not its password): what a host's environments on disk belong to."""
+    url = mask_url_password(settings.redis_url or "")
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
 def limits(settings: Settings) -> archive.Limits:
     return archive.Limits(max_bytes=settings.upload_max_mb * 1024 * 1024, max_files=settings.upload_max_files)
 
@@ -88,7 +95,8 @@ def setup(settings: Settings, r: redis.Redis | None = None) -> EnvHost | None:
         probe.write_bytes(b"")
         probe.unlink()
         store = open_store(settings)
-        _host = EnvHost(root, host_id(settings), store, settings.env_disk_mb * 1024 * 1024, limits(settings), r=r)
+        _host = EnvHost(root, host_id(settings), store, settings.env_disk_mb * 1024 * 1024, limits(settings), r=r,
+                        fleet=fleet_of(settings))
     except Exception as e:  # any reason at all: the worker still serves shared-workspace calls
         log.warning("environments: root %s cannot be used (%s); this worker serves no environments", root,
                     getattr(e, "strerror", None) or e)

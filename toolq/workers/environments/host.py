@@ -6,7 +6,7 @@ Layout under the host's root (`TOOLQ_ENV_ROOT`), shared by every worker process 
     bases/<base id>/tree           a base unpacked once (`archive.extract`); manifest.json beside it
     envs/<env id>/upper,work,merged   overlay mode: the environment's writes over the base (`merged` is its workspace)
     envs/<env id>/tree             copy mode: a copy of the base (no hard link reaches a base file)
-    envs/<env id>/env.json         mode and base, written last: an environment without it is half-made
+    envs/<env id>/env.json         mode, base and fleet, written last: an environment without it is half-made
     locks/                         flock files: a base is unpacked once, an environment made or ended once
     git/<hash of url>/             bare clones of git sources (made outside any sandbox, hooks off)
 
@@ -318,9 +318,13 @@ class EnvHost:
     they share the files and serialise on flock files (one per base, one per environment)."""
 
     def __init__(self, root: Path, host: str, store: BlobStore | None, cap_bytes: int, limits: archive.Limits, *,
-                 r: redis.Redis | None = None, mode: EnvMode | None = None) -> None:
-        """`mode`: forced (tests); None: overlay if this process may mount one, copy otherwise."""
+                 r: redis.Redis | None = None, mode: EnvMode | None = None, fleet: str = "") -> None:
+        """`mode`: forced (tests); None: overlay if this process may mount one, copy otherwise.
+        `fleet`: names the Redis this host's records live in; the reaper ends an environment found
+        on disk with no record only if it was made for the same fleet (two fleets' workers on one
+        machine may share a root: neither reaps the other's)."""
         self.root, self.host, self.store, self.cap_bytes, self.limits, self.r = root, host, store, cap_bytes, limits, r
+        self.fleet = fleet
         for d in ("bases", "envs", "locks", "git", "tmp"):
             (root / d).mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(root, 0o700)
@@ -465,7 +469,8 @@ class EnvHost:
                 workspace = d / ("merged" if self.mode == "overlay" else "tree")
                 if record.start:
                     self._lay_checkpoint(record.start, base, workspace)
-                (d / "env.json").write_text(json.dumps({"mode": self.mode, "base": base, "created_at": time.time()}))
+                (d / "env.json").write_text(json.dumps({"mode": self.mode, "base": base, "created_at": time.time(),
+                                                        "fleet": self.fleet}))
             except BaseException as e:
                 self._remove(record.id)
                 if isinstance(e, OSError):
@@ -567,8 +572,9 @@ class EnvHost:
         if self.r is None:
             return []
         now = time.time() if now is None else now
-        ids = set(self.env_ids()) | {i.decode() if isinstance(i, bytes) else str(i)
-                                      for i in self.r.smembers(host_envs_key(self.host))}
+        mine = [i for i in self.env_ids() if (self._meta(self.env_dir(i)) or {}).get("fleet", "") == self.fleet]
+        ids = set(mine) | {i.decode() if isinstance(i, bytes) else str(i)
+                           for i in self.r.smembers(host_envs_key(self.host))}
         ids = {i for i in ids if ENV_ID.match(i)}
         order = sorted(ids)
         raws = [_bytes(raw) for raw in self.r.mget([env_key(i) for i in order])] if order else []
