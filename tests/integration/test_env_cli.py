@@ -199,7 +199,7 @@ def test_patch_writes_the_turns_unified_diff_and_leaves_the_folder_alone(redis_e
     assert "+++ b/made.txt" in text and "+made on the host" in text
     assert (folder / "notes.txt").read_text() == "hello from the user\n" and not (folder / "made.txt").exists()
     assert f"wrote the turn's diff to {patch}" in done.stderr
-    applied = subprocess.run(["git", "apply", "--check", "--directory", "", str(patch)], cwd=folder,
+    applied = subprocess.run(["git", "apply", "--check", str(patch)], cwd=folder,
                              capture_output=True, text=True)
     assert applied.returncode == 0, applied.stderr  # a patch git takes as it is
 
