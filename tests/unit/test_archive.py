@@ -429,3 +429,46 @@ def test_apply_delta_refuses_a_link_that_leads_out_through_the_folders_own_links
     assert report.refused == [("escape", f"the symlink leads outside {folder}")]
     assert report.applied == ["fine.txt"]
     assert not (folder / "escape").is_symlink()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_name_with_a_newline_is_quoted_as_git_quotes_it_and_git_dirs_stay_out_of_the_patch(tmp_path):
+    env = tmp_path / "env"
+    env.mkdir()
+    evil = 'evil\n+++ b\t"q"\\'  # a file name may hold anything but `/` and NUL
+    _write(env, {evil: "one\n", ".git/hooks/pre-commit": "#!/bin/sh\nrm -rf ~\n", "ok.txt": "ok\n"})
+    diff = unified_diff(None, tree_delta({}, env))
+    assert diff.binary == [".git/hooks/pre-commit"]  # not in the patch (listed as not in it)
+    quoted = '"a/evil\\n+++ b\\t\\"q\\"\\\\"'
+    assert f"diff --git {quoted} {quoted.replace('a/', 'b/', 1)}\n" in diff.patch
+    assert not any(line.startswith("+++ b\t") for line in diff.patch.splitlines())
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "p.patch").write_text(diff.patch)
+    done = subprocess.run(["git", "apply", "-v", str(tmp_path / "p.patch")], cwd=target, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (target / evil).read_text() == "one\n" and (target / "ok.txt").read_text() == "ok\n"
+
+
+def test_a_diff_stops_comparing_past_its_budget(tmp_path, monkeypatch):
+    from toolq.workers.environments import archive
+
+    env = tmp_path / "env"
+    env.mkdir()
+    _write(env, {"a.txt": "a\n" * 1000, "b.txt": "b\n" * 1000, "c.bin": b"\0"})
+    monkeypatch.setattr(archive, "MAX_DIFFED_BYTES", 3000)
+    diff = unified_diff(None, tree_delta({}, env))
+    assert diff.truncated and diff.binary == ["c.bin"]
+    assert "a/a.txt" in diff.patch and "b.txt" not in diff.patch
+
+
+@pytest.mark.skipif(shutil.which("git") is None or os.geteuid() != 0, reason="needs git, and root to give the checkout away")
+def test_a_checkout_another_user_owns_is_still_listed_by_git(tmp_path):
+    repo = _project(tmp_path / "repo")
+    _git(repo, "init", "-q")
+    _write(repo, {".gitignore": "*.log\n", "x.log": "ignored\n"})
+    for folder, dirs, files in os.walk(repo):
+        for name in [folder, *(os.path.join(folder, n) for n in dirs + files)]:
+            os.lchown(name, 65534, 65534)
+    names = set(pack_dir(repo).manifest)
+    assert "src/app.py" in names and "x.log" not in names

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 #: A file larger than this is listed as binary in a diff, not diffed.
 MAX_DIFF_FILE = 1 << 20
+#: A diff compares this many bytes of files at most (difflib's time grows with them); then it is cut.
+MAX_DIFFED_BYTES = 32 << 20
 _READ_CHUNK = 1 << 16
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -944,51 +946,61 @@ def _refuse_xattrs(fd: int, path: str, names: Iterable[str]) -> None:
 
 def unified_diff(base_tar: bytes | None, delta: Delta, checkpoint: str = "") -> TurnDiff:
     """The delta as git shows it: a unified diff of its text files (`a/` and `b/`, `/dev/null` for
-    an added or deleted file, git's file modes), the other files listed as binary, the deleted
-    paths listed; cut at MAX_PATCH_BYTES (truncated set). Symlinks diff as their targets, as in git."""
+    an added or deleted file, git's file modes and path quoting), the other files listed as binary
+    (and those under `.git`, which no patch should carry), the deleted paths listed; cut at
+    MAX_PATCH_BYTES, or once MAX_DIFFED_BYTES of files were compared (truncated set). Symlinks diff
+    as their targets, as in git."""
     diff = TurnDiff(checkpoint=checkpoint, deleted=list(delta.deleted))
     out: list[str] = []
-    size = 0
-    for path, text, gone in _file_patches(base_tar, delta):
-        if text is None:
-            if not gone:
+    size = diffed = 0
+    for path, before, after in _file_sides(base_tar, delta):
+        old = _text(*before) if before else []
+        new = _text(*after) if after else []
+        if old is None or new is None or _in_git_dir(path):
+            if after is not None:
                 diff.binary.append(path)
             continue
-        if diff.truncated:
+        diffed += (len(before[1]) if before else 0) + (len(after[1]) if after else 0)
+        if diff.truncated or diffed > MAX_DIFFED_BYTES:
+            diff.truncated = True  # difflib's time grows with the files: the checkpoint has them whole
             continue
-        encoded = text.encode("utf-8", "surrogateescape")
+        encoded = _file_patch(path, before, after, old, new).encode("utf-8", "surrogateescape")
         if len(encoded) > MAX_PATCH_BYTES - size:
             diff.truncated = True
             cut = encoded[:MAX_PATCH_BYTES - size].decode("utf-8", "ignore")
             out.append(cut[:cut.rfind("\n") + 1])  # whole lines only
             continue
-        out.append(text)
+        out.append(encoded.decode("utf-8", "surrogateescape"))
         size += len(encoded)
     diff.patch = "".join(out)
     return diff
 
 
-def _file_patches(base_tar: bytes | None, delta: Delta) -> Iterator[tuple[str, str | None, bool]]:
-    """(path, its patch or None for a binary file, whether it was deleted) for each file of the delta."""
+Side = tuple[Entry, bytes]
+
+
+def _file_sides(base_tar: bytes | None, delta: Delta) -> Iterator[tuple[str, Side | None, Side | None]]:
+    """(path, the base's side, the environment's side) for each file and link the delta changes:
+    those in its tar, then those under its deleted paths."""
     before_tar, after_tar = base_tar or b"", delta.tar or b""
     base_members = {m.name: m for m in _members(before_tar, None, "the base")} if base_tar else {}
 
-    def side(tar: bytes, member: _Member | None) -> tuple[Entry, bytes] | None:
+    def side(tar: bytes, member: _Member | None) -> Side | None:
         if member is None or member.kind == "dir":
             return None
         data = _member_data(tar, member) if member.kind == "file" else b""
         return _entry_of(member, data), data
 
-    new_members = _members(after_tar, None, "the delta") if delta.tar else []
+    new_members = _members(after_tar, None, "the delta", links_out=True) if delta.tar else []
     for member in sorted(new_members, key=lambda m: _order(m.name)):
         after = side(after_tar, member)
         if after is not None:
-            yield member.name, _file_patch(member.name, side(before_tar, base_members.get(member.name)), after), False
+            yield member.name, side(before_tar, base_members.get(member.name)), after
     for path in delta.deleted:
         for gone in sorted((p for p in base_members if p == path or p.startswith(path + "/")), key=_order):
             before = side(before_tar, base_members[gone])
             if before is not None:
-                yield gone, _file_patch(gone, before, None), True
+                yield gone, before, None
 
 
 def _git_mode(entry: Entry) -> str:
@@ -1013,12 +1025,9 @@ def _text(entry: Entry, data: bytes) -> list[str] | None:
     return lines
 
 
-def _file_patch(path: str, before: tuple[Entry, bytes] | None, after: tuple[Entry, bytes] | None) -> str | None:
-    old = _text(*before) if before else []
-    new = _text(*after) if after else []
-    if old is None or new is None:
-        return None
-    head = [f"diff --git a/{path} b/{path}\n"]
+def _file_patch(path: str, before: Side | None, after: Side | None, old: list[str], new: list[str]) -> str:
+    a, b = _quoted(f"a/{path}"), _quoted(f"b/{path}")
+    head = [f"diff --git {a} {b}\n"]
     if before is None and after is not None:
         head.append(f"new file mode {_git_mode(after[0])}\n")
     elif after is None and before is not None:
@@ -1027,9 +1036,23 @@ def _file_patch(path: str, before: tuple[Entry, bytes] | None, after: tuple[Entr
         head += [f"old mode {_git_mode(before[0])}\n", f"new mode {_git_mode(after[0])}\n"]
     if old == new:
         return "".join(head) if len(head) > 1 else ""
-    hunks = list(difflib.unified_diff(old, new, f"a/{path}" if before else "/dev/null",
-                                      f"b/{path}" if after else "/dev/null", n=3, lineterm="\n"))
+    hunks = list(difflib.unified_diff(old, new, a if before else "/dev/null", b if after else "/dev/null",
+                                      n=3, lineterm="\n"))
     return "".join(head + hunks)
+
+
+_C_ESCAPES = {7: "\\a", 8: "\\b", 9: "\\t", 10: "\\n", 11: "\\v", 12: "\\f", 13: "\\r", 34: '\\"', 92: "\\\\"}
+
+
+def _quoted(name: str) -> str:
+    """A path as git writes it in a patch: in C quotes when it holds a control character, a quote or
+    a backslash (so a newline in a name cannot start a line of the patch)."""
+    raw = os.fsencode(name)
+    if not any(byte < 0x20 or byte in (0x22, 0x5C, 0x7F) for byte in raw):
+        return name
+    out = "".join(_C_ESCAPES.get(byte, f"\\{byte:03o}" if byte < 0x20 or byte == 0x7F else chr(byte))
+                  if byte < 0x80 else f"\\{byte:03o}" for byte in raw)
+    return f'"{out}"'
 
 
 # ---- applying a turn's changes back --------------------------------------------------------------
