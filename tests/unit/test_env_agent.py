@@ -125,3 +125,27 @@ def test_a_worker_whose_root_cannot_be_made_serves_no_environments(tmp_path: Pat
     assert agent.setup(settings) is None and agent.current() is None
     assert "serves no environments" in caplog.text
     assert agent.host_id(settings) == "my-host-"
+
+
+def test_a_host_consumes_each_of_its_tools_queues_on_the_host_too() -> None:
+    from toolq.core.advert import tool_queue
+    from toolq.core.environments import host_queue
+    from toolq.workers import presence
+    from toolq.workers.loader import load_catalog
+
+    class Queues:
+        def __init__(self, names: list[str]) -> None:
+            self.consume_from = dict.fromkeys(names)
+
+        def select_add(self, name: str) -> None:
+            self.consume_from[name] = None
+
+    catalog = load_catalog([])
+    queues = Queues(["toolq"])
+    presence.add_tool_queues(queues, catalog)
+    added = presence.add_host_queues(queues, catalog, "h1")
+    exec_command = next(s for s in catalog if s.name == "exec_command")
+    assert host_queue("h1", tool_queue(exec_command)) in added
+    assert added and all(q.startswith("toolq.h.h1.") for q in added)
+    # Neither the tool queues nor the host queues count as queues the worker was told to consume.
+    assert presence.configured_queues(queues.consume_from) == ["toolq"]
