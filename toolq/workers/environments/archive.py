@@ -1092,6 +1092,17 @@ class _Refused(Exception):
     pass
 
 
+def _is_git_dir(fd: int) -> bool:
+    """What git takes for a repository's directory (HEAD, objects/, refs/), whatever its name: a
+    bare repository or a `gitdir:` target inside the folder, whose hooks and config git would obey."""
+    try:
+        return (stat.S_ISREG(os.stat("HEAD", dir_fd=fd, follow_symlinks=False).st_mode)
+                and all(stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+                        for name in ("objects", "refs")))
+    except OSError:
+        return False
+
+
 class _Applier:
     def __init__(self, root: int, target: Path, base: Manifest, tar: bytes) -> None:
         self.root, self.target, self.base, self.tar = root, target, base, tar
@@ -1108,6 +1119,8 @@ class _Applier:
         fd = os.dup(self.root)
         try:
             for part in path.split("/")[:-1]:
+                if _is_git_dir(fd):
+                    raise _Refused("it is inside a git directory")
                 try:
                     sub = open_entry(fd, part, directory=True)
                 except FileNotFoundError:
@@ -1121,6 +1134,8 @@ class _Applier:
                     raise
                 os.close(fd)
                 fd = sub
+            if _is_git_dir(fd):
+                raise _Refused("it is inside a git directory")
         except BaseException:
             os.close(fd)
             raise
@@ -1237,8 +1252,9 @@ class _Applier:
             return False
         was = None if path in self.removed else self.base.get(path)
         if now != was:
-            reason = "it was created" if was is None else "it changed"
-            raise _Refused(f"{reason} in {self.target} since the upload")
+            if was is None:
+                raise _Refused(f"it exists in {self.target} but was not in the upload")
+            raise _Refused(f"it changed in {self.target} since the upload")
         if member.kind == "dir":
             if now is not None and now.kind != "dir":
                 os.unlink(name, dir_fd=parent)
