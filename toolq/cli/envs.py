@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from toolq.cli.status import render_json_lines
 from toolq.cli.terminal import printable
@@ -23,10 +23,17 @@ from toolq.core.errors import ConfigurationError
 from toolq.core.settings import Settings, workspace_problem
 
 if TYPE_CHECKING:
-    from toolq.cli.run import LastMessageFile
     from toolq.cli.view import JsonView, LiveView
     from toolq.local.starting import WorkersStarting
     from toolq.workers.environments.archive import ApplyReport
+
+
+class PatchFile(Protocol):
+    """`--patch`'s file, opened before the turn (`run.LastMessageFile`)."""
+
+    path: Path
+
+    def write(self, text: str) -> None: ...
 
 
 class ChoiceError(ValueError):
@@ -223,7 +230,7 @@ class Placed:
         the calls run in the environment, not there."""
         return {"environment": self.handle, "workspace": named_workspace(settings.workspace, self.handle.record.id)}
 
-    async def deliver(self, outcome: Any, view: JsonView | LiveView, patch: LastMessageFile | None) -> None:
+    async def deliver(self, outcome: Any, view: JsonView | LiveView, patch: PatchFile | None) -> None:
         """At the turn's end (`turn.completed` carried the checkpoint and the diff): `--patch`'s file
         and `--apply`'s changes, each said in one line on stderr."""
         from toolq.cli.view import LiveView
