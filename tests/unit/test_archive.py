@@ -18,6 +18,7 @@ import pytest
 from toolq.core.environments import MAX_PATCH_BYTES, Checkpoint
 from toolq.workers.environments.archive import (
     ArchiveError,
+    BaseTree,
     Delta,
     Entry,
     Limits,
@@ -324,6 +325,18 @@ def test_unified_diff_has_gits_shape(tmp_path):
         @@ -1 +0,0 @@
         -deep
         """)
+
+
+def test_unified_diff_reads_the_same_from_an_unpacked_base(tmp_path):
+    base, delta = _changed_env(tmp_path)
+    tree = tmp_path / "cache"
+    tree.mkdir()
+    manifest = extract(base, tree)
+    assert unified_diff(BaseTree(tree, manifest), delta, "cp1") == unified_diff(base, delta, "cp1")
+    (tree / "src/app.py").unlink()
+    (tree / "src/app.py").symlink_to("/etc/passwd")  # a cache someone tampered with is not followed
+    with pytest.raises(ArchiveError, match="cannot read src/app.py in the base"):
+        unified_diff(BaseTree(tree, manifest), delta)
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")

@@ -944,23 +944,32 @@ def _refuse_xattrs(fd: int, path: str, names: Iterable[str]) -> None:
 
 # ---- the diff a turn's outcome carries -----------------------------------------------------------
 
-def unified_diff(base_tar: bytes | None, delta: Delta, checkpoint: str = "") -> TurnDiff:
+@dataclass(frozen=True)
+class BaseTree:
+    """A base as a host holds it: unpacked (its read-only cache) with its manifest. `unified_diff`
+    reads from it only the files a delta changed or deleted, where a base tar is parsed whole."""
+
+    tree: Path
+    manifest: Manifest
+
+
+def unified_diff(base: bytes | BaseTree | None, delta: Delta, checkpoint: str = "") -> TurnDiff:
     """The delta as git shows it: a unified diff of its text files (`a/` and `b/`, `/dev/null` for
     an added or deleted file, git's file modes and path quoting), the other files listed as binary
     (and those under `.git`, which no patch should carry), the deleted paths listed; cut at
     MAX_PATCH_BYTES, or once MAX_DIFFED_BYTES of files were compared (truncated set). Symlinks diff
-    as their targets, as in git."""
+    as their targets, as in git. `base`: the base's tar, or its unpacked tree; None for no base."""
     diff = TurnDiff(checkpoint=checkpoint, deleted=list(delta.deleted))
     out: list[str] = []
     size = diffed = 0
-    for path, before, after in _file_sides(base_tar, delta):
+    for path, before, after in _file_sides(base, delta):
         old = _text(*before) if before else []
         new = _text(*after) if after else []
         if old is None or new is None or _in_git_dir(path):
             if after is not None:
                 diff.binary.append(path)
             continue
-        diffed += (len(before[1]) if before else 0) + (len(after[1]) if after else 0)
+        diffed += (before[0].size if before else 0) + (after[0].size if after else 0)
         if diff.truncated or diffed > MAX_DIFFED_BYTES:
             diff.truncated = True  # difflib's time grows with the files: the checkpoint has them whole
             continue
@@ -979,28 +988,65 @@ def unified_diff(base_tar: bytes | None, delta: Delta, checkpoint: str = "") -> 
 Side = tuple[Entry, bytes]
 
 
-def _file_sides(base_tar: bytes | None, delta: Delta) -> Iterator[tuple[str, Side | None, Side | None]]:
+def _file_sides(base: bytes | BaseTree | None, delta: Delta) -> Iterator[tuple[str, Side | None, Side | None]]:
     """(path, the base's side, the environment's side) for each file and link the delta changes:
     those in its tar, then those under its deleted paths."""
-    before_tar, after_tar = base_tar or b"", delta.tar or b""
-    base_members = {m.name: m for m in _members(before_tar, None, "the base")} if base_tar else {}
+    base_paths, base_side = _base_lookup(base)
+    after_tar = delta.tar or b""
+    new_members = _members(after_tar, None, "the delta", links_out=True) if delta.tar else []
+    for member in sorted(new_members, key=lambda m: _order(m.name)):
+        if member.kind != "dir":
+            data = _member_data(after_tar, member) if member.kind == "file" else b""
+            yield member.name, base_side(member.name), (_entry_of(member, data), data)
+    for path in delta.deleted:
+        for gone in sorted((p for p in base_paths if p == path or p.startswith(path + "/")), key=_order):
+            before = base_side(gone)
+            if before is not None:
+                yield gone, before, None
 
-    def side(tar: bytes, member: _Member | None) -> Side | None:
+
+def _base_lookup(base: bytes | BaseTree | None) -> tuple[Iterable[str], Callable[[str], Side | None]]:
+    """The base's paths, and its side of a path (None for nothing or a directory)."""
+    if isinstance(base, BaseTree):
+        tree = base
+
+        def from_tree(path: str) -> Side | None:
+            entry = tree.manifest.get(path)
+            if entry is None or entry.kind == "dir":
+                return None
+            if entry.kind == "symlink" or entry.size > MAX_DIFF_FILE:
+                return entry, b""  # a big file is binary to the diff: not read
+            return entry, _read_in_tree(tree.tree, path, MAX_DIFF_FILE)
+
+        return tree.manifest.keys(), from_tree
+    tar = base or b""
+    members = {m.name: m for m in _members(tar, None, "the base")} if base else {}
+
+    def from_tar(path: str) -> Side | None:
+        member = members.get(path)
         if member is None or member.kind == "dir":
             return None
         data = _member_data(tar, member) if member.kind == "file" else b""
         return _entry_of(member, data), data
 
-    new_members = _members(after_tar, None, "the delta", links_out=True) if delta.tar else []
-    for member in sorted(new_members, key=lambda m: _order(m.name)):
-        after = side(after_tar, member)
-        if after is not None:
-            yield member.name, side(before_tar, base_members.get(member.name)), after
-    for path in delta.deleted:
-        for gone in sorted((p for p in base_members if p == path or p.startswith(path + "/")), key=_order):
-            before = side(before_tar, base_members[gone])
-            if before is not None:
-                yield gone, before, None
+    return members.keys(), from_tar
+
+
+def _read_in_tree(tree: Path, path: str, most: int) -> bytes:
+    """A file of an unpacked tree, each component opened O_NOFOLLOW from the tree's fd."""
+    parts = path.split("/")
+    try:
+        fd = os.open(tree, _DIR_FLAGS)
+        try:
+            for part in parts[:-1]:
+                sub = open_entry(fd, part, directory=True)
+                os.close(fd)
+                fd = sub
+            return _read_file(fd, parts[-1], path, most)[0]
+        finally:
+            os.close(fd)
+    except (OSError, _TooBig) as e:
+        raise ArchiveError(f"cannot read {path} in the base {tree}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def _git_mode(entry: Entry) -> str:
@@ -1013,7 +1059,7 @@ def _text(entry: Entry, data: bytes) -> list[str] | None:
     """The lines of a file git would diff as text (a symlink: its target); None for binary."""
     if entry.kind == "symlink":
         data = os.fsencode(entry.target or "")
-    if len(data) > MAX_DIFF_FILE or b"\0" in data:
+    if entry.size > MAX_DIFF_FILE or len(data) > MAX_DIFF_FILE or b"\0" in data:
         return None
     try:
         text = data.decode("utf-8")
