@@ -262,8 +262,12 @@ class _TarWriter:
     def __init__(self) -> None:
         self._buffer = io.BytesIO()
         self._tar = tarfile.open(fileobj=self._buffer, mode="w", format=tarfile.PAX_FORMAT)
+        self._last: list[str] | None = None
 
     def add(self, name: str, entry: Entry, data: bytes = b"") -> None:
+        if self._last is not None and _order(name) <= self._last:
+            raise ArchiveError(f"cannot pack {name}: it comes out of order")  # never, but the blob id would change
+        self._last = _order(name)
         info = tarfile.TarInfo(name)
         info.mtime = 0
         info.uid = info.gid = 0
@@ -415,47 +419,48 @@ def pack_dir(path: Path, limits: Limits = DEFAULT_LIMITS) -> Packed:
     try:
         listed = _git_listing(folder) if os.path.lexists(folder / ".git") else None
         budget = _Budget(limits, f"the folder {folder}")
-        members: dict[str, tuple[Entry, bytes]] = {}
+        manifest: Manifest = {}
         skipped: list[str] = []
+        writer = _TarWriter()  # written as read (the nodes come in `_order`): the files are held once
         try:
             for node in _packed_nodes(root, listed):
-                _pack_node(node, members, skipped, budget)
+                packed = _pack_node(node, budget)
+                if packed is None:
+                    skipped.append(node.path)
+                    continue
+                manifest[node.path] = packed[0]
+                writer.add(node.path, *packed)
         except OSError as e:
             raise ArchiveError(f"cannot read {folder}: {e.strerror}: {e.filename or ''}".rstrip(": ")) from None
-        links = {p: e.target or "" for p, (e, _) in members.items() if e.kind == "symlink"}
+        links = {p: e.target or "" for p, e in manifest.items() if e.kind == "symlink"}
         resolver = _Links(links)
         for link, target in sorted(links.items()):
             if why := resolver.why_out(link):
                 raise ArchiveError(f"the symlink {link} -> {target} {why} the folder {folder}; "
                                    "replace it with a file or a link inside it" if why == OUTSIDE else
                                    f"the symlink {link} -> {target} in {folder} {why}")
-        manifest = {p: e for p, (e, _) in members.items()}
-        return Packed(_tar_of((p, e, d) for p, (e, d) in members.items()), manifest, skipped)
+        return Packed(writer.finish(), manifest, skipped)
     finally:
         os.close(root)
 
 
-def _pack_node(node: _Node, members: dict[str, tuple[Entry, bytes]], skipped: list[str], budget: _Budget) -> None:
+def _pack_node(node: _Node, budget: _Budget) -> tuple[Entry, bytes] | None:
+    """A node's entry and bytes; None for a socket, FIFO or device (not packed)."""
     kind = _kind_of(node.status.st_mode)
-    mode = stat.S_IMODE(node.status.st_mode) & 0o777
     if kind is None:
-        skipped.append(node.path)
-        return
+        return None
     if kind == "dir":
         budget.count(node.path)
-        members[node.path] = (Entry("dir", mode), b"")
-    elif kind == "symlink":
+        return Entry("dir", stat.S_IMODE(node.status.st_mode) & 0o777), b""
+    if kind == "symlink":
         budget.count(node.path)
-        target = os.readlink(node.name, dir_fd=node.parent)
-        members[node.path] = (Entry("symlink", 0o777, target=target), b"")
-    else:
-        try:
-            data, status = _read_file(node.parent, node.name, node.path, budget.left())
-        except _TooBig:
-            raise budget.too_big(node.path) from None
-        budget.count(node.path, len(data))
-        members[node.path] = (Entry("file", stat.S_IMODE(status.st_mode) & 0o777, len(data),
-                                    hashlib.sha256(data).hexdigest()), data)
+        return Entry("symlink", 0o777, target=os.readlink(node.name, dir_fd=node.parent)), b""
+    try:
+        data, status = _read_file(node.parent, node.name, node.path, budget.left())
+    except _TooBig:
+        raise budget.too_big(node.path) from None
+    budget.count(node.path, len(data))
+    return Entry("file", stat.S_IMODE(status.st_mode) & 0o777, len(data), hashlib.sha256(data).hexdigest()), data
 
 
 def _packed_nodes(root: int, listed: list[str] | None) -> Iterator[_Node]:
