@@ -247,6 +247,7 @@ def test_a_request_not_signed_by_the_fleet_key_is_not_run(redis_env, hosts, root
     r.lpush(host_requests_key("h1"), json.dumps({"request": body, "sig": forged}))
     assert r.blpop([reply_key(request.id)], timeout=3) is None
     assert not (roots["h1"] / "envs" / env.id).exists()
+    assert f"refused request {request.id}: its signature does not match" in hosts["h1"].log.read_text()
 
 
 def test_the_hosts_reaper_ends_an_environment_whose_owner_is_gone(redis_env, hosts, roots, r, tmp_path):
