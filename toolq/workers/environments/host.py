@@ -518,15 +518,16 @@ class EnvHost:
             base = meta["base"]
             overlay = meta.get("mode") == "overlay"
             workspace = d / ("merged" if overlay else "tree")
-            delta = archive.tree_delta(self.manifest(base), workspace, upper=d / "upper" if overlay else None,
+            manifest = self.manifest(base)
+            delta = archive.tree_delta(manifest, workspace, upper=d / "upper" if overlay else None,
                                        limits=self.limits)
         delta_id = self.store.put(delta.tar) if delta.tar else None
         cp = Checkpoint(base=base, delta=delta_id, added=sorted(delta.added), changed=sorted(delta.changed),
                         deleted=sorted(delta.deleted))
         checkpoint_id = self.store.put(canonical(cp.model_dump(mode="json")))
-        # The base's side of changed and deleted files: from the store (the cache holds a tree).
-        base_tar = None if base == EMPTY_BASE or not (delta.changed or delta.deleted) else self.store.get(base)
-        diff = archive.unified_diff(base_tar, delta, checkpoint_id)
+        # The base's side of changed and deleted files: read from the host's cache, file by file.
+        base_side = None if base == EMPTY_BASE else archive.BaseTree(self.base_dir(base) / "tree", manifest)
+        diff = archive.unified_diff(base_side, delta, checkpoint_id)
         self.env_bytes(record.id, fresh=True)
         return checkpoint_id, diff
 
