@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -261,7 +262,7 @@ def test_envs_lists_an_environment_and_rm_destroys_it(redis_env, host, user_side
     folder = project(user_side, "listed")
     wait_host(redis_env.url)
     env = cli_env(redis_env.url)
-    script = [[exec_call("c_wait", "sleep 30")], [b.message("slept")]]
+    script = [[b.function_call("hang", {"seconds": 50}, "c_wait")], [b.message("slept")]]  # holds the turn
     with FakeModel(script) as fake:
         proc = subprocess.Popen([sys.executable, "-m", "toolq.cli.main", "run", "--upload", str(folder), "hold it"],
                                 cwd=c.ROOT, env=cli_env(redis_env.url, fake), text=True, stdout=subprocess.PIPE,
@@ -286,8 +287,8 @@ def test_envs_lists_an_environment_and_rm_destroys_it(redis_env, host, user_side
             after = [json.loads(line) for line in toolq("envs", "--json", env=env).stdout.splitlines()]
             assert [r["state"] for r in after if r["id"] == env_id] == ["destroyed"]
         finally:
-            proc.kill()
-            proc.communicate(timeout=30)
+            proc.send_signal(signal.SIGTERM)  # cancels the turn: its hanging call is revoked, not left running
+            proc.communicate(timeout=60)
     unknown = toolq("envs", "rm", "env_nosuchthing", env=env)
     assert unknown.returncode == 2 and unknown.stderr == (
         "toolq envs rm: no environment env_nosuchthing (`toolq envs` lists them)\n")
