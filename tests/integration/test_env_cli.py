@@ -336,3 +336,29 @@ def test_batch_forks_four_environments_from_one_checkpoint_each_its_own_and_each
     listed = [json.loads(line) for line in toolq("envs", "--json", env=cli_env(redis_env.url)).stdout.splitlines()]
     states = {r["id"]: r["state"] for r in listed}
     assert [states.get(r["environment"]) for r in results] == ["destroyed"] * 4, states
+
+
+def test_from_a_checkpoint_a_later_run_goes_on_with_the_earlier_runs_files(redis_env, host, user_side, tmp_path):
+    """`--from` the checkpoint a `--json` run printed: the next run sees what the first one wrote
+    (and the uploaded files), and its diff holds both turns' changes against the upload."""
+    folder = project(user_side, "from-checkpoint")
+    wait_host(redis_env.url)
+    script = {"by_prompt": {
+        "first": [[exec_call("c_one", "echo from the first run > one.txt")], [b.message("one")]],
+        "second": [[exec_call("c_two", "cat one.txt notes.txt; echo two > two.txt")], [b.message("two")]]}}
+    patch = tmp_path / "second.diff"
+    with FakeModel(script) as fake:
+        env = cli_env(redis_env.url, fake)
+        first = toolq("run", "--upload", str(folder), "--json", "first", env=env)
+        assert first.returncode == 0, first.stderr
+        checkpoint = [e for e in events_of(first.stdout) if e["type"] == "turn.completed"][-1]["checkpoint"]
+        second = toolq("run", "--from", checkpoint, "--patch", str(patch), "second", env=env)
+        requests = list(fake.requests)
+    assert second.returncode == 0, second.stderr
+    (seen,) = [output_of(body, "c_two") for body in requests if any(i.get("call_id") == "c_two" and i.get(
+        "type") == "function_call_output" for i in body["input"])]
+    assert "from the first run" in seen and "hello from the user" in seen
+    assert f"from checkpoint {checkpoint}" in second.stderr
+    text = patch.read_text()
+    assert "+++ b/one.txt" in text and "+++ b/two.txt" in text
+    assert not (folder / "one.txt").exists()  # no --apply: the folder is as it was
