@@ -4,6 +4,7 @@ applying the changes back to the user's folder. The hostile tars are in test_arc
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import shutil
@@ -186,6 +187,19 @@ def test_tree_delta_refuses_a_change_past_the_caps(tmp_path):
     with pytest.raises(ArchiveError, match="at big"):
         tree_delta(packed.manifest, env, limits=Limits(max_bytes=1024, max_files=100))
     assert tree_delta(packed.manifest, env, limits=Limits(max_bytes=8192, max_files=100)).added == ["big"]
+
+
+def test_tree_delta_refuses_a_tree_too_deep_or_too_big_to_walk(tmp_path):
+    env = tmp_path / "env"
+    os.makedirs(env / ("d/" * 300))  # each level would hold an fd while walked
+    with pytest.raises(ArchiveError, match="lies deeper than 256 folders"):
+        tree_delta({}, env)
+    shutil.rmtree(env / "d")
+    _write(env, {f"f{i:02}": "" for i in range(21)})
+    empty = Entry("file", 0o644, 0, hashlib.sha256(b"").hexdigest())
+    base = {f"f{i:02}": empty for i in range(18)}  # 18 unchanged, 2 added within the cap, then one more
+    with pytest.raises(ArchiveError, match="holds more than 20 files and folders"):
+        tree_delta(base, env, limits=Limits(max_bytes=1 << 20, max_files=2))
 
 
 def test_tree_delta_never_follows_a_symlink_the_commands_made(tmp_path):

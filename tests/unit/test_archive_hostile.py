@@ -134,6 +134,8 @@ ATTACKS: dict[str, tuple[Callable[[], bytes], str]] = {
     "directory-with-data": (_directory_with_data, r"member d declares a size of 512 bytes"),
     "long-link-target": (lambda: _tar(_info("l", tarfile.SYMTYPE, link="a/" * 2500)), r"symlink l -> .* has a target longer than 4095 bytes"),
     "link-chain-past-40": (lambda: _link_chain(41), r"symlink l0 -> 'l1' loops"),
+    "too-deep": (lambda: _tar(_file("d/" * 300 + "x")), r"is longer or deeper than a path may be here"),
+    "name-too-long": (lambda: _tar(_file("n" * 256)), r"is longer or deeper than a path may be here"),
     "not-a-tar": (lambda: b"PK\x03\x04" + b"\0" * 2000, r"is not a tar|no tar member|damaged"),
     "gzip": (lambda: b"\x1f\x8b\x08\0" + b"\x01" * 2000, r"is not a tar|no tar member|damaged"),
 }

@@ -188,9 +188,20 @@ def _checked_name(raw: str, what: str = "the archive's member") -> str | None:
         raise ArchiveError(f"{what} {raw!r} has a `..` component")
     if "" in parts or "." in parts:
         raise ArchiveError(f"{what} {raw!r} is not a plain relative path")
+    if len(parts) > MAX_DEPTH or len(os.fsencode(name)) > MAX_PATH or any(len(os.fsencode(p)) > 255 for p in parts):
+        # each level holds an fd while it is written: a name thousands deep would run a worker out of them
+        raise ArchiveError(f"{what} {_short(raw)!r} is longer or deeper than a path may be here "
+                           f"({MAX_PATH} bytes, {MAX_DEPTH} levels, 255 bytes a name)")
     return name
 
 
+def _short(text: str, most: int = 120) -> str:
+    return text if len(text) <= most else text[:most] + "..."
+
+
+#: The longest path and the deepest one a tree may hold (the kernel's PATH_MAX; levels of directories).
+MAX_PATH = 4095
+MAX_DEPTH = 256
 OUTSIDE = "leads outside"
 #: The kernel's limit on a symlink's target (PATH_MAX less its NUL).
 MAX_LINK_TARGET = 4095
@@ -327,6 +338,8 @@ def _walk(root: int, *, descend: Callable[[str], bool] = lambda path: True) -> I
                 if not stat.S_ISDIR(status.st_mode) or not descend(path):
                     yield _Node(path, fd, name, status)
                     continue
+                if len(stack) >= MAX_DEPTH:
+                    raise ArchiveError(f"{_short(path)} lies deeper than {MAX_DEPTH} folders")  # an fd per level
                 sub = open_entry(fd, name, directory=True)
                 stack.append((sub, path, iter(sorted(os.listdir(sub)))))
             except OSError as e:
@@ -804,8 +817,12 @@ def tree_delta(base: Manifest, env_dir: Path, *, upper: Path | None = None,
     except OSError as e:
         raise ArchiveError(f"cannot open {top}: {e.strerror}") from None
     scan = _Scan(base, _Budget(limits, "the environment's changes"))
+    most = len(base) + limits.max_files  # what a base and a delta within the caps can hold
     try:
-        for node in _walk(root):
+        for seen, node in enumerate(_walk(root), 1):
+            if seen > most:
+                raise ArchiveError(f"the environment holds more than {most} files and folders; "
+                                   "TOOLQ_UPLOAD_MAX_FILES raises the cap")
             if upper is not None:
                 scan.upper_node(node)
             else:
