@@ -223,3 +223,25 @@ def test_a_reaper_leaves_alone_what_another_fleet_made_on_a_shared_root(
     theirs.create(env)  # its record lives in their Redis, not in ours
     ours = EnvHost(tmp_path / "root", "h1", store, 1 << 30, LIMITS, r=r, mode="copy", fleet="our-redis")
     assert ours.reap() == [] and theirs.present(env.id)
+
+
+def test_past_the_cap_unused_bases_are_evicted_first_and_a_base_in_use_never(
+        tmp_path: Path, store: RedisStore, r: redis.Redis, hosts: list[EnvHost]) -> None:
+    def base_of(name: str) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "blob").write_bytes(os.urandom(2 << 20))
+        return store.put(archive.pack_dir(folder, LIMITS).tar)
+
+    a, b = base_of("a"), base_of("b")
+    h = make_host(hosts, tmp_path / "root", store, r, "copy", cap_mb=5)
+    first = record(r, a)
+    h.create(first)  # base a (2 MB) and its copy (2 MB)
+    h.destroy(first.id)
+    second = record(r, b)
+    h.create(second)  # base b and its copy would pass the cap with a still cached: a goes
+    assert h.bases() == [b]
+    with pytest.raises(EnvError, match="not created"):
+        h.create(record(r, a))  # b is in use by an environment: never evicted, so a cannot fit
+    assert b in h.bases()
+    assert (h.path(second.id) / "blob").stat().st_size == 2 << 20

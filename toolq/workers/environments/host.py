@@ -359,13 +359,56 @@ class EnvHost:
         return (d / "tree").is_dir()
 
     @contextlib.contextmanager
-    def _locked(self, name: str) -> Iterator[None]:
+    def _locked(self, name: str, how: int = fcntl.LOCK_EX) -> Iterator[bool]:
+        """flock on `locks/<name>.lock`; with LOCK_NB in `how`, yields False if it is held."""
         fd = os.open(self.root / "locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            try:
+                fcntl.flock(fd, how)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
         finally:
             os.close(fd)
+
+    @contextlib.contextmanager
+    def _base_in_use(self, base: str) -> Iterator[Path]:
+        """The base's cache, kept from eviction (a shared lock) while an environment is made on it."""
+        for _ in range(3):
+            d = self.base_dir(base)  # unpacks under the exclusive lock, released before the shared one
+            with self._locked(f"base-{base}", fcntl.LOCK_SH):
+                if (d / "manifest.json").exists():
+                    os.utime(d / "size")  # its last use: eviction takes the least recently used first
+                    yield d
+                    return
+        raise EnvError(f"host {self.host}: base {base} was evicted three times while an environment was made on it")
+
+    def evict_bases(self, need: int) -> int:
+        """Remove unpacked bases no environment here is made on, least recently used first, until
+        `need` bytes are freed; bytes freed. A base being unpacked or used by a create is skipped."""
+        in_use = {(self._meta(self.root / "envs" / i) or {}).get("base") for i in self.env_ids()}
+        freed = 0
+        candidates = [b for b in self.bases() if b not in in_use]
+        candidates.sort(key=lambda b: _mtime(self.root / "bases" / b / "size"))
+        for base in candidates:
+            if freed >= need:
+                break
+            with self._locked(f"base-{base}", fcntl.LOCK_EX | fcntl.LOCK_NB) as mine:
+                in_use = {(self._meta(self.root / "envs" / i) or {}).get("base") for i in self.env_ids()}
+                if not mine or base in in_use:
+                    continue
+                d = self.root / "bases" / base
+                try:
+                    size = int((d / "size").read_text())
+                except (OSError, ValueError):
+                    size = 0
+                gone = self.root / "bases" / f".old-{base}-{os.getpid()}"
+                os.rename(d, gone)
+                shutil.rmtree(gone, ignore_errors=True)
+                freed += size
+                log.info("base %s evicted from the cache (%d MB freed)", base, -(-size // MB))
+        return freed
 
     @staticmethod
     def _meta(d: Path) -> dict[str, Any] | None:
@@ -435,6 +478,9 @@ class EnvHost:
     def _check_cap(self, adding: int) -> None:
         used = self.used_bytes()
         if used >= self.cap_bytes or used + adding > self.cap_bytes:
+            self.evict_bases(used + adding - self.cap_bytes + 1)
+            used = self.used_bytes()
+        if used >= self.cap_bytes or used + adding > self.cap_bytes:
             raise EnvError(f"host {self.host}: environments use {-(-used // MB)} MB of "
                            f"TOOLQ_ENV_DISK_MB={self.cap_bytes // MB}; not created")
 
@@ -453,32 +499,35 @@ class EnvHost:
                 return meta.get("mode", self.mode)
             if d.exists():
                 self._remove(record.id)  # half-made by a process that died
-            base_dir = self.base_dir(base)
-            adding = int((base_dir / "size").read_text()) if self.mode == "copy" else 0
-            self._check_cap(adding)
-            d.mkdir(mode=0o700)
-            try:
-                if self.mode == "overlay":
-                    for sub in ("upper", "work", "merged"):
-                        (d / sub).mkdir(mode=0o755)
-                    _mount("-t", "overlay", "overlay", "-o",
-                           _overlay_options(base_dir / "tree", d / "upper", d / "work"), str(d / "merged"))
-                else:
-                    # A copy, never a hard link: a command must not reach a base file.
-                    shutil.copytree(base_dir / "tree", d / "tree", symlinks=True)
-                workspace = d / ("merged" if self.mode == "overlay" else "tree")
-                if record.start:
-                    self._lay_checkpoint(record.start, base, workspace)
-                (d / "env.json").write_text(json.dumps({"mode": self.mode, "base": base, "created_at": time.time(),
-                                                        "fleet": self.fleet}))
-            except BaseException as e:
-                self._remove(record.id)
-                if isinstance(e, OSError):
-                    raise EnvError(f"host {self.host}: environment {record.id} not created: "
-                                   f"{e.strerror or e}") from None
-                raise
+            with self._base_in_use(base) as base_dir:
+                self._make(record, d, base, base_dir)
         self.env_bytes(record.id, fresh=True)
         return self.mode
+
+    def _make(self, record: EnvironmentRecord, d: Path, base: str, base_dir: Path) -> None:
+        adding = int((base_dir / "size").read_text()) if self.mode == "copy" else 0
+        self._check_cap(adding)
+        d.mkdir(mode=0o700)
+        try:
+            if self.mode == "overlay":
+                for sub in ("upper", "work", "merged"):
+                    (d / sub).mkdir(mode=0o755)
+                _mount("-t", "overlay", "overlay", "-o",
+                       _overlay_options(base_dir / "tree", d / "upper", d / "work"), str(d / "merged"))
+            else:
+                # A copy, never a hard link: a command must not reach a base file.
+                shutil.copytree(base_dir / "tree", d / "tree", symlinks=True)
+            workspace = d / ("merged" if self.mode == "overlay" else "tree")
+            if record.start:
+                self._lay_checkpoint(record.start, base, workspace)
+            (d / "env.json").write_text(json.dumps({"mode": self.mode, "base": base, "created_at": time.time(),
+                                                    "fleet": self.fleet}))
+        except BaseException as e:
+            self._remove(record.id)
+            if isinstance(e, OSError):
+                raise EnvError(f"host {self.host}: environment {record.id} not created: "
+                               f"{e.strerror or e}") from None
+            raise
 
     def _lay_checkpoint(self, checkpoint_id: str, base: str, workspace: Path) -> None:
         if self.store is None:
@@ -703,6 +752,13 @@ return 1
 
 def update_record(r: redis.Redis, env_id: str, **fields: Any) -> int:
     return int(r.eval(_UPDATE, 1, env_key(env_id), json.dumps(fields)))
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _record(raw: bytes | None) -> EnvironmentRecord | None:
