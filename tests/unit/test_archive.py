@@ -516,3 +516,32 @@ def test_a_checkout_another_user_owns_is_still_listed_by_git(tmp_path):
             os.lchown(name, 65534, 65534)
     names = set(pack_dir(repo).manifest)
     assert "src/app.py" in names and "x.log" not in names
+
+
+def test_names_that_are_not_utf8_never_reach_a_json_record(tmp_path):
+    """The records naming files (checkpoints, diffs, replies) are JSON: a name that is not UTF-8 is
+    refused in an upload (one line), and not carried (but said) in a checkpoint."""
+    project = _project(tmp_path / "p")
+    (project / os.fsdecode(b"caf\xe9.txt")).write_text("x\n")
+    with pytest.raises(ArchiveError, match=r"^caf\\xe9\.txt in .* has a name that is not UTF-8"):
+        pack_dir(project)
+    # a base that holds one (a git archive of such a repository), and a command that makes another
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in ("ok.txt", os.fsdecode(b"old\xff.txt")):
+            tar.addfile(tarfile.TarInfo(name), io.BytesIO(b""))
+    env = tmp_path / "env"
+    env.mkdir()
+    base = extract(buffer.getvalue(), env)
+    (env / os.fsdecode(b"old\xff.txt")).unlink()
+    (env / os.fsdecode(b"new\xfe.txt")).write_text("made by a command\n")
+    (env / "ok.txt").write_text("changed\n")
+    delta = tree_delta(base, env)
+    assert (delta.added, delta.changed, delta.deleted) == ([], ["ok.txt"], [])
+    assert delta.skipped == ["new\\xfe.txt (a name that is not UTF-8: not carried)",
+                             "old\\xff.txt (deleted; a name that is not UTF-8: not recorded)"]
+    diff = unified_diff(buffer.getvalue(), delta, "c")
+    assert diff.model_dump_json() and _checkpoint(delta).model_dump_json()
+    # a diff of a deleted folder that held one quotes it as git does
+    gone = unified_diff(buffer.getvalue(), Delta(deleted=[os.fsdecode(b"old\xff.txt"), "ok.txt"]))
+    assert 'diff --git "a/old\\377.txt" "b/old\\377.txt"' in gone.patch

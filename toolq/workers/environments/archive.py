@@ -437,6 +437,9 @@ def pack_dir(path: Path, limits: Limits = DEFAULT_LIMITS) -> Packed:
         writer = _TarWriter()  # written as read (the nodes come in `_order`): the files are held once
         try:
             for node in _packed_nodes(root, listed):
+                if not _is_utf8(node.path):
+                    raise ArchiveError(f"{_shown(node.path)} in {folder} has a name that is not UTF-8, which an "
+                                       "environment cannot carry; rename it")
                 packed = _pack_node(node, budget)
                 if packed is None:
                     skipped.append(node.path)
@@ -625,12 +628,10 @@ def _check_spelling(tar: bytes, info: tarfile.TarInfo, what: str) -> None:
 
 
 def _ustar_name(header: bytes) -> bytes:
+    """The name a header spells, read as tarfile reads it (its prefix field, whatever the magic)."""
     name = header[0:100].split(b"\0", 1)[0]
-    if header[257:262] == b"ustar":
-        prefix = header[345:500].split(b"\0", 1)[0]
-        if prefix:
-            return prefix + b"/" + name
-    return name
+    prefix = header[345:500].split(b"\0", 1)[0]
+    return prefix + b"/" + name if prefix else name
 
 
 def _member_kind(info: tarfile.TarInfo, what: str) -> Kind:
@@ -846,9 +847,12 @@ class _Scan:
     def node(self, node: _Node) -> None:
         kind = _kind_of(node.status.st_mode)
         if kind is None:
-            self.skipped.append(node.path)
+            self.skipped.append(_shown(node.path))
             return
         self.present.add(node.path)
+        if not _is_utf8(node.path):
+            self.skipped.append(f"{_shown(node.path)} (a name that is not UTF-8: not carried)")
+            return
         self._compare(node, kind)
 
     def upper_node(self, node: _Node) -> None:
@@ -924,6 +928,9 @@ class _Scan:
             gone = {p for p in self.base if p not in self.present}
         self._drop_links_out(gone)
         deleted = sorted((p for p in gone if not any(q in gone for q in _parents(p))), key=_order)
+        self.skipped += [f"{_shown(p)} (deleted; a name that is not UTF-8: not recorded)" for p in deleted
+                         if not _is_utf8(p)]
+        deleted = [p for p in deleted if _is_utf8(p)]
         carried = sorted(self.members, key=_order)
         added_dirs = {p for p in carried if p not in self.base and self.members[p][0].kind == "dir"}
         under_new = {q for p in carried for q in _parents(p)}
@@ -932,6 +939,21 @@ class _Scan:
         entries = {p: e for p, (e, _) in self.members.items()}
         tar = _tar_of((p, e, d) for p, (e, d) in self.members.items()) if self.members else None
         return Delta(added, changed, deleted, tar, entries, sorted(self.skipped, key=_order))
+
+
+def _is_utf8(path: str) -> bool:
+    """Whether a name (decoded with surrogateescape, as os gives it) is UTF-8: only those travel,
+    as the records naming them are JSON."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _shown(path: str) -> str:
+    """A name as text that any JSON can carry (bytes that are not UTF-8 as \\xNN)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def _same_file(node: _Node, was: Entry) -> bool:
@@ -1113,10 +1135,10 @@ _C_ESCAPES = {7: "\\a", 8: "\\b", 9: "\\t", 10: "\\n", 11: "\\v", 12: "\\f", 13:
 
 
 def _quoted(name: str) -> str:
-    """A path as git writes it in a patch: in C quotes when it holds a control character, a quote or
-    a backslash (so a newline in a name cannot start a line of the patch)."""
+    """A path as git writes it in a patch: in C quotes when it holds a control character, a quote, a
+    backslash (so a newline in a name cannot start a line of the patch) or bytes that are not UTF-8."""
     raw = os.fsencode(name)
-    if not any(byte < 0x20 or byte in (0x22, 0x5C, 0x7F) for byte in raw):
+    if _is_utf8(name) and not any(byte < 0x20 or byte in (0x22, 0x5C, 0x7F) for byte in raw):
         return name
     out = "".join(_C_ESCAPES.get(byte, f"\\{byte:03o}" if byte < 0x20 or byte == 0x7F else chr(byte))
                   if byte < 0x80 else f"\\{byte:03o}" for byte in raw)
