@@ -136,6 +136,9 @@ def test_a_git_checkout_packs_tracked_and_untracked_files_but_not_ignored_ones_n
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", "one")
     _write(repo, {"notes.txt": "untracked, kept\n", "src/trace.log": "ignored\n"})
+    (repo / "inner").mkdir()  # an untracked repository inside: git lists it as `inner/`
+    _git(repo / "inner", "init", "-q")
+    _write(repo, {"inner/lib.py": "y = 2\n"})
     (repo / "README.md").unlink()  # tracked but deleted in the work tree: not there, not packed
     (repo / "src/link.md").unlink()
     # a repository that would run a program on `git status`-like commands: git must not run it
@@ -146,10 +149,10 @@ def test_a_git_checkout_packs_tracked_and_untracked_files_but_not_ignored_ones_n
     _git(repo, "config", "core.fsmonitor", str(hook))
     packed = pack_dir(repo)
     names = set(packed.manifest)
-    assert {"notes.txt", ".gitignore", "src/app.py", "run.sh", "docs/a/b/deep.txt"} <= names
+    assert {"notes.txt", ".gitignore", "src/app.py", "run.sh", "docs/a/b/deep.txt", "inner/lib.py"} <= names
     assert {"docs", "docs/a", "docs/a/b", "src"} <= names  # the directories on the way
     assert not names & {"debug.log", "build", "build/out.o", "src/trace.log", "README.md", "empty"}
-    assert not any(p == ".git" or p.startswith(".git/") for p in names)
+    assert not any(".git" in p.split("/") for p in names)
     assert not marker.exists()
 
 

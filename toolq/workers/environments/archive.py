@@ -548,7 +548,8 @@ def _git_listing(folder: Path) -> list[str]:
     if done.returncode != 0:
         reason = os.fsdecode(done.stderr).strip().splitlines()
         raise ArchiveError(f"git cannot list the checkout {folder}: {reason[0] if reason else done.returncode}")
-    return sorted({os.fsdecode(name) for name in done.stdout.split(b"\0") if name})
+    # an untracked repository inside is listed as `inner/`: packed whole, as a submodule is
+    return sorted({os.fsdecode(name).rstrip("/") for name in done.stdout.split(b"\0") if name.rstrip(b"/")})
 
 
 # ---- reading tars --------------------------------------------------------------------------------
