@@ -245,3 +245,16 @@ def test_past_the_cap_unused_bases_are_evicted_first_and_a_base_in_use_never(
         h.create(record(r, a))  # b is in use by an environment: never evicted, so a cannot fit
     assert b in h.bases()
     assert (h.path(second.id) / "blob").stat().st_size == 2 << 20
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="overlay needs root")
+def test_an_overlay_whose_mount_is_gone_is_mounted_again_by_the_reaper(
+        tmp_path: Path, store: RedisStore, r: redis.Redis, hosts: list[EnvHost]) -> None:
+    h = make_host(hosts, tmp_path / "root", store, r, "overlay")
+    rec = record(r, EMPTY_BASE)
+    h.create(rec)
+    (h.path(rec.id) / "kept.txt").write_text("still here\n")
+    subprocess.run(["umount", str(h.path(rec.id))], check=True)  # as after a reboot
+    assert not h.present(rec.id)
+    assert h.reap() == [] and h.present(rec.id)
+    assert (h.path(rec.id) / "kept.txt").read_text() == "still here\n"

@@ -635,6 +635,7 @@ class EnvHost:
         for env_id, raw in zip(order, raws, strict=True):
             why = self._reason_to_end(raw, records[env_id], alive, now)
             if why is None:
+                self.remount(env_id)
                 continue
             if self.destroy(env_id):
                 log.info("environment %s destroyed: %s", env_id, why)
@@ -643,6 +644,26 @@ class EnvHost:
             self.r.srem(host_envs_key(self.host), env_id)
             done.append(env_id)
         return done
+
+    def remount(self, env_id: str) -> bool:
+        """An overlay environment whose mount is gone (the machine restarted, or the worker runs in a
+        new mount namespace) while its files are whole on disk is mounted again. True if it was."""
+        d = self.env_dir(env_id)
+        meta = self._meta(d)
+        if self.mode != "overlay" or meta is None or meta.get("mode") != "overlay" or str(
+                d / "merged") in _mount_points():
+            return False
+        with self._locked(env_id), self._base_in_use(meta["base"]) as base_dir:
+            if self._meta(d) is None or str(d / "merged") in _mount_points():
+                return False
+            try:
+                _mount("-t", "overlay", "overlay", "-o", _overlay_options(base_dir / "tree", d / "upper", d / "work"),
+                       str(d / "merged"))
+            except (OSError, subprocess.SubprocessError) as e:
+                log.warning("environment %s could not be mounted again: %s", env_id, e)
+                return False
+        log.info("environment %s mounted again", env_id)
+        return True
 
     def _exist(self, names: list[str]) -> list[bool]:
         assert self.r is not None
