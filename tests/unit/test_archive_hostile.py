@@ -28,6 +28,7 @@ from toolq.workers.environments.archive import ArchiveError, Limits, apply_delta
 LIMITS = Limits(max_bytes=1 << 20, max_files=100_000)
 #: An absolute path a hostile member names; unique, so its absence proves nothing wrote it.
 PWNED = f"/tmp/toolq-pwned-{secrets.token_hex(4)}"
+PWNED_ETC = f"/etc/toolq-pwned-{secrets.token_hex(4)}"
 
 
 def _info(name: str, kind: bytes = tarfile.REGTYPE, *, size: int = 0, link: str = "", mode: int = 0o644,
@@ -100,6 +101,8 @@ ATTACKS: dict[str, tuple[Callable[[], bytes], str]] = {
     "dotdot": (lambda: _tar(_file("../x")), r"^the archive's member '\.\./x' has a `\.\.` component$"),
     "dotdot-deep": (lambda: _tar(_file("a/b/../../../x")), r"has a `\.\.` component"),
     "absolute": (lambda: _tar(_file(PWNED)), rf"^the archive's member '{PWNED}' has an absolute path$"),
+    "absolute-etc": (lambda: _tar(_file(PWNED_ETC)), r"has an absolute path"),
+    "dotdot-to-etc": (lambda: _tar(_file("../" * 30 + PWNED_ETC.lstrip("/"))), r"has a `\.\.` component"),
     "link-to-root-then-through-it": (lambda: _tar(_info("a", tarfile.SYMTYPE, link="/"), _file(f"a{PWNED}")),
                                      r"symlink a -> '/' leads outside|lies under a, which is a symlink"),
     "link-inside-then-through-it": (lambda: _tar(_info("a", tarfile.SYMTYPE, link="b"), _info("b", tarfile.DIRTYPE),
@@ -175,7 +178,8 @@ def _assert_nothing_outside(box: Path, before: dict) -> None:
     after = {k: v for k, v in _snapshot(box).items() if not (k == "dest" or k.startswith("dest/"))}
     assert after == {k: v for k, v in before.items() if not (k == "dest" or k.startswith("dest/"))}
     assert (box / "sentinel").read_text() == "untouched\n"
-    assert not os.path.lexists(PWNED) and not os.path.lexists(box.parent / "x") and not os.path.lexists(box / "x")
+    assert not os.path.lexists(PWNED) and not os.path.lexists(PWNED_ETC)
+    assert not os.path.lexists(box.parent / "x") and not os.path.lexists(box / "x")
     assert not os.path.lexists(box.parent / "evil.txt") and not os.path.lexists(box / "evil.txt")
 
 
@@ -336,4 +340,4 @@ def test_hostile_archives_are_refused_as_nobody_too(request):
     after = {k: v for k, v in _snapshot(work).items() if ".dest" not in k}
     assert after == {k: v for k, v in before.items() if ".dest" not in k}
     assert all(not any(p.iterdir()) for p in work.glob("*.dest"))
-    assert not os.path.lexists(PWNED)
+    assert not os.path.lexists(PWNED) and not os.path.lexists(PWNED_ETC)
