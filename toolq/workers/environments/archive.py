@@ -9,7 +9,10 @@ O_NOFOLLOW, one component at a time, with O_CREAT|O_EXCL: nothing in the destina
 even if something else changes it meanwhile.
 
 The tars this module writes are deterministic (sorted, mtime 0, owner 0 with no names, permission
-bits only), so one folder always packs to one blob id and the store keeps it once.
+bits only), so one folder always packs to one blob id and the store keeps it once. They carry
+regular files, directories and symlinks that stay inside the tree, with UTF-8 names only (the
+records naming them are JSON); what else a tree holds is refused (an upload) or left out and said
+(a checkpoint's `Delta.skipped`).
 """
 
 from __future__ import annotations
@@ -133,7 +136,8 @@ class Delta:
     tar: bytes | None = None
     entries: Manifest = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
-    """Sockets, FIFOs and devices the commands left: not carried."""
+    """What the commands left that a checkpoint cannot carry, one line each: sockets, FIFOs and
+    devices, symlinks leading out of the environment, names that are not UTF-8."""
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, tar: bytes | None) -> Delta:
