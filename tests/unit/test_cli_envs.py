@@ -4,6 +4,7 @@ turn's end and `toolq envs` print. Pure: no Redis, no worker."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -208,3 +209,11 @@ def test_a_batch_result_carries_the_environment_only_when_it_has_one():
     assert forked["fork"] == 2 and forked["environment"] == "env_1" and forked["checkpoint"] == CHECKPOINT
     assert forked["diff"]["binary"] == ["logo.png"] and forked["diff"]["patch"] == DIFF.patch
     assert BatchResult.model_validate_json(json.dumps(forked)).fork == 2  # a re-run reads it back
+
+
+def test_a_turn_in_an_environment_names_a_workspace_only_where_the_current_folder_could_not_be_one(tmp_path):
+    from toolq.cli.envs import named_workspace
+
+    assert named_workspace(tmp_path / "proj") == tmp_path / "proj"
+    assert str(named_workspace(Path("/"), "env_1")) == "/toolq-environment/env_1"
+    assert str(named_workspace(Path("/home"))) == "/toolq-environment"
