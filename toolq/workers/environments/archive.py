@@ -767,10 +767,10 @@ def extract(tar: bytes, dest: Path, limits: Limits = DEFAULT_LIMITS) -> Manifest
             raise ArchiveError(f"{dest} is not empty")
         for member in members:
             try:
-                written += _write_member(tar, member, dirs, limits.max_bytes - written)
+                manifest[member.name] = entry = _write_member(tar, member, dirs, limits.max_bytes - written)
             except OSError as e:
                 raise ArchiveError(f"cannot unpack {member.name}: {e.strerror}") from None
-            manifest[member.name] = _entry_of(member, _member_data(tar, member) if member.kind == "file" else b"")
+            written += entry.size
         try:
             dirs.close()
         except OSError as e:
@@ -783,17 +783,17 @@ def extract(tar: bytes, dest: Path, limits: Limits = DEFAULT_LIMITS) -> Manifest
     return manifest
 
 
-def _write_member(tar: bytes, member: _Member, dirs: _Dirs, room: int) -> int:
-    """Write one checked member into a fresh tree; the bytes written."""
+def _write_member(tar: bytes, member: _Member, dirs: _Dirs, room: int) -> Entry:
+    """Write one checked member into a fresh tree; its manifest entry."""
     mode = member.info.mode & 0o777
     if member.kind == "dir":
         dirs.enter(member.name, mode)
-        return 0
+        return _entry_of(member)
     parent = dirs.parent_of(member.name)
     name = member.name.rpartition("/")[2]
     if member.kind == "symlink":
         os.symlink(member.info.linkname, name, dir_fd=parent)
-        return 0
+        return _entry_of(member)
     data = _member_data(tar, member)
     if len(data) != member.info.size or len(data) > room:
         raise ArchiveError(f"the archive's member {member.name} holds more bytes than the caps allow")
@@ -805,7 +805,7 @@ def _write_member(tar: bytes, member: _Member, dirs: _Dirs, room: int) -> int:
         os.fchmod(fd, mode)
     finally:
         os.close(fd)
-    return len(data)
+    return _entry_of(member, data)
 
 
 # ---- an environment's changes --------------------------------------------------------------------
