@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from toolq.core.environments import Checkpoint
-from toolq.workers.environments.archive import ArchiveError, Limits, apply_delta, extract, manifest_of
+from toolq.workers.environments.archive import ArchiveError, Limits, apply_delta, extract, manifest_of, tree_delta
 
 LIMITS = Limits(max_bytes=1 << 20, max_files=100_000)
 #: An absolute path a hostile member names; unique, so its absence proves nothing wrote it.
@@ -341,3 +342,26 @@ def test_hostile_archives_are_refused_as_nobody_too(request):
     assert after == {k: v for k, v in before.items() if ".dest" not in k}
     assert all(not any(p.iterdir()) for p in work.glob("*.dest"))
     assert not os.path.lexists(PWNED) and not os.path.lexists(PWNED_ETC)
+
+
+def test_a_checkpoint_of_what_hostile_commands_left_reads_nothing_outside_and_never_blocks(tmp_path):
+    """Checkpoints read what the model's commands wrote: FIFOs (an open would block), sockets,
+    links out of the environment or looping. None is followed or opened; each is said, not carried."""
+    env = tmp_path / "env"
+    env.mkdir()
+    os.mkfifo(env / "pipe")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(env / "sock"))
+    (env / "loop").symlink_to("loop")
+    (env / "shadow").symlink_to("/etc/shadow")
+    (env / "etc").symlink_to("/etc")
+    (env / "ok.txt").write_text("ok\n")
+    try:
+        delta = tree_delta({}, env, limits=LIMITS)
+    finally:
+        server.close()
+    assert delta.added == ["ok.txt"] and set(delta.entries) == {"ok.txt"}
+    assert sorted(delta.skipped) == ["etc (a symlink that leads outside: not carried)",
+                                     "loop (a symlink that loops: not carried)", "pipe",
+                                     "shadow (a symlink that leads outside: not carried)", "sock"]
+    assert b"root:" not in (delta.tar or b"")
