@@ -194,17 +194,6 @@ def named_workspace(workspace: Path, env_id: str | None = None) -> Path:
     return Path("/toolq-environment") / env_id if env_id else Path("/toolq-environment")
 
 
-def environments_of(runtime: Any, settings: Settings) -> Any:
-    """The fleet's `Environments` (one per fleet), or one on the fleet's Redis."""
-    found = getattr(runtime.fleet, "environments", None)
-    if found is not None:
-        return found
-    from toolq.core.signing import signer_for
-    from toolq.orchestrator.environments import Environments
-
-    return Environments(runtime.fleet.ledger.r, settings, signer_for(settings.signing_key))
-
-
 @dataclass
 class Placed:
     """A `toolq run`'s environment: made before the turn, destroyed when the run ends."""
@@ -289,12 +278,12 @@ async def _host_of(environments: Any, starting: WorkersStarting) -> None:
 EMBEDDED_HOST_WAIT = 60.0
 
 
-async def place(runtime: Any, settings: Settings, choice: EnvChoice, view: JsonView | LiveView,
+async def place(runtime: Any, choice: EnvChoice, view: JsonView | LiveView,
                 starting: WorkersStarting | None = None) -> Placed:
     """Upload (if asked), place and make the run's environment; one line names it and its host."""
     from toolq.orchestrator.environments import Environment, source_of
 
-    environments = environments_of(runtime, settings)
+    environments = runtime.fleet.environments
     manifest = None
     if choice.upload is not None:
         upload = await environments.upload(choice.upload)

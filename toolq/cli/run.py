@@ -264,7 +264,7 @@ async def _run(settings: Settings, prompt: str, json_events: bool, history: Hist
     placed: Placed | None = None
     try:
         if environment is not None:
-            placed = await place(runtime, settings, environment, view, starting)
+            placed = await place(runtime, environment, view, starting)
         instructions = settings.instructions or (
             environment_instructions(environment) if environment is not None else default_instructions(settings))
         session = Session(runtime, instructions=instructions, **placed.session_args(settings) if placed else {})
