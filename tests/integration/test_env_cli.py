@@ -299,26 +299,33 @@ def test_batch_forks_four_environments_from_one_checkpoint_each_its_own_and_each
     """A run leaves a checkpoint; a batch line `"from": it, "fork": 4` runs four turns, each in its
     own environment made from it: each sees the checkpoint's files, writes its own file no other
     sees, and gets its own result line (`fork` 0..3, its environment, checkpoint and diff); every
-    environment is destroyed when its turn ends."""
+    environment is destroyed when its turn ends. An "upload" line beside it gets its own
+    environment and diff, and no fork."""
     folder = project(user_side, "forked")
     wait_host(redis_env.url)
     script = {"by_prompt": {
         "seed": [[exec_call("c_seed", "echo seeded > state.txt")], [b.message("seeded")]],
         "fork it": [[exec_call("c_fork", "cat state.txt; ls; cat /proc/sys/kernel/random/uuid > mine.txt")],
-                    [b.message("forked")]]}}
+                    [b.message("forked")]],
+        "copy it": [[exec_call("c_copy", "cp notes.txt copy.txt")], [b.message("copied")]]}}
     with FakeModel(script) as fake:
         env = cli_env(redis_env.url, fake)
         seeded = toolq("run", "--upload", str(folder), "--json", "seed", env=env)
         assert seeded.returncode == 0, seeded.stderr
         checkpoint = [e for e in events_of(seeded.stdout) if e["type"] == "turn.completed"][-1]["checkpoint"]
         lines = tmp_path / "batch.jsonl"
-        lines.write_text(json.dumps({"prompt": "fork it", "from": checkpoint, "fork": 4, "id": "group-1"}) + "\n")
+        lines.write_text(json.dumps({"prompt": "fork it", "from": checkpoint, "fork": 4, "id": "group-1"}) + "\n"
+                         + json.dumps({"prompt": "copy it", "upload": str(folder), "id": "uploaded"}) + "\n")
         out = tmp_path / "results.jsonl"
         done = toolq("batch", str(lines), "--out", str(out), "--concurrency", "4", env=env)
         fork_requests = [body for body in fake.requests if any(
             i.get("call_id") == "c_fork" and i.get("type") == "function_call_output" for i in body["input"])]
     assert done.returncode == 0, done.stderr
-    results = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["fork"])
+    everything = [json.loads(line) for line in out.read_text().splitlines()]
+    (uploaded,) = [r for r in everything if r["id"] == "uploaded"]  # an "upload" line: no fork, its own diff
+    assert uploaded["status"] == "completed" and "fork" not in uploaded and uploaded["line"] == 2
+    assert "+++ b/copy.txt" in uploaded["diff"]["patch"] and not (folder / "copy.txt").exists()
+    results = sorted((r for r in everything if r["id"] == "group-1"), key=lambda r: r["fork"])
     assert [r["fork"] for r in results] == [0, 1, 2, 3] and all(r["status"] == "completed" for r in results)
     assert all(r["id"] == "group-1" and r["line"] == 1 for r in results)
     assert len({r["environment"] for r in results}) == 4 and len({r["key"] for r in results}) == 4
@@ -335,7 +342,7 @@ def test_batch_forks_four_environments_from_one_checkpoint_each_its_own_and_each
         assert "seeded" in seen and "notes.txt" in seen and "mine.txt" not in seen, seen
     listed = [json.loads(line) for line in toolq("envs", "--json", env=cli_env(redis_env.url)).stdout.splitlines()]
     states = {r["id"]: r["state"] for r in listed}
-    assert [states.get(r["environment"]) for r in results] == ["destroyed"] * 4, states
+    assert [states.get(r["environment"]) for r in [*results, uploaded]] == ["destroyed"] * 5, states
 
 
 def test_from_a_checkpoint_a_later_run_goes_on_with_the_earlier_runs_files(redis_env, host, user_side, tmp_path):
