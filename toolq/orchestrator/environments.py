@@ -342,10 +342,13 @@ class Environments:
         `owner`: a Redis key that lives while the owner does (the host's reaper watches it)."""
         base, start = await self.base_of(source)
         host = host or await self.place(base, avoid=avoid)
-        record = EnvironmentRecord(id=env_id or new_environment_id(), host=host, source=source, base=base or "",
-                                   start=start, owner=owner, idle_limit=self.settings.env_idle,
-                                   lifetime=self.settings.env_lifetime)
-        return await self._make(record)
+        return await self._make(self._new_record(source, base, start, owner, host, env_id))
+
+    def _new_record(self, source: EnvSource, base: str | None, start: str | None, owner: str, host: str,
+                    env_id: str | None = None) -> EnvironmentRecord:
+        return EnvironmentRecord(id=env_id or new_environment_id(), host=host, source=source, base=base or "",
+                                 start=start, owner=owner, idle_limit=self.settings.env_idle,
+                                 lifetime=self.settings.env_lifetime)
 
     async def _make(self, record: EnvironmentRecord) -> EnvironmentRecord:
         await self._write(record)
@@ -406,9 +409,9 @@ class Environments:
             raise EnvironmentRefused(f"fork needs n >= 1, not {n}")
         owners = [owner] * n if isinstance(owner, str) else list(owner)
         source = source_of(checkpoint=checkpoint)
-        base, _ = await self.base_of(source)
+        base, start = await self.base_of(source)  # the checkpoint read once, not once per fork
         host = await self.place(base)
-        made = await asyncio.gather(*(self.create(source, owner=o, host=host) for o in owners),
+        made = await asyncio.gather(*(self._make(self._new_record(source, base, start, o, host)) for o in owners),
                                     return_exceptions=True)
         failed = [m for m in made if isinstance(m, BaseException)]
         if failed:  # none half-made: the ones that came up go again
