@@ -212,3 +212,52 @@ def test_fork_gives_environments_with_the_checkpoints_files_that_never_see_each_
         assert "seeded" in text and "notes.txt" in text and f"fork{i}.txt" in text
         assert [f"fork{j}.txt" for j in range(4) if j != i and f"fork{j}.txt" in text] == []
     assert all(records[i] == "destroyed" for i in ids)
+
+
+def test_a_host_killed_mid_turn_the_next_request_runs_on_the_other_host_from_the_last_checkpoint(
+        redis_env, hosts, tmp_path):
+    """Between two model requests of one turn: the calls after the kill run on the other host, in
+    the environment as the last checkpoint left it (the write since is lost, and the model told)."""
+    folder = uploaded(tmp_path)
+    script = {"by_prompt": {
+        "first": [[exec_call("c1", "echo kept > kept.txt")], [b.message("wrote")]],
+        # the call runs while the response is held; the host dies before the next request
+        "second": [b.response(exec_call("c2", "echo lost > lost.txt"), gate=True),
+                   [exec_call("c3", "ls")], [b.message("listed")]],
+    }}
+
+    async def go():
+        with FakeModel(script) as fake:
+            settings = settings_for(redis_env.url, fake, tmp_path / "unused", tools=[TEST_TOOLS])
+            runtime = await Runtime.create(settings, catalog=catalog_of([TEST_TOOLS]))
+            session = None
+            try:
+                await wait_hosts(runtime, 2)
+                session = Session(runtime, upload=folder)
+                assert (await session.run_turn("first")).status == "completed"
+                doomed = session.environment.host
+                events: list = []
+                turn = asyncio.create_task(session.run_turn("second", lambda e: events.append(e.to_json())))
+                end = time.monotonic() + 60
+                while not any(e["type"] == "item.completed" and e["item"].get("id") == "c2" for e in events):
+                    assert time.monotonic() < end and not turn.done(), "c2 never completed"
+                    await asyncio.sleep(0.1)
+                hosts[doomed].kill()
+                await wait_gone(runtime, doomed)
+                fake.release()
+                second = await turn
+                return second, doomed, session.environment, fake.requests
+            finally:
+                if session is not None:
+                    await session.close()
+                await runtime.aclose()
+
+    second, doomed, env, requests = asyncio.run(asyncio.wait_for(go(), 180))
+    assert second.status == "completed", second.error
+    assert env.host != doomed
+    listing = output_of(requests[-1], "c3")
+    assert "kept.txt" in listing and "notes.txt" in listing and "lost.txt" not in listing
+    notes = [i for i in requests[-2]["input"] if i.get("role") == "developer"]
+    assert len(notes) == 1 and doomed in json.dumps(notes[0])
+    for body in requests:
+        assert pairing_problems(body["input"]) == []
