@@ -52,3 +52,12 @@ def test_a_call_is_routed_by_a_record_or_a_made_handle_and_never_by_an_unmade_on
         environment_record(handle)
     handle.record = r
     assert environment_record(handle) is r
+
+
+def test_a_token_in_a_git_url_is_not_in_the_label_toolq_envs_shows():
+    from toolq.orchestrator.environments import source_of
+
+    source = source_of(git="https://user:s3cret@example.org/r.git@main")
+    assert "s3cret" not in source.label and source.label == "https://***@example.org/r.git@main"
+    assert source.git.url == "https://user:s3cret@example.org/r.git"  # the host still needs it to clone
+    assert source_of(git="git@github.com:o/r.git").label == "git@github.com:o/r.git@HEAD"

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -120,10 +121,18 @@ def source_of(upload: Upload | EnvSource | None = None, git: str | GitSource | N
         return upload
     if git is not None:
         src = git if isinstance(git, GitSource) else parse_git(git)
-        return EnvSource(kind="git", git=src, label=f"{src.url}@{src.ref}")
+        return EnvSource(kind="git", git=src, label=f"{shown_url(src.url)}@{src.ref}")
     if checkpoint is not None:
         return EnvSource(kind="checkpoint", checkpoint=checkpoint, label=checkpoint)
     return EnvSource(kind="empty", label="(empty)")
+
+
+def shown_url(url: str) -> str:
+    """A URL as `toolq envs` shows it: a password or token in it is left out."""
+    parts = urlsplit(url)
+    if parts.scheme and "@" in parts.netloc:
+        return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+    return url
 
 
 def pending_source(upload: Path | str | Upload | EnvSource | None = None, git: str | GitSource | None = None,
