@@ -548,3 +548,64 @@ def test_names_that_are_not_utf8_never_reach_a_json_record(tmp_path):
     # a diff of a deleted folder that held one quotes it as git does
     gone = unified_diff(buffer.getvalue(), Delta(deleted=[os.fsdecode(b"old\xff.txt"), "ok.txt"]))
     assert 'diff --git "a/old\\377.txt" "b/old\\377.txt"' in gone.patch
+
+
+def _random_tree(root: Path, rng, depth: int = 0) -> None:
+    for i in range(rng.randint(1, 4)):
+        name = f"{rng.choice('abc')}{i}"
+        what = rng.random()
+        if what < 0.3 and depth < 3:
+            (root / name).mkdir()
+            _random_tree(root / name, rng, depth + 1)
+        elif what < 0.4:
+            (root / name).symlink_to(rng.choice([".", "a0", "../" * depth + "top.txt"]))
+        else:
+            (root / name).write_text(f"{name}\n" * rng.randint(0, 3))
+            (root / name).chmod(rng.choice([0o644, 0o755, 0o600]))
+
+
+def _mutate(root: Path, rng) -> None:
+    everything = sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True)
+    for path in everything:
+        if not os.path.lexists(path):
+            continue
+        roll = rng.random()
+        if roll < 0.15:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        elif roll < 0.25 and path.is_file() and not path.is_symlink():
+            path.write_text(path.read_text() + "more\n")
+        elif roll < 0.3 and path.is_file() and not path.is_symlink():
+            path.unlink()
+            path.mkdir()  # a file became a directory
+            (path / "inside.txt").write_text("in\n")
+        elif roll < 0.35 and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+            path.write_text("a directory became a file\n")
+        elif roll < 0.4 and not path.is_symlink():
+            path.chmod(0o700)
+    for i in range(rng.randint(0, 3)):
+        _write(root, {f"new{i}/n.txt" if i % 2 else f"new{i}.txt": "new\n"})
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_applying_a_delta_to_a_copy_of_the_base_gives_the_environment(tmp_path, seed):
+    import random
+
+    rng = random.Random(seed)
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    (base_dir / "top.txt").write_text("top\n")
+    _random_tree(base_dir, rng)
+    packed = pack_dir(base_dir)
+    env, folder = tmp_path / "env", tmp_path / "folder"
+    env.mkdir()
+    folder.mkdir()
+    extract(packed.tar, env)
+    extract(packed.tar, folder)
+    _mutate(env, rng)
+    delta = tree_delta(packed.manifest, env)
+    report = apply_delta(folder, packed.manifest, _checkpoint(delta), delta.tar)
+    assert report.refused == []
+    assert pack_dir(folder).manifest == pack_dir(env).manifest
+    # and the delta is the same whichever way it is read back
+    assert Delta.from_checkpoint(_checkpoint(delta), delta.tar).entries == delta.entries

@@ -207,6 +207,7 @@ def _short(text: str, most: int = 120) -> str:
 MAX_PATH = 4095
 MAX_DEPTH = 256
 OUTSIDE = "leads outside"
+_LOOPS = "loops"
 #: The kernel's limit on a symlink's target (PATH_MAX less its NUL).
 MAX_LINK_TARGET = 4095
 
@@ -222,15 +223,17 @@ class _Links:
         self._active: list[str] = []
 
     def why_out(self, path: str) -> str | None:
-        """None if link `path` stays inside; else why not (`leads outside`, `loops`, ...)."""
+        """None if link `path` stays inside; else why not (`leads outside`, ...). A link that loops,
+        or only resolves through more than 40 links, leads nowhere (the kernel gives ELOOP): it
+        stays, as a broken link does."""
         found = self._resolve(path)
-        return found if isinstance(found, str) else None
+        return found if isinstance(found, str) and found != _LOOPS else None
 
     def _resolve(self, path: str) -> list[str] | str:
         if path in self._resolved:
             return self._resolved[path]
         if path in self._active or len(self._active) >= MAX_SYMLINKS:
-            return "loops"  # not kept: from a shallower start the same link may resolve
+            return _LOOPS  # not kept: from a shallower start the same link may resolve
         target = self.links[path]
         if not target or "\0" in target:
             found: list[str] | str = "has no usable target"
@@ -244,7 +247,7 @@ class _Links:
                 found = self._walk(path.split("/")[:-1], target)
             finally:
                 self._active.pop()
-            if found == "loops":
+            if found == _LOOPS:
                 return found
         self._resolved[path] = found
         return found
