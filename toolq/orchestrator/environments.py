@@ -405,11 +405,9 @@ class Environments:
             reply = await self.ask("destroy", record, REQUEST_TIMEOUT)
             if not reply.ok:
                 raise EnvironmentRefused(reply.error or f"host {record.host} did not destroy {env_id}")
-            state = "destroyed"
-        else:
-            state = "lost" if record.state != "failed" else "failed"
+        # A host that is gone took the environment with it: only its record is left to mark.
         current = await self.record(env_id) or record
-        await self._write(current.model_copy(update={"state": state}))
+        await self._write(current.model_copy(update={"state": "destroyed", "size": 0}))
 
     async def fork(self, checkpoint: str, n: int, *, owner: str | Sequence[str]) -> list[EnvironmentRecord]:
         """`n` environments from one checkpoint, on one host (they share its base there), made at
