@@ -609,3 +609,78 @@ def test_applying_a_delta_to_a_copy_of_the_base_gives_the_environment(tmp_path, 
     assert pack_dir(folder).manifest == pack_dir(env).manifest
     # and the delta is the same whichever way it is read back
     assert Delta.from_checkpoint(_checkpoint(delta), delta.tar).entries == delta.entries
+
+
+_MUTATE = textwrap.dedent("""
+    import os, random, shutil, sys
+    from pathlib import Path
+
+    def mutate(root, seed):
+        rng = random.Random(seed)
+        everything = sorted(Path(root).rglob("*"), key=lambda p: (-len(p.parts), str(p)))
+        for path in everything:
+            if not os.path.lexists(path):
+                continue
+            roll = rng.random()
+            real_dir = path.is_dir() and not path.is_symlink()
+            real_file = path.is_file() and not path.is_symlink()
+            if roll < 0.15:
+                shutil.rmtree(path) if real_dir else path.unlink()
+            elif roll < 0.25 and real_file:
+                path.write_text(path.read_text() + "more\\n")
+            elif roll < 0.3 and real_file:
+                path.unlink(); path.mkdir(); (path / "inside.txt").write_text("in\\n")
+            elif roll < 0.35 and real_dir:
+                shutil.rmtree(path); path.write_text("a directory became a file\\n")
+            elif roll < 0.4 and not path.is_symlink():
+                path.chmod(0o700)
+            elif roll < 0.45 and real_file:
+                open(path, "a").close()  # copied up in an overlay, unchanged
+        for i in range(rng.randint(0, 3)):
+            target = Path(root, f"new{i}/n.txt" if i % 2 else f"new{i}.txt")
+            target.parent.mkdir(exist_ok=True)
+            target.write_text("new\\n")
+
+    if __name__ == "__main__":
+        lower, upper, work, merged, seed = sys.argv[1:6]
+        import subprocess
+        done = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                               f"lowerdir={lower},upperdir={upper},workdir={work}", merged], capture_output=True)
+        if done.returncode:
+            print("cannot mount an overlay:", done.stderr.decode().strip()); sys.exit(3)
+        mutate(merged, int(seed))
+        subprocess.run(["umount", merged], check=True)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root to mount an overlay")
+@pytest.mark.parametrize("seed", range(12))
+def test_an_overlays_upper_dir_reads_as_the_same_changes_as_a_copy(tmp_path, seed):
+    import random
+
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    (base_dir / "top.txt").write_text("top\n")
+    _random_tree(base_dir, random.Random(seed))
+    packed = pack_dir(base_dir)
+    for name in ("lower", "upper", "work", "merged", "copy", "from-overlay", "from-copy"):
+        (tmp_path / name).mkdir()
+        if name in ("lower", "copy", "from-overlay", "from-copy"):
+            extract(packed.tar, tmp_path / name)
+    script = tmp_path / "mutate.py"
+    script.write_text(_MUTATE)
+    done = subprocess.run(["unshare", "-m", sys.executable, str(script), *(str(tmp_path / n) for n in
+                           ("lower", "upper", "work", "merged")), str(seed)], capture_output=True, text=True)
+    if done.returncode == 3:
+        pytest.skip(f"overlay cannot be mounted here: {done.stdout.strip()[:200]}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    namespace: dict = {}
+    exec(compile(_MUTATE, "mutate", "exec"), namespace)
+    namespace["mutate"](tmp_path / "copy", seed)
+    overlay = tree_delta(packed.manifest, tmp_path / "merged", upper=tmp_path / "upper")
+    copy = tree_delta(packed.manifest, tmp_path / "copy")
+    assert (overlay.added, overlay.changed, overlay.deleted) == (copy.added, copy.changed, copy.deleted)
+    assert overlay.entries == copy.entries
+    for delta, folder in ((overlay, "from-overlay"), (copy, "from-copy")):
+        assert apply_delta(tmp_path / folder, packed.manifest, _checkpoint(delta), delta.tar).refused == []
+        assert pack_dir(tmp_path / folder).manifest == pack_dir(tmp_path / "copy").manifest
