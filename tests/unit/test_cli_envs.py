@@ -217,3 +217,12 @@ def test_a_turn_in_an_environment_names_a_workspace_only_where_the_current_folde
     assert named_workspace(tmp_path / "proj") == tmp_path / "proj"
     assert str(named_workspace(Path("/"), "env_1")) == "/toolq-environment/env_1"
     assert str(named_workspace(Path("/home"))) == "/toolq-environment"
+
+
+def test_a_token_in_a_git_url_reaches_neither_the_model_nor_stderr():
+    from toolq.cli.envs import environment_instructions
+
+    choice = choose(git="https://user:s3cret@example.org/r.git@main")
+    assert choice is not None and choice.git is not None and "s3cret" in choice.git.url  # the host clones it whole
+    assert "s3cret" not in choice.label and "s3cret" not in environment_instructions(choice)
+    assert choice.label == "https://***@example.org/r.git@main"

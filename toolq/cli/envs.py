@@ -63,7 +63,12 @@ class EnvChoice:
 
 
 def git_label(git: GitSource) -> str:
-    return git.url if git.ref == "HEAD" else f"{git.url}@{git.ref}"
+    """The URL (a password or token in it left out: the label reaches the model's instructions,
+    stderr and `toolq envs`) and the ref."""
+    from toolq.orchestrator.environments import shown_url
+
+    url = shown_url(git.url)
+    return url if git.ref == "HEAD" else f"{url}@{git.ref}"
 
 
 def parse_git(spec: str) -> GitSource:
