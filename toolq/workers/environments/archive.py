@@ -704,7 +704,7 @@ class _Dirs:
         self.root = root
         self.stack: list[tuple[str, int, int | None]] = []  # (path, fd, mode to set on leaving)
 
-    def enter(self, path: str, mode: int | None = None, *, create: bool = True) -> int:
+    def enter(self, path: str, mode: int | None = None) -> int:
         """The fd of directory `path` (its parents opened or made on the way)."""
         while self.stack and not (path == self.stack[-1][0] or path.startswith(self.stack[-1][0] + "/")):
             self._leave()
@@ -717,12 +717,11 @@ class _Dirs:
         for i, part in enumerate(rest):
             parent = self.stack[-1][1] if self.stack else self.root
             made = False
-            if create:
-                try:
-                    os.mkdir(part, 0o700, dir_fd=parent)
-                    made = True
-                except FileExistsError:
-                    pass
+            try:
+                os.mkdir(part, 0o700, dir_fd=parent)
+                made = True
+            except FileExistsError:
+                pass
             fd = open_entry(parent, part, directory=True)
             sub = f"{here}/{'/'.join(rest[:i + 1])}".lstrip("/")
             last = i == len(rest) - 1
