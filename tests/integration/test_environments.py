@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import TEST_TOOLS, catalog_of, settings_for
+from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS, WORKER_ENV, catalog_of, settings_for
 from toolq.core.environments import host_key
 from toolq.dev.fake_model import builders as b
 from toolq.dev.fake_model.server import FakeModel
@@ -259,5 +262,48 @@ def test_a_host_killed_mid_turn_the_next_request_runs_on_the_other_host_from_the
     assert "kept.txt" in listing and "notes.txt" in listing and "lost.txt" not in listing
     notes = [i for i in requests[-2]["input"] if i.get("role") == "developer"]
     assert len(notes) == 1 and doomed in json.dumps(notes[0])
+    for body in requests:
+        assert pairing_problems(body["input"]) == []
+
+
+def test_a_resumed_turn_takes_its_environment_up_from_the_last_checkpoint(redis_env, hosts, tmp_path):
+    """`toolq run --upload` SIGKILLed mid-turn: its environment ends with its owner, and `toolq
+    resume` goes on in a new one made from the last checkpoint, the model told."""
+    folder = uploaded(tmp_path)
+    script = {"by_prompt": {"go": [[exec_call("c1", "echo started; sleep 4; echo finished")],
+                                   [exec_call("c2", "cat notes.txt")], [b.message("all done")]]}}
+    with FakeModel(script) as fake:
+        env = {**os.environ, "REDIS_URL": redis_env.url, "OPENAI_BASE_URL": fake.base_url, "OPENAI_API_KEY": "test",
+               "TOOLQ_SIGNING_KEY": SIGNING_KEY, "TOOLQ_TURN_LEASE": "5",
+               "PYTHONPATH": WORKER_ENV["PYTHONPATH"]}
+        cli = [sys.executable, "-m", "toolq.cli.main"]
+        proc = subprocess.Popen([*cli, "run", "--json", "--upload", str(folder), "go"], env=env, cwd=tmp_path,
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            turn_id = json.loads(proc.stdout.readline())["turn_id"]
+            end = time.monotonic() + 60
+            while not fake.requests:
+                assert time.monotonic() < end, "the run never asked the model"
+                time.sleep(0.1)
+            time.sleep(1)  # the call is on its way or running
+        finally:
+            proc.send_signal(signal.SIGKILL)  # no handler runs: only Redis knows the turn now
+            proc.wait(10)
+            proc.stdout.close()
+        end = time.monotonic() + 60
+        while True:
+            resumed = subprocess.run([*cli, "resume", turn_id, "--json"], env=env, cwd=tmp_path,
+                                     capture_output=True, text=True, timeout=120)
+            if "another orchestrator" not in resumed.stderr or time.monotonic() > end:
+                break
+            time.sleep(1)  # the dead run's lease has not lapsed yet
+        assert resumed.returncode == 0, resumed.stderr
+        events = [json.loads(line) for line in resumed.stdout.splitlines() if line.startswith("{")]
+        requests = fake.requests
+    completed = events[-1]
+    assert completed["type"] == "turn.completed" and completed["environment"], events[-3:]
+    assert "hello from the upload" in output_of(requests[-1], "c2")
+    notes = [i for i in requests[-1]["input"] if i.get("role") == "developer"]
+    assert len(notes) == 1 and "orchestrator driving this turn stopped" in json.dumps(notes[0])
     for body in requests:
         assert pairing_problems(body["input"]) == []

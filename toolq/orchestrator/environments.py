@@ -438,11 +438,12 @@ class Environments:
         return await self._make(again)
 
 
-def lost_note(record: EnvironmentRecord, old_host: str) -> str:
-    """What the model is told when its environment came back on another host."""
-    since = (f"its last checkpoint ({record.checkpoint}, taken at the end of the previous turn)"
-             if record.checkpoint else "its starting files (no checkpoint had been taken)")
-    return (f"<environment_restored>\nThe machine running this conversation's environment ({old_host}) was lost. "
+def lost_note(record: EnvironmentRecord, old_host: str, *, cause: str | None = None) -> str:
+    """What the model is told when its environment came back on another host (or, `cause`, anew)."""
+    start = record.start or record.checkpoint
+    since = f"its last checkpoint ({start})" if start else "its starting files (no checkpoint had been taken)"
+    cause = cause or f"The machine running this conversation's environment ({old_host}) was lost."
+    return (f"<environment_restored>\n{cause} "
             f"The environment was recreated on {record.host} from {since}. Every process that was running "
             "(exec_command sessions included) is gone, and changes made since that checkpoint were lost: check "
             "the files before relying on them.\n</environment_restored>")

@@ -45,6 +45,7 @@ from toolq.orchestrator.environments import (
     environment_record,
     lost_note,
     pending_source,
+    source_of,
 )
 from toolq.orchestrator.fleet import Fleet, ToolSource, new_turn_id
 from toolq.orchestrator.history import History
@@ -199,16 +200,19 @@ class Session:
         """The environment its calls run in (its record, whose host may change when one dies)."""
         self._env_to_make: EnvSource | Path | None = None
         """A source given to the Session itself: made at the first turn, owned by the conversation."""
+        self._owns_environment = False
+        """Its environment is the conversation's own (made here): destroyed at `close()`."""
         if upload is not None or git is not None or from_checkpoint is not None:
             if environment is not None:
                 raise ConfigurationError("Session: give an environment, or a source to make one from, not both")
             self._env_to_make = pending_source(upload, git, from_checkpoint)
+            self._owns_environment = True
 
     async def close(self) -> None:
         """End the conversation: every exec_command session it started is killed, and the
         environment it made for itself (`upload=`, `git=`, `from_checkpoint=`) is destroyed."""
         try:
-            if self._env_to_make is not None and self.environment is not None:
+            if self._owns_environment and self.environment is not None:
                 await self.fleet.environments.destroy(self.environment.id)
         except Exception as e:  # its host's reaper destroys it once the conversation's key is gone
             log.warning("could not destroy environment %s: %s", self.environment.id if self.environment else "", e)
@@ -284,6 +288,8 @@ class Session:
         emit(TurnStarted(turn_id=turn_id))
         await self.fleet.follow_fleet_tools()  # MCP hook: the resumed turn offers what live workers host now
         await self._hold_conversation(turn_id)  # a new conversation: the dead one's sessions died with its lease
+        if saved.environment:
+            await self._take_up_environment(turn_id, saved.environment)
         await self._open_scope(turn_id)
         pending = unanswered(committed)
         first_step = 1 + max((c.step for c in committed if c.step is not None), default=-1)
@@ -294,7 +300,8 @@ class Session:
         s = self.rt.settings
         return TurnSettings(model=self.rt.client.settings.model, workspace=self.workspace, tools=list(s.tools),
                             instructions=self.instructions, reasoning=self.reasoning, deadline=deadline,
-                            loaded_tools=sorted(self.loaded_tools, key=str))
+                            loaded_tools=sorted(self.loaded_tools, key=str),
+                            environment=self.environment.id if self.environment is not None else None)
 
     async def _open_scope(self, turn_id: str) -> None:
         scope = TurnScope(self.fleet.ledger, self.fleet.router, turn_id, on_call_cancel=self._call_cancelled,
@@ -404,6 +411,25 @@ class Session:
             await self._commit(note)
         else:  # a turn's start: the whole history goes to Redis next
             self.history.record(note)
+
+    async def _take_up_environment(self, turn_id: str, env_id: str) -> None:
+        """A resumed turn ran in an environment, which died with its owner (the dead orchestrator's
+        conversation): a new one, this conversation's own, from its last checkpoint."""
+        envs = self.fleet.environments
+        try:
+            old = await envs.record(env_id)
+            if old is None:
+                raise EnvironmentRefused(f"its environment {env_id} has no record left")
+            source = source_of(checkpoint=old.checkpoint) if old.checkpoint else old.source
+            self.environment = await envs.create(source, owner=conversation_key(self.conversation.id))
+        except EnvironmentRefused as e:
+            await self._release(turn_id)
+            await self.conversation.release()
+            raise CannotResume(f"turn {turn_id} cannot be resumed: {e}") from None
+        self._owns_environment = True
+        await self._commit(MessageItem(role="developer", content=[InputText(text=lost_note(
+            self.environment, old.host, cause=f"The orchestrator driving this turn stopped, and environment {env_id} "
+                                              f"on {old.host} ended with it."))]))
 
     def _env_ref(self) -> EnvRef | None:
         return self.environment.ref() if self.environment is not None else None

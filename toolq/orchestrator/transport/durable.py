@@ -69,6 +69,8 @@ class TurnSettings(BaseModel):
     reasoning: dict[str, Any] | None = None
     deadline: float
     loaded_tools: list[ToolName] = []
+    environment: str | None = None
+    """The environment its calls ran in (issue 28): a resumed turn takes it up from its last checkpoint."""
 
 
 class Committed(BaseModel):
