@@ -233,3 +233,92 @@ def test_a_run_with_its_own_turn_timeout_still_uses_the_warm_fleet(env):
     with FakeModel(one_call_script(), loop=True) as fake:
         run = run_turn({**env, "TOOLQ_TURN_TIMEOUT": "123"}, fake)
     assert in_ledger(entry, turn_id_of(run)) == b"completed", run.stderr
+
+
+# ---- the launcher (toolq/cli/launcher.py): runs fork from a process that imported toolq once ----
+
+def launcher_children(env: dict[str, str]) -> list[int]:
+    """The runs the warm fleet's launcher forked that are still running."""
+    sock = Path(env["XDG_RUNTIME_DIR"]) / "toolq" / "launcher.sock"
+    wait_until(sock.exists, "the launcher's socket")
+    # The forked runs carry the launcher's command line too: the launcher is the one whose parent is not.
+    same = {int(p.name): _ppid(p) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).endswith(
+        f"-m toolq.cli.launcher {sock.parent}")}
+    (launcher,) = [pid for pid, parent in same.items() if parent not in same]
+    return [pid for pid, parent in same.items() if parent == launcher]
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _ppid(proc: Path) -> int:
+    try:
+        return int((proc / "stat").read_text().rsplit(") ", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+HANGING = [[function_call("exec_command", {"cmd": "sleep 60.4242"}, "call_h")], [message("done")]]
+
+
+def start_hanging_run(env: dict[str, str], fake: FakeModel) -> tuple[subprocess.Popen, int]:
+    launcher_children(env)  # `toolq up` waited for the launcher: it listens
+    proc = subprocess.Popen([sys.executable, "-m", "toolq.cli.main", "run", "--json", "hang"],
+                            env={**env, "OPENAI_BASE_URL": fake.base_url, "OPENAI_API_KEY": "test"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: bool(launcher_children(env)), "the run forked by the launcher")
+    (child,) = launcher_children(env)
+    wait_until(lambda: any("sleep 60.4242" in _cmdline(p) for p in Path("/proc").iterdir() if p.name.isdigit()),
+               "the command to start")
+    return proc, child
+
+
+def test_a_run_on_a_warm_fleet_is_forked_by_its_launcher_and_ctrl_c_reaches_it(env):
+    """The run is the launcher's child (the caller imports nothing of toolq's), it writes to the
+    caller's own stdout, and a SIGINT to the caller cancels the turn as it would the run itself."""
+    assert toolq("up", env=env).returncode == 0
+    sock = Path(env["XDG_RUNTIME_DIR"]) / "toolq" / "launcher.sock"
+    wait_until(sock.exists, "the launcher's socket")
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+    entry = warm_entry(env)
+    with FakeModel(HANGING) as fake:
+        proc, child = start_hanging_run(env, fake)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=PATIENCE)
+    assert proc.returncode == 130, err
+    events = [json.loads(line) for line in out.splitlines()]
+    assert events[0]["type"] == "turn.started" and events[-1]["type"] == "turn.aborted", out
+    assert in_ledger(entry, events[0]["turn_id"]) == b"cancelled"
+    wait_until(lambda: not alive(child), "the forked run to end")
+
+
+def test_a_caller_killed_outright_takes_its_forked_run_with_it(env):
+    assert toolq("up", env=env).returncode == 0
+    with FakeModel(HANGING) as fake:
+        proc, child = start_hanging_run(env, fake)
+        proc.kill()
+        proc.wait()
+        wait_until(lambda: not alive(child), "the forked run to be killed with its caller")
+
+
+def test_a_caller_with_another_import_path_runs_the_ordinary_way(env, tmp_path):
+    """The launcher's child would import the launcher's modules, not the caller's: refused."""
+    assert toolq("up", env=env).returncode == 0
+    entry = warm_entry(env)
+    (tmp_path / "lib").mkdir()
+    other = {**env, "PYTHONPATH": str(tmp_path / "lib")}
+    with FakeModel(HANGING) as fake:
+        proc = subprocess.Popen([sys.executable, "-m", "toolq.cli.main", "run", "hang"],
+                                env={**other, "OPENAI_BASE_URL": fake.base_url, "OPENAI_API_KEY": "test"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_until(lambda: len(fake.requests) >= 1, "the run's first request")
+            assert launcher_children(env) == []  # the run is the caller's own process
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=PATIENCE)
+    assert entry  # the warm fleet itself was still used by the ordinary run: only the fork was refused

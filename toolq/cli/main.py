@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     from toolq.core.errors import ConfigurationError
 
     if argv is None:  # the command line's process: nothing is imported from where it was started
-        from toolq.cli.launcher import try_launch  # the standard library only
+        from toolq.cli.launch import try_launch  # the standard library only
 
         if (launched := try_launch(sys.argv[1:])) is not None:  # a warm fleet's launcher ran it
             exit_now(launched)

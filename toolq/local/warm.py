@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -38,6 +39,11 @@ RECENT_TURNS = 64
 #: How long `toolq up` waits for the stack's workers to be ready, and `toolq down` for it to stop.
 UP_TIMEOUT = 90.0
 DOWN_TIMEOUT = 60.0
+#: How long `toolq up` waits for the launcher to listen, once the fleet is ready.
+LAUNCHER_WAIT = 15.0
+#: The launcher's socket in the runtime directory (toolq/cli/launch.py's SOCKET_NAME: this layer
+#: starts the launcher by its module name and never imports the command line).
+LAUNCHER_SOCKET = "launcher.sock"
 
 
 #: Settings that are the run's own, not its workers': a run may differ in these and still use a
@@ -119,6 +125,7 @@ def up(settings: Settings, *, workers: int, concurrency: int, idle: float) -> st
     while time.monotonic() < end:
         entry = next((e for e in warm_stacks() if e.pid == child.pid), None)
         if entry is not None:
+            _wait_for_launcher(root, end)
             log.unlink(missing_ok=True)
             return (f"a warm fleet is up: {workers} workers, tools {', '.join(sorted(tools)) or '(built-in)'} "
                     f"(pid {child.pid}; stops after {idle:g}s idle, or at `toolq down`)")
@@ -151,7 +158,7 @@ def down() -> str:
 
 def serve(tools: Sequence[str], *, workers: int, concurrency: int, idle: float) -> int:
     """`toolq up --foreground`: run a warm stack until SIGTERM/SIGINT or `idle` seconds idle."""
-    from toolq.local.embedded import EmbeddedStack
+    from toolq.local.embedded import EmbeddedStack, die_with_parent
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -159,6 +166,7 @@ def serve(tools: Sequence[str], *, workers: int, concurrency: int, idle: float) 
     with EmbeddedStack(workers=workers, concurrency=concurrency, tools=list(tools), warm=True,
                        fleet_settings=settings_digest(Settings.load())) as stack:
         print(f"toolq: warm fleet up on {mask_url_password(stack.url)}", file=sys.stderr, flush=True)
+        launcher = _start_launcher(die_with_parent())
         client = redis.Redis.from_url(stack.url, socket_timeout=5)
         busy_at = time.time()
         try:
@@ -174,7 +182,34 @@ def serve(tools: Sequence[str], *, workers: int, concurrency: int, idle: float) 
                     break
         finally:
             client.close()
+            if launcher is not None:
+                launcher.terminate()
+                launcher.wait(timeout=10)
     return 0
+
+
+def _wait_for_launcher(root: Path, end: float) -> None:
+    """The next run forks from the launcher only once it listens (it imports toolq first): wait
+    for it a few seconds; a run before it still works, the ordinary way."""
+    sock = root / LAUNCHER_SOCKET
+    end = min(end, time.monotonic() + LAUNCHER_WAIT)
+    while not sock.exists() and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def _start_launcher(preexec: Any) -> subprocess.Popen | None:
+    """The warm fleet's launcher (toolq/cli/launcher.py): later runs fork from it instead of
+    importing toolq again. Without it runs still work, only slower: a failure is one line."""
+    root = runtime_dir.private_root()
+    if root is None:
+        return None
+    try:
+        return subprocess.Popen([*import_path.python_argv("-m", "toolq.cli.launcher"), str(root)],
+                                stdin=subprocess.DEVNULL, cwd=import_path.NEUTRAL_CWD, preexec_fn=preexec)
+    except OSError as e:
+        print(f"toolq: the warm fleet's launcher did not start ({e}); runs import toolq themselves",
+              file=sys.stderr, flush=True)
+        return None
 
 
 def _last_activity(client: redis.Redis) -> float:
