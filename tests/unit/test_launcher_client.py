@@ -67,13 +67,15 @@ def test_a_launcher_socket_planted_in_the_workspace_is_never_reached(tmp_path, m
     assert reached == []
 
 
+@pytest.mark.parametrize("cwd", ["ws", "/"])
 def test_the_same_socket_outside_the_workspace_is_reached_and_a_refusal_runs_the_ordinary_way(
-        tmp_path, monkeypatch, runtime_in):
-    """The control: the client does connect where it may, and a listener that answers anything
+        tmp_path, monkeypatch, runtime_in, cwd):
+    """The control: the client does connect where it may (the workspace is --workspace's, not the
+    current directory, which may hold the runtime directory), and a listener that answers anything
     but a child's pid leaves the run to the caller's own process."""
     root = runtime_in(tmp_path / "runtime")
     (tmp_path / "ws").mkdir()
-    monkeypatch.chdir(tmp_path / "ws")
+    monkeypatch.chdir(tmp_path / cwd)
     server, reached = planted_listener(root / launcher.SOCKET_NAME)
     try:
         assert launcher.try_launch(["run", "--workspace", str(tmp_path / "ws"), "hi"]) is None

@@ -36,9 +36,10 @@ from typing import Any
 SOCKET_NAME = "launcher.sock"
 #: The largest request (arguments and environment); a bigger one runs the ordinary way.
 MAX_REQUEST = 1 << 20
-#: Commands the launcher runs: the ones whose start-up is mostly imports (toolq/cli/main.py's
-#: RUNTIME_MODULES), but not `demo` (it starts its own stack) nor `batch` (a long job).
-COMMANDS = frozenset({"run", "resume"})
+#: Commands the launcher runs: `toolq run`, whose start-up is mostly imports. Not `resume` (its
+#: workspace is the saved turn's, which the client cannot check against the runtime directory),
+#: `demo` (it starts its own stack) nor `batch` (a long job).
+COMMANDS = frozenset({"run"})
 #: What the client forwards to the child.
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGWINCH, signal.SIGUSR1,
              signal.SIGUSR2)
@@ -78,14 +79,16 @@ def _inside(root: Path, folders: list[str]) -> bool:
 
 
 def _workspaces(argv: list[str]) -> list[str]:
-    """Every folder the run may work in: a runtime directory inside one is never trusted."""
-    found = [os.getcwd(), os.environ.get("TOOLQ_WORKSPACE", "")]
+    """The folders the run may work in, as its settings will pick them (`--workspace`, else
+    TOOLQ_WORKSPACE, else the current directory; and an `--upload` folder): a runtime directory
+    inside one is never trusted."""
+    flagged = {"--workspace": "", "--upload": ""}
     for i, arg in enumerate(argv):
-        if arg in ("--workspace", "-w", "--upload") and i + 1 < len(argv):
-            found.append(argv[i + 1])
-        elif arg.startswith(("--workspace=", "--upload=")):
-            found.append(arg.split("=", 1)[1])
-    return [f for f in found if f]
+        name, _, value = arg.partition("=")
+        if name in flagged:
+            flagged[name] = value if value else (argv[i + 1] if i + 1 < len(argv) else "")
+    workspace = flagged["--workspace"] or os.environ.get("TOOLQ_WORKSPACE", "") or os.getcwd()
+    return [f for f in (workspace, flagged["--upload"]) if f]
 
 
 #: Set in a launcher's child: it is the run, and must not ask the launcher again.
