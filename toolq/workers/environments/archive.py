@@ -1175,6 +1175,7 @@ def apply_delta(target: Path, base: Manifest, checkpoint: Checkpoint, delta_tar:
             name = _checked_name(raw, "deleted path")
             if name is not None:
                 applier.delete(name)
+        applier.git_like = applier.git_shaped_dirs(members)
         links = {p: e.target or "" for p, e in base.items() if e.kind == "symlink" and p not in applier.removed}
         links.update({m.name: m.info.linkname for m in members if m.kind == "symlink"})
         resolver = _Links(links)
@@ -1206,6 +1207,7 @@ class _Applier:
         self.report = ApplyReport()
         self.removed: set[str] = set()
         self.refused_dirs: set[str] = set()
+        self.git_like: set[str] = set()
 
     def refuse(self, path: str, reason: str) -> None:
         self.report.refused.append((path, reason))
@@ -1263,9 +1265,42 @@ class _Applier:
                 os.close(fd)
         return Entry("file", -1)  # a FIFO or device: never equal to anything uploaded
 
+    def git_shaped_dirs(self, members: list[_Member]) -> set[str]:
+        """Folders ("" the top) the checkpoint's files would leave looking like a git directory to
+        git (HEAD beside objects/ and refs/, or beside a `commondir` naming them elsewhere): written
+        one by one, `sub/config` lands before `sub/refs` makes `sub` a bare repository, whose config
+        (core.pager, aliases) the user's git in `sub` would obey. Nothing goes under one."""
+        names: dict[str, set[str]] = {}
+        for member in members:
+            parent, _, name = member.name.rpartition("/")
+            names.setdefault(parent, set()).add(name.lower())
+        shaped = set()
+        for folder, adding in names.items():
+            final = adding | {n.lower() for n in self._names_in(folder)
+                              if (f"{folder}/{n}" if folder else n) not in self.removed}
+            if "head" in final and ("commondir" in final or {"objects", "refs"} <= final):
+                shaped.add(folder)
+        return shaped
+
+    def _names_in(self, folder: str) -> list[str]:
+        """What the user's folder holds now in `folder` (nothing if it is missing or not reached
+        without a link)."""
+        try:
+            fd = self._parent(f"{folder}/x" if folder else "x")
+        except (OSError, _Refused):
+            return []
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
+
     def _guard(self, path: str) -> None:
         if _in_git_dir(path):
             raise _Refused(f"it is inside a `{PROTECTED_DIR}` directory")
+        for folder in ("", *_parents(path)):
+            if folder in self.git_like:
+                raise _Refused(f"it would make {folder or 'the folder'} a git directory, whose config and hooks "
+                               "git obeys")
         for parent in _parents(path):
             if parent in self.refused_dirs:
                 raise _Refused(f"its folder {parent} was not applied")

@@ -1,0 +1,79 @@
+"""Red team of environments (issue 28), the parts that need no worker: what a model's commands
+leave in an environment coming back to the user's folder (`--apply`), and a host trusting keys of
+the store's Redis that anyone who can write there (but holds no signing key) can set."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from toolq.core.environments import Checkpoint, GitSource, git_cache_key
+from toolq.local.embedded import RedisServer
+from toolq.workers.environments import archive
+from toolq.workers.environments.archive import apply_delta, extract, pack_dir, tree_delta
+from toolq.workers.environments.host import EnvError, EnvHost
+from toolq.workers.store.redis_store import RedisStore
+
+GIT_ENV = {"PATH": os.environ["PATH"], "HOME": "/nonexistent", "GIT_CONFIG_NOSYSTEM": "1",
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+
+
+def git(*args: str, cwd: Path) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, env=GIT_ENV, check=True, capture_output=True, text=True).stdout
+
+
+def _write(top: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (top / rel).parent.mkdir(parents=True, exist_ok=True)
+        (top / rel).write_text(text)
+
+
+# ---- --apply: a git directory planted piece by piece ---------------------------------------------
+
+@pytest.mark.parametrize("planted", [
+    # a bare repository: `sub/config` is written before `sub/refs` makes `sub` one
+    {"sub/HEAD": "ref: refs/heads/main\n", "sub/config": "[core]\n\tpager = touch {marker}; cat\n",
+     "sub/objects/.keep": "", "sub/refs/.keep": ""},
+    # HEAD beside a `commondir` naming a folder of config, objects and refs (no HEAD there)
+    {"sub/HEAD": "ref: refs/heads/main\n", "sub/commondir": "../common\n",
+     "common/config": "[core]\n\tpager = touch {marker}; cat\n", "common/objects/.keep": "", "common/refs/.keep": ""},
+], ids=["bare", "commondir"])
+def test_apply_never_leaves_a_git_directory_the_users_git_would_obey(tmp_path, planted):
+    folder = tmp_path / "folder"
+    _write(folder, {"README": "hi\n"})
+    git("init", "-q", cwd=folder)
+    packed = pack_dir(folder)
+    env = tmp_path / "env"
+    env.mkdir()
+    extract(packed.tar, env)
+    marker = tmp_path / "pwned"
+    _write(env, {k: v.format(marker=marker) for k, v in planted.items()})
+    delta = tree_delta(packed.manifest, env)
+    report = apply_delta(folder, packed.manifest, Checkpoint(base="b", added=delta.added), delta.tar)
+    assert "sub/HEAD" in dict(report.refused), report.refused
+    # the user's git in that folder finds no repository of the model's making
+    done = subprocess.run(["git", "config", "core.pager"], cwd=folder / "sub", env=GIT_ENV, capture_output=True,
+                          text=True)
+    assert done.stdout == "", done.stdout
+    subprocess.run(["git", "-P", "log"], cwd=folder / "sub", env={**GIT_ENV, "TERM": "dumb"}, capture_output=True)
+    assert not marker.exists()
+
+
+def test_apply_still_writes_files_named_head_or_config_in_a_plain_folder(tmp_path):
+    folder = tmp_path / "folder"
+    _write(folder, {"README": "hi\n"})
+    packed = pack_dir(folder)
+    env = tmp_path / "env"
+    env.mkdir()
+    extract(packed.tar, env)
+    _write(env, {"docs/HEAD": "a file\n", "docs/config": "[x]\n", "docs/refs/index.md": "refs\n"})
+    delta = tree_delta(packed.manifest, env)
+    report = apply_delta(folder, packed.manifest, Checkpoint(base="b", added=delta.added), delta.tar)
+    assert report.refused == []
+    assert (folder / "docs/HEAD").read_text() == "a file\n"
