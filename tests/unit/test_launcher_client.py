@@ -52,6 +52,8 @@ def runtime_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def test_a_launcher_socket_planted_in_the_workspace_is_never_reached(tmp_path, monkeypatch, runtime_in, how):
     workspace = tmp_path / "ws"
     root = runtime_in(workspace / "xdg")
+    (root / launcher.KEY_NAME).write_text("planted")
+    (root / launcher.KEY_NAME).chmod(0o600)
     server, reached = planted_listener(root / launcher.SOCKET_NAME)
     argv = ["run", "hi"]
     if how == "cwd":
@@ -74,6 +76,8 @@ def test_the_same_socket_outside_the_workspace_is_reached_and_a_refusal_runs_the
     current directory, which may hold the runtime directory), and a listener that answers anything
     but a child's pid leaves the run to the caller's own process."""
     root = runtime_in(tmp_path / "runtime")
+    (root / launcher.KEY_NAME).write_text("k")
+    (root / launcher.KEY_NAME).chmod(0o600)
     (tmp_path / "ws").mkdir()
     monkeypatch.chdir(tmp_path / cwd)
     server, reached = planted_listener(root / launcher.SOCKET_NAME)
@@ -103,3 +107,45 @@ def test_the_warm_fleet_names_the_launchers_socket_as_the_client_does():
     from toolq.local import warm
 
     assert warm.LAUNCHER_SOCKET == launcher.SOCKET_NAME
+
+
+def test_the_launcher_forks_nothing_for_a_request_without_its_key_or_from_another_interpreter(tmp_path):
+    """A process that can reach the socket but not read the key (or brings its own interpreter's
+    identity) is refused before anything is forked."""
+    import json
+
+    from toolq.cli.launcher import Launcher
+
+    root = tmp_path / "rt"
+    root.mkdir(mode=0o700)
+    server_side = Launcher(root)
+    server = server_side.listen()
+    assert oct((root / launcher.KEY_NAME).stat().st_mode & 0o777) == "0o600"
+    stop: list[bool] = []
+    serving = threading.Thread(target=server_side.serve, args=(server, lambda: bool(stop)), daemon=True)
+    serving.start()
+
+    def ask(**fields: object) -> dict:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.connect(str(root / launcher.SOCKET_NAME))
+            request = {"argv": ["run", "hi"], "env": {}, "cwd": "/", "umask": 0o22,
+                       "python": launcher.python_identity(os.environ), **fields}
+            r, w = os.pipe()
+            try:
+                socket.send_fds(sock, [json.dumps(request).encode()], [r, w, w])
+                return json.loads(sock.recv(4096))
+            finally:
+                os.close(r)
+                os.close(w)
+
+    try:
+        assert ask() == {"refused": True}
+        assert ask(key="0" * 64) == {"refused": True}
+        key = launcher.read_key(root)
+        assert ask(key=key, python={"executable": "/elsewhere/python"}) == {"refused": True}
+        assert ask(key=key, argv=["batch", "x.jsonl"]) == {"refused": True}
+    finally:
+        stop.append(True)
+        serving.join(timeout=5)
+        server.close()
+    assert server_side.children == {}

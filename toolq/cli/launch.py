@@ -34,6 +34,10 @@ from pathlib import Path
 from typing import Any
 
 SOCKET_NAME = "launcher.sock"
+#: A key the launcher makes at start (0600 beside the socket): a request without it is refused,
+#: so a process that can connect to the socket but not read the runtime directory (a sandboxed
+#: command, were it ever let create a Unix socket) cannot make it fork a run.
+KEY_NAME = "launcher.key"
 #: The largest request (arguments and environment); a bigger one runs the ordinary way.
 MAX_REQUEST = 1 << 20
 #: Commands the launcher runs: `toolq run`, whose start-up is mostly imports. Not `resume` (its
@@ -111,10 +115,11 @@ def try_launch(argv: list[str]) -> int | None:
     except OSError:
         return None
     try:
+        key = read_key(root)
         sock.connect(str(root / SOCKET_NAME))
         if peer_uid(sock) != os.geteuid():
             return None
-        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask(),
+        request = {"key": key, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask(),
                    "python": python_identity(os.environ)}
         payload = json.dumps(request).encode()
         if len(payload) > MAX_REQUEST:
@@ -129,6 +134,18 @@ def try_launch(argv: list[str]) -> int | None:
         sock.close()
         return None  # refused (another interpreter, a bad request): the ordinary way
     return _follow(sock, pid)
+
+
+def read_key(root: Path) -> str:
+    """The launcher's key: a file of ours, 0600, never through a link (OSError otherwise)."""
+    fd = os.open(root / KEY_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise OSError(f"{root / KEY_NAME} is not a private file of ours")
+        return os.read(fd, 256).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:

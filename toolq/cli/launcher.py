@@ -9,8 +9,10 @@ launcher reports a child killed by a signal, and kills the child of a caller tha
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
+import secrets
 import selectors
 import signal
 import socket
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from toolq.cli import launch
-from toolq.cli.launch import COMMANDS, MAX_REQUEST, SOCKET_NAME, peer_uid, python_identity
+from toolq.cli.launch import COMMANDS, KEY_NAME, MAX_REQUEST, SOCKET_NAME, peer_uid, python_identity
 
 
 class Launcher:
@@ -30,8 +32,15 @@ class Launcher:
         self.children: dict[int, tuple[socket.socket, int]] = {}
         """pidfd -> (the caller's connection, the child's pid)"""
         self.python = python_identity(os.environ)
+        self.key = secrets.token_hex(32)
 
     def listen(self) -> socket.socket:
+        """The key first, then the socket: a client that finds the socket finds the key."""
+        key_path = self.root / KEY_NAME
+        key_path.unlink(missing_ok=True)
+        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.key)
         self.path.unlink(missing_ok=True)
         server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         old = os.umask(0o177)
@@ -63,6 +72,9 @@ class Launcher:
                 raise ValueError("another user")
             payload, fds, _flags, _addr = socket.recv_fds(conn, MAX_REQUEST, 3)
             request = json.loads(payload)
+            key = request.get("key")
+            if not isinstance(key, str) or not hmac.compare_digest(key.encode(), self.key.encode()):
+                raise ValueError("no key")  # dropped before anything else of it is looked at
             if len(fds) != 3 or request.get("python") != self.python or request["argv"][0] not in COMMANDS:
                 raise ValueError("not for this launcher")
             pid = os.fork()
@@ -171,6 +183,7 @@ def serve(root: Path) -> int:
         launcher.serve(server, lambda: bool(stopping))
     finally:
         launcher.path.unlink(missing_ok=True)
+        (root / KEY_NAME).unlink(missing_ok=True)
         server.close()
     return 0
 
