@@ -298,10 +298,12 @@ BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox", "se
               "limits", "throughput", "coldstart", "history", "callcpu", "metadata")
 #: Run only when named: not a timing but a fault campaign on a stack of its own (--turns, --seed).
 CAMPAIGNS = ("chaos",)
+#: Run only when named: a Redis and workers of its own, minutes long (--quick for a smoke run, --json).
+OWN_STACK = ("envs",)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    known = (*BENCHMARKS, *CAMPAIGNS)
+    known = (*BENCHMARKS, *CAMPAIGNS, *OWN_STACK)
     unknown = set(args.which) - set(known)
     if unknown:
         print(f"toolq bench: unknown benchmark {', '.join(sorted(unknown))}; choose from {', '.join(known)}",
@@ -317,12 +319,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 2
     code = 0
     for name in args.which or BENCHMARKS:
-        print(f"== {name}", flush=True)
+        if not args.json:  # --json: stdout is the JSON alone
+            print(f"== {name}", flush=True)
         try:
             bench = importlib.import_module(f"toolq.dev.bench.{name}")
             if name in CAMPAIGNS:
                 done = bench.run(turns=args.turns, seeds=seeds, hosts=args.hosts, sentinel=args.sentinel)
                 code = max(code, 1 if done["violations"] else 0)
+            elif name in OWN_STACK:
+                done = bench.run(quick=args.quick, as_json=args.json)
+                code = max(code, 1 if done.get("failed") else 0)
             else:
                 bench.run()
         except FleetNotReady as e:
@@ -506,7 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn = sub.add_parser("bench", help="development: benchmarks, each against a baseline measured in the same run")
     bn.add_argument("which", nargs="*", metavar="NAME", help=f"any of {', '.join(BENCHMARKS)} (default: all); "
                     "with REDIS_URL set they run on that fleet; chaos (a seeded fault campaign on its own "
-                    "Redis and worker, exit 1 on any violation) runs only when named")
+                    "Redis and worker, exit 1 on any violation) and envs (environments on a host of its own: "
+                    "overlay as root, then copy) run only when named")
     bn.add_argument("--turns", type=int, default=24, metavar="N", help="chaos: turns per campaign (default 24)")
     bn.add_argument("--seed", default="1", metavar="S", help="chaos: the campaign's seed, or a range 1..3 "
                     "for one campaign per seed (default 1)")
@@ -515,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "beside the other faults")
     bn.add_argument("--sentinel", action="store_true", help="chaos: --hosts with Redis as a primary, a replica and "
                     "three sentinels; a failover (the primary SIGKILLed mid-call) stands for the Redis restart")
+    bn.add_argument("--quick", action="store_true", help="envs: small sizes, a smoke run")
+    bn.add_argument("--json", action="store_true", help="envs: the figures as one JSON object on stdout")
     bn.set_defaults(func=_cmd_bench)
     return p
 
