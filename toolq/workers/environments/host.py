@@ -35,6 +35,7 @@ import signal
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,7 +53,6 @@ from toolq.core.environments import (
     HostAdvert,
     TurnDiff,
     env_key,
-    git_cache_key,
     host_envs_key,
 )
 from toolq.core.libc import libc
@@ -707,7 +707,7 @@ class EnvHost:
 
     def git_base(self, source: GitSource) -> str:
         """Clone (or fetch) the repository on the host, outside any sandbox, and put `git archive`
-        of the ref's commit in the store: the base id (cached by commit in Redis)."""
+        of the ref's commit in the store: the base id (cached by commit on the host)."""
         if self.store is None:
             raise EnvError("this host has no workspace store to put the repository's tree in")
         url, ref = source.url, source.ref or "HEAD"
@@ -723,16 +723,25 @@ class EnvHost:
                       "+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*"], url)
             commit = _git(["--git-dir", str(repo), "rev-parse", "--verify", "--end-of-options", f"{ref}^{{commit}}"],
                           url).strip()
-            cache = git_cache_key(url, commit)
-            if self.r is not None:
-                cached = _bytes(self.r.get(cache))
-                if cached is not None and self.store.has(cached.decode()):
-                    return cached.decode()
-            tar = _git_bytes(["--git-dir", str(repo), "-c", "tar.umask=0022", "archive", "--format=tar", commit], url)
-        base = self.store.put(tar)
-        if self.r is not None:
-            self.r.set(cache, base)
+            # The cache is the host's own file, not a Redis key: whoever can write the store's
+            # Redis (no signing key) would name a tree of their own for the user's URL and commit.
+            cache = self.root / "git" / f"{repo.name}.bases" / commit
+            with contextlib.suppress(OSError):
+                cached = cache.read_text().strip()
+                if BLOB_ID.match(cached) and self.store.has(cached):
+                    return cached
+            tar = _git_archive(repo, commit, url, self._most_tar_bytes())
+            base = self.store.put(tar)
+            cache.parent.mkdir(mode=0o700, exist_ok=True)
+            cache.write_text(base)
         return base
+
+    def _most_tar_bytes(self) -> int:
+        """The longest tar of a tree within the caps: its files' bytes, and a header, a pax header
+        and padding (2 KiB) per member."""
+        most = self.limits.max_bytes + 2048 * (self.limits.max_files + 1) + 10240
+        store_most = getattr(self.store, "max_bytes", None)
+        return min(most, store_most) if isinstance(store_most, int) else most
 
 
 def _git_env() -> dict[str, str]:
@@ -754,6 +763,40 @@ def _git_bytes(args: list[str], url: str) -> bytes:
         last = (done.stderr.decode(errors="replace").strip().splitlines() or [f"exit {done.returncode}"])[-1]
         raise EnvError(f"git source {url}: {last}")
     return done.stdout
+
+
+def _git_archive(repo: Path, commit: str, url: str, most: int) -> bytes:
+    """`git archive` of the commit, read until `most` bytes: a hostile repository packs gigabytes of
+    zeros into a few KiB, which the tar (read into the worker's memory) would hold whole."""
+    argv = ["git", *_GIT_SAFE, "--git-dir", str(repo), "-c", "tar.umask=0022", "archive", "--format=tar", commit]
+    with tempfile.TemporaryFile() as err:
+        try:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                                    env=_git_env())
+        except OSError as e:
+            raise EnvError(f"git archive of {url} failed: {e}") from None
+        assert proc.stdout is not None
+        timer = threading.Timer(GIT_TIMEOUT, proc.kill)
+        timer.start()
+        chunks, total = [], 0
+        try:
+            while chunk := proc.stdout.read(1 << 20):
+                total += len(chunk)
+                if total > most:
+                    proc.kill()
+                    raise EnvError(f"git source {url}: the tree of {commit[:12]} is larger than "
+                                   f"{most // MB} MB as a tar; TOOLQ_UPLOAD_MAX_MB and TOOLQ_STORE_MAX_BLOB_MB "
+                                   "raise the cap")
+                chunks.append(chunk)
+        finally:
+            timer.cancel()
+            proc.stdout.close()
+            code = proc.wait()
+        if code != 0:
+            err.seek(0)
+            last = (err.read().decode(errors="replace").strip().splitlines() or [f"exit {code}"])[-1]
+            raise EnvError(f"git source {url}: {last}")
+    return b"".join(chunks)
 
 
 def _git(args: list[str], url: str) -> str:
