@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-from collections.abc import Sequence
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ from tests.responses_schema import schema_errors
 from toolq.core.catalog import Catalog
 from toolq.core.settings import Settings
 from toolq.dev.fake_model.server import FakeModel
-from toolq.local.embedded import RedisServer, WorkerProcess
+from toolq.local.embedded import RedisServer, WorkerProcess, free_port, wait_for
 from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.turn import Runtime, Session, TurnOutcome
 from toolq.workers.loader import load_catalog
@@ -181,3 +184,58 @@ def drive(redis_server, tmp_path):
             return Driven(outcome, fake, events, session)
 
     return run
+
+
+# ---- an S3-compatible server on loopback (moto's), for the workspace store ---------------------
+
+BUCKET = "toolq-test"
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint(tmp_path_factory) -> Iterator[str]:
+    pytest.importorskip("moto.server", reason="moto is not installed: pip install 'toolq[test]'")
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto server exited: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    try:
+        wait_for(up, 60, "moto server", log)
+        yield endpoint
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def aws(moto_endpoint, monkeypatch, tmp_path) -> str:
+    """The standard AWS variables only: boto3 finds moto's endpoint and fake keys as it would a real
+    service's (no config file of the machine's is read)."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    import boto3
+
+    s3 = boto3.client("s3")  # the bucket a test's store names
+    try:
+        s3.create_bucket(Bucket=BUCKET)
+    except s3.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    s3.close()
+    return moto_endpoint

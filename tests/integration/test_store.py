@@ -5,25 +5,22 @@ too big blob is refused with one line, and Redis keeps a blob for the TTL after 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
+from tests.integration.conftest import BUCKET
 from toolq.core.environments import blob_id
 from toolq.core.settings import Settings
-from toolq.local.embedded import free_port, wait_for
+from toolq.local.embedded import free_port
 from toolq.workers.store import MIB, BlobStore, StoreError, open_store
 from toolq.workers.store.redis_store import RedisStore, blob_key
 from toolq.workers.store.s3_store import S3Store
 
 pytestmark = pytest.mark.integration
 
-BUCKET = "toolq-test"
 WEEK = 7 * 86400
 
 
@@ -38,56 +35,6 @@ def redis_store(redis_server, **settings: Any) -> RedisStore:
     store = open_store(Settings(redis_url=redis_server.url, **settings))
     assert isinstance(store, RedisStore)
     return store
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint(tmp_path_factory) -> Iterator[str]:
-    pytest.importorskip("moto.server", reason="moto is not installed: pip install 'toolq[test]'")
-    port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto server exited: {log.read_text(errors='replace')[-2000:]}")
-        try:
-            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
-            return True
-        except OSError:
-            return False
-
-    try:
-        wait_for(up, 60, "moto server", log)
-        yield endpoint
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture
-def aws(moto_endpoint, monkeypatch, tmp_path) -> str:
-    """The standard AWS variables only: boto3 finds moto's endpoint and fake keys as it would a real
-    service's (no config file of the machine's is read)."""
-    for name in [n for n in os.environ if n.startswith("AWS_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    import boto3
-
-    s3 = boto3.client("s3")
-    try:
-        s3.create_bucket(Bucket=BUCKET)
-    except s3.exceptions.BucketAlreadyOwnedByYou:
-        pass
-    s3.close()
-    return moto_endpoint
 
 
 def s3_store(**settings: Any) -> S3Store:
