@@ -5,17 +5,32 @@ the store's Redis that anyone who can write there (but holds no signing key) can
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from toolq.core.environments import Checkpoint, GitSource, git_cache_key
+from toolq.core.environments import (
+    EMPTY_BASE,
+    Checkpoint,
+    EnvironmentRecord,
+    EnvSource,
+    GitSource,
+    git_cache_key,
+    host_key,
+    new_environment_id,
+)
+from toolq.core.signing import Signer
 from toolq.local.embedded import RedisServer
+from toolq.workers.environments import agent as agent_module
 from toolq.workers.environments import archive
+from toolq.workers.environments import host as host_module
 from toolq.workers.environments.archive import apply_delta, extract, pack_dir, tree_delta
 from toolq.workers.environments.host import EnvError, EnvHost
 from toolq.workers.store.redis_store import RedisStore
@@ -129,3 +144,50 @@ def test_a_repository_whose_tree_is_over_the_caps_is_refused_before_it_is_read_w
     h = EnvHost(tmp_path / "root", "h1", store, 1 << 30, archive.Limits(4 << 20, 10_000), r=r, mode="copy")
     with pytest.raises(EnvError, match="TOOLQ_UPLOAD_MAX_MB"):
         h.git_base(GitSource(url=str(repo), ref="main"))
+
+
+# ---- the host's advert never waits on a command's files ------------------------------------------
+
+def test_the_hosts_advert_never_walks_an_environments_files(tmp_path, r, monkeypatch):
+    """A command leaves a million files; walking them for the environment's size takes seconds.
+    The advert (TTL 8 s) that waited on that walk lapsed, and the orchestrator took the host, with
+    every other conversation's environment on it, for dead. Here the walk blocks until released:
+    the advert must not wait on it, and the agent must keep renewing it meanwhile."""
+    store = RedisStore(r, ttl=600, max_bytes=1 << 20)
+    h = EnvHost(tmp_path / "root", "h-walk", store, 64 << 20, archive.Limits(1 << 20, 100), r=r, mode="copy")
+    rec = EnvironmentRecord(id=new_environment_id(), host="h-walk", source=EnvSource(kind="empty"), base=EMPTY_BASE,
+                            owner="owner:walk")
+    h.create(rec)
+    release = threading.Event()
+    real = host_module.disk_bytes
+
+    def slow(top: Path) -> int:
+        release.wait(60)
+        return real(top)
+
+    monkeypatch.setattr(host_module, "disk_bytes", slow)
+    monkeypatch.setattr(host_module, "SIZE_FRESH", 0.0)  # every size is stale: a walk is due
+    done = threading.Event()
+    threading.Thread(target=lambda: (h.advert(), done.set()), daemon=True).start()
+    try:
+        assert done.wait(20), "the advert waited on walking the environment's files"
+        a = agent_module.Agent(h, r, Signer(secrets.token_hex(32)))
+        monkeypatch.setattr(agent_module, "ADVERT_EVERY", 0.2)
+        r.delete(host_key("h-walk"))
+        a.start()
+        try:
+            end = time.monotonic() + 20
+            while not r.exists(host_key("h-walk")):
+                assert time.monotonic() < end, "no advert while the sizes were walked"
+                time.sleep(0.05)
+            r.delete(host_key("h-walk"))
+            end = time.monotonic() + 20
+            while not r.exists(host_key("h-walk")):  # renewed again, the walk still blocked
+                assert time.monotonic() < end, "the advert was not renewed while the sizes were walked"
+                time.sleep(0.05)
+        finally:
+            release.set()
+            a.stop()
+    finally:
+        release.set()
+        h.destroy(rec.id)

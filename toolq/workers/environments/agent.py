@@ -137,6 +137,7 @@ class Agent:
         self.envs, self.r, self.signer = envs, r, signer
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._advertiser: threading.Thread | None = None
         # Requests run beside the loop: a create from a cold base or a big checkpoint takes longer
         # than the advert's TTL, and a host whose advert lapsed is taken for dead. A request is
         # taken off the queue only when a runner is free, so another process of the host may take it.
@@ -146,21 +147,38 @@ class Agent:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="toolq-environments", daemon=True)
         self._thread.start()
+        # The advert on a thread of its own: nothing slow (walking an environment's files for its
+        # size, reaping, a Redis call of the loop) may let it lapse and the host pass for dead.
+        self._advertiser = threading.Thread(target=self._advertise_loop, name="toolq-environments-advert",
+                                            daemon=True)
+        self._advertiser.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=POLL + 5)
+        for thread in (self._thread, self._advertiser):
+            if thread is not None:
+                thread.join(timeout=POLL + 5)
         self._runners.shutdown(wait=False, cancel_futures=True)
 
+    def _advertise_loop(self) -> None:
+        while True:
+            try:
+                self.advertise()
+            except (redis.RedisError, OSError) as e:  # Redis away: the next renewal tries again
+                log.warning("environments agent: advert not renewed: %s", e)
+            except Exception:
+                log.exception("environments advert failed; going on")
+            if self._stop.wait(ADVERT_EVERY):
+                return
+
     def _run(self) -> None:
-        next_advert = next_reap = 0.0
+        next_sizes = next_reap = 0.0
         while not self._stop.is_set():
             try:
                 now = time.monotonic()
-                if now >= next_advert:
-                    next_advert = now + ADVERT_EVERY
-                    self.advertise()
+                if now >= next_sizes:  # what the advert says (it never walks the files itself)
+                    next_sizes = now + ADVERT_EVERY
+                    self.envs.used_bytes()
                 if now >= next_reap:
                     next_reap = now + REAP_EVERY
                     self.envs.reap()
