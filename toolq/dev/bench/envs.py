@@ -279,17 +279,39 @@ async def measure(h: Host, repo: Path, small: Path, sizes: Sizes) -> dict[str, A
                         "call_ok": "line 0" in probe, "destroy": time.perf_counter() - t,
                         "left_on_disk": _on_disk(h.root, [e.id for e in alive], res["mode"])}
 
-        # Floors: a Redis round trip from here.
-        samples = []
-        for _ in range(50):
-            t = time.perf_counter()
-            await r.ping()
-            samples.append(time.perf_counter() - t)
-        res["floor_redis_rtt"] = median(samples)
+        await floors(res, r, h, up.source.blob)
     finally:
         await r.delete(owner)
         await fleet.aclose()
     return res
+
+
+async def floors(res: dict[str, Any], r: Any, h: Host, repo_base: str | None) -> None:
+    """A Redis round trip from here; in copy mode, what copying the repository's base costs."""
+    samples = []
+    for _ in range(50):
+        t = time.perf_counter()
+        await r.ping()
+        samples.append(time.perf_counter() - t)
+    res["floor_redis_rtt"] = median(samples)
+    if res["mode"] == "copy" and repo_base:
+        res["floor_copy"] = await asyncio.to_thread(copy_floor, h.root / "bases" / repo_base / "tree", h.root / "tmp")
+
+
+def copy_floor(tree: Path, scratch: Path) -> dict[str, float]:
+    """What copy mode cannot go under for this base: `cp -a` of its tree (a create), and a walk
+    that lstats every file without reading one (the least a checkpoint of a copy must do)."""
+    dest = scratch / "floor-copy"
+    t = time.perf_counter()
+    subprocess.run(["cp", "-a", str(tree), str(dest)], check=True)
+    copied = time.perf_counter() - t
+    t = time.perf_counter()
+    for here, _dirs, files in os.walk(dest):
+        for name in files:
+            os.lstat(os.path.join(here, name))
+    walked = time.perf_counter() - t
+    shutil.rmtree(dest)
+    return {"cp_a": copied, "walk_lstat": walked}
 
 
 def mount_floor(work: Path, n: int = 15) -> dict[str, float] | None:
@@ -405,6 +427,9 @@ def report(res: dict[str, Any]) -> list[str]:
             f"{a['left_on_disk']} left  ({_v(a['goal_met'])})",
             f"    floor: a Redis round trip {got['floor_redis_rtt'] * 1000:.2f} ms",
         ]
+        if "floor_copy" in got:
+            lines.append(f"    floor: `cp -a` of the repository's base {got['floor_copy']['cp_a']:.2f} s; an lstat of "
+                         f"each of its files {got['floor_copy']['walk_lstat'] * 1000:.0f} ms")
     if res.get("floor_mount"):
         f = res["floor_mount"]
         lines.append(f"  floor: a bare overlay: mkdir x4 {f['mkdirs'] * 1000:.2f} ms + `mount -t overlay` "
