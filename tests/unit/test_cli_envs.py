@@ -226,3 +226,9 @@ def test_a_token_in_a_git_url_reaches_neither_the_model_nor_stderr():
     assert choice is not None and choice.git is not None and "s3cret" in choice.git.url  # the host clones it whole
     assert "s3cret" not in choice.label and "s3cret" not in environment_instructions(choice)
     assert choice.label == "https://***@example.org/r.git@main"
+
+
+def test_envs_never_shows_a_token_of_a_git_url():
+    secret = record("env_s", source=EnvSource(kind="git", git=GitSource(url="https://u:s3cret@h.org/r.git")))
+    assert "s3cret" not in render_envs([secret], now=1090.0) and "s3cret" not in render_envs([secret], 1090.0, True)
+    assert json.loads(render_envs([secret], 1090.0, True))["source"]["git"]["url"] == "https://***@h.org/r.git"

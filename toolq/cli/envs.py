@@ -345,11 +345,20 @@ def env_row(record: EnvironmentRecord, now: float) -> dict[str, Any]:
             "age": human_age(now - record.created_at), "owner": record.owner, "state": record.state}
 
 
+def _shown(record: EnvironmentRecord) -> dict[str, Any]:
+    """The record as `--json` prints it: a password or token in a git URL left out, as in the label."""
+    from toolq.orchestrator.environments import shown_url
+
+    shown = record.model_dump(mode="json")
+    if isinstance(git := shown["source"].get("git"), dict):
+        git["url"] = shown_url(git["url"])
+    return shown
+
+
 def render_envs(records: list[EnvironmentRecord], now: float, as_json: bool = False) -> str:
     ordered = sorted(records, key=lambda r: (r.host, r.created_at, r.id))
     if as_json:
-        return render_json_lines([{**r.model_dump(mode="json"), "age": round(max(now - r.created_at, 0.0), 3)}
-                                  for r in ordered])
+        return render_json_lines([{**_shown(r), "age": round(max(now - r.created_at, 0.0), 3)} for r in ordered])
     if not ordered:
         return "no environments (`toolq run --upload DIR` makes one for its turn)\n"
     return _table([env_row(r, now) for r in ordered], ENV_COLUMNS)
