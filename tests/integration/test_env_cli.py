@@ -158,17 +158,9 @@ def test_upload_and_apply_bring_the_hosts_changes_back_to_a_folder_the_worker_ca
                               capture_output=True, text=True)
         assert seen.returncode == 0 and seen.stdout == "", seen  # ...the worker's is empty
     assert any(line.startswith(f"applied to {folder}: 1 added, 1 changed, 0 deleted") for line in err), err
-    assert not [line for line in err if line.startswith("  refused") and not is_placeholder(line)], err
+    assert not [line for line in err if line.startswith("  refused")], err
 
 
-def is_placeholder(line: str) -> bool:
-    """The refusal of the sandbox's empty `.git` placeholder, which checkpoints still capture
-    (`test_no_refusal_for_the_sandboxs_git_placeholder`)."""
-    return line.startswith("  refused .git:")
-
-
-@pytest.mark.xfail(strict=True, reason="the empty .git the sandbox makes in a workspace without one is captured by "
-                   "the checkpoint as added, so --apply refuses it on every run (archive.tree_delta / host)")
 def test_no_refusal_for_the_sandboxs_git_placeholder(redis_env, host, user_side):
     folder = project(user_side, "placeholder")
     wait_host(redis_env.url)
@@ -202,7 +194,7 @@ def test_a_file_changed_in_the_folder_meanwhile_is_refused_and_listed_the_rest_a
     lines = stderr.splitlines()
     summary = [line for line in lines if line.startswith(f"applied to {folder}:")]
     assert summary and "1 added, 0 changed, 0 deleted; " in summary[0], lines
-    refused = [line for line in lines if line.startswith("  refused") and not is_placeholder(line)]
+    refused = [line for line in lines if line.startswith("  refused")]
     assert len(refused) == 1 and refused[0].startswith("  refused notes.txt: "), lines
 
 

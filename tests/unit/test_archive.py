@@ -429,10 +429,38 @@ def test_apply_delta_refuses_what_changed_in_the_folder_meanwhile(tmp_path):
     assert report.lines()[0].startswith("not applied: ")
 
 
+def _with_members(delta: Delta, files: dict[str, bytes]) -> Delta:
+    """`delta` with more files added: what a poisoned store could hand `--apply` (a checkpoint
+    never carries them itself)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as out:
+        for member in tarfile.open(fileobj=io.BytesIO(delta.tar or b""), mode="r") if delta.tar else []:
+            out.addfile(member, tarfile.open(fileobj=io.BytesIO(delta.tar or b"")).extractfile(member.name))
+        dirs = sorted({str(p) for name in files for p in Path(name).parents if str(p) != "."})
+        for name in dirs:
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            out.addfile(info)
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o755
+            out.addfile(info, io.BytesIO(data))
+    return Delta(added=[*delta.added, *dirs[:1]], changed=delta.changed, deleted=delta.deleted, tar=buf.getvalue())
+
+
+def test_a_checkpoint_never_carries_the_workspaces_git(tmp_path):
+    """Commands cannot write `.git` (the sandbox keeps it read-only, and makes an empty one where
+    there was none): nothing of it is ever a change."""
+    _, env, base = _uploaded(tmp_path)
+    _write(env, {".git/hooks/post-checkout": "#!/bin/sh\nrm -rf ~\n", "made.txt": "x\n"})
+    delta = tree_delta(base, env)
+    assert delta.added == ["made.txt"] and ".git" not in (delta.entries or {})
+
+
 def test_apply_delta_never_writes_into_git_nor_through_a_symlink_in_the_folder(tmp_path):
     folder, env, base = _uploaded(tmp_path)
-    _write(env, {".git/hooks/post-checkout": "#!/bin/sh\nrm -rf ~\n", "docs/a/b/more.txt": "more\n"})
-    delta = tree_delta(base, env)
+    _write(env, {"docs/a/b/more.txt": "more\n"})
+    delta = _with_members(tree_delta(base, env), {".git/hooks/post-checkout": b"#!/bin/sh\nrm -rf ~\n"})
     outside = tmp_path / "outside"
     outside.mkdir()
     shutil.rmtree(folder / "docs/a")
@@ -483,9 +511,11 @@ def test_a_name_with_a_newline_is_quoted_as_git_quotes_it_and_git_dirs_stay_out_
     env = tmp_path / "env"
     env.mkdir()
     evil = 'evil\n+++ b\t"q"\\'  # a file name may hold anything but `/` and NUL
-    _write(env, {evil: "one\n", ".git/hooks/pre-commit": "#!/bin/sh\nrm -rf ~\n", "ok.txt": "ok\n"})
+    _write(env, {evil: "one\n", ".git/hooks/pre-commit": "#!/bin/sh\nrm -rf ~\n", "ok.txt": "ok\n",
+                 "sub/.git/hooks/pre-commit": "#!/bin/sh\nrm -rf ~\n"})
     diff = unified_diff(None, tree_delta({}, env))
-    assert diff.binary == [".git/hooks/pre-commit"]  # not in the patch (listed as not in it)
+    assert diff.binary == ["sub/.git/hooks/pre-commit"]  # not in the patch (listed as not in it)
+    assert "rm -rf" not in diff.patch  # and the workspace's own .git is no change at all
     quoted = '"a/evil\\n+++ b\\t\\"q\\"\\\\"'
     assert f"diff --git {quoted} {quoted.replace('a/', 'b/', 1)}\n" in diff.patch
     assert not any(line.startswith("+++ b\t") for line in diff.patch.splitlines())

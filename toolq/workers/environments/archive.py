@@ -827,7 +827,11 @@ def tree_delta(base: Manifest, env_dir: Path, *, upper: Path | None = None,
     scan = _Scan(base, _Budget(limits, "the environment's changes"))
     most = len(base) + limits.max_files  # what a base and a delta within the caps can hold
     try:
-        for seen, node in enumerate(_walk(root), 1):
+        # The workspace's own `.git` is never a change: no upload carries it, and the sandbox keeps
+        # it read-only (making an empty one to cover where there was none: not the model's doing).
+        for seen, node in enumerate(_walk(root, descend=lambda path: path != PROTECTED_DIR), 1):
+            if node.path == PROTECTED_DIR:
+                continue
             if seen > most:
                 raise ArchiveError(f"the environment holds more than {most} files and folders; "
                                    "TOOLQ_UPLOAD_MAX_FILES raises the cap")
