@@ -191,3 +191,45 @@ def test_the_hosts_advert_never_walks_an_environments_files(tmp_path, r, monkeyp
     finally:
         release.set()
         h.destroy(rec.id)
+
+
+def test_the_reaper_goes_on_past_an_environment_it_cannot_destroy(tmp_path, r, monkeypatch):
+    store = RedisStore(r, ttl=600, max_bytes=1 << 20)
+    h = EnvHost(tmp_path / "root", "h-reap", store, 64 << 20, archive.Limits(1 << 20, 100), r=r, mode="copy")
+    ids = sorted(new_environment_id() for _ in range(2))
+    for env_id in ids:  # owners that do not exist: both are due
+        h.create(EnvironmentRecord(id=env_id, host="h-reap", source=EnvSource(kind="empty"), base=EMPTY_BASE,
+                                   owner=f"owner:{env_id}"))
+    real = EnvHost.destroy
+
+    def resisting(self: EnvHost, env_id: str) -> bool:
+        if env_id == ids[0]:
+            raise RecursionError("maximum recursion depth exceeded")
+        return real(self, env_id)
+
+    monkeypatch.setattr(EnvHost, "destroy", resisting)
+    assert h.reap() == [ids[1]]
+    assert h.env_ids() == [ids[0]]
+    monkeypatch.setattr(EnvHost, "destroy", real)
+    assert h.reap() == [ids[0]]
+
+
+def test_remove_tree_takes_any_depth_and_modes_and_follows_no_link(tmp_path):
+    outside = tmp_path / "outside"
+    (outside / "keep").mkdir(parents=True)
+    (outside / "keep" / "f").write_text("mine\n")
+    top = tmp_path / "env"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(1500):  # deeper than Python's recursion limit
+        os.mkdir("d", dir_fd=fd)
+        sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = sub
+    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+    os.close(fd)
+    (top / "l").symlink_to(outside)
+    (top / "d" / "l").symlink_to(outside / "keep")
+    os.chmod(top / "d" / "d", 0o000)
+    host_module.remove_tree(top)
+    assert not top.exists() and (outside / "keep" / "f").read_text() == "mine\n"

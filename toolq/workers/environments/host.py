@@ -202,6 +202,64 @@ def kill_processes_in(top: Path, device: int | None = None) -> int:
     return killed
 
 
+_DIR_PATH = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_READ = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_tree(top: Path) -> None:
+    """Remove a tree a command wrote, whatever its depth and modes. `shutil.rmtree` recurses once
+    per level: a command's `mkdir d; cd d` 3000 times made it raise RecursionError, the
+    environment stayed, and the reaper, stopped at it, reaped none after it. And on a worker
+    that is not root the commands are its own uid: a folder they made mode 000 or 500 could not
+    be emptied. Here one directory fd is held at a time (down by name, O_NOFOLLOW; back up by
+    `..`: the tree's processes are dead, nothing moves it), and a directory's owner bits are
+    set before it is read. Never follows a link."""
+    try:
+        fd = _open_dir_owned(os.open(top, _DIR_PATH))
+    except FileNotFoundError:
+        return
+    path: list[str] = []
+    try:
+        while True:
+            below = None
+            with os.scandir(fd) as entries:
+                names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+            for name, is_dir in names:
+                if is_dir:
+                    below = name
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
+            if below is not None:
+                sub = _open_dir_owned(os.open(below, _DIR_PATH, dir_fd=fd))
+                os.close(fd)
+                fd, path = sub, [*path, below]
+                continue
+            if names:
+                continue  # files were removed: read it again until it is empty
+            if not path:
+                break
+            up = os.open("..", _DIR_READ, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            os.rmdir(path.pop(), dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(top)
+
+
+def _open_dir_owned(path_fd: int) -> int:
+    """A readable fd of the directory an O_PATH fd holds (closed), its owner bits set first."""
+    try:
+        mode = stat.S_IMODE(os.fstat(path_fd).st_mode)
+        if mode & 0o700 != 0o700:
+            with contextlib.suppress(OSError):  # not ours (root passes over modes anyway)
+                os.chmod(f"/proc/self/fd/{path_fd}", mode | 0o700)  # the directory itself, not a link
+        return os.open(f"/proc/self/fd/{path_fd}", _DIR_READ & ~os.O_NOFOLLOW)  # the magic link: that inode
+    finally:
+        os.close(path_fd)
+
+
 # ---- laying files into a workspace (by dir fd, never following a link) ----------------------------
 
 def _open_dir(parent: int, name: str) -> int:
@@ -622,7 +680,8 @@ class EnvHost:
             _unmount(merged)
         if str(merged) in _mount_points():  # never remove through a live overlay
             libc.umount2(str(merged).encode(), _MNT_DETACH)
-        shutil.rmtree(d, ignore_errors=True)  # fd-based (rmtree.avoids_symlink_attacks)
+        with contextlib.suppress(OSError):
+            remove_tree(d)  # what the commands wrote: any depth, any modes, never a link followed
         if d.exists():
             raise EnvError(f"host {self.host}: environment {env_id} could not be removed")
 
@@ -655,8 +714,12 @@ class EnvHost:
             if why is None:
                 self.remount(env_id)
                 continue
-            if self.destroy(env_id):
-                log.info("environment %s destroyed: %s", env_id, why)
+            try:
+                if self.destroy(env_id):
+                    log.info("environment %s destroyed: %s", env_id, why)
+            except Exception as e:  # one environment that resists must not keep the others alive
+                log.warning("environment %s could not be destroyed (%s): %s", env_id, why, e)
+                continue
             if raw is not None and why != "it is placed on another host":
                 self.update_record(env_id, state="destroyed", size=0)
             self.r.srem(host_envs_key(self.host), env_id)
