@@ -57,13 +57,16 @@ class Sizes:
     fork: int = 16
     conversations: int = 32
     steps: int = 6
+    rounds: int = 3
+    """Rounds of the conversations' load, shared workspace then environments: the ratio is the median
+    of each round's (the machine's load changes between rounds more than within one)."""
     alive: int = 256
     small_files: int = 50
     """The small project the conversations and the alive environments are made from."""
 
 
 FULL = Sizes()
-QUICK = Sizes(repo_files=200, repo_mb=2, creates=5, checkpoints=2, fork=4, conversations=4, steps=2, alive=8)
+QUICK = Sizes(repo_files=200, repo_mb=2, creates=5, checkpoints=2, fork=4, conversations=4, steps=2, rounds=1, alive=8)
 
 
 # --- the repository ----------------------------------------------------------------------------------
@@ -250,13 +253,13 @@ async def measure(h: Host, repo: Path, small: Path, sizes: Sizes) -> dict[str, A
             return len(env_of) * sizes.steps * CALLS_PER_STEP / (time.perf_counter() - t)
 
         shared_rates, env_rates = [], []
-        for _ in range(2):  # alternated, so both see the same machine
+        for _ in range(sizes.rounds):  # alternated, so both see the same machine; each round's pair a ratio
             shared_rates.append(await load([None] * sizes.conversations))
             env_rates.append(await load(list(convs)))
-        res["conversations"] = {"n": sizes.conversations, "steps": sizes.steps, "shared_calls_per_s": median(
-            shared_rates), "env_calls_per_s": median(env_rates)}
-        res["conversations"]["ratio"] = res["conversations"]["env_calls_per_s"] / res["conversations"][
-            "shared_calls_per_s"]
+        res["conversations"] = {"n": sizes.conversations, "steps": sizes.steps, "rounds": sizes.rounds,
+                                "shared_calls_per_s": median(shared_rates), "env_calls_per_s": median(env_rates),
+                                "ratio": median([e / s for e, s in zip(env_rates, shared_rates, strict=True)]),
+                                "ratios": [e / s for e, s in zip(env_rates, shared_rates, strict=True)]}
         await asyncio.gather(*(envs.destroy(c.id) for c in convs))
 
         # N alive on one host.
@@ -420,7 +423,8 @@ def report(res: dict[str, Any]) -> list[str]:
             f"    fork {fk['n']} from a checkpoint  : {fk['total']:.3f} s  "
             f"(goal <= {FORK_GOAL_S:g} s: {_v(fk['goal_met'])})",
             f"    {cv['n']} conversations x {CALLS_PER_STEP} calls/step: own environments {cv['env_calls_per_s']:.0f} "
-            f"calls/s, shared workspace {cv['shared_calls_per_s']:.0f} calls/s = {cv['ratio']:.2f}x  "
+            f"calls/s, shared workspace {cv['shared_calls_per_s']:.0f} calls/s = {cv['ratio']:.2f}x (median of "
+            f"{', '.join(f'{x:.2f}' for x in cv['ratios'])})  "
             f"(goal >= {RATE_GOAL:g}x: {_v(cv['goal_met'])})",
             f"    {a['n']} alive on one host  : made in {a['create']:.2f} s, {a['ready']} ready, {a['on_disk']} whole "
             f"on disk, a call in the last {'ran' if a['call_ok'] else 'FAILED'}; destroyed in {a['destroy']:.2f} s, "
