@@ -233,3 +233,25 @@ def test_remove_tree_takes_any_depth_and_modes_and_follows_no_link(tmp_path):
     os.chmod(top / "d" / "d", 0o000)
     host_module.remove_tree(top)
     assert not top.exists() and (outside / "keep" / "f").read_text() == "mine\n"
+
+
+def test_a_folder_of_many_files_is_sized_without_holding_its_entries(tmp_path):
+    """The host sizes every environment every few seconds in the worker's main process: a folder
+    of ten million files listed whole held gigabytes there. 100,000 here: streamed, not held."""
+    import tracemalloc
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    fd = os.open(flat, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i in range(100_000):
+            os.close(os.open(f"f{i}", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+    finally:
+        os.close(fd)
+    tracemalloc.start()
+    try:
+        host_module.disk_bytes(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak / (1 << 20):.1f} MiB held to size a folder"

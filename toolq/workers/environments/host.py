@@ -160,18 +160,17 @@ def disk_bytes(top: Path) -> int:
     total = 0
     stack = [str(top)]
     while stack:
-        try:
-            entries = list(os.scandir(stack.pop()))
-        except OSError:
-            continue
-        for e in entries:
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            total += st.st_blocks * 512
-            if stat.S_ISDIR(st.st_mode):
-                stack.append(e.path)
+        # Streamed, never listed whole: a command's folder of ten million files held gigabytes
+        # of entries in the worker's main process at every walk.
+        with contextlib.suppress(OSError), os.scandir(stack.pop()) as entries:
+            for e in entries:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += st.st_blocks * 512
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(e.path)
     return total
 
 
