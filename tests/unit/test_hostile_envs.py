@@ -255,3 +255,26 @@ def test_a_folder_of_many_files_is_sized_without_holding_its_entries(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < 4 << 20, f"{peak / (1 << 20):.1f} MiB held to size a folder"
+
+
+def test_a_checkpoint_stops_reading_a_folder_past_the_caps(tmp_path):
+    """tree_delta listed each folder whole before counting: ten million files in one folder, held
+    in the worker at the turn's end. Past the cap on files it stops reading."""
+    import tracemalloc
+
+    flat = tmp_path / "env" / "flat"
+    flat.mkdir(parents=True)
+    fd = os.open(flat, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i in range(50_000):
+            os.close(os.open(f"file-with-a-longish-name-{i}", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+    finally:
+        os.close(fd)
+    tracemalloc.start()
+    try:
+        with pytest.raises(archive.ArchiveError, match="TOOLQ_UPLOAD_MAX_FILES"):
+            tree_delta({}, tmp_path / "env", limits=archive.Limits(1 << 20, 1000))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak / (1 << 20):.1f} MiB held"

@@ -325,11 +325,27 @@ class _Node:
     """A directory's own fd (O_NOFOLLOW), for its xattrs."""
 
 
-def _walk(root: int, *, descend: Callable[[str], bool] = lambda path: True) -> Iterator[_Node]:
+def _listed(fd: int, path: str, most: int | None) -> list[str]:
+    """A directory's names, sorted; past `most` of them, ArchiveError before the rest are read (a
+    command's folder of ten million files, listed whole, held gigabytes in the worker)."""
+    if most is None:
+        return sorted(os.listdir(fd))
+    names = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            names.append(entry.name)
+            if len(names) > most:
+                raise ArchiveError(f"{_short(path) or 'the top folder'} holds more than {most} files and folders; "
+                                   "TOOLQ_UPLOAD_MAX_FILES raises the cap")
+    return sorted(names)
+
+
+def _walk(root: int, *, descend: Callable[[str], bool] = lambda path: True, most: int | None = None,
+          ) -> Iterator[_Node]:
     """Every entry under the directory open at `root`, in `_order`, a directory before its
     members; symlinks are never followed (entries are lstat'ed, directories opened O_NOFOLLOW).
     An unreadable directory raises (a skipped one would read as deleted)."""
-    stack: list[tuple[int, str, Iterator[str]]] = [(root, "", iter(sorted(os.listdir(root))))]
+    stack: list[tuple[int, str, Iterator[str]]] = [(root, "", iter(_listed(root, "", most)))]
     try:
         while stack:
             fd, rel, names = stack[-1]
@@ -348,7 +364,12 @@ def _walk(root: int, *, descend: Callable[[str], bool] = lambda path: True) -> I
                 if len(stack) >= MAX_DEPTH:
                     raise ArchiveError(f"{_short(path)} lies deeper than {MAX_DEPTH} folders")  # an fd per level
                 sub = open_entry(fd, name, directory=True)
-                stack.append((sub, path, iter(sorted(os.listdir(sub)))))
+                try:
+                    names_below = _listed(sub, path, most)
+                except BaseException:
+                    os.close(sub)
+                    raise
+                stack.append((sub, path, iter(names_below)))
             except OSError as e:
                 raise OSError(e.errno, e.strerror, path) from None  # named from the top, for the user
             yield _Node(path, fd, name, os.fstat(sub), sub)
@@ -829,7 +850,7 @@ def tree_delta(base: Manifest, env_dir: Path, *, upper: Path | None = None,
     try:
         # The workspace's own `.git` is never a change: no upload carries it, and the sandbox keeps
         # it read-only (making an empty one to cover where there was none: not the model's doing).
-        for seen, node in enumerate(_walk(root, descend=lambda path: path != PROTECTED_DIR), 1):
+        for seen, node in enumerate(_walk(root, descend=lambda path: path != PROTECTED_DIR, most=most), 1):
             if node.path == PROTECTED_DIR:
                 continue
             if seen > most:
