@@ -278,3 +278,26 @@ def test_a_checkpoint_stops_reading_a_folder_past_the_caps(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, f"{peak / (1 << 20):.1f} MiB held"
+
+
+def test_the_turns_patch_never_plants_a_git_directory_for_git_apply(tmp_path):
+    """`--patch FILE` then `git apply FILE`: a patch creating sub/HEAD, sub/config, sub/objects/x and
+    sub/refs/x makes sub a repository whose core.pager the user's git obeys. Those files are listed
+    as binary, left out of the patch, as `.git`'s are."""
+    folder = tmp_path / "folder"
+    _write(folder, {"README": "hi\n"})
+    packed = pack_dir(folder)
+    env = tmp_path / "env"
+    env.mkdir()
+    extract(packed.tar, env)
+    marker = tmp_path / "pwned"
+    _write(env, {"sub/HEAD": "ref: refs/heads/main\n", "sub/config": f"[core]\n\tpager = touch {marker}; cat\n",
+                 "sub/objects/x": "x\n", "sub/refs/x": "x\n", "README": "hello\n"})
+    delta = tree_delta(packed.manifest, env)
+    diff = archive.unified_diff(packed.tar, delta)
+    assert "sub/config" not in diff.patch and "sub/config" in diff.binary
+    assert "b/README" in diff.patch
+    git("init", "-q", cwd=folder)
+    (tmp_path / "p.diff").write_text(diff.patch)
+    git("apply", str(tmp_path / "p.diff"), cwd=folder)
+    assert not (folder / "sub" / "config").exists()

@@ -1029,6 +1029,16 @@ class BaseTree:
     manifest: Manifest
 
 
+def git_shaped(paths: Iterable[str]) -> set[str]:
+    """The folders ("" the top) that `paths` (a whole tree's) make look like a git directory to
+    git: HEAD beside objects/ and refs/, or beside a `commondir` naming them elsewhere."""
+    names: dict[str, set[str]] = {}
+    for path in paths:
+        for parent, name in ((q.rpartition("/")[0], q.rpartition("/")[2]) for q in (*_parents(path), path)):
+            names.setdefault(parent, set()).add(name.lower())
+    return {d for d, n in names.items() if "head" in n and ("commondir" in n or {"objects", "refs"} <= n)}
+
+
 def unified_diff(base: bytes | BaseTree | None, delta: Delta, checkpoint: str = "") -> TurnDiff:
     """The delta as git shows it: a unified diff of its text files (`a/` and `b/`, `/dev/null` for
     an added or deleted file, git's file modes and path quoting), the other files listed as binary
@@ -1038,10 +1048,17 @@ def unified_diff(base: bytes | BaseTree | None, delta: Delta, checkpoint: str = 
     diff = TurnDiff(checkpoint=checkpoint, deleted=list(delta.deleted))
     out: list[str] = []
     size = diffed = 0
+    # A folder the changes leave shaped as a git directory (sub/HEAD, sub/config, sub/objects/,
+    # sub/refs/): `git apply` of the patch would make it a repository whose config the user's git
+    # obeys. Its files are listed as binary, as those under `.git` are.
+    base_paths = base.manifest.keys() if isinstance(base, BaseTree) else manifest_of(base).keys() if base else ()
+    gone = set(delta.deleted)
+    shaped = git_shaped([*(p for p in base_paths if not any(q in gone for q in (p, *_parents(p)))),
+                         *delta.entries, *delta.added, *delta.changed])
     for path, before, after in _file_sides(base, delta):
         old = _text(*before) if before else []
         new = _text(*after) if after else []
-        if old is None or new is None or _in_git_dir(path):
+        if old is None or new is None or _in_git_dir(path) or any(q in shaped for q in ("", *_parents(path))):
             if after is not None:
                 diff.binary.append(path)
             continue
