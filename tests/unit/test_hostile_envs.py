@@ -301,3 +301,20 @@ def test_the_turns_patch_never_plants_a_git_directory_for_git_apply(tmp_path):
     (tmp_path / "p.diff").write_text(diff.patch)
     git("apply", str(tmp_path / "p.diff"), cwd=folder)
     assert not (folder / "sub" / "config").exists()
+
+
+def test_an_environment_id_or_checkpoint_path_never_leaves_the_hosts_root(tmp_path):
+    """Held: ids are checked before they name a directory; a checkpoint's deleted paths before they
+    are removed."""
+    h = EnvHost(tmp_path / "root", "h-ids", None, 64 << 20, archive.Limits(1 << 20, 100), mode="copy")
+    for bad in ("../bases", "..", "a/../../x", ".hidden", "", "x" * 101, "env\n"):
+        with pytest.raises(EnvError):
+            h.env_dir(bad)
+        assert not h.present(bad)
+    work = tmp_path / "ws"
+    work.mkdir()
+    (tmp_path / "victim").write_text("keep\n")
+    for bad in ("../victim", "a/../../victim", ".."):
+        with pytest.raises(EnvError):
+            host_module.delete_paths(work, [bad])
+    assert (tmp_path / "victim").read_text() == "keep\n"

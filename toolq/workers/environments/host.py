@@ -62,7 +62,7 @@ from toolq.workers.store import BlobStore
 
 log = logging.getLogger("toolq.worker.environments")
 
-ENV_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
+ENV_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")  # fullmatch: `$` would take "id\n"
 MB = 1024 * 1024
 _MNT_DETACH = 2
 #: How long a computed size of an environment is reused before it is walked again (the advert and
@@ -83,7 +83,7 @@ class EnvError(Exception):
 
 
 def _env_id(env_id: str) -> str:
-    if not isinstance(env_id, str) or not ENV_ID.match(env_id):
+    if not isinstance(env_id, str) or not ENV_ID.fullmatch(env_id):
         raise EnvError(f"invalid environment id {env_id!r}")
     return env_id
 
@@ -543,7 +543,7 @@ class EnvHost:
     def used_bytes(self, *, walk: bool = True) -> int:
         total = 0
         for d in (self.root / "envs").iterdir():
-            if ENV_ID.match(d.name):
+            if ENV_ID.fullmatch(d.name):
                 total += self.env_bytes(d.name, walk=walk)
         for b in self.bases():
             with contextlib.suppress(OSError, ValueError):
@@ -685,7 +685,7 @@ class EnvHost:
             raise EnvError(f"host {self.host}: environment {env_id} could not be removed")
 
     def env_ids(self) -> list[str]:
-        return sorted(p.name for p in (self.root / "envs").iterdir() if ENV_ID.match(p.name))
+        return sorted(p.name for p in (self.root / "envs").iterdir() if ENV_ID.fullmatch(p.name))
 
     # --- the reaper ---
 
@@ -701,7 +701,7 @@ class EnvHost:
         mine = [i for i in self.env_ids() if (self._meta(self.env_dir(i)) or {}).get("fleet", "") == self.fleet]
         ids = set(mine) | {i.decode() if isinstance(i, bytes) else str(i)
                            for i in self.r.smembers(host_envs_key(self.host))}
-        ids = {i for i in ids if ENV_ID.match(i)}
+        ids = {i for i in ids if ENV_ID.fullmatch(i)}
         order = sorted(ids)
         raws = [_bytes(raw) for raw in self.r.mget([env_key(i) for i in order])] if order else []
         records = dict(zip(order, (_record(raw) for raw in raws), strict=True))
