@@ -318,3 +318,26 @@ def test_an_environment_id_or_checkpoint_path_never_leaves_the_hosts_root(tmp_pa
         with pytest.raises(EnvError):
             host_module.delete_paths(work, [bad])
     assert (tmp_path / "victim").read_text() == "keep\n"
+
+
+def test_a_hostile_repository_as_a_git_source_runs_nothing_and_unpacks_no_link_out(tmp_path, r):
+    """Held: a repository whose tree links out, whose attributes ask for export-subst and filters,
+    with a submodule and hooks, is cloned bare (nothing of it run) and its tree refused whole."""
+    store = RedisStore(r, ttl=600, max_bytes=64 << 20)
+    marker = tmp_path / "pwned"
+    repo, _ = _repo(tmp_path, {"app.py": b"$Format:%H$\n",
+                               ".gitattributes": b"* export-subst filter=evil\n",
+                               ".gitmodules": f'[submodule "x"]\n\tpath = x\n\turl = /nonexistent\n\tupdate = !touch {marker}\n'
+                               .encode()})
+    git("config", "filter.evil.smudge", f"touch {marker}", cwd=repo)
+    (repo / ".git" / "hooks" / "post-upload-pack").write_text(f"#!/bin/sh\ntouch {marker}\n")
+    (repo / ".git" / "hooks" / "post-upload-pack").chmod(0o755)
+    (repo / "passwd").symlink_to("/etc/passwd")
+    git("add", "passwd", cwd=repo)
+    git("commit", "-q", "-m", "link out", cwd=repo)
+    h = EnvHost(tmp_path / "root", "h-git", store, 1 << 30, archive.Limits(64 << 20, 10_000), r=r, mode="copy")
+    rec = EnvironmentRecord(id=new_environment_id(), host="h-git", source=EnvSource(kind="git", git=GitSource(
+        url=str(repo), ref="main")), base="", owner="owner:git")
+    with pytest.raises((EnvError, archive.ArchiveError), match="passwd"):
+        h.create(rec)
+    assert not marker.exists() and h.env_ids() == []
