@@ -228,6 +228,10 @@ def test_remove_tree_takes_any_depth_and_modes_and_follows_no_link(tmp_path):
         fd = sub
     os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
     os.close(fd)
+    for i in range(3000):  # wide too: more folders than one read takes, files among them
+        (top / f"w{i}").mkdir()
+        (top / f"w{i}" / "f").write_text("")
+        (top / f"f{i}").write_text("")
     (top / "l").symlink_to(outside)
     (top / "d" / "l").symlink_to(outside / "keep")
     os.chmod(top / "d" / "d", 0o000)

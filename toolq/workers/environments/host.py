@@ -217,31 +217,42 @@ def remove_tree(top: Path) -> None:
         fd = _open_dir_owned(os.open(top, _DIR_PATH))
     except FileNotFoundError:
         return
-    path: list[str] = []
+    path: list[str] = []  # the names down to `fd`
+    pending: list[list[str]] = [[]]  # each level's directories still to remove, found by its last read
     try:
         while True:
-            below = None
-            with os.scandir(fd) as entries:
-                names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
-            for name, is_dir in names:
-                if is_dir:
-                    below = name
-                    break
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name, dir_fd=fd)
-            if below is not None:
-                sub = _open_dir_owned(os.open(below, _DIR_PATH, dir_fd=fd))
-                os.close(fd)
-                fd, path = sub, [*path, below]
+            if not pending[-1]:
+                # Read as a stream (a folder of millions is never listed whole): files go at once,
+                # directories are taken 1024 at a time.
+                seen = False
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        seen = True
+                        if entry.is_dir(follow_symlinks=False):
+                            pending[-1].append(entry.name)
+                            if len(pending[-1]) >= 1024:
+                                break
+                        else:
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(entry.name, dir_fd=fd)
+                if not seen:  # empty: up, and remove it
+                    if not path:
+                        break
+                    up = os.open("..", _DIR_READ, dir_fd=fd)
+                    os.close(fd)
+                    fd = up
+                    os.rmdir(path.pop(), dir_fd=fd)
+                    pending.pop()
+                continue  # files were removed, or directories found: read again, or go down
+            name = pending[-1].pop()
+            try:
+                sub = _open_dir_owned(os.open(name, _DIR_PATH, dir_fd=fd))
+            except FileNotFoundError:
                 continue
-            if names:
-                continue  # files were removed: read it again until it is empty
-            if not path:
-                break
-            up = os.open("..", _DIR_READ, dir_fd=fd)
             os.close(fd)
-            fd = up
-            os.rmdir(path.pop(), dir_fd=fd)
+            fd = sub
+            path.append(name)
+            pending.append([])
     finally:
         os.close(fd)
     os.rmdir(top)
