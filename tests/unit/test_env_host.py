@@ -258,3 +258,12 @@ def test_an_overlay_whose_mount_is_gone_is_mounted_again_by_the_reaper(
     assert not h.present(rec.id)
     assert h.reap() == [] and h.present(rec.id)
     assert (h.path(rec.id) / "kept.txt").read_text() == "still here\n"
+
+
+def test_is_mount_tells_a_mounted_overlay_from_its_empty_folder(tmp_path):
+    """`present` asks on every call whether an overlay is still mounted: by device, not mountinfo."""
+    from toolq.workers.environments.host import _is_mount
+
+    assert not _is_mount(tmp_path)
+    assert _is_mount(Path("/proc"))
+    assert not _is_mount(tmp_path / "missing")

@@ -345,3 +345,10 @@ def test_a_hostile_repository_as_a_git_source_runs_nothing_and_unpacks_no_link_o
     with pytest.raises((EnvError, archive.ArchiveError), match="passwd"):
         h.create(rec)
     assert not marker.exists() and h.env_ids() == []
+
+
+def test_blob_and_host_ids_with_a_trailing_newline_are_refused():
+    from toolq.core.environments import BLOB_ID, HOST_ID
+
+    assert BLOB_ID.match("a" * 64) and not BLOB_ID.match("a" * 64 + "\n")
+    assert HOST_ID.match("h1") and not HOST_ID.match("h1\n")

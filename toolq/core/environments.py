@@ -24,11 +24,11 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 #: A blob's address in the workspace store: the sha256 of its bytes, in hex.
-BLOB_ID = re.compile(r"^[0-9a-f]{64}$")
+BLOB_ID = re.compile(r"\A[0-9a-f]{64}\Z")
 #: The base of an environment made from nothing (no blob: an empty folder).
 EMPTY_BASE = "empty"
 #: A host id names queues and keys: letters, digits, `.`, `_`, `-`.
-HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+HOST_ID = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,99}\Z")
 
 EnvState = Literal["creating", "ready", "destroying", "destroyed", "lost", "failed"]
 EnvMode = Literal["overlay", "copy"]

@@ -102,6 +102,15 @@ def _mount(*args: str) -> None:
         raise OSError(errno.EPERM, (done.stderr.strip() or f"mount exited {done.returncode}").splitlines()[-1])
 
 
+def _is_mount(path: Path) -> bool:
+    """Something is mounted on `path` (its device is not its folder's): two stats, where reading
+    mountinfo on every call cost 0.3 ms and grew with each environment mounted (bench envs)."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_dev != os.stat(path.parent, follow_symlinks=False).st_dev
+    except OSError:
+        return False
+
+
 def _mount_points() -> set[str]:
     """This namespace's mount points (mountinfo's 5th field, its octal escapes undone)."""
     points = set()
@@ -427,7 +436,7 @@ class EnvHost:
         if meta is None:
             return False
         if meta.get("mode") == "overlay":
-            return str(d / "merged") in _mount_points()
+            return _is_mount(d / "merged")
         return (d / "tree").is_dir()
 
     @contextlib.contextmanager
