@@ -61,3 +61,52 @@ def test_a_token_in_a_git_url_is_not_in_the_label_toolq_envs_shows():
     assert "s3cret" not in source.label and source.label == "https://***@example.org/r.git@main"
     assert source.git.url == "https://user:s3cret@example.org/r.git"  # the host still needs it to clone
     assert source_of(git="git@github.com:o/r.git").label == "git@github.com:o/r.git@HEAD"
+
+
+@pytest.mark.parametrize("where", ["/etc", "/", "home"])
+def test_an_upload_of_a_system_folder_or_a_home_is_refused_before_anything_is_packed(where):
+    """The model reads every uploaded file (a home's keys) and --apply writes back: an upload may
+    not be what a shared workspace may not be (newcomer's finding: `--upload ~` only hit the caps)."""
+    import asyncio
+
+    from toolq.core.settings import Settings
+    from toolq.orchestrator.environments import Environments
+
+    where = str(Path.home()) if where == "home" else where
+    # never reached: no Redis, and caps that end a pack at once were the check ever to let it through
+    envs = Environments(None, Settings(upload_max_files=5), None, catalog=object())  # type: ignore[arg-type]
+    with pytest.raises(EnvironmentRefused, match=r"^cannot upload .*(system or shared|home)"):
+        asyncio.run(envs.upload(Path(where)))
+
+
+def test_an_upload_holding_toolqs_import_path_is_refused(tmp_path, monkeypatch):
+    """--apply would write the model's changes into code toolq imports outside any sandbox."""
+    import asyncio
+    import sys
+
+    from toolq.core.settings import Settings
+    from toolq.orchestrator.environments import Environments
+
+    (tmp_path / "venv" / "lib").mkdir(parents=True)
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "venv" / "lib")])
+    envs = Environments(None, Settings(), None, catalog=object())  # type: ignore[arg-type]
+    with pytest.raises(EnvironmentRefused, match="import path"):
+        asyncio.run(envs.upload(tmp_path))
+
+
+def test_a_session_in_an_environment_never_checks_the_shared_workspace_it_does_not_use():
+    """From a home or a project holding toolq's venv, `Session(upload=...)` was refused although no
+    call of it runs there (newcomer's finding; `Fleet.run_calls(environment=)` likewise)."""
+    from types import SimpleNamespace
+
+    from toolq.core.errors import ConfigurationError
+    from toolq.core.settings import Settings
+    from toolq.orchestrator.turn import Session
+
+    settings = Settings(workspace=Path("/"))
+    runtime = SimpleNamespace(settings=settings, fleet=SimpleNamespace(ledger=SimpleNamespace(r=None)),
+                              client=SimpleNamespace(settings=SimpleNamespace(model="gpt-5")))
+    with pytest.raises(ConfigurationError, match="system or shared"):
+        Session(runtime)  # type: ignore[arg-type]
+    assert Session(runtime, environment=record()).environment is not None  # type: ignore[arg-type]
+    assert Session(runtime, from_checkpoint="c" * 64)  # type: ignore[arg-type]

@@ -48,7 +48,7 @@ from toolq.core.environments import (
 )
 from toolq.core.errors import ConfigurationError
 from toolq.core.session_records import conversation_key
-from toolq.core.settings import Settings
+from toolq.core.settings import Settings, workspace_problem
 from toolq.core.signing import Signer
 from toolq.orchestrator.transport.catalog_reader import FleetCatalog
 from toolq.orchestrator.transport.conversation import ConversationLease
@@ -199,6 +199,10 @@ class Environments:
         folder = await asyncio.to_thread(lambda: Path(folder).expanduser().resolve())
         if not await asyncio.to_thread(folder.is_dir):
             raise EnvironmentRefused(f"cannot upload {folder}: not a folder")
+        # What a shared workspace may not be, an upload may not either: the model reads all of it
+        # (a home's keys), and --apply writes its changes back (into toolq's own import path).
+        if problem := await asyncio.to_thread(workspace_problem, folder):
+            raise EnvironmentRefused(f"cannot upload {folder}: {problem}")
         limits = Limits(max_bytes=self.settings.upload_max_mb * MIB, max_files=self.settings.upload_max_files)
         try:
             packed = await asyncio.to_thread(pack_dir, folder, limits)

@@ -196,7 +196,8 @@ class Fleet:
         in it, on its host (`fleet.environment(...)`), instead of in the shared workspace."""
         turn_id = turn_id or self.turn_id
         env = environment_record(environment)
-        if problem := workspace_problem(self.settings.workspace, must_exist=False):  # as `Session` refuses it
+        # As `Session` refuses it; the calls of an environment never run in the shared workspace.
+        if env is None and (problem := workspace_problem(self.settings.workspace, must_exist=False)):
             raise ConfigurationError(problem)
         decoded = [decode_item(_as_wire(i)) for i in items]
         if turn_id not in self._open_turns:

@@ -167,7 +167,9 @@ class Session:
         self.rt = runtime
         self.fleet = runtime.fleet
         where = absolute_workspace(workspace) if workspace else runtime.settings.workspace
-        if problem := workspace_problem(where, must_exist=False):  # a missing one: each call says so
+        in_environment = any(x is not None for x in (environment, upload, git, from_checkpoint))
+        # A missing workspace: each call says so. The calls of an environment never run in it.
+        if not in_environment and (problem := workspace_problem(where, must_exist=False)):
             raise ConfigurationError(problem)
         self.workspace = str(where)
         """Where its tools work; many sessions on one runtime may each have their own (`toolq batch`)."""
