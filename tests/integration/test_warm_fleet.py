@@ -322,3 +322,13 @@ def test_a_caller_with_another_import_path_runs_the_ordinary_way(env, tmp_path):
             proc.send_signal(signal.SIGINT)
             proc.communicate(timeout=PATIENCE)
     assert entry  # the warm fleet itself was still used by the ordinary run: only the fork was refused
+
+
+def test_toolq_envs_finds_the_warm_fleet_as_toolq_turns_does(env):
+    """With no REDIS_URL, `toolq envs` reads the user's running local fleet (newcomer's finding:
+    it asked for REDIS_URL although `toolq turns` found the fleet)."""
+    assert toolq("up", env=env).returncode == 0
+    listed = toolq("envs", env=env)
+    assert listed.returncode == 0 and "no environments" in listed.stdout, listed.stderr
+    gone = toolq("envs", "rm", "env_0123456789abcdef", env=env)
+    assert gone.returncode == 2 and "no environment env_0123456789abcdef" in gone.stderr, gone.stderr

@@ -103,7 +103,10 @@ def test_the_envs_command_parses_its_list_and_rm():
     assert run.from_ == CHECKPOINT and run.patch == "x.diff" and not run.apply
 
 
-def test_envs_without_redis_says_what_to_set(capsys, monkeypatch):
+def test_envs_without_redis_says_what_to_set(capsys, monkeypatch, tmp_path):
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))  # no local fleet of ours runs there
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
     assert cli.main(["envs"]) == 2 and "set REDIS_URL" in capsys.readouterr().err

@@ -372,11 +372,26 @@ def _table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
                    for line in [[c.upper() for c in columns], *cells])
 
 
-def _needs_redis(settings: Settings, command: str, err: TextIO) -> bool:
+def _fleet_of(settings: Settings, command: str, err: TextIO) -> Settings | None:
+    """REDIS_URL's fleet, else this user's running local one (a warm fleet, `toolq up`, with its
+    key, which `rm` signs with; else a running `toolq run`'s embedded stack), as `toolq turns`
+    finds it; None: said why on `err`."""
     if settings.redis_url:
-        return True
-    print(f"toolq {command}: set REDIS_URL (or CELERY_BROKER_URL) to the fleet's Redis", file=err)
-    return False
+        return settings
+    from toolq.local import runtime_dir, warm
+
+    try:
+        stacks = warm.warm_stacks() or runtime_dir.running_stacks()
+    except ConfigurationError as e:
+        print(f"toolq {command}: {e}", file=err)
+        return None
+    if not stacks:
+        print(f"toolq {command}: set REDIS_URL (or CELERY_BROKER_URL) to the fleet's Redis; no local fleet of "
+              "yours is running (`toolq up` starts one)", file=err)
+        return None
+    stack = stacks[0]
+    key = stack.warm.signing_key if stack.warm is not None else settings.signing_key
+    return settings.model_copy(update={"redis_url": stack.redis_url, "signing_key": key})
 
 
 def envs_cmd(settings: Settings, *, as_json: bool = False, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -384,8 +399,9 @@ def envs_cmd(settings: Settings, *, as_json: bool = False, out: TextIO | None = 
 
     out, err = out or sys.stdout, err or sys.stderr
 
-    if not _needs_redis(settings, "envs", err):
+    if (fleet := _fleet_of(settings, "envs", err)) is None:
         return 2
+    settings = fleet
     with reaching(settings.redis_url):
         records = asyncio.run(_records(settings))
     shown = render_envs(records, time.time(), as_json)
@@ -398,8 +414,9 @@ def envs_rm_cmd(settings: Settings, env_id: str, *, out: TextIO | None = None, e
 
     out, err = out or sys.stdout, err or sys.stderr
 
-    if not _needs_redis(settings, "envs rm", err):
+    if (fleet := _fleet_of(settings, "envs rm", err)) is None:
         return 2
+    settings = fleet
     with reaching(settings.redis_url):
         found = asyncio.run(_remove(settings, env_id))
     if found is None:
