@@ -124,7 +124,7 @@ def test_the_outcome_fields_name_the_environment_checkpoint_and_diff():
         "environment": "env_1", "checkpoint": CHECKPOINT,
         "diff": {"checkpoint": CHECKPOINT, "patch": DIFF.patch, "binary": ["logo.png"], "deleted": ["old.txt"], "truncated": False}}
     assert diff_fields("env_1", None) == {"environment": "env_1", "checkpoint": None, "diff": None}
-    assert diff_summary(DIFF) == f"checkpoint {CHECKPOINT[:12]}: 2 text files in the patch, 1 binary, 1 deleted"
+    assert diff_summary(DIFF) == f"checkpoint {CHECKPOINT}: 2 text files in the patch, 1 binary, 1 deleted"
 
 
 def test_apply_says_what_was_applied_in_one_line_and_lists_each_refused_file(tmp_path):

@@ -155,7 +155,8 @@ def diff_fields(environment: str | None, diff: TurnDiff | None) -> dict[str, Any
 
 
 def diff_summary(diff: TurnDiff) -> str:
-    """One line: how much the turn changed, for the live view."""
+    """One line: how much the turn changed, for the live view. The checkpoint whole: it is what
+    `--from` takes."""
     files = diff.patch.count("\ndiff --git ") + diff.patch.startswith("diff --git ")
     parts = [f"{files} text file{'s' if files != 1 else ''} in the patch"]
     if diff.binary:
@@ -163,7 +164,7 @@ def diff_summary(diff: TurnDiff) -> str:
     if diff.deleted:
         parts.append(f"{len(diff.deleted)} deleted")
     cut = " (patch cut at 1 MiB; the checkpoint holds every change)" if diff.truncated else ""
-    return f"checkpoint {diff.checkpoint[:12]}: " + ", ".join(parts) + cut
+    return f"checkpoint {diff.checkpoint}: " + ", ".join(parts) + cut
 
 
 def apply_lines(folder: Path, report: ApplyReport, checkpoint: Checkpoint) -> list[str]:
