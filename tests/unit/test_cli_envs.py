@@ -235,3 +235,25 @@ def test_envs_never_shows_a_token_of_a_git_url():
     secret = record("env_s", source=EnvSource(kind="git", git=GitSource(url="https://u:s3cret@h.org/r.git")))
     assert "s3cret" not in render_envs([secret], now=1090.0) and "s3cret" not in render_envs([secret], 1090.0, True)
     assert json.loads(render_envs([secret], 1090.0, True))["source"]["git"]["url"] == "https://***@h.org/r.git"
+
+
+def test_the_end_of_a_run_names_binary_files_and_what_no_checkpoint_carries(capsys, tmp_path):
+    """`--patch` named binaries only by their count, and what stayed on the host was never said
+    (newcomer's findings)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from toolq.cli.envs import EnvChoice, Placed
+    from toolq.cli.view import JsonView
+
+    written: list[str] = []
+    patch = SimpleNamespace(path=tmp_path / "x.diff", write=written.append)
+    diff = TurnDiff(checkpoint=CHECKPOINT, patch="", binary=["img/logo.png"],
+                    skipped=["pw (the symlink leads outside the environment: not carried)"])
+    placed = Placed(EnvChoice(checkpoint=CHECKPOINT, patch=patch.path), environments=None,
+                    handle=SimpleNamespace(record=SimpleNamespace(id="env_1")))
+    outcome = SimpleNamespace(diff=diff, environment="env_1")
+    asyncio.run(placed.deliver(outcome, JsonView.__new__(JsonView), patch))  # type: ignore[arg-type]
+    err = capsys.readouterr().err
+    assert "binary, not in it: img/logo.png" in err
+    assert "  not carried: pw (the symlink leads outside" in err

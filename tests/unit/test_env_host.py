@@ -267,3 +267,19 @@ def test_is_mount_tells_a_mounted_overlay_from_its_empty_folder(tmp_path):
     assert not _is_mount(tmp_path)
     assert _is_mount(Path("/proc"))
     assert not _is_mount(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_what_no_checkpoint_carries_is_named_in_the_diff(
+        tmp_path: Path, store: RedisStore, r: redis.Redis, hosts: list[EnvHost], mode: str) -> None:
+    """A link the model made to /etc/passwd stays on the host: the diff says so, where it vanished
+    without a word before (newcomer's finding)."""
+    h = make_host(hosts, tmp_path / "root", store, r, mode)
+    env = record(r, upload(tmp_path, store))
+    h.create(env)
+    (h.path(env.id) / "pw").symlink_to("/etc/passwd")
+    os.mkfifo(h.path(env.id) / "pipe")
+    _, diff = h.checkpoint(env)
+    assert any(line.startswith("pw") for line in diff.skipped), diff.skipped
+    assert any(line.startswith("pipe") for line in diff.skipped), diff.skipped
+    assert "passwd" not in diff.patch

@@ -242,12 +242,14 @@ class Placed:
             say(diff_summary(diff))
         if patch is not None:
             patch.write(diff.patch)
-            left = [f"{len(diff.binary)} binary file(s) not in it" if diff.binary else "",
+            left = [f"binary, not in it: {_named(diff.binary)}" if diff.binary else "",
                     "cut at 1 MiB" if diff.truncated else ""]
             say(f"wrote the turn's diff to {patch.path}" + "".join(f"; {x}" for x in left if x))
         if self.choice.apply and self.choice.upload is not None:
             for line in await self.apply(self.choice.upload, diff):
                 say(line)
+        for line in diff.skipped:  # left on the host: neither applied nor in the patch
+            say(printable(f"  not carried: {line}", lines=False))
 
     async def apply(self, folder: Path, diff: TurnDiff) -> list[str]:
         """The checkpoint's changes, applied to `folder` with `archive.apply_delta` (which refuses a
@@ -265,6 +267,11 @@ class Placed:
         except (ArchiveError, StoreError, ConfigurationError, OSError) as e:
             return [f"toolq run: nothing applied to {folder}: {e}"]
         return apply_lines(folder, report, checkpoint)
+
+
+def _named(paths: list[str], most: int = 5) -> str:
+    shown = ", ".join(printable(p, lines=False) for p in paths[:most])
+    return shown + (f" and {len(paths) - most} more" if len(paths) > most else "")
 
 
 #: Destroying the run's environment waits this long at most; the host's reaper does it otherwise.

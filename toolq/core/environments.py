@@ -85,6 +85,19 @@ class TurnDiff(BaseModel):
     binary: list[str] = Field(default_factory=list)
     deleted: list[str] = Field(default_factory=list)
     truncated: bool = False
+    skipped: list[str] = Field(default_factory=list)
+    """What the commands left that no checkpoint carries, one line each (a socket, a FIFO, a
+    device, a link leading out, a name that is not UTF-8): it stays on the host, never comes back."""
+
+
+#: At most this many `skipped` lines in a diff; the last says how many more there were.
+MAX_SKIPPED_LINES = 50
+
+
+def said_skipped(lines: list[str]) -> list[str]:
+    if len(lines) <= MAX_SKIPPED_LINES:
+        return list(lines)
+    return [*lines[:MAX_SKIPPED_LINES - 1], f"and {len(lines) - MAX_SKIPPED_LINES + 1} more"]
 
 
 #: The diff a turn's outcome carries is cut here; the checkpoint holds every change whole.

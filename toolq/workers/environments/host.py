@@ -54,6 +54,7 @@ from toolq.core.environments import (
     TurnDiff,
     env_key,
     host_envs_key,
+    said_skipped,
 )
 from toolq.core.libc import libc
 from toolq.core.signing import canonical
@@ -672,6 +673,7 @@ class EnvHost:
         # The base's side of changed and deleted files: read from the host's cache, file by file.
         base_side = None if base == EMPTY_BASE else archive.BaseTree(self.base_dir(base) / "tree", manifest)
         diff = archive.unified_diff(base_side, delta, checkpoint_id)
+        diff.skipped = said_skipped(delta.skipped)
         self.env_bytes(record.id, fresh=True)
         return checkpoint_id, diff
 
