@@ -122,7 +122,8 @@ def test_the_outcome_fields_name_the_environment_checkpoint_and_diff():
     assert diff_fields(None, None) == {}
     assert diff_fields("env_1", DIFF) == {
         "environment": "env_1", "checkpoint": CHECKPOINT,
-        "diff": {"checkpoint": CHECKPOINT, "patch": DIFF.patch, "binary": ["logo.png"], "deleted": ["old.txt"], "truncated": False}}
+        "diff": {"checkpoint": CHECKPOINT, "patch": DIFF.patch, "binary": ["logo.png"], "deleted": ["old.txt"], "truncated": False,
+                 "skipped": []}}
     assert diff_fields("env_1", None) == {"environment": "env_1", "checkpoint": None, "diff": None}
     assert diff_summary(DIFF) == f"checkpoint {CHECKPOINT}: 2 text files in the patch, 1 binary, 1 deleted"
 
