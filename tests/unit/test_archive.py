@@ -528,12 +528,12 @@ def test_a_name_with_a_newline_is_quoted_as_git_quotes_it_and_git_dirs_stay_out_
 
 
 def test_a_diff_stops_comparing_past_its_budget(tmp_path, monkeypatch):
-    from toolq.workers.environments import archive
+    from toolq.workers.environments.archive import diff as diff_module
 
     env = tmp_path / "env"
     env.mkdir()
     _write(env, {"a.txt": "a\n" * 1000, "b.txt": "b\n" * 1000, "c.bin": b"\0"})
-    monkeypatch.setattr(archive, "MAX_DIFFED_BYTES", 3000)
+    monkeypatch.setattr(diff_module, "MAX_DIFFED_BYTES", 3000)
     diff = unified_diff(None, tree_delta({}, env))
     assert diff.truncated and diff.binary == ["c.bin"]
     assert "a/a.txt" in diff.patch and "b.txt" not in diff.patch
