@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from tests.responses_schema import schema_errors
 from toolq.core.catalog import Catalog
@@ -68,6 +69,21 @@ def fleet_signing_key():
 def redis_server():
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def redis_env():
+    """A Redis of the test module's own, for the environment tests: no other test's worker is a
+    host there that placement could choose."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def r(redis_env) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_env.url)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ import pytest
 import tests.integration.conftest as c
 from toolq.dev.fake_model import builders as b
 from toolq.dev.fake_model.server import FakeModel
-from toolq.local.embedded import RedisServer, WorkerProcess, free_port
+from toolq.local.embedded import WorkerProcess, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -46,12 +46,6 @@ class HiddenFromWorker(WorkerProcess):
             return super().argv()
         return ["unshare", "-m", "--propagation", "private", "--", "sh", "-c",
                 'mount -t tmpfs toolq-hidden "$0" && exec "$@"', str(self.hidden), *super().argv()]
-
-
-@pytest.fixture(scope="module")
-def redis_env():
-    with RedisServer() as server:  # its own: no other test's worker is a host placement could choose
-        yield server
 
 
 @pytest.fixture(scope="module")

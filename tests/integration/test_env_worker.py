@@ -41,7 +41,7 @@ from toolq.core.environments import (
 )
 from toolq.core.settings import Settings
 from toolq.core.signing import Signer
-from toolq.local.embedded import RedisServer, WorkerProcess
+from toolq.local.embedded import WorkerProcess
 from toolq.orchestrator.binding import StepContext
 from toolq.orchestrator.registry import Registry
 from toolq.workers.environments import archive
@@ -53,20 +53,6 @@ pytestmark = pytest.mark.integration
 
 SIGNER = Signer(SIGNING_KEY)
 HOSTS = ("h1", "h2")
-
-
-@pytest.fixture(scope="module")
-def redis_env():
-    """A Redis of this module's own: no other test's worker is a host here."""
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
-def r(redis_env):
-    client = redis.Redis.from_url(redis_env.url)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ Redis of this module's own (so no other test's worker is a host placement could 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -24,19 +26,12 @@ from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS, WORKER_ENV, cata
 from toolq.core.environments import host_key
 from toolq.dev.fake_model import builders as b
 from toolq.dev.fake_model.server import FakeModel
-from toolq.local.embedded import RedisServer
 from toolq.orchestrator.history import pairing_problems
 from toolq.orchestrator.turn import Runtime, Session
 
 pytestmark = pytest.mark.integration
 
 HOSTS = ("env-a", "env-b")
-
-
-@pytest.fixture(scope="module")
-def redis_env():
-    with RedisServer() as server:
-        yield server
 
 
 @pytest.fixture
@@ -92,6 +87,30 @@ async def wait_gone(runtime: Runtime, host: str) -> None:
         await asyncio.sleep(0.3)
 
 
+@contextlib.asynccontextmanager
+async def runtime_on_hosts(redis_env, fake: FakeModel, tmp_path: Path) -> AsyncIterator[Runtime]:
+    """A Runtime on this module's Redis, once both hosts advertise environments; closed after."""
+    settings = settings_for(redis_env.url, fake, tmp_path / "unused", tools=[TEST_TOOLS])
+    runtime = await Runtime.create(settings, catalog=catalog_of([TEST_TOOLS]))
+    try:
+        await wait_hosts(runtime, 2)
+        yield runtime
+    finally:
+        await runtime.aclose()
+
+
+@contextlib.asynccontextmanager
+async def session_on_hosts(redis_env, fake: FakeModel, tmp_path: Path,
+                           folder: Path) -> AsyncIterator[tuple[Runtime, Session]]:
+    """A Session with `folder` uploaded, on a runtime as `runtime_on_hosts` makes; both closed after."""
+    async with runtime_on_hosts(redis_env, fake, tmp_path) as runtime:
+        session = Session(runtime, upload=folder)
+        try:
+            yield runtime, session
+        finally:
+            await session.close()
+
+
 def test_an_uploaded_folder_is_read_and_changed_on_a_worker_host_and_the_outcome_carries_the_diff(
         redis_env, hosts, tmp_path):
     """The command reads an uploaded file and writes one; the turn's diff names both, and the user's
@@ -102,20 +121,11 @@ def test_an_uploaded_folder_is_read_and_changed_on_a_worker_host_and_the_outcome
 
     async def go():
         with FakeModel(script) as fake:
-            settings = settings_for(redis_env.url, fake, tmp_path / "unused", tools=[TEST_TOOLS])
-            runtime = await Runtime.create(settings, catalog=catalog_of([TEST_TOOLS]))
-            session = None
-            try:
-                await wait_hosts(runtime, 2)
-                session = Session(runtime, upload=folder)
+            async with session_on_hosts(redis_env, fake, tmp_path, folder) as (runtime, session):
                 events: list = []
                 outcome = await session.run_turn("go", lambda e: events.append(e.to_json()))
                 record = await runtime.fleet.environments.record(session.environment.id)
                 return outcome, fake.requests, events, record
-            finally:
-                if session is not None:
-                    await session.close()
-                await runtime.aclose()
 
     outcome, requests, events, record = asyncio.run(asyncio.wait_for(go(), 120))
     assert outcome.status == "completed", outcome.error
@@ -143,12 +153,7 @@ def test_a_host_killed_between_two_turns_the_next_goes_on_on_the_other_host_from
 
     async def go():
         with FakeModel(script) as fake:
-            settings = settings_for(redis_env.url, fake, tmp_path / "unused", tools=[TEST_TOOLS])
-            runtime = await Runtime.create(settings, catalog=catalog_of([TEST_TOOLS]))
-            session = None
-            try:
-                await wait_hosts(runtime, 2)
-                session = Session(runtime, upload=folder)
+            async with session_on_hosts(redis_env, fake, tmp_path, folder) as (runtime, session):
                 first = await session.run_turn("first")
                 assert first.status == "completed", first.error
                 doomed = session.environment.host
@@ -160,10 +165,6 @@ def test_a_host_killed_between_two_turns_the_next_goes_on_on_the_other_host_from
                       "arguments": json.dumps({"cmd": "true"})}], environment=session.environment.model_copy())
                 second = await session.run_turn("second")
                 return first, second, doomed, session.environment, fake.requests, stale["output"]
-            finally:
-                if session is not None:
-                    await session.close()
-                await runtime.aclose()
 
     first, second, doomed, env, requests, stale = asyncio.run(asyncio.wait_for(go(), 180))
     assert stale.startswith("exec_command was not run: ") and f"host `{doomed}`" in stale
@@ -188,26 +189,21 @@ def test_fork_gives_environments_with_the_checkpoints_files_that_never_see_each_
 
     async def go():
         with FakeModel([]) as fake:  # no model here: the calls are run as an own agent loop would
-            settings = settings_for(redis_env.url, fake, tmp_path / "unused", tools=[TEST_TOOLS])
-            runtime = await Runtime.create(settings, catalog=catalog_of([TEST_TOOLS]))
-        fleet = runtime.fleet
-        try:
-            await wait_hosts(runtime, 2)
-            async with fleet.environment(upload=folder) as env:
-                await fleet.run_calls([call("seed", "echo seeded > seed.txt")], environment=env)
-                forks = await env.fork(4)
-                try:
-                    assert len({f.id for f in forks}) == 4 and len({f.record.host for f in forks}) == 1
-                    await asyncio.gather(*(fleet.run_calls([call(f"w{i}", f"echo {i} > fork{i}.txt")],
-                                                           environment=f) for i, f in enumerate(forks)))
-                    seen = [await fleet.run_calls([call(f"ls{i}", "ls; cat seed.txt")], environment=f)
-                            for i, f in enumerate(forks)]
-                finally:
-                    await asyncio.gather(*(f.destroy() for f in forks))
-                records = {r.id: r.state for r in await fleet.environments.records()}
-            return seen, [f.id for f in forks], records
-        finally:
-            await runtime.aclose()
+            async with runtime_on_hosts(redis_env, fake, tmp_path) as runtime:
+                fleet = runtime.fleet
+                async with fleet.environment(upload=folder) as env:
+                    await fleet.run_calls([call("seed", "echo seeded > seed.txt")], environment=env)
+                    forks = await env.fork(4)
+                    try:
+                        assert len({f.id for f in forks}) == 4 and len({f.record.host for f in forks}) == 1
+                        await asyncio.gather(*(fleet.run_calls([call(f"w{i}", f"echo {i} > fork{i}.txt")],
+                                                               environment=f) for i, f in enumerate(forks)))
+                        seen = [await fleet.run_calls([call(f"ls{i}", "ls; cat seed.txt")], environment=f)
+                                for i, f in enumerate(forks)]
+                    finally:
+                        await asyncio.gather(*(f.destroy() for f in forks))
+                    records = {r.id: r.state for r in await fleet.environments.records()}
+                return seen, [f.id for f in forks], records
 
     seen, ids, records = asyncio.run(asyncio.wait_for(go(), 180))
     for i, (out,) in enumerate(seen):
@@ -231,12 +227,7 @@ def test_a_host_killed_mid_turn_the_next_request_runs_on_the_other_host_from_the
 
     async def go():
         with FakeModel(script) as fake:
-            settings = settings_for(redis_env.url, fake, tmp_path / "unused", tools=[TEST_TOOLS])
-            runtime = await Runtime.create(settings, catalog=catalog_of([TEST_TOOLS]))
-            session = None
-            try:
-                await wait_hosts(runtime, 2)
-                session = Session(runtime, upload=folder)
+            async with session_on_hosts(redis_env, fake, tmp_path, folder) as (runtime, session):
                 assert (await session.run_turn("first")).status == "completed"
                 doomed = session.environment.host
                 events: list = []
@@ -250,10 +241,6 @@ def test_a_host_killed_mid_turn_the_next_request_runs_on_the_other_host_from_the
                 fake.release()
                 second = await turn
                 return second, doomed, session.environment, fake.requests
-            finally:
-                if session is not None:
-                    await session.close()
-                await runtime.aclose()
 
     second, doomed, env, requests = asyncio.run(asyncio.wait_for(go(), 180))
     assert second.status == "completed", second.error

@@ -18,25 +18,12 @@ from tests.integration import unprivileged
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
 from tests.integration.test_env_worker import ask, exec_on, output
 from toolq.core.environments import EnvironmentRecord, EnvSource, env_key, host_key, new_environment_id
-from toolq.local.embedded import RedisServer, WorkerProcess
+from toolq.local.embedded import WorkerProcess
 from toolq.workers.environments import archive
 from toolq.workers.environments.host import _mount_points
 from toolq.workers.store.redis_store import RedisStore
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def redis_env():
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture
-def r(redis_env):
-    client = redis.Redis.from_url(redis_env.url)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module", params=["root", "nobody"])

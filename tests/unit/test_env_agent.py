@@ -25,20 +25,11 @@ from toolq.core.environments import (
 )
 from toolq.core.settings import Settings
 from toolq.core.signing import Signer
-from toolq.local.embedded import RedisServer
 from toolq.workers.environments import agent, archive
 from toolq.workers.environments.host import EnvHost
 from toolq.workers.store.redis_store import RedisStore
 
 SIGNER = Signer(secrets.token_hex(32))
-
-
-@pytest.fixture(scope="module")
-def r() -> Iterator[redis.Redis]:
-    with RedisServer() as server:
-        client = redis.Redis.from_url(server.url)
-        yield client
-        client.close()
 
 
 @pytest.fixture

@@ -26,21 +26,12 @@ from toolq.core.environments import (
     host_envs_key,
     new_environment_id,
 )
-from toolq.local.embedded import RedisServer
 from toolq.workers.environments import archive
 from toolq.workers.environments.host import EnvError, EnvHost, _mount_points
 from toolq.workers.store.redis_store import RedisStore
 
 LIMITS = archive.Limits(max_bytes=64 << 20, max_files=10_000)
 MODES = ["copy", pytest.param("overlay", marks=pytest.mark.skipif(os.geteuid() != 0, reason="overlay needs root"))]
-
-
-@pytest.fixture(scope="module")
-def r() -> Iterator[redis.Redis]:
-    with RedisServer() as server:
-        client = redis.Redis.from_url(server.url)
-        yield client
-        client.close()
 
 
 @pytest.fixture

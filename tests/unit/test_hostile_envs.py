@@ -10,11 +10,9 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from toolq.core.environments import (
     EMPTY_BASE,
@@ -27,7 +25,6 @@ from toolq.core.environments import (
     new_environment_id,
 )
 from toolq.core.signing import Signer
-from toolq.local.embedded import RedisServer
 from toolq.workers.environments import agent as agent_module
 from toolq.workers.environments import archive
 from toolq.workers.environments import host as host_module
@@ -95,14 +92,6 @@ def test_apply_still_writes_files_named_head_or_config_in_a_plain_folder(tmp_pat
 
 
 # ---- a --git source: the host's cache and a repository that unpacks huge -------------------------
-
-@pytest.fixture(scope="module")
-def r() -> Iterator[redis.Redis]:
-    with RedisServer() as server:
-        client = redis.Redis.from_url(server.url)
-        yield client
-        client.close()
-
 
 def _repo(tmp_path: Path, files: dict[str, bytes]) -> tuple[Path, str]:
     repo = tmp_path / "repo"
