@@ -142,6 +142,12 @@ def upload_record(r: redis.Redis, tmp_path: Path, host: str) -> EnvironmentRecor
     folder = tmp_path / "project"
     folder.mkdir(exist_ok=True)
     (folder / "notes.txt").write_text("hello from the upload\n")
+    return record_of(r, folder, host)
+
+
+def record_of(r: redis.Redis, folder: Path, host: str) -> EnvironmentRecord:
+    """`folder` packed into the store and an environment's record of it on `host`, as the orchestrator
+    writes them before it asks the host to create the environment."""
     store = RedisStore(r, ttl=600, max_bytes=64 << 20)
     blob = store.put(archive.pack_dir(folder).tar)
     owner = f"owner:{secrets.token_hex(4)}"

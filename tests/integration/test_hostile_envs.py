@@ -16,7 +16,7 @@ import redis
 
 from tests.integration import unprivileged
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
-from tests.integration.test_env_worker import ask, exec_on, output
+from tests.integration.test_env_worker import ask, exec_on, output, record_of
 from toolq.core.environments import EnvironmentRecord, EnvSource, env_key, host_key, new_environment_id
 from toolq.local.embedded import WorkerProcess
 from toolq.workers.environments import archive
@@ -56,13 +56,7 @@ def made(r: redis.Redis, host: str, files: dict[str, str], tmp_path: Path) -> En
     for rel, text in files.items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
         (folder / rel).write_text(text)
-    store = RedisStore(r, ttl=600, max_bytes=64 << 20)
-    blob = store.put(archive.pack_dir(folder).tar)
-    owner = f"owner:{secrets.token_hex(4)}"
-    r.set(owner, "1")
-    env = EnvironmentRecord(id=new_environment_id(), host=host, source=EnvSource(kind="upload", blob=blob),
-                            base=blob, owner=owner)
-    r.set(env_key(env.id), env.model_dump_json())
+    env = record_of(r, folder, host)
     reply = ask(r, "create", env)
     assert reply.ok, reply.error
     return env
