@@ -31,6 +31,7 @@ from toolq.workers.environments.archive.model import (
     Entry,
     Limits,
     Manifest,
+    Packed,
     manifest_from_json,
     manifest_to_json,
 )
@@ -38,5 +39,5 @@ from toolq.workers.environments.archive.pack import pack_dir
 from toolq.workers.environments.archive.tarfiles import manifest_of
 from toolq.workers.environments.archive.unpack import extract
 
-__all__ = ["ApplyReport", "ArchiveError", "BaseTree", "Delta", "Entry", "Limits", "Manifest", "apply_delta", "extract",
-           "manifest_from_json", "manifest_of", "manifest_to_json", "pack_dir", "tree_delta", "unified_diff"]
+__all__ = ["ApplyReport", "ArchiveError", "BaseTree", "Delta", "Entry", "Limits", "Manifest", "Packed", "apply_delta",
+           "extract", "manifest_from_json", "manifest_of", "manifest_to_json", "pack_dir", "tree_delta", "unified_diff"]
