@@ -714,3 +714,13 @@ def test_an_overlays_upper_dir_reads_as_the_same_changes_as_a_copy(tmp_path, see
     for delta, folder in ((overlay, "from-overlay"), (copy, "from-copy")):
         assert apply_delta(tmp_path / folder, packed.manifest, _checkpoint(delta), delta.tar).refused == []
         assert pack_dir(tmp_path / folder).manifest == pack_dir(tmp_path / "copy").manifest
+
+
+def test_a_folder_with_the_sandboxs_empty_git_packs_as_any_folder(tmp_path):
+    """A run in a folder without a repository leaves an empty `.git` (the sandbox's, so that no
+    command can make one); `--upload` of that folder then failed on `git ls-files` (newcomer's
+    finding). Git takes an empty `.git` for no repository, and so does packing."""
+    folder = _project(tmp_path / "p")
+    (folder / ".git").mkdir()
+    packed = pack_dir(folder)
+    assert "src/app.py" in packed.manifest and not any(p.startswith(".git") for p in packed.manifest)

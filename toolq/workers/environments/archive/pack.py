@@ -43,7 +43,7 @@ def pack_dir(path: Path, limits: Limits = DEFAULT_LIMITS) -> Packed:
     except OSError as e:
         raise ArchiveError(f"cannot open the folder {folder}: {e.strerror}") from None
     try:
-        listed = _git_listing(folder) if os.path.lexists(folder / ".git") else None
+        listed = _git_listing(folder) if _is_checkout(folder) else None
         budget = _Budget(limits, f"the folder {folder}")
         manifest: Manifest = {}
         skipped: list[str] = []
@@ -141,6 +141,20 @@ def _node_at(root: int, path: str) -> _Node | None:
             return None
         raise
     return _Node(path, fd, parts[-1], status, own)
+
+
+def _is_checkout(folder: Path) -> bool:
+    """A `.git` that git takes for a repository: a `.git` file (a worktree's), or a folder with
+    something in it. The empty `.git` the sandbox leaves in a workspace that had none (so that no
+    command can make one: isolation/bwrap.py) is no repository, to git or here."""
+    git = folder / ".git"
+    try:
+        if not git.is_dir() or git.is_symlink():
+            return os.path.lexists(git)
+        with os.scandir(git) as entries:
+            return next(entries, None) is not None
+    except OSError:
+        return True  # git will say what is wrong with it
 
 
 def _git_listing(folder: Path) -> list[str]:
