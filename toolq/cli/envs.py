@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from toolq.cli.status import render_json_lines
-from toolq.cli.terminal import printable
+from toolq.cli.terminal import human_age, printable
 from toolq.core.environments import BLOB_ID, Checkpoint, EnvironmentRecord, GitSource, TurnDiff
 from toolq.core.errors import ConfigurationError
 from toolq.core.settings import Settings, workspace_problem
@@ -324,17 +324,6 @@ def human_size(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{n} B"
-
-
-def human_age(seconds: float) -> str:
-    seconds = max(seconds, 0.0)
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    if seconds < 172_800:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
 
 
 def source_label(record: EnvironmentRecord) -> str:

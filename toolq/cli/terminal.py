@@ -40,3 +40,15 @@ def json_line(value: Any) -> str:
     and the characters a terminal would obey are written as `\\uXXXX` (they only ever occur
     inside strings, so the JSON means the same)."""
     return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))
+
+
+def human_age(seconds: float) -> str:
+    """A duration as a table shows it (a worker's uptime, an environment's age): 45s, 12m, 3.5h, 2.0d."""
+    seconds = max(seconds, 0.0)
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172_800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"

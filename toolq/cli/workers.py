@@ -12,7 +12,7 @@ from collections import Counter
 from typing import Any, TextIO
 
 from toolq.cli.status import render_json_lines, render_table
-from toolq.cli.terminal import printable
+from toolq.cli.terminal import human_age, printable
 from toolq.core.advert import WorkerAdvert
 from toolq.core.settings import Settings
 from toolq.orchestrator.transport.catalog_reader import FleetCatalog
@@ -22,14 +22,6 @@ from toolq.workers import redis_clients
 WORKER_COLUMNS = ("worker", "instance", "state", "pid", "host", "concurrency", "up", "sandbox", "tools")
 #: The tools cell is cut to this many characters in the table (JSON lists every tool).
 TOOLS_WIDTH = 160
-
-
-def _uptime(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"
 
 
 def tool_names(w: WorkerAdvert) -> str:
@@ -50,7 +42,7 @@ def worker_row(w: WorkerAdvert, now: float) -> dict[str, Any]:
     tools = f"{len(w.tools)}: {names}" if names else "0"
     return {"worker": w.hostname, "instance": w.instance[:8], "state": "draining" if w.draining else "ready",
             "pid": w.pid, "host": host_of(w), "concurrency": w.concurrency,
-            "up": _uptime(max(now - w.started_at, 0.0)),
+            "up": human_age(now - w.started_at),
             "sandbox": f"{w.sandbox}, envs {w.env_mode}" if w.env_mode else w.sandbox,
             "tools": tools if len(tools) <= TOOLS_WIDTH else tools[:TOOLS_WIDTH - 1] + "…"}
 
