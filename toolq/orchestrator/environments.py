@@ -52,6 +52,7 @@ from toolq.core.settings import Settings, workspace_problem
 from toolq.core.signing import Signer
 from toolq.orchestrator.transport.catalog_reader import FleetCatalog
 from toolq.orchestrator.transport.conversation import ConversationLease
+from toolq.orchestrator.transport.indexed import read_indexed
 from toolq.workers.redis_clients import dedicated_pool
 
 if TYPE_CHECKING:
@@ -274,19 +275,12 @@ class Environments:
     async def records(self) -> list[EnvironmentRecord]:
         """Every environment with a record, oldest first (`toolq envs`). Ids whose record expired
         are dropped from the index."""
-        ids = sorted(i.decode() if isinstance(i, bytes) else i for i in await self.r.smembers(ALL_ENVS_KEY))
-        raws = await self.r.mget([env_key(i) for i in ids]) if ids else []
-        out, gone = [], []
-        for env_id, raw in zip(ids, raws, strict=True):
-            if raw is None:
-                gone.append(env_id)
-                continue
+        out = []
+        for _, raw in await read_indexed(self.r, ALL_ENVS_KEY, env_key):
             try:
                 out.append(EnvironmentRecord.model_validate_json(raw))
             except ValidationError:
                 continue
-        if gone:
-            await self.r.srem(ALL_ENVS_KEY, *gone)
         return sorted(out, key=lambda e: (e.created_at, e.id))
 
     async def _write(self, record: EnvironmentRecord) -> None:

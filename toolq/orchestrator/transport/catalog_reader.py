@@ -22,6 +22,7 @@ from toolq.core import keys
 from toolq.core.advert import ToolAdvert, WorkerAdvert
 from toolq.core.catalog import DEFAULT_QUEUE, ToolSpec
 from toolq.local.starting import WorkersStarting
+from toolq.orchestrator.transport.indexed import read_indexed
 
 log = logging.getLogger("toolq.fleet")
 
@@ -108,19 +109,12 @@ class FleetCatalog:
     async def read(self) -> FleetSnapshot:
         """Every live instance, now. Ids whose record has expired (a worker killed without a clean
         exit) are pruned from the index; a live worker's heartbeat re-adds its id if a race pruned it."""
-        ids = sorted(keys.text(i) for i in await self.r.smembers(keys.FLEET_WORKERS))
-        raws = await self.r.mget([keys.fleet_worker(i) for i in ids]) if ids else []
-        workers, gone = [], []
-        for instance, raw in zip(ids, raws, strict=True):
-            if raw is None:
-                gone.append(instance)
-                continue
+        workers = []
+        for instance, raw in await read_indexed(self.r, keys.FLEET_WORKERS, keys.fleet_worker):
             try:
                 workers.append(WorkerAdvert.model_validate_json(raw))
             except ValidationError as e:
                 log.warning("unreadable fleet catalog record %s: %s", instance, e.errors()[0]["msg"])
-        if gone:
-            await self.r.srem(keys.FLEET_WORKERS, *gone)
         workers.sort(key=lambda w: (w.hostname, w.started_at))
         if workers:  # an empty catalog (Redis restarted empty) is no news of a death
             if self._serving - {w.instance for w in workers}:
