@@ -136,7 +136,11 @@ def test_destroy_ends_a_session_whose_processes_left_the_workspace(redis_env, ho
     started = exec_on(redis_env.url, name, env, f"cd /tmp && exec -a toolq-idle-{tag} sleep 900",
                       conversation="conv-" + secrets.token_hex(4), yield_ms=500)
     assert "session" in output(started).lower(), started
-    assert _running(tag)
+    # The session is open once its shell started; on a loaded machine the `exec -a` may come later.
+    end = time.monotonic() + 60
+    while not _running(tag):
+        assert time.monotonic() < end, "the session's command never started"
+        time.sleep(0.2)
     assert ask(r, "destroy", env).ok
     end = time.monotonic() + 15
     while _running(tag):
