@@ -41,6 +41,7 @@ _META = "toolq.result-meta.v1"
 _OUTPUT = "toolq.call-output.v1"
 _ENV_REQUEST = "envreq"
 _ENV_REPLY = "envrep"
+_PROCESS_EVENT = "toolq.process-event.v1"
 
 
 def _reduce(o: Any) -> Any:
@@ -161,6 +162,16 @@ class Signer:
             return False
         reply = message["reply"]
         return reply.get("id") == request_id and self._matches(message.get("sig"), _ENV_REPLY, request_id, reply)
+
+    # --- a front door's process stream (issue 29): the worker's pool child seals each event ---------
+    # `key` is the Redis stream key; the event's own counter `n` is in the body, so an entry cannot be
+    # moved to another stream nor replayed at another place in its own (the reader checks `n`).
+
+    def seal_process_event(self, key: str, event: dict[str, Any]) -> str:
+        return self._mac(_PROCESS_EVENT, key, event)
+
+    def process_event_genuine(self, key: str, event: Any, signature: Any) -> bool:
+        return isinstance(event, dict) and self._matches(signature, _PROCESS_EVENT, key, event)
 
     def accept_meta(self, task_id: str, meta: Any) -> bool:
         """True for a genuine meta; a refused one is logged (the caller drops it)."""
