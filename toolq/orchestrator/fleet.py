@@ -184,7 +184,8 @@ class Fleet:
         return Step(ctx, self.transport, self.ledger, emit, self.limits, stream_output=self.settings.stream_output)
 
     async def run_calls(self, items: Iterable[Any], turn_id: str | None = None, *, emit: Emit = ignore,
-                        environment: Environment | EnvironmentRecord | None = None) -> list[dict[str, Any]]:
+                        environment: Environment | EnvironmentRecord | None = None,
+                        conversation: str | None = None) -> list[dict[str, Any]]:
         """Run every call among one response's output items; one output item per call, in call order.
 
         `items`: the response's `output`, as the openai SDK returns it (objects or `model_dump()`s)
@@ -193,7 +194,9 @@ class Fleet:
         and `toolq cancel TURN_ID` from any process gives the unfinished calls aborted outputs.
         Raises `Fatal` (with `.outputs`) after every call has its output if the runtime broke a
         contract (a tool invoked with a payload kind it does not take). `environment`: the calls run
-        in it, on its host (`fleet.environment(...)`), instead of in the shared workspace."""
+        in it, on its host (`fleet.environment(...)`), instead of in the shared workspace.
+        `conversation`: the conversation (a `ConversationLease`'s id, held by the caller) the calls
+        belong to: their sessions (exec_command's, a front door's processes) live as long as it."""
         turn_id = turn_id or self.turn_id
         env = environment_record(environment)
         # As `Session` refuses it; the calls of an environment never run in the shared workspace.
@@ -207,7 +210,8 @@ class Fleet:
             if self._toucher is None or self._toucher.done():
                 self._toucher = asyncio.create_task(self._touch())
         ctx = StepContext(turn_id, await self.ledger.next_step(turn_id), time.time() + self.settings.turn_timeout,
-                          str(self.settings.workspace), environment=env.ref() if env is not None else None)
+                          str(self.settings.workspace), conversation=conversation,
+                          environment=env.ref() if env is not None else None)
         step = self.step(ctx, emit)
         async with TurnScope(self.ledger, self.router, turn_id, on_call_cancel=step.cancel_unsent,
                              linger=WATCH_LINGER) as scope:
