@@ -68,6 +68,8 @@ class ToolAdvert(BaseModel):
     declaration: dict[str, Any]
     """`ToolSpec.declaration()`: the model-visible spec and everything the digest covers."""
     shell_like: bool = False
+    offered: bool = True
+    """`ToolSpec.offered` (not in the digest, as shell_like)."""
     module: str | None = None
     """Where the worker got it: the Python module of its handler (None if it has none)."""
 
@@ -75,7 +77,7 @@ class ToolAdvert(BaseModel):
     def of(cls, spec: ToolSpec) -> ToolAdvert:
         module = getattr(spec.handler, "__module__", None) if spec.handler is not None else None
         return cls(name=spec.name, digest=spec.digest(), declaration=spec.declaration(), shell_like=spec.shell_like,
-                   module=module)
+                   offered=spec.offered, module=module)
 
     def to_spec(self) -> ToolSpec | None:
         """The declaration as a `ToolSpec` with no handler (an orchestrator binds and sends it; a
@@ -88,7 +90,8 @@ class ToolAdvert(BaseModel):
                             strict=bool(model.get("strict", False)), grammar=model.get("format"),
                             parallel=bool(d.get("parallel", True)), queue=d.get("queue", DEFAULT_QUEUE),
                             timeout=d.get("timeout", 60.0), idempotent=bool(d.get("idempotent", False)),
-                            deferred=bool(d.get("deferred", False)), shell_like=self.shell_like)
+                            deferred=bool(d.get("deferred", False)), shell_like=self.shell_like,
+                            offered=self.offered)
         except (TypeError, ValueError):
             return None
         return spec if spec.digest() == self.digest else None

@@ -149,6 +149,9 @@ class ToolSpec:
     """Only idempotent tools are redelivered after a worker dies mid-call."""
     deferred: bool = False
     """Hidden from the model until a tool_search finds it."""
+    offered: bool = True
+    """Listed to a model or an MCP client; False: front doors call it, a model is never offered it
+    (one that names it anyway gets it as any call). Not in the digest."""
     shell_like: bool = False
     """Aborted shell calls read `Wall time: X seconds\\naborted by user`, like Codex's."""
     # What the pipeline does differently for a tool is read from here, never from its name. None of
@@ -272,6 +275,7 @@ def tool(
     timeout: float = 60.0,
     idempotent: bool = False,
     deferred: bool = False,
+    offered: bool = True,
     shell_like: bool = False,
     streams_output: bool = False,
     route: Route = "queue",
@@ -304,6 +308,8 @@ def tool(
     arguments (a long value cut short, or only a length), and no others; `view=`: what watchers see
     (`"command"` for a tool taking `cmd`, as exec_command); `route="session"`: the call goes to the
     worker holding the session its `session_id` argument names. `sessions=True` is exec_command's.
+    `offered=False`: front doors call it (toolq exec-server's process and file tools); no listing
+    offered to a model or an MCP client shows it.
     """
 
     caller = sys._getframe(1).f_locals  # resolves annotations naming classes local to the declaring function
@@ -337,6 +343,7 @@ def tool(
             timeout=timeout,
             idempotent=idempotent,
             deferred=deferred,
+            offered=offered,
             shell_like=shell_like,
             streams_output=streams_output,
             route=route,

@@ -29,7 +29,7 @@ def search_catalog(catalog: Iterable[ToolSpec], payload: ToolSearchPayload) -> l
     limit = DEFAULT_LIMIT if payload.limit is None else payload.limit
     if limit < 1:
         raise RespondToModel("limit must be greater than zero")
-    return group_specs(rank([s for s in catalog if s.deferred], query)[:limit])
+    return group_specs(rank([s for s in catalog if s.deferred and s.offered], query)[:limit])
 
 
 def rank(specs: list[ToolSpec], query: list[str]) -> list[ToolSpec]:

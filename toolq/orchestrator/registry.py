@@ -114,12 +114,13 @@ class Registry:
         return validator
 
     def model_visible_specs(self, loaded: set[ToolName] | frozenset[ToolName] = frozenset()) -> list[dict[str, Any]]:
-        """Tools for the request's `tools`: deferred ones only once a search has loaded them.
-        Namespaced tools are grouped under one `namespace` spec each."""
+        """Tools for the request's `tools`: deferred ones only once a search has loaded them, and
+        never one declared `offered=False` (front doors' tools). Namespaced tools are grouped under
+        one `namespace` spec each."""
         specs: list[dict[str, Any]] = []
         namespaces: dict[str, dict[str, Any]] = {}
         for spec in self.catalog:
-            if spec.deferred and spec.tool_name not in loaded:
+            if not spec.offered or (spec.deferred and spec.tool_name not in loaded):
                 continue
             if spec.namespace is None:
                 specs.append(spec.model_spec())
