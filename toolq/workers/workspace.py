@@ -294,6 +294,33 @@ class Workspace:
         finally:
             os.close(parent)
 
+    def write_file(self, target: Target, data: bytes) -> None:
+        """`target`'s content replaced by `data` (created, with its missing parents, if absent);
+        refused as `check_writable` refuses, checked again on the fd it writes."""
+        with open(self.open_for_writing(target), "wb") as f:
+            f.truncate(0)
+            f.write(data)
+
+    def make_directory(self, target: Target, *, parents: bool) -> None:
+        """Directory `target` made (FileExistsError if the name is taken; with `parents`, an existing
+        directory is fine and missing parents are made); never under `.git`."""
+        self._refuse_protected_name(target)
+        if parents:
+            os.close(self._directory(target, target.rel, create=True))
+            return
+        parent = self.directory_of(target)
+        try:
+            os.mkdir(target.rel.name, 0o777, dir_fd=parent)
+        finally:
+            os.close(parent)
+
+    def directory_of(self, target: Target) -> int:
+        """An O_PATH fd of the directory holding the name `target` (symlinks inside followed), checked
+        not to be a `.git`; the name itself is not looked at (a symlink stays a symlink)."""
+        if not target.rel.parts:
+            raise RespondToModel("the workspace's root has no directory holding it here")
+        return self._directory(target, target.rel.parent, create=False)
+
     def _directory(self, target: Target, rel: PurePosixPath, *, create: bool) -> int:
         """An O_PATH fd of directory `rel`, checked not protected; missing ones made if `create`."""
         try:

@@ -1,9 +1,11 @@
-"""exec_command and write_stdin as a pool child runs them: through this worker's session host."""
+"""exec_command and write_stdin, and the front doors' process tools, as a pool child runs them:
+through this worker's session host."""
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from toolq.core.catalog import ToolContext, ToolReturn
@@ -12,7 +14,15 @@ from toolq.core.honest import InfrastructureLost
 from toolq.workers.exec_output import format_exec_output
 from toolq.workers.processes import CallCancelled
 from toolq.workers.sessions import host_client
-from toolq.workers.sessions.protocol import ExecRequest, Reply, WriteRequest
+from toolq.workers.sessions.protocol import (
+    ExecRequest,
+    InputRequest,
+    KillRequest,
+    OutputFrame,
+    Reply,
+    Request,
+    WriteRequest,
+)
 
 #: Slack for the host's reply over the yield time (it drains output after an exit).
 REPLY_SLACK = 5.0
@@ -37,9 +47,35 @@ def write_in_host(session_id: int, chars: str, yield_ms: float, ctx: ToolContext
     return _call(request, ctx, yield_ms, "write_stdin")
 
 
-def _call(request: ExecRequest | WriteRequest, ctx: ToolContext, yield_ms: float, tool: str) -> Reply:
+def start_in_host(cmd: str, *, shell: str, cwd: Path, tty: bool, pipe_stdin: bool, env: dict[str, str],
+                  ctx: ToolContext, frames: Callable[[OutputFrame], None]) -> Reply:
+    """A front door's process (`process_start`): a session at once, every output frame to `frames`
+    (the first names the session), the reply once it has exited; it runs until the call's deadline."""
+    yield_ms = max(0.0, ctx.remaining() - REPLY_SLACK) * 1000
+    request = ExecRequest(conversation=ctx.invocation.conversation or "", cmd=cmd, shell=shell, cwd=str(cwd),
+                          workspace=str(ctx.workspace), env=dict(os.environ), tty=tty, yield_ms=yield_ms,
+                          front_door=True, pipe_stdin=pipe_stdin, extra_env=env)
+    return _call(request, ctx, yield_ms, "process_start", frames)
+
+
+def input_in_host(session_id: int, data: str, ctx: ToolContext) -> Reply:
+    """`data` (base64) to a session's stdin at once: its reply's `status`."""
+    request = InputRequest(conversation=ctx.invocation.conversation or "", session_id=session_id, data=data,
+                           yield_ms=0)
+    return _call(request, ctx, 0, "process_write")
+
+
+def kill_in_host(session_id: int, ctx: ToolContext) -> Reply:
+    """SIGKILL a session's process group: its reply's `running`."""
+    request = KillRequest(conversation=ctx.invocation.conversation or "", session_id=session_id, yield_ms=0)
+    return _call(request, ctx, 0, "process_terminate")
+
+
+def _call(request: Request, ctx: ToolContext, yield_ms: float, tool: str,
+          frames: Callable[[OutputFrame], None] | None = None) -> Reply:
     try:
-        reply = host_client.call(request, ctx.cancelled, timeout=yield_ms / 1000 + REPLY_SLACK, output=ctx.output)
+        reply = host_client.call(request, ctx.cancelled, timeout=yield_ms / 1000 + REPLY_SLACK, output=ctx.output,
+                                 frames=frames)
     except host_client.Cancelled:
         raise CallCancelled(f"{tool} cancelled") from None
     except host_client.HostLost as e:  # the host (or its cell) died with the command in its hands

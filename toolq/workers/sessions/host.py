@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import fnmatch
 import functools
 import hmac
 import itertools
@@ -37,10 +38,18 @@ from toolq.core.redis_target import target_from_env
 from toolq.core.session_records import CONVERSATION_TTL, SessionRecord, conversation_key, next_id_key, sessions_key
 from toolq.core.settings import Settings
 from toolq.workers import hardening, isolation, redis_clients
-from toolq.workers.isolation import limits, reaper, spawner
+from toolq.workers.isolation import limits, policy, reaper, spawner
 from toolq.workers.isolation.cell import CellProcess
 from toolq.workers.processes import DEFAULT_OUTPUT_CAP, DRAIN_TIMEOUT, POLL_INTERVAL, HeadTailBuffer, _killpg, flooded
-from toolq.workers.sessions.protocol import ExecRequest, OutputFrame, Reply, WriteRequest, parse_request
+from toolq.workers.sessions.protocol import (
+    ExecRequest,
+    InputRequest,
+    KillRequest,
+    OutputFrame,
+    Reply,
+    WriteRequest,
+    parse_request,
+)
 from toolq.workers.sessions.slots import Slot, Slots
 
 log = logging.getLogger("toolq.sessions.host")
@@ -55,19 +64,37 @@ TAIL_BYTES = 4096
 CELL_IDLE = 60.0
 #: Conversations a worker may hold sessions of at their limit, at once.
 SLOTS_PER_SESSION_LIMIT = 4
+#: A front door's process waits (its pipe fills) while this much of its output is not yet sent.
+FRONT_DOOR_BACKLOG = 4 << 20
+#: Names a front door's `env` may not set: what the sandbox sets itself, and what it never passes.
+SANDBOX_SET_ENV = frozenset({"HOME", "TMPDIR", "PATH", *policy.ENV_OVERRIDES})
 
 
 @dataclass(eq=False)
 class Watcher:
-    """A streaming request's share of a process's output: not yet sent to it, and what it may still get."""
+    """A streaming request's share of a process's output: not yet sent to it (each piece with the
+    stream it came from), and what it may still get (None: all of it, a front door's process)."""
 
-    unsent: bytearray
-    left: int
+    left: int | None
+    unsent: list[tuple[str, bytes]] = field(default_factory=list)
+    size: int = 0
+    """Bytes in `unsent`."""
 
-    def add(self, chunk: bytes) -> None:
-        take = chunk[:self.left]
-        self.unsent += take
-        self.left -= len(take)
+    def add(self, stream: str, chunk: bytes) -> None:
+        if self.left is not None:
+            chunk = chunk[:self.left]
+            self.left -= len(chunk)
+        if not chunk:
+            return
+        if self.unsent and self.unsent[-1][0] == stream:
+            self.unsent[-1] = (stream, self.unsent[-1][1] + chunk)
+        else:
+            self.unsent.append((stream, chunk))
+        self.size += len(chunk)
+
+    def take(self) -> list[tuple[str, bytes]]:
+        pieces, self.unsent, self.size = self.unsent, [], 0
+        return pieces
 
 
 @dataclass(eq=False)  # hashed by identity: held in sets
@@ -96,6 +123,16 @@ class Process:
     cond: threading.Condition = field(default_factory=threading.Condition)
     watchers: list[Watcher] = field(default_factory=list)
     """The streaming requests waiting on it (a session may have two polls at once)."""
+    err_fd: int | None = None
+    """A front door's process without a tty: stderr's read end (else stderr goes to `fd`)."""
+    stdin_fd: int | None = None
+    """Where its stdin is written: the pty's master, a front door's stdin pipe, or None (closed)."""
+    front_door: bool = False
+    """A front door's process: its one watcher (made with it) gets every byte, `pending` none."""
+
+    @property
+    def stream(self) -> str:
+        return "pty" if self.tty else "stdout"
 
     def take_output(self) -> bytes:
         with self.cond:
@@ -142,12 +179,36 @@ class Host:
     def spawn(self, req: ExecRequest) -> Process:
         """Raises OSError (spawn failure) or SandboxUnavailable."""
         argv = [req.shell, "-c", req.cmd]
+        if req.extra_env:  # set by `env` inside the sandbox: never bubblewrap's or a launcher's own
+            argv = ["env", *(f"{k}={v}" for k, v in sorted(_front_door_env(req.extra_env).items())), *argv]
         master = slave = None
+        ours: list[int] = []  # the parent's ends of a front door's pipes
+        theirs: list[int] = []  # the child's ends, closed here once it has them
         if req.tty:
             master, slave = pty.openpty()
-            stdio = dict(stdin=slave, stdout=slave, stderr=slave)
+            stdio: dict[str, int] = dict(stdin=slave, stdout=slave, stderr=slave)
+            theirs.append(slave)
+        elif req.front_door:
+            stdin: int = subprocess.DEVNULL
+            if req.pipe_stdin:
+                stdin, writer = os.pipe2(os.O_CLOEXEC)
+                theirs.append(stdin)
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            ours += [out_r, err_r] + ([writer] if req.pipe_stdin else [])
+            theirs += [out_w, err_w]
+            stdio = dict(stdin=stdin, stdout=out_w, stderr=err_w)
         else:
             stdio = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            return self._spawn(req, argv, stdio, master, ours, theirs)
+        except BaseException:
+            for fd in (*ours, *theirs, *([master] if master is not None else [])):
+                os.close(fd)
+            raise
+
+    def _spawn(self, req: ExecRequest, argv: list[str], stdio: dict[str, int], master: int | None, ours: list[int],
+               theirs: list[int]) -> Process:
         popen = dict(cwd=req.cwd, start_new_session=True, close_fds=True, **stdio)
         sandbox = isolation.current(self.settings)
         if over := self._conversation_over(req.conversation):
@@ -170,21 +231,23 @@ class Host:
                 self._spawning -= 1
             launch.close()
             self.slots.give_back(slot)
-            for fd in (master, slave):
-                if fd is not None:
-                    os.close(fd)
             if isinstance(e, OSError) and (full := self.slots.full()):
                 raise OSError(errno.EAGAIN, full) from None  # what made the start fail, not how it failed
             raise
-        if slave is not None:
-            os.close(slave)
-            assert master is not None  # a terminal's two ends are made together
-            fd = master
+        while theirs:
+            os.close(theirs.pop())
+        p = Process(proc=proc, fd=0, tty=req.tty, command=req.cmd, conversation=req.conversation, launch=launch,
+                    shell=req.shell, slot=slot, front_door=req.front_door)
+        if master is not None:
+            p.fd = p.stdin_fd = master
+        elif ours:  # a front door's pipes: stdout, stderr, and stdin's write end if it has one
+            p.fd, p.err_fd = ours[0], ours[1]
+            p.stdin_fd = ours[2] if len(ours) > 2 else None
         else:
             assert proc.stdout is not None
-            fd = proc.stdout.fileno()
-        p = Process(proc=proc, fd=fd, tty=req.tty, command=req.cmd, conversation=req.conversation, launch=launch,
-                    shell=req.shell, slot=slot)
+            p.fd = proc.stdout.fileno()
+        if p.front_door:
+            p.watchers.append(Watcher(None))  # before the pump starts: no byte is missed
         with self.lock:
             self.running.add(p)
             self._spawning -= 1
@@ -194,28 +257,16 @@ class Host:
     def _pump(self, p: Process) -> None:
         """Read the process's output until it exits (and its output is drained), then finish it."""
         exited_at: float | None = None
+        reading = {p.fd: p.stream} | ({p.err_fd: "stderr"} if p.err_fd is not None else {})
         while True:
             if exited_at is None and _has_exited(p.proc):
                 exited_at = time.monotonic()
                 _kill_group(p.proc)  # leftovers of the group (background children) go with it
             timeout = STEP if exited_at is None else max(0.0, min(STEP, exited_at + DRAIN_TIMEOUT - time.monotonic()))
-            if exited_at is None and flooded(p.pending):
-                time.sleep(POLL_INTERVAL)  # nobody polls the flood: let it block on the full pipe
-            ready, _, _ = select.select([p.fd], [], [], timeout)
-            eof = False
-            if ready:
-                try:
-                    chunk = os.read(p.fd, 65536)
-                except OSError:  # EIO: the pty's last slave closed
-                    chunk = b""
-                eof = not chunk
-                if chunk:
-                    with p.cond:
-                        p.pending.write(chunk)
-                        p.tail = (p.tail + chunk)[-TAIL_BYTES:]
-                        for w in p.watchers:
-                            w.add(chunk)
-                        p.cond.notify_all()
+            if exited_at is None and (flooded(p.pending) or p.front_door and p.watchers[0].size > FRONT_DOOR_BACKLOG):
+                time.sleep(POLL_INTERVAL)  # nobody polls the flood (or reads it): let it block on the full pipe
+            _read_ready(p, reading, timeout)
+            eof = not reading
             if exited_at is not None and (eof or time.monotonic() >= exited_at + DRAIN_TIMEOUT):
                 break
             if eof:  # the output closed before the leader exited: just wait for the exit
@@ -235,6 +286,9 @@ class Host:
             p.proc.stdout.close()
         else:
             os.close(p.fd)
+        for fd in {p.err_fd, p.stdin_fd} - {None, p.fd}:
+            assert fd is not None
+            os.close(fd)
         with p.cond:
             p.exit_code = exit_code
             p.done = True
@@ -246,32 +300,46 @@ class Host:
 
     def collect(self, p: Process, yield_s: float, conn: socket.socket, stream: bool = False) -> bool:
         """Wait until the process is done or `yield_s` passes; False if the caller hung up. With
-        `stream`, what the process prints meanwhile is sent to the caller as it comes."""
+        `stream`, what the process prints meanwhile is sent to the caller as it comes; a front
+        door's process sends all of it, each piece tagged with its stream, the last ones too."""
         deadline = time.monotonic() + yield_s
         with p.cond:
             watcher = None
-            if stream:  # a poll shows what its reply will hold: what came since the last call, too
-                watcher = Watcher(bytearray(), STREAM_BYTES)
-                watcher.add(p.pending.getvalue())
+            if p.front_door:
+                watcher = p.watchers[0]
+            elif stream:  # a poll shows what its reply will hold: what came since the last call, too
+                watcher = Watcher(STREAM_BYTES)
+                watcher.add(p.stream, p.pending.getvalue())
                 p.watchers.append(watcher)
             try:
                 while not p.done and (left := deadline - time.monotonic()) > 0:
                     p.cond.wait(min(left, STEP))
                     if _hung_up(conn):
                         return False
-                    if watcher is not None and watcher.unsent:
-                        frame = OutputFrame(progress=_b64(bytes(watcher.unsent)))
-                        watcher.unsent.clear()
-                        p.cond.release()  # a slow reader must not hold up the pump
-                        try:
-                            conn.sendall(frame.model_dump_json().encode() + b"\n")
-                        except OSError:
-                            return False
-                        finally:
-                            p.cond.acquire()
+                    if watcher is not None and watcher.unsent and not self._send(p, watcher, conn):
+                        return False
+                if p.front_door and watcher is not None and watcher.unsent and not self._send(p, watcher, conn):
+                    return False
             finally:
-                if watcher is not None:
+                if watcher is not None and not p.front_door:
                     p.watchers.remove(watcher)
+        return True
+
+    @staticmethod
+    def _send(p: Process, watcher: Watcher, conn: socket.socket) -> bool:
+        """Send what the watcher holds (called holding `p.cond`); False if the caller is gone."""
+        pieces = watcher.take()
+        if p.front_door:
+            lines = [OutputFrame(progress=_b64(data), stream=name) for name, data in pieces]  # type: ignore[arg-type]
+        else:
+            lines = [OutputFrame(progress=_b64(b"".join(data for _, data in pieces)))]
+        p.cond.release()  # a slow reader must not hold up the pump
+        try:
+            conn.sendall(b"".join(f.model_dump_json().encode() + b"\n" for f in lines))
+        except OSError:
+            return False
+        finally:
+            p.cond.acquire()
         return True
 
     def reply_for(self, p: Process, started: float) -> Reply:
@@ -368,16 +436,67 @@ class Host:
 
     def handle_exec(self, req: ExecRequest, conn: socket.socket) -> Reply | None:
         started = time.monotonic()
+        tool = "process_start" if req.front_door else "exec_command"
+        if req.front_door and (live := self._live_in(req.conversation)) >= self.settings.session_limit:
+            return Reply(error=(f"{tool} failed: this conversation already has {live} live sessions (the limit is "
+                                f"{self.settings.session_limit}, TOOLQ_SESSION_LIMIT); end one first"))
         try:
             p = self.spawn(req)
         except isolation.SandboxUnavailable as e:
-            return Reply(error=f"exec_command refused: {e}")
+            return Reply(error=f"{tool} refused: {e}")
         except OSError as e:
             return Reply(spawn_errno=e.errno or 0, spawn_strerror=e.strerror or str(e), wall_time=0.0)
+        if req.front_door:
+            return self._run_front_door(p, req, conn, started)
         if not self.collect(p, req.yield_ms / 1000, conn, stream=req.stream):
             p.kill()
             return None
         return self.reply_for(p, started)
+
+    def _run_front_door(self, p: Process, req: ExecRequest, conn: socket.socket, started: float) -> Reply | None:
+        """A session at once (write/terminate find it), then all its output as it comes, until it
+        has exited and its output is drained; the reply is its exit. A caller that hangs up (its
+        call cancelled, or its pool child gone) takes the process with it."""
+        p.session_id = self._register(p)
+        first = OutputFrame(progress="", session_id=p.session_id, instance=self.instance)
+        try:
+            conn.sendall(first.model_dump_json().encode() + b"\n")
+            ok = self.collect(p, req.yield_ms / 1000, conn)
+            if ok and not p.done:  # its call's time is up: it ends now, with what it printed last
+                p.killed_for = "toolq killed the process: its call reached its time limit"
+                p.kill()
+                ok = self.collect(p, DRAIN_TIMEOUT + REAP_INTERVAL, conn)
+        except OSError:
+            ok = False
+        if not ok:
+            p.kill()
+            self._forget(p)
+            return None
+        return self.reply_for(p, started)
+
+    def handle_input(self, req: InputRequest) -> Reply:
+        with self.lock:
+            p = self.live.get((req.conversation, req.session_id))
+        if p is None:
+            return Reply(status="unknownProcess")
+        p.last_used = time.monotonic()
+        if p.stdin_fd is None:
+            return Reply(status="stdinClosed")
+        data = memoryview(base64.b64decode(req.data))
+        try:
+            while data:
+                data = data[os.write(p.stdin_fd, data):]
+        except OSError:  # EPIPE (it closed its stdin, or exited), EIO (the pty's last slave closed)
+            return Reply(status="stdinClosed")
+        return Reply(status="accepted")
+
+    def handle_kill(self, req: KillRequest) -> Reply:
+        with self.lock:
+            p = self.live.get((req.conversation, req.session_id))
+        if p is None or p.exit_code is not None:
+            return Reply(running=False)
+        p.kill()  # its own call (process_start) then ends with the exit the kill gave it
+        return Reply(running=True)
 
     def handle_write(self, req: WriteRequest, conn: socket.socket) -> Reply | None:
         started = time.monotonic()
@@ -405,7 +524,15 @@ class Host:
                     return
                 line = _read_line(conn, rest)
                 req = parse_request(line)
-                reply = self.handle_exec(req, conn) if isinstance(req, ExecRequest) else self.handle_write(req, conn)
+                reply: Reply | None
+                if isinstance(req, ExecRequest):
+                    reply = self.handle_exec(req, conn)
+                elif isinstance(req, WriteRequest):
+                    reply = self.handle_write(req, conn)
+                elif isinstance(req, InputRequest):
+                    reply = self.handle_input(req)
+                else:
+                    reply = self.handle_kill(req)
                 if reply is not None:
                     conn.sendall(reply.model_dump_json().encode() + b"\n")
             except (OSError, ValueError) as e:
@@ -431,7 +558,7 @@ class Host:
             why = None
             if p.conversation in ended:
                 why = "its conversation ended"
-            elif now - p.last_used > self.settings.session_idle:
+            elif now - p.last_used > self.settings.session_idle and not p.front_door:  # its call watches it
                 why = "idle limit"
             elif now - p.started > self.settings.session_lifetime:
                 why = "lifetime limit"
@@ -467,6 +594,35 @@ class Host:
             procs = list(self.running) + list(self.live.values())
         for p in procs:
             p.kill()
+
+
+def _read_ready(p: Process, reading: dict[int, str], timeout: float) -> None:
+    """Read what is ready of `reading` (fd -> its stream) within `timeout`, into the process's
+    pending output and its watchers; an fd at its end is taken out of `reading`."""
+    ready, _, _ = select.select(list(reading), [], [], timeout) if reading else ([], [], [])
+    for fd in ready:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the pty's last slave closed
+            chunk = b""
+        if not chunk:
+            del reading[fd]
+            continue
+        with p.cond:
+            if not p.front_door:
+                p.pending.write(chunk)
+            p.tail = (p.tail + chunk)[-TAIL_BYTES:]
+            for w in p.watchers:
+                w.add(reading[fd], chunk)
+            p.cond.notify_all()
+
+
+def _front_door_env(env: dict[str, str]) -> dict[str, str]:
+    """A front door's `env` less what the sandbox sets itself or never passes, and names `env`
+    cannot carry (`NAME=VALUE`)."""
+    return {k: v for k, v in env.items()
+            if k and "=" not in k and "\0" not in k + v and k not in SANDBOX_SET_ENV
+            and not any(fnmatch.fnmatchcase(k, pattern) for pattern in policy.FORBIDDEN_ENV)}
 
 
 def _has_exited(proc: subprocess.Popen | CellProcess) -> bool:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from toolq.workers.sessions.protocol import ExecRequest, OutputFrame, Reply, WriteRequest
+from toolq.workers.sessions.protocol import OutputFrame, Reply, Request
 from toolq.workers.unix_socket import connect_when_listening
 
 if TYPE_CHECKING:
@@ -63,9 +63,10 @@ def _connect(path: str, is_cancelled: Callable[[], bool], wait: float) -> socket
     return sock
 
 
-def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], timeout: float,
-         output: LiveOutput | None = None) -> Reply:
-    """`output`: where the frames of a streaming request go (and it is ticked while waiting)."""
+def call(request: Request, is_cancelled: Callable[[], bool], timeout: float,
+         output: LiveOutput | None = None, frames: Callable[[OutputFrame], None] | None = None) -> Reply:
+    """`output`: where the frames of a streaming request go (and it is ticked while waiting);
+    `frames`: who takes each frame whole instead (a front door's process, `process_start`)."""
     path = socket_path()
     if path is None:
         raise HostUnavailable("this worker runs no session host")
@@ -83,7 +84,9 @@ def call(request: ExecRequest | WriteRequest, is_cancelled: Callable[[], bool], 
             line, sep, rest = data.partition(b"\n")
             if sep and line.startswith(_FRAME):
                 frame, data = OutputFrame.model_validate_json(bytes(line)), bytearray(rest)
-                if output is not None:
+                if frames is not None:
+                    frames(frame)
+                elif output is not None:
                     output.write(base64.b64decode(frame.progress))
                 continue
             if sep:

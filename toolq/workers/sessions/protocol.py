@@ -23,6 +23,13 @@ class ExecRequest(_Request):
     workspace: str
     env: dict[str, str]
     tty: bool = False
+    front_door: bool = False
+    """A front door's process (`process_start`): registered as a session at once, every output byte
+    streamed (`OutputFrame`s tagged with their stream) until it exits; the reply is its exit."""
+    pipe_stdin: bool = False
+    """Front door, no tty: stdin is a pipe `InputRequest`s write to (else it is closed)."""
+    extra_env: dict[str, str] = {}
+    """Front door: set on top of the command's environment, inside the sandbox only."""
 
 
 class WriteRequest(_Request):
@@ -31,7 +38,23 @@ class WriteRequest(_Request):
     chars: str = ""
 
 
-Request = ExecRequest | WriteRequest
+class InputRequest(_Request):
+    """A front door's write (`process_write`): the bytes go to the session's stdin at once."""
+
+    op: Literal["input"] = "input"
+    session_id: int
+    data: str
+    """base64 of the bytes."""
+
+
+class KillRequest(_Request):
+    """A front door's terminate (`process_terminate`): SIGKILL the session's process group."""
+
+    op: Literal["kill"] = "kill"
+    session_id: int
+
+
+Request = ExecRequest | WriteRequest | InputRequest | KillRequest
 _REQUEST: TypeAdapter[Request] = TypeAdapter(Annotated[Request, Field(discriminator="op")])
 
 
@@ -44,6 +67,12 @@ class OutputFrame(BaseModel):
 
     progress: str
     """base64 of the bytes."""
+    stream: Literal["stdout", "stderr", "pty"] | None = None
+    """Front door: where the bytes came from."""
+    session_id: int | None = None
+    """Front door: the first frame (no bytes) names the session the process was registered as..."""
+    instance: str | None = None
+    """...and the worker instance that holds it."""
 
 
 class Reply(BaseModel):
@@ -60,3 +89,7 @@ class Reply(BaseModel):
     """The sandbox limit the command ran into, in words."""
     spawn_errno: int | None = None
     spawn_strerror: str | None = None
+    status: Literal["accepted", "stdinClosed", "unknownProcess"] | None = None
+    """An `InputRequest`'s answer."""
+    running: bool | None = None
+    """A `KillRequest`'s answer: whether a live process was killed."""

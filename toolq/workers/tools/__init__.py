@@ -7,6 +7,7 @@ catalog.CHECKED_PACKAGES.add(__name__ + ".")  # before the tools declare themsel
 from toolq.workers.tools import (  # noqa: E402, F401
     apply_patch,
     exec_command,
+    front_door,
     grep_files,
     list_dir,
     read_file,

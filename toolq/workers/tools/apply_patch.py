@@ -436,6 +436,4 @@ def commit(ws: Workspace, writes: Writes) -> None:
         if content is None:
             ws.unlink(target)
             continue
-        with open(ws.open_for_writing(target), "wb") as f:  # checked again on the fd it writes
-            f.truncate(0)
-            f.write(content.encode("utf-8"))
+        ws.write_file(target, content.encode("utf-8"))
