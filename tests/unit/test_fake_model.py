@@ -475,3 +475,13 @@ def test_the_sdk_sees_a_scripted_error_without_stream_as_a_server_error():
     with FakeModel([[error_event("server_error", "overloaded")]]) as fake:
         with pytest.raises(openai.InternalServerError, match="overloaded"):
             sdk(fake).responses.create(model="gpt-test", input="hi")
+
+
+def test_session_id_placeholder_becomes_the_session_the_last_tool_output_named():
+    """Codex's session ids are random: `{{SESSION_ID}}` in a script is the last one a tool output said."""
+    said = [{"type": "function_call_output", "call_id": "c1", "output": "Process running with session ID 7\n"},
+            {"type": "function_call_output", "call_id": "c2", "output": "Process running with session ID 4242\n"}]
+    script = [[function_call("write_stdin", {"session_id": "{{SESSION_ID}}", "chars": ""}, "c3")]]
+    with FakeModel(script) as fake:
+        body = httpx.post(fake.base_url + "/responses", json={"model": "m", "input": said}, timeout=10).json()
+    assert json.loads(body["output"][0]["arguments"]) == {"session_id": 4242, "chars": ""}

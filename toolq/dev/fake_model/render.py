@@ -61,7 +61,7 @@ def normalize(entry: Any) -> dict[str, Any]:
 
 def render(entry: Any, request: dict[str, Any], number: int, base_dir: Path | None = None) -> HttpError | list[Op]:
     """The plan for response `number` (1-based) to `request`."""
-    spec = normalize(entry)
+    spec = normalize(_with_session_id(entry, request))
     steps = spec["output"]
     directives = [s for s in steps if "directive" in s]
     for d in directives:
@@ -80,6 +80,28 @@ def render(entry: Any, request: dict[str, Any], number: int, base_dir: Path | No
     if cut is not None:
         ops = _apply_cut(ops, cut.get("after"), n_terminal, bool(cut.get("clean", True)))
     return ops
+
+
+#: In a script, the session id of the last "Process running with session ID N" the request's tool
+#: outputs showed (Codex's ids are random): `write_stdin` to the session a script's command left running.
+#: It becomes the number, quoted or not (`{"session_id": "{{SESSION_ID}}"}` gives `{"session_id": 42}`).
+SESSION_ID = "{{SESSION_ID}}"
+_SESSION_ID_SAID = re.compile(r"session ID (\d+)")
+
+
+def _with_session_id(entry: Any, request: dict[str, Any]) -> Any:
+    text = json.dumps(entry)
+    if SESSION_ID not in text:
+        return entry
+    inputs = request.get("input")
+    if not isinstance(inputs, list):
+        inputs = []
+    said = [m for item in inputs if isinstance(item, dict) and str(item.get("type", "")).endswith("_output")
+            for m in _SESSION_ID_SAID.findall(json.dumps(item.get("output")))]
+    number = said[-1] if said else "0"
+    for quoted in (f'\\"{SESSION_ID}\\"', f'"{SESSION_ID}"', SESSION_ID):  # a number, quoted or not
+        text = text.replace(quoted, number)
+    return json.loads(text)
 
 
 class _Renderer:

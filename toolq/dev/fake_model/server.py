@@ -22,6 +22,10 @@ An item is its `response.output_item.done` JSON (`{"type": "function_call", "nam
 filled in when absent. Shorthands: a message may give `"text"` instead of `content`, a reasoning
 item may give `summary` as strings, a function call may give `arguments` as an object.
 
+`{{SESSION_ID}}` anywhere in a response stands for the session id the request's last tool output
+that said "session ID N" gave (Codex's are random): a script's `write_stdin` reaches the session its
+`exec_command` left running.
+
 A directive is `{"directive": name, ...}`:
 - `http_error` `{status, body?, headers?}`: answer with that status instead of a stream;
 - `failed` `{code, message}`, `incomplete` `{reason}`, `error_event` `{code, message, type?}`:
