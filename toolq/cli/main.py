@@ -189,6 +189,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
                       environment=environment)
 
 
+def _cmd_mcp_server(args: argparse.Namespace) -> int:
+    from toolq.cli.envs import ChoiceError, choose
+    from toolq.cli.mcp_server import mcp_server_cmd
+
+    try:
+        environment = choose(upload=args.upload, git=args.git, checkpoint=args.from_, workspace=args.workspace)
+    except ChoiceError as e:
+        raise UsageError(str(e)) from None
+    return mcp_server_cmd(_settings(args), listen=args.listen, environment=environment, token_file=args.token_file)
+
+
 def _cmd_envs(args: argparse.Namespace) -> int:
     from toolq.cli.envs import envs_cmd, envs_rm_cmd
     from toolq.core.settings import Settings
@@ -299,7 +310,7 @@ BENCHMARKS = ("decode", "pipeline", "steps", "cancel", "signing", "sandbox", "se
 #: Run only when named: not a timing but a fault campaign on a stack of its own (--turns, --seed).
 CAMPAIGNS = ("chaos",)
 #: Run only when named: a Redis and workers of its own, minutes long (--quick for a smoke run, --json).
-OWN_STACK = ("envs",)
+OWN_STACK = ("envs", "exec-server")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -322,7 +333,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if not args.json:  # --json: stdout is the JSON alone
             print(f"== {name}", flush=True)
         try:
-            bench = importlib.import_module(f"toolq.dev.bench.{name}")
+            bench = importlib.import_module(f"toolq.dev.bench.{name.replace('-', '_')}")
             if name in CAMPAIGNS:
                 done = bench.run(turns=args.turns, seeds=seeds, hosts=args.hosts, sentinel=args.sentinel)
                 code = max(code, 1 if done["violations"] else 0)
@@ -467,6 +478,22 @@ def build_parser() -> argparse.ArgumentParser:
     ev_rm.add_argument("env_id", metavar="ID", help="the environment, as `toolq envs` lists it (env_...)")
     ev.set_defaults(func=_cmd_envs)
 
+    mc = sub.add_parser("mcp-server", help="the fleet's tools as an MCP server (stdio, or streamable HTTP): each "
+                                          "call runs on the fleet as a toolq turn")
+    mc.add_argument("--listen", default="stdio", metavar="stdio|http://HOST:PORT",
+                    help="stdio (default: the MCP client starts this command) or streamable HTTP at "
+                         "http://HOST:PORT/mcp; off loopback it needs a bearer token")
+    mc.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
+    mc.add_argument("--workspace", help="directory the tools work in (default: the current directory)")
+    mc.add_argument("--upload", metavar="DIR", help="each client session works in an environment on a worker host "
+                    "made from a copy of DIR, destroyed when the session ends")
+    mc.add_argument("--git", metavar="URL[@REF]", help="each client session works in an environment cloned from URL")
+    mc.add_argument("--from", dest="from_", metavar="CHECKPOINT", help="each client session works in an "
+                    "environment made from a checkpoint")
+    mc.add_argument("--token-file", metavar="FILE", help="the bearer token HTTP clients must send (default: "
+                    "TOOLQ_MCP_SERVER_TOKEN); required to listen off loopback")
+    mc.set_defaults(func=_cmd_mcp_server)
+
     qs = sub.add_parser("queues", help="each tool queue: calls waiting on it and the live workers that consume it")
     qs.add_argument("--json", action="store_true", help="one JSON object per queue")
     qs.set_defaults(func=_cmd_queues)
@@ -513,7 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("which", nargs="*", metavar="NAME", help=f"any of {', '.join(BENCHMARKS)} (default: all); "
                     "with REDIS_URL set they run on that fleet; chaos (a seeded fault campaign on its own "
                     "Redis and worker, exit 1 on any violation) and envs (environments on a host of its own: "
-                    "overlay as root, then copy) run only when named")
+                    "overlay as root, then copy) and exec-server (a real codex exec turn through toolq exec-server against "
+                    "codex exec-server; Codex installed with npm) run only when named")
     bn.add_argument("--turns", type=int, default=24, metavar="N", help="chaos: turns per campaign (default 24)")
     bn.add_argument("--seed", default="1", metavar="S", help="chaos: the campaign's seed, or a range 1..3 "
                     "for one campaign per seed (default 1)")
@@ -522,8 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "beside the other faults")
     bn.add_argument("--sentinel", action="store_true", help="chaos: --hosts with Redis as a primary, a replica and "
                     "three sentinels; a failover (the primary SIGKILLed mid-call) stands for the Redis restart")
-    bn.add_argument("--quick", action="store_true", help="envs: small sizes, a smoke run")
-    bn.add_argument("--json", action="store_true", help="envs: the figures as one JSON object on stdout")
+    bn.add_argument("--quick", action="store_true", help="envs, exec-server: small sizes, a smoke run")
+    bn.add_argument("--json", action="store_true", help="envs, exec-server: the figures as one JSON object on stdout")
     bn.set_defaults(func=_cmd_bench)
     return p
 
