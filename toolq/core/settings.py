@@ -184,9 +184,12 @@ ENV = {
     "env_lifetime": ("TOOLQ_ENV_LIFETIME",),
     "upload_max_mb": ("TOOLQ_UPLOAD_MAX_MB",),
     "upload_max_files": ("TOOLQ_UPLOAD_MAX_FILES",),
+    # toolq exec-server (toolq/frontdoors/exec_server)
+    "exec_server_resume": ("TOOLQ_EXEC_SERVER_RESUME",),
+    "exec_server_token": ("TOOLQ_EXEC_SERVER_TOKEN",),
 }
 
-SECRETS = {"openai_api_key", "flower_password", "signing_key", "sentinel_password"}
+SECRETS = {"openai_api_key", "flower_password", "signing_key", "sentinel_password", "exec_server_token"}
 
 
 class Settings(BaseModel):
@@ -336,6 +339,12 @@ class Settings(BaseModel):
     """The largest folder `--upload` packs (its files' bytes)."""
     upload_max_files: int = Field(default=100_000, ge=1)
     """The most files `--upload` packs."""
+    exec_server_resume: float = Field(default=60.0, ge=0)
+    """Seconds `toolq exec-server` keeps a client session whose connection dropped (its processes
+    running, their output kept) for the client to resume; then the session is reaped."""
+    exec_server_token: str | None = None
+    """The bearer token `toolq exec-server` asks of every WebSocket client (`Authorization: Bearer`
+    or `?token=` in the URL); needed to listen on an address other than loopback."""
 
     @field_validator("redis_url", "result_url")
     @classmethod

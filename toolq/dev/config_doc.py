@@ -77,6 +77,8 @@ GROUPS: list[tuple[str, str, tuple[str, ...]]] = [
      "read and write the store ([operating.md](operating.md#environments-workspaces-on-the-fleet)).",
      ("store", "store_ttl", "store_max_blob_mb", "host_id", "env_root", "env_disk_mb", "env_idle", "env_lifetime",
       "upload_max_mb", "upload_max_files")),
+    ("toolq exec-server", "The exec-server front door ([front-doors.md](front-doors.md)).",
+     ("exec_server_resume", "exec_server_token")),
 ]
 
 #: What a field's docstring does not say: its whole description when it has none, else a note
@@ -136,6 +138,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "mcp": (("worker",), "--mcp"),
     "flower_address": (("flower",), "--address"),
     "flower_port": (("flower",), "--port"),
+    "exec_server_token": (("exec-server",), "--token-file"),
 }
 
 #: Variables read outside the settings model, and what reads them.
