@@ -189,6 +189,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
                       environment=environment)
 
 
+def _cmd_mcp_server(args: argparse.Namespace) -> int:
+    from toolq.cli.envs import ChoiceError, choose
+    from toolq.cli.mcp_server import mcp_server_cmd
+
+    try:
+        environment = choose(upload=args.upload, git=args.git, checkpoint=args.from_, workspace=args.workspace)
+    except ChoiceError as e:
+        raise UsageError(str(e)) from None
+    return mcp_server_cmd(_settings(args), listen=args.listen, environment=environment, token_file=args.token_file)
+
+
 def _cmd_envs(args: argparse.Namespace) -> int:
     from toolq.cli.envs import envs_cmd, envs_rm_cmd
     from toolq.core.settings import Settings
@@ -466,6 +477,22 @@ def build_parser() -> argparse.ArgumentParser:
     ev_rm = ev_sub.add_parser("rm", help="destroy one environment (its processes, sessions and files)")
     ev_rm.add_argument("env_id", metavar="ID", help="the environment, as `toolq envs` lists it (env_...)")
     ev.set_defaults(func=_cmd_envs)
+
+    mc = sub.add_parser("mcp-server", help="the fleet's tools as an MCP server (stdio, or streamable HTTP): each "
+                                          "call runs on the fleet as a toolq turn")
+    mc.add_argument("--listen", default="stdio", metavar="stdio|http://HOST:PORT",
+                    help="stdio (default: the MCP client starts this command) or streamable HTTP at "
+                         "http://HOST:PORT/mcp; off loopback it needs a bearer token")
+    mc.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
+    mc.add_argument("--workspace", help="directory the tools work in (default: the current directory)")
+    mc.add_argument("--upload", metavar="DIR", help="each client session works in an environment on a worker host "
+                    "made from a copy of DIR, destroyed when the session ends")
+    mc.add_argument("--git", metavar="URL[@REF]", help="each client session works in an environment cloned from URL")
+    mc.add_argument("--from", dest="from_", metavar="CHECKPOINT", help="each client session works in an "
+                    "environment made from a checkpoint")
+    mc.add_argument("--token-file", metavar="FILE", help="the bearer token HTTP clients must send (default: "
+                    "TOOLQ_MCP_SERVER_TOKEN); required to listen off loopback")
+    mc.set_defaults(func=_cmd_mcp_server)
 
     qs = sub.add_parser("queues", help="each tool queue: calls waiting on it and the live workers that consume it")
     qs.add_argument("--json", action="store_true", help="one JSON object per queue")

@@ -1,0 +1,233 @@
+"""`toolq mcp-server` driven by the official `mcp` client SDK, against real Redis and real workers
+(the shared `fleet`): tools listed and called over stdio and streamable HTTP, a call cancelled by
+`notifications/cancelled` (its process gone), streamed output as progress notifications, a
+task-augmented call polled to its result through a second replica, and the bearer token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from mcp import ClientSession, StdioServerParameters, types
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import McpError
+
+import tests.integration.conftest as c
+from tests.integration.test_cancel import pids_matching, wait_until
+
+# The SDK's client-side tasks API warns that tasks leave the spec's core for an extension in mcp 2.0.
+pytestmark = [pytest.mark.integration,
+              pytest.mark.filterwarnings("ignore:The experimental tasks API:DeprecationWarning")]
+
+TOKEN = "t0ken-" + "x" * 24
+
+
+def server_env(redis_url: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TOOLQ_MCP_SERVER_TOKEN"}
+    return {**env, **c.WORKER_ENV, "REDIS_URL": redis_url}
+
+
+def server_args(workspace: Path, *extra: str) -> list[str]:
+    return ["-m", "toolq.cli.main", "mcp-server", "--tools", c.TEST_TOOLS, "--workspace", str(workspace), *extra]
+
+
+@asynccontextmanager
+async def over_stdio(redis_url: str, workspace: Path) -> AsyncIterator[ClientSession]:
+    params = StdioServerParameters(command=sys.executable, args=server_args(workspace), env=server_env(redis_url))
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        yield session
+
+
+@asynccontextmanager
+async def http_server(redis_url: str, workspace: Path, *extra: str) -> AsyncIterator[str]:
+    """A `toolq mcp-server --listen http://127.0.0.1:0` process; yields its URL once it listens."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *server_args(workspace, "--listen", "http://127.0.0.1:0", *extra),
+        env=server_env(redis_url), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    seen = b""
+    try:
+        while not (m := re.search(rb"listening on (http://\S+)", seen)):
+            line = await asyncio.wait_for(proc.stderr.readline(), 60)
+            assert line, f"toolq mcp-server exited: {seen.decode(errors='replace')}"
+            seen += line
+        yield m.group(1).decode()
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 30)
+
+
+@asynccontextmanager
+async def over_http(url: str, headers: dict[str, str] | None = None) -> AsyncIterator[ClientSession]:
+    async with AsyncExitStack() as stack:
+        http = await stack.enter_async_context(httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(30, read=300)))
+        read, write, _ = await stack.enter_async_context(streamable_http_client(url, http_client=http))
+        session = await stack.enter_async_context(ClientSession(read, write))
+        await session.initialize()
+        yield session
+
+
+def text_of(result: types.CallToolResult) -> str:
+    return "".join(b.text for b in result.content if isinstance(b, types.TextContent))
+
+
+async def check_calls(session: ClientSession, workspace: Path) -> None:
+    """The tool list is the fleet's, and a built-in, a user tool, a namespaced one and apply_patch run."""
+    tools = {t.name: t for t in (await session.list_tools()).tools}
+    assert {"exec_command", "write_stdin", "apply_patch", "sleep_echo", "notes.file_note"} <= set(tools)
+    assert "tool_search" not in tools
+    assert tools["apply_patch"].inputSchema["required"] == ["input"]
+    assert tools["exec_command"].execution is not None and tools["exec_command"].execution.taskSupport == "optional"
+
+    done = await session.call_tool("exec_command", {"cmd": "echo hello-from-$((40 + 2))"})
+    assert not done.isError and "hello-from-42" in text_of(done)
+    assert done.meta is not None and done.meta["toolq/turn"].startswith("turn-")
+
+    failed = await session.call_tool("exec_command", {"cmd": "exit 3"})
+    assert failed.isError and "exit code 3" in text_of(failed).lower().replace("process exited with code", "exit code")
+
+    echoed = await session.call_tool("sleep_echo", {"text": "user tool"})
+    assert not echoed.isError and json.loads(text_of(echoed))["text"] == "user tool"
+    noted = await session.call_tool("notes.file_note", {"title": "t", "type": "memo"})
+    assert text_of(noted) == "filed memo 't'"
+
+    patch = "*** Begin Patch\n*** Add File: added.txt\n+made through MCP\n*** End Patch\n"
+    patched = await session.call_tool("apply_patch", {"input": patch})
+    assert not patched.isError, text_of(patched)
+    assert (workspace / "added.txt").read_text() == "made through MCP\n"
+    wrong = await session.call_tool("apply_patch", {"input": 5})
+    assert wrong.isError
+    unknown = await session.call_tool("no_such_tool", {})
+    assert unknown.isError and "unknown tool" in text_of(unknown)
+
+
+def test_tools_listed_and_called_over_stdio(fleet, redis_server, tmp_path):
+    async def go():
+        async with over_stdio(redis_server.url, tmp_path) as session:
+            await check_calls(session, tmp_path)
+            # One MCP session is one conversation: a command left running is written to by a later call.
+            started = await session.call_tool("exec_command", {"cmd": "read line; echo got-$line",
+                                                               "yield_time_ms": 500, "tty": True})
+            found = re.search(r"session ID (\d+)", text_of(started))
+            assert found, text_of(started)
+            answered = await session.call_tool("write_stdin", {"session_id": int(found.group(1)), "chars": "x\n",
+                                                               "yield_time_ms": 2000})
+            assert "got-x" in text_of(answered)
+
+    asyncio.run(asyncio.wait_for(go(), 120))
+
+
+def test_tools_listed_and_called_over_streamable_http(fleet, redis_server, tmp_path):
+    async def go():
+        async with http_server(redis_server.url, tmp_path) as url, over_http(url) as session:
+            await check_calls(session, tmp_path)
+
+    asyncio.run(asyncio.wait_for(go(), 120))
+
+
+def test_a_cancelled_call_kills_its_process(fleet, redis_server, tmp_path):
+    tag = f"{os.getpid() % 1000}7"
+    marker = f"sleep 300.{tag}"
+
+    async def go():
+        async with over_stdio(redis_server.url, tmp_path) as session:
+            call = asyncio.create_task(session.call_tool("exec_command", {"cmd": marker, "yield_time_ms": 60000}))
+            await wait_until(lambda: pids_matching(marker), what="the command's process")
+            request_id = session._request_id - 1  # the call's: the SDK numbers requests in order
+            await session.send_notification(types.ClientNotification(types.CancelledNotification(
+                params=types.CancelledNotificationParams(requestId=request_id, reason="test"))))
+            with pytest.raises(McpError):
+                await call
+            await wait_until(lambda: not pids_matching(marker), timeout=15, what="the process to be killed")
+            # The session goes on: the next call runs.
+            again = await session.call_tool("exec_command", {"cmd": "echo still-here"})
+            assert "still-here" in text_of(again)
+
+    asyncio.run(asyncio.wait_for(go(), 120))
+
+
+def test_streamed_output_comes_as_progress_notifications(fleet, redis_server, tmp_path):
+    async def go():
+        pieces: list[str] = []
+
+        async def progress(done: float, total: float | None, message: str | None) -> None:
+            pieces.append(message or "")
+
+        async with over_stdio(redis_server.url, tmp_path) as session:
+            result = await session.call_tool("exec_command", {"cmd": "echo first-part; sleep 2; echo second-part",
+                                                              "yield_time_ms": 30000}, progress_callback=progress)
+        assert "second-part" in text_of(result)
+        assert "first-part" in "".join(pieces)
+
+    asyncio.run(asyncio.wait_for(go(), 120))
+
+
+def test_a_task_runs_on_and_any_replica_answers_for_it(fleet, redis_server, tmp_path):
+    tag = f"{os.getpid() % 1000}8"
+    marker = f"sleep 300.{tag}"
+
+    async def go():
+        async with over_stdio(redis_server.url, tmp_path) as first, \
+                http_server(redis_server.url, tmp_path) as url, over_http(url) as second:
+            created = await first.experimental.call_tool_as_task("exec_command",
+                                                                 {"cmd": "sleep 1; echo task-done"}, ttl=60000)
+            task_id = created.task.taskId
+            assert task_id.startswith("turn-") and created.task.status == "working"
+            async for status in second.experimental.poll_task(task_id):  # another replica, another session
+                last = status
+            assert last.status == "completed"
+            result = await second.experimental.get_task_result(task_id, types.CallToolResult)
+            assert "task-done" in text_of(result) and not result.isError
+            assert (await first.experimental.get_task(task_id)).status == "completed"
+
+            long = await first.experimental.call_tool_as_task("exec_command", {"cmd": marker,
+                                                                               "yield_time_ms": 60000})
+            await wait_until(lambda: pids_matching(marker), what="the task's process")
+            cancelled = await second.experimental.cancel_task(long.task.taskId)
+            assert cancelled.status == "cancelled"
+            await wait_until(lambda: not pids_matching(marker), timeout=15, what="the task's process killed")
+            assert (await first.experimental.get_task(long.task.taskId)).status == "cancelled"
+            with pytest.raises(McpError):
+                await second.experimental.get_task("turn-000000000000")
+
+    asyncio.run(asyncio.wait_for(go(), 150))
+
+
+def test_http_needs_the_bearer_token_when_one_is_set(fleet, redis_server, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+
+    async def go():
+        async with http_server(redis_server.url, workspace, "--token-file", str(token_file)) as url:
+            async with httpx.AsyncClient() as http:
+                refused = await http.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "ping"})
+                assert refused.status_code == 401
+                wrong = await http.post(url, json={}, headers={"Authorization": "Bearer nope"})
+                assert wrong.status_code == 401
+            async with over_http(url, {"Authorization": f"Bearer {TOKEN}"}) as session:
+                assert "exec_command" in {t.name for t in (await session.list_tools()).tools}
+
+    asyncio.run(asyncio.wait_for(go(), 120))
+
+
+def test_off_loopback_without_a_token_it_refuses_in_one_line(redis_server, tmp_path):
+    done = subprocess.run([sys.executable, *server_args(tmp_path, "--listen", "http://0.0.0.0:0")],
+                          env=server_env(redis_server.url), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "bearer token" in done.stderr, done.stderr
+    bad = subprocess.run([sys.executable, *server_args(tmp_path, "--listen", "ws://nowhere")],
+                         env=server_env(redis_server.url), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--listen" in bad.stderr, bad.stderr

@@ -1,0 +1,115 @@
+"""`toolq mcp-server`: the fleet's tools as an MCP server (toolq/frontdoors/mcp_server), over stdio
+(the default: an MCP client starts it) or streamable HTTP (`--listen http://HOST:PORT`).
+
+With no REDIS_URL it starts an embedded Redis-protocol server and two workers, as `toolq run`
+does. Listening on a non-loopback address needs a bearer token (`--token-file FILE` or
+TOOLQ_MCP_SERVER_TOKEN); without one it refuses to start, in one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from toolq.cli.envs import EnvChoice
+from toolq.cli.flower import is_loopback
+from toolq.cli.run import with_redis
+from toolq.core.errors import ConfigurationError
+from toolq.core.settings import Settings, workspace_problem
+from toolq.local.starting import WorkersStarting
+
+#: The variable holding the bearer token when no --token-file is given.
+TOKEN_ENV = "TOOLQ_MCP_SERVER_TOKEN"
+
+
+@dataclass(frozen=True)
+class Listen:
+    """stdio (host None), or streamable HTTP on host:port."""
+
+    host: str | None = None
+    port: int = 0
+
+    @property
+    def loopback(self) -> bool:
+        return self.host is None or is_loopback(self.host)
+
+
+def parse_listen(spec: str) -> Listen:
+    """`stdio` or `http://HOST:PORT` (port 0: any free one, printed when listening)."""
+    if spec == "stdio":
+        return Listen()
+    parts = urlsplit(spec)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/", "/mcp"):
+        raise ConfigurationError(f"--listen takes stdio or http://HOST:PORT, not {spec!r}")
+    return Listen(parts.hostname, port)
+
+
+def read_token(token_file: str | None) -> str | None:
+    """The bearer token: --token-file's first line, else TOOLQ_MCP_SERVER_TOKEN, else None."""
+    if token_file is None:
+        return os.environ.get(TOKEN_ENV) or None
+    try:
+        token = Path(token_file).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigurationError(f"--token-file {token_file}: {getattr(e, 'strerror', None) or e}") from None
+    if not token or any(c.isspace() for c in token):
+        raise ConfigurationError(f"--token-file {token_file}: the file must hold one token, with no spaces")
+    return token
+
+
+def mcp_server_cmd(settings: Settings, *, listen: str, environment: EnvChoice | None,
+                   token_file: str | None) -> int:
+    where = parse_listen(listen)
+    token = read_token(token_file)
+    if not where.loopback and token is None:
+        raise ConfigurationError(f"toolq mcp-server listens on {where.host}, not a loopback address: give a "
+                                 f"bearer token (--token-file FILE or {TOKEN_ENV})")
+    if environment is None and (problem := workspace_problem(settings.workspace)):
+        raise ConfigurationError(problem)
+    with ExitStack() as stack:
+        settings, starting = with_redis(settings, stack, quiet=False)
+        asyncio.run(_serve(settings, starting, where, environment, token))
+    return 0
+
+
+async def _serve(settings: Settings, starting: WorkersStarting | None, where: Listen, environment: EnvChoice | None,
+                 token: str | None) -> None:
+    from toolq.frontdoors.mcp_server import McpFrontDoor, serve_http, serve_stdio
+    from toolq.orchestrator.environments import Environment
+    from toolq.orchestrator.fleet import Fleet
+
+    def make_environment(fleet: Fleet) -> Environment:
+        assert environment is not None
+        return fleet.environment(upload=environment.upload, git=environment.git, checkpoint=environment.checkpoint)
+
+    fleet = await Fleet.open(settings)
+    fleet.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
+    door = McpFrontDoor(fleet, make_environment=make_environment if environment is not None else None)
+    try:
+        if where.host is None:
+            serving = asyncio.current_task()
+            assert serving is not None
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGHUP):  # uvicorn handles its own; stdio's are ours
+                loop.add_signal_handler(sig, serving.cancel)
+            try:
+                await serve_stdio(door)
+            except asyncio.CancelledError:
+                pass
+        else:
+            await serve_http(door, where.host, where.port, token=token, loopback=where.loopback,
+                             listening=lambda url: print(f"toolq mcp-server: listening on {url}", file=sys.stderr,
+                                                         flush=True))
+    finally:
+        await door.aclose()
+        await fleet.aclose()
