@@ -99,11 +99,12 @@ def test_the_circle_finder_finds_a_circle_through_a_deferred_import():
 
 
 #: The layers, bottom to top (issue 25 item 1). A module imports its own layer and those below;
-#: the orchestrator reaches into the worker layer only through the modules named below. `cli` and
-#: `dev` share the top: the CLI's `bench`/`fake-model`/`demo` run dev's code, and a benchmark may
-#: measure a command's own renderer.
-LAYERS = {"toolq.core": 0, "toolq.workers": 1, "toolq.local": 2, "toolq.orchestrator": 3,
-          "toolq.cli": 4, "toolq.dev": 4, "toolq.testing": 5, "toolq": 5}
+#: the orchestrator reaches into the worker layer only through the modules named below. The front
+#: doors (issue 29) sit on the orchestrator: each holds a `Fleet` and turns another agent's requests
+#: into its calls. `cli` and `dev` share the top: the CLI's `bench`/`fake-model`/`demo` run dev's
+#: code, and a benchmark may measure a command's own renderer.
+LAYERS = {"toolq.core": 0, "toolq.workers": 1, "toolq.local": 2, "toolq.orchestrator": 3, "toolq.frontdoors": 4,
+          "toolq.cli": 5, "toolq.dev": 5, "toolq.testing": 6, "toolq": 6}
 
 #: What the orchestrator and the embedded stack use of the worker layer: the Celery app's
 #: configuration (both ends of a queue build it), loading tool modules, running one call in

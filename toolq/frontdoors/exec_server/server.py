@@ -1,0 +1,258 @@
+"""The transports: WebSocket (one JSON-RPC message per text frame; Codex's `CODEX_EXEC_SERVER_URL`)
+and stdio (one per line; `environments.toml`'s `program`), and what every connection does alike.
+
+A connection reads frames in order and answers each request in a task of its own (Codex pipelines:
+seven `fs/getMetadata` before the first answer), so every request gets exactly one answer, in any
+order. Frames go out through one queue, in the order they were made. `initialize` is handled in
+line: it opens (or resumes) the connection's client session, which every later request uses."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from toolq.frontdoors.exec_server.protocol import (
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    MAX_MESSAGE_BYTES,
+    InitializeParams,
+    Notification,
+    Request,
+    RpcError,
+    Undecodable,
+    decode,
+    encode,
+    error_frame,
+    parse_params,
+    result_frame,
+)
+from toolq.frontdoors.exec_server.session import Context, ExecSession
+
+log = logging.getLogger("toolq.exec_server")
+
+STDIO = "stdio"
+
+
+class Sessions:
+    """The client sessions of one server, by id (a resumed client names its own)."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.by_id: dict[str, ExecSession] = {}
+
+    def open(self, resume: str | None) -> tuple[ExecSession, bool]:
+        """The session `resume` names when it is still kept, else a new one; and whether it resumed."""
+        if resume is not None and (found := self.by_id.get(resume)) is not None and not found.closed:
+            return found, True
+        session = ExecSession(self.ctx, self._forget)
+        self.by_id[session.id] = session
+        session.open()
+        return session, False
+
+    def _forget(self, session: ExecSession) -> None:
+        self.by_id.pop(session.id, None)
+
+    async def close_all(self) -> None:
+        await asyncio.gather(*(s.close() for s in list(self.by_id.values())))
+
+
+class Connection:
+    """One client connection: `frames` in, `send` out; `keep` says whether the session outlives it."""
+
+    def __init__(self, sessions: Sessions, send: Callable[[str], Awaitable[None]], *, keep: bool) -> None:
+        self.sessions = sessions
+        self._send = send
+        self.keep = keep
+        self.session: ExecSession | None = None
+        self._out: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def push(self, frame: dict[str, Any]) -> None:
+        self._out.put_nowait(frame)
+
+    async def _writer(self) -> None:
+        while (frame := await self._out.get()) is not None:
+            try:
+                await self._send(encode(frame))
+            except Exception as e:  # the peer went away: the reader ends the connection
+                log.debug("could not send a frame: %s", e)
+                return
+
+    async def serve(self, frames: Any) -> None:
+        """Until `frames` (an async iterator of text) ends; then the session is kept or closed."""
+        writer = asyncio.create_task(self._writer())
+        try:
+            async for frame in frames:
+                await self._receive(frame)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            self._out.put_nowait(None)
+            await asyncio.wait({writer}, timeout=5)
+            if self.session is not None:
+                if self.keep:
+                    self.session.detach(self.push)
+                else:
+                    await self.session.close()
+
+    async def _receive(self, frame: str | bytes) -> None:
+        try:
+            message = decode(frame)
+        except Undecodable as e:
+            log.warning("exec-server: a bad frame: %s", e.error.message)
+            self.push(error_frame(e.id, e.error))
+            return
+        if isinstance(message, Notification):
+            if message.method != "initialized":
+                log.warning("exec-server: notification %s ignored", message.method[:100])
+            return
+        if message.method == "initialize":
+            try:
+                self._answer(message, self._initialize(message.params))
+            except RpcError as e:
+                self.push(error_frame(message.id, e))
+            return
+        if self.session is None:
+            self.push(error_frame(message.id, RpcError(INVALID_REQUEST, "client must call initialize before "
+                                                                        "using exec methods")))
+            return
+        task = asyncio.create_task(self._handle(self.session, message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _initialize(self, params: Any) -> dict[str, Any]:
+        p = parse_params(InitializeParams, params)
+        if self.session is not None:
+            raise RpcError(INVALID_REQUEST, "initialize was already called on this connection")
+        session, resumed = self.sessions.open(p.resume_session_id)
+        session.attach(self.push, resumed=resumed)
+        self.session = session
+        if p.resume_session_id is not None and not resumed:
+            log.info("exec-server: session %s is gone; a new one, %s", p.resume_session_id[:100], session.id)
+        return {"sessionId": session.id, "environmentInfo": session.environment_info()}
+
+    def _answer(self, request: Request, result: Any) -> None:
+        self.push(result_frame(request.id, result))
+
+    async def _handle(self, session: ExecSession, request: Request) -> None:
+        try:
+            self._answer(request, await session.handle(request.method, request.params))
+        except RpcError as e:
+            self.push(error_frame(request.id, e))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # every request gets exactly one answer
+            log.exception("exec-server: %s failed", request.method)
+            self.push(error_frame(request.id, RpcError(INTERNAL_ERROR, f"toolq: {type(e).__name__}: {e}")))
+
+
+# ---- WebSocket ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Listen:
+    host: str
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+def parse_listen(text: str) -> Listen | None:
+    """`ws://HOST:PORT` → Listen; `stdio` → None; ValueError (one sentence) otherwise."""
+    if text == STDIO:
+        return None
+    parts = urlsplit(text)
+    if parts.scheme != "ws" or not parts.hostname or parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"--listen takes ws://HOST:PORT or stdio, not {text!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"--listen {text}: the port is not a number from 0 to 65535") from None
+    if port is None:
+        raise ValueError(f"--listen {text}: give a port (0 picks a free one)")
+    return Listen(parts.hostname, port)
+
+
+def token_accepted(token: str | None, headers: Any, path: str) -> bool:
+    """No token set: every upgrade; else `Authorization: Bearer T` or `?token=T` (Codex sends no headers)."""
+    if token is None:
+        return True
+    given = [v[len("Bearer "):] for v in headers.get_all("Authorization") if v.startswith("Bearer ")]
+    given += parse_qs(urlsplit(path).query).get("token", [])
+    return any(hmac.compare_digest(g.encode(), token.encode()) for g in given)
+
+
+async def serve_websocket(sessions: Sessions, listen: Listen, token: str | None,
+                          on_listening: Callable[[str], None]) -> None:
+    from websockets.asyncio.server import ServerConnection, serve
+    from websockets.exceptions import ConnectionClosed
+    from websockets.http11 import Request as HttpRequest
+
+    def check(connection: ServerConnection, request: HttpRequest) -> Any:
+        if token_accepted(token, request.headers, request.path):
+            return None
+        return connection.respond(401, "toolq exec-server: a bearer token is required "
+                                       "(Authorization: Bearer TOKEN, or ?token=TOKEN in the URL)\n")
+
+    async def handler(ws: ServerConnection) -> None:
+        async def frames() -> Any:
+            try:
+                async for frame in ws:
+                    yield frame
+            except ConnectionClosed:
+                return
+
+        await Connection(sessions, ws.send, keep=True).serve(frames())
+
+    async with serve(handler, listen.host, listen.port, process_request=check, max_size=MAX_MESSAGE_BYTES,
+                     compression=None) as server:
+        host, port = next(iter(server.sockets)).getsockname()[:2]
+        on_listening(f"ws://{f'[{host}]' if ':' in host else host}:{port}")
+        await server.serve_forever()
+
+
+# ---- stdio ----------------------------------------------------------------------------------------
+
+async def serve_stdio(sessions: Sessions) -> None:
+    """NDJSON on stdin/stdout; stdin's end ends the session at once (Codex closes it when it exits)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=MAX_MESSAGE_BYTES)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=0)
+    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, out)
+    writer = asyncio.StreamWriter(transport, protocol, None, loop)
+
+    async def send(text: str) -> None:
+        writer.write(text.encode() + b"\n")
+        await writer.drain()
+
+    async def lines() -> Any:
+        while True:
+            try:
+                line = await reader.readline()
+            except ValueError:  # a line past MAX_MESSAGE_BYTES: dropped unread (its id with it)
+                log.warning("exec-server: a line longer than %d bytes was dropped", MAX_MESSAGE_BYTES)
+                continue
+            if not line:
+                return
+            if line.strip():
+                yield line
+
+    try:
+        await Connection(sessions, send, keep=False).serve(lines())
+    finally:
+        writer.close()
