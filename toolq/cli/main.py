@@ -200,6 +200,14 @@ def _cmd_mcp_server(args: argparse.Namespace) -> int:
     return mcp_server_cmd(_settings(args), listen=args.listen, environment=environment, token_file=args.token_file)
 
 
+def _cmd_exec_server(args: argparse.Namespace) -> int:
+    from toolq.cli.exec_server import exec_server_cmd
+
+    return exec_server_cmd(_settings(args), listen=args.listen, upload=args.upload, git=args.git,
+                           checkpoint=args.from_, workspace=args.workspace, root=args.root,
+                           token_file=args.token_file)
+
+
 def _cmd_envs(args: argparse.Namespace) -> int:
     from toolq.cli.envs import envs_cmd, envs_rm_cmd
     from toolq.core.settings import Settings
@@ -493,6 +501,24 @@ def build_parser() -> argparse.ArgumentParser:
     mc.add_argument("--token-file", metavar="FILE", help="the bearer token HTTP clients must send (default: "
                     "TOOLQ_MCP_SERVER_TOKEN); required to listen off loopback")
     mc.set_defaults(func=_cmd_mcp_server)
+
+    es = sub.add_parser("exec-server", help="Codex's exec-server protocol on the fleet (CODEX_EXEC_SERVER_URL): each "
+                                            "command and file operation of a Codex turn is a toolq call")
+    es.add_argument("--listen", default="ws://127.0.0.1:0", metavar="ws://HOST:PORT|stdio",
+                    help="WebSocket address (default ws://127.0.0.1:0: a free port, printed as the first line of "
+                         "stdout), or stdio (Codex's environments.toml `program`); off loopback it needs a token")
+    es.add_argument("--workspace", help="directory the commands work in (default: the current directory)")
+    es.add_argument("--upload", metavar="DIR", help="each client session works in an environment on a worker host "
+                    "made from a copy of DIR (its path is what the client names), destroyed when the session ends")
+    es.add_argument("--git", metavar="URL[@REF]", help="each client session works in an environment cloned from "
+                    "URL at REF (needs --root)")
+    es.add_argument("--from", dest="from_", metavar="CHECKPOINT", help="each client session works in an "
+                    "environment made from a checkpoint (needs --root)")
+    es.add_argument("--root", metavar="PATH", help="the path clients name the workspace by (Codex's -C; default: "
+                    "the --workspace or --upload folder)")
+    es.add_argument("--token-file", metavar="FILE", help="the bearer token WebSocket clients must send (default: "
+                    "TOOLQ_EXEC_SERVER_TOKEN); required to listen off loopback")
+    es.set_defaults(func=_cmd_exec_server)
 
     qs = sub.add_parser("queues", help="each tool queue: calls waiting on it and the live workers that consume it")
     qs.add_argument("--json", action="store_true", help="one JSON object per queue")
