@@ -85,8 +85,8 @@ def text_of(result: types.CallToolResult) -> str:
 async def check_calls(session: ClientSession, workspace: Path) -> None:
     """The tool list is the fleet's, and a built-in, a user tool, a namespaced one and apply_patch run."""
     tools = {t.name: t for t in (await session.list_tools()).tools}
-    assert {"exec_command", "write_stdin", "apply_patch", "sleep_echo", "notes.file_note"} <= set(tools)
-    assert "tool_search" not in tools
+    assert {"exec_command", "write_stdin", "apply_patch", "sleep_echo", "notes__file_note"} <= set(tools)
+    assert not {"tool_search", "process_start", "process_write", "process_terminate", "fs"} & set(tools)
     assert tools["apply_patch"].inputSchema["required"] == ["input"]
     assert tools["exec_command"].execution is not None and tools["exec_command"].execution.taskSupport == "optional"
 
@@ -99,7 +99,7 @@ async def check_calls(session: ClientSession, workspace: Path) -> None:
 
     echoed = await session.call_tool("sleep_echo", {"text": "user tool"})
     assert not echoed.isError and json.loads(text_of(echoed))["text"] == "user tool"
-    noted = await session.call_tool("notes.file_note", {"title": "t", "type": "memo"})
+    noted = await session.call_tool("notes__file_note", {"title": "t", "type": "memo"})
     assert text_of(noted) == "filed memo 't'"
 
     patch = "*** Begin Patch\n*** Add File: added.txt\n+made through MCP\n*** End Patch\n"

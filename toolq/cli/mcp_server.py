@@ -9,7 +9,6 @@ TOOLQ_MCP_SERVER_TOKEN); without one it refuses to start, in one line.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 from contextlib import ExitStack
@@ -24,7 +23,7 @@ from toolq.core.errors import ConfigurationError
 from toolq.core.settings import Settings, workspace_problem
 from toolq.local.starting import WorkersStarting
 
-#: The variable holding the bearer token when no --token-file is given.
+#: The variable holding the bearer token when no --token-file is given (`Settings.mcp_server_token`).
 TOKEN_ENV = "TOOLQ_MCP_SERVER_TOKEN"
 
 
@@ -54,10 +53,10 @@ def parse_listen(spec: str) -> Listen:
     return Listen(parts.hostname, port)
 
 
-def read_token(token_file: str | None) -> str | None:
-    """The bearer token: --token-file's first line, else TOOLQ_MCP_SERVER_TOKEN, else None."""
+def read_token(token_file: str | None, configured: str | None) -> str | None:
+    """The bearer token: --token-file's content, else TOOLQ_MCP_SERVER_TOKEN (`configured`), else None."""
     if token_file is None:
-        return os.environ.get(TOKEN_ENV) or None
+        return configured or None
     try:
         token = Path(token_file).read_text().strip()
     except (OSError, UnicodeDecodeError) as e:
@@ -70,7 +69,7 @@ def read_token(token_file: str | None) -> str | None:
 def mcp_server_cmd(settings: Settings, *, listen: str, environment: EnvChoice | None,
                    token_file: str | None) -> int:
     where = parse_listen(listen)
-    token = read_token(token_file)
+    token = read_token(token_file, settings.mcp_server_token)
     if not where.loopback and token is None:
         raise ConfigurationError(f"toolq mcp-server listens on {where.host}, not a loopback address: give a "
                                  f"bearer token (--token-file FILE or {TOKEN_ENV})")

@@ -187,9 +187,12 @@ ENV = {
     # toolq exec-server (toolq/frontdoors/exec_server)
     "exec_server_resume": ("TOOLQ_EXEC_SERVER_RESUME",),
     "exec_server_token": ("TOOLQ_EXEC_SERVER_TOKEN",),
+    # toolq mcp-server (toolq/frontdoors/mcp_server)
+    "mcp_server_token": ("TOOLQ_MCP_SERVER_TOKEN",),
 }
 
-SECRETS = {"openai_api_key", "flower_password", "signing_key", "sentinel_password", "exec_server_token"}
+SECRETS = {"openai_api_key", "flower_password", "signing_key", "sentinel_password", "exec_server_token",
+           "mcp_server_token"}
 
 
 class Settings(BaseModel):
@@ -345,6 +348,9 @@ class Settings(BaseModel):
     exec_server_token: str | None = None
     """The bearer token `toolq exec-server` asks of every WebSocket client (`Authorization: Bearer`
     or `?token=` in the URL); needed to listen on an address other than loopback."""
+    mcp_server_token: str | None = None
+    """The bearer token `toolq mcp-server` asks of every HTTP client (`Authorization: Bearer`);
+    needed to listen on an address other than loopback."""
 
     @field_validator("redis_url", "result_url")
     @classmethod

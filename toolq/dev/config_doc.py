@@ -79,6 +79,7 @@ GROUPS: list[tuple[str, str, tuple[str, ...]]] = [
       "upload_max_mb", "upload_max_files")),
     ("toolq exec-server", "The exec-server front door ([front-doors.md](front-doors.md)).",
      ("exec_server_resume", "exec_server_token")),
+    ("toolq mcp-server", "The MCP front door ([front-doors.md](front-doors.md)).", ("mcp_server_token",)),
 ]
 
 #: What a field's docstring does not say: its whole description when it has none, else a note
@@ -139,6 +140,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "flower_address": (("flower",), "--address"),
     "flower_port": (("flower",), "--port"),
     "exec_server_token": (("exec-server",), "--token-file"),
+    "mcp_server_token": (("mcp-server",), "--token-file"),
 }
 
 #: Variables read outside the settings model, and what reads them.

@@ -1,7 +1,8 @@
 """The fleet's tools as MCP tools, and an MCP `tools/call` as the toolq call item it stands for.
 
 Function tools keep their JSON Schema; a namespaced tool (an MCP server a worker hosts, a
-`@tool(namespace=...)`) is offered as `NAMESPACE.NAME`, as `TOOLQ_TOOL_LIMITS` names it. A custom
+`@tool(namespace=...)`) is offered as `NAMESPACE__NAME`: MCP allows a dot, but the clients hand
+the names to model APIs whose function names may not hold one (OpenAI's: `[A-Za-z0-9_-]`). A custom
 (freeform) tool such as apply_patch takes text, which MCP cannot carry bare: it is offered with the
 input schema `{"input": string}` and its grammar in the description. `tool_search` is not offered:
 an MCP client's tool list holds every tool already, deferred ones included.
@@ -15,6 +16,8 @@ from typing import Any, Literal
 
 from mcp import types
 
+#: Between a namespace and its tool's name in an MCP tool name.
+NAMESPACE_SEPARATOR = "__"
 #: What a custom tool takes over MCP: its freeform text under one key.
 CUSTOM_INPUT = "input"
 #: Every tool may run as an MCP task (a handle polled later): each call is a turn in the ledger.
@@ -51,9 +54,9 @@ def offered_tools(specs: list[dict[str, Any]]) -> dict[str, Offered]:
         if spec.get("type") == "namespace":
             for sub in spec.get("tools", []):
                 if (o := _offered(sub, spec["name"])) is not None:
-                    offered[o.tool.name] = o
+                    offered.setdefault(o.tool.name, o)
         elif (o := _offered(spec, None)) is not None:
-            offered[o.tool.name] = o
+            offered.setdefault(o.tool.name, o)  # a plain tool named like a namespaced one: the first stays
     return offered
 
 
@@ -62,7 +65,7 @@ def _offered(spec: dict[str, Any], namespace: str | None) -> Offered | None:
     name = spec.get("name")
     if kind not in ("function", "custom") or not isinstance(name, str):
         return None
-    shown = f"{namespace}.{name}" if namespace else name
+    shown = f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
     description = spec.get("description") or ""
     if kind == "custom":
         schema = {"type": "object", "additionalProperties": False, "required": [CUSTOM_INPUT],
