@@ -28,6 +28,15 @@ FS = "fs"
 #: The front-door tools: front doors call them, a model is never offered them (`ToolSpec.offered`).
 FRONT_DOOR_TOOLS = (PROCESS_START, PROCESS_WRITE, PROCESS_TERMINATE, FS)
 
+
+
+def session_gone_answer(tool: str) -> str | None:
+    """What a front door's session tool answers for a session its conversation does not hold (or
+    that was lost with its worker): the tool's own JSON, as its worker would answer. None: not a
+    front door's tool (write_stdin's words are Codex's)."""
+    return {PROCESS_WRITE: '{"status": "unknownProcess"}', PROCESS_TERMINATE: '{"running": false}'}.get(tool)
+
+
 PROCESS_TIMEOUT = 1800.0
 """A front-door process's call timeout, in seconds (TOOLQ_TOOL_LIMITS may lower it)."""
 PROCESS_STREAM_BYTES = 16 << 20

@@ -15,13 +15,20 @@ from pydantic import ValidationError
 
 from toolq.core import keys
 from toolq.core.calls import FunctionPayload, ToolInvocation
+from toolq.core.front_doors import session_gone_answer
 from toolq.core.session_records import SessionRecord, lost_session, sessions_key, unknown_session
 from toolq.core.states import CallState
 from toolq.orchestrator.transport import DispatchError
 
 
-def unknown(session_id: object) -> DispatchError:
-    return DispatchError("unknown session", state=CallState.FAILED, output=unknown_session(session_id))
+def unknown(session_id: object, tool: str = "") -> DispatchError:
+    return DispatchError("unknown session", state=CallState.FAILED,
+                         output=session_gone_answer(tool) or unknown_session(session_id))
+
+
+def _builtin(inv: ToolInvocation) -> str:
+    """The call's tool name if it is not namespaced (a front door's tools are built-ins)."""
+    return "" if inv.tool_name.namespace else inv.tool_name.name
 
 
 async def session_for(r, inv: ToolInvocation) -> SessionRecord:
@@ -31,17 +38,18 @@ async def session_for(r, inv: ToolInvocation) -> SessionRecord:
         assert isinstance(inv.payload, FunctionPayload)
         session_id = int(json.loads(inv.payload.arguments)["session_id"])
     except (AssertionError, ValueError, KeyError, TypeError, OverflowError):  # 1e400 parses as inf
-        raise unknown("?") from None
+        raise unknown("?", _builtin(inv)) from None
     raw = await r.hget(sessions_key(inv.conversation or ""), str(session_id)) if inv.conversation else None
     if raw is None:
-        raise unknown(session_id)
+        raise unknown(session_id, _builtin(inv))
     try:
         record = SessionRecord.model_validate_json(raw)
     except ValidationError:
-        raise unknown(session_id) from None
+        raise unknown(session_id, _builtin(inv)) from None
     if not await r.exists(keys.fleet_worker(record.instance)):
         await r.hdel(sessions_key(inv.conversation or ""), str(session_id))
-        raise DispatchError("session lost", state=CallState.FAILED, output=lost_session(record))
+        raise DispatchError("session lost", state=CallState.FAILED,
+                            output=session_gone_answer(_builtin(inv)) or lost_session(record))
     return record
 
 

@@ -73,6 +73,8 @@ class EventStream:
         self.kept = 0
         """Output bytes appended so far (at most PROCESS_STREAM_BYTES)."""
         self.capped = False
+        self.session_id: int | None = None
+        """The session the process was registered as (its first frame names it)."""
 
     def append(self, *events: dict[str, Any]) -> None:
         with self.r.pipeline(transaction=False) as pipe:
@@ -85,16 +87,17 @@ class EventStream:
     def frame(self, frame: OutputFrame) -> None:
         """One frame from the session host: the first names the session, the rest are output."""
         if frame.session_id is not None:
+            self.session_id = frame.session_id
             self.append({"kind": "started", "session_id": frame.session_id, "instance": frame.instance})
             return
         data = base64.b64decode(frame.progress)
         if self.capped or not data:
             return
         room = PROCESS_STREAM_BYTES - self.kept
-        stream = frame.stream or "stdout"
-        pieces = [{"kind": "output", "stream": stream, "data": _b64(data[i:i + CHUNK_BYTES])}
-                  for i in range(0, min(len(data), room), CHUNK_BYTES)]
-        self.kept += min(len(data), room)
+        kept = data[:room]
+        pieces = [{"kind": "output", "stream": frame.stream or "stdout", "data": _b64(kept[i:i + CHUNK_BYTES])}
+                  for i in range(0, len(kept), CHUNK_BYTES)]
+        self.kept += len(kept)
         if len(data) > room:  # the process reads on; what it prints from here is dropped
             self.capped = True
             pieces.append({"kind": "output", "stream": "stderr",
@@ -150,7 +153,7 @@ def process_start(args: ProcessStartArgs, ctx: ToolContext) -> ToolReturn:
     if reply.exit_code is None:
         raise RespondToModel("process_start failed: the process did not end within its call")
     events.append({"kind": "exit", "exit_code": reply.exit_code, "note": reply.limit_note})
-    result = {"exit_code": reply.exit_code, "session_id": reply.session_id}
+    result = {"exit_code": reply.exit_code, "session_id": events.session_id}
     return ToolReturn(output=json.dumps(result), success=reply.exit_code == 0, exit_code=reply.exit_code)
 
 
