@@ -23,6 +23,7 @@ import redis
 
 import tests.integration.conftest as c
 from tests.integration import unprivileged
+from tests.integration.test_cancel import pids_matching, wait_until
 from tests.integration.test_hostile_exec import hostile_workers, locked_redis  # noqa: F401 - fixtures
 from toolq.core.front_doors import ProcessEvent, open_event, process_stream_key
 from toolq.core.settings import Settings
@@ -186,6 +187,24 @@ def test_a_tty_takes_writes_a_pipe_takes_writes_and_terminate_kills_with_137(doo
                 "status": "stdinClosed"}
             assert json.loads(await door.call("process_terminate", {"session_id": session})) == {"running": True}
             assert (await sleeper)["exit_code"] == 137
+
+    run(scenario())
+
+
+def test_toolq_cancel_of_the_turn_kills_the_process_and_ends_its_call(door_worker, tmp_path):
+    marker = f"fdcancel-{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> None:
+        async with Door(door_worker, door_worker.workspace(tmp_path)) as door:
+            started = asyncio.create_task(door.call("process_start", {
+                "argv": ["bash", "-c", f"exec -a {marker} sleep 300"], "stream_key": door.key("long")}))
+            await door.until("long", lambda ev: bool(ev))
+            await wait_until(lambda: bool(pids_matching(marker)), WAIT, "the process to run")
+            await door.fleet.ledger.cancel_turn(door.turn)
+            text = await started
+            assert "exit_code" not in text  # the call's aborted output, never a made-up exit
+            await wait_until(lambda: not pids_matching(marker), WAIT, "the process to be killed")
+            assert [e.kind for e in door.events("long")] == ["started"]
 
     run(scenario())
 

@@ -457,7 +457,11 @@ class Host:
         """A session at once (write/terminate find it), then all its output as it comes, until it
         has exited and its output is drained; the reply is its exit. A caller that hangs up (its
         call cancelled, or its pool child gone) takes the process with it."""
-        p.session_id = self._register(p)
+        try:
+            p.session_id = self._register(p)
+        except redis.RedisError as e:
+            p.kill()
+            return Reply(error=f"process_start failed: the worker could not record its session in Redis ({e})")
         first = OutputFrame(progress="", session_id=p.session_id, instance=self.instance)
         try:
             conn.sendall(first.model_dump_json().encode() + b"\n")
