@@ -59,8 +59,11 @@ def test_the_built_ins_declare_what_the_pipeline_does_for_them():
     assert (specs["apply_patch"].view, specs["update_plan"].view) == ("file_change", "todo_list")
     assert dict(specs["exec_command"].flower_args) == {"cmd": "value"}
     assert dict(specs["write_stdin"].flower_args) == {"session_id": "value", "chars": "length"}
+    front_doors = ("process_start", "process_write", "process_terminate", "fs")  # issue 29: never offered
+    assert specs["process_start"].sessions and specs["process_write"].route == "session"
+    assert not [name for name, s in specs.items() if s.offered == (name in front_doors)]
     assert not [name for name, s in specs.items() if (s.streams_output or s.sessions or s.flower_args)
-                and name not in ("exec_command", "write_stdin")]
+                and name not in ("exec_command", "write_stdin", *front_doors)]
 
 
 def test_a_user_tool_declares_streaming_and_what_flower_shows():
@@ -105,6 +108,9 @@ RELEASED_DIGESTS = {
     "apply_patch": "1c377d6feeccf9c7", "exec_command": "1f039dcf0e1f2f05", "grep_files": "c07acd5c07fdf347",
     "list_dir": "8db5835acad154bd", "read_file": "7f970183728ebea8", "tool_search": "94a6e38958333de3",
     "update_plan": "a1f16d933da5d689", "view_image": "52f40d3593bf80c6", "write_stdin": "64fcc07397ca050c",
+    # issue 29: the front doors' tools
+    "process_start": "642ff0f1270cfbb8", "process_write": "01f871db0268fe58", "process_terminate": "e225f5968042a5e9",
+    "fs": "594b74d70e6d0ae5",
 }
 
 
