@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+import signal
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
@@ -52,24 +55,37 @@ async def serve_http(door: McpFrontDoor, host: str, port: int, *, token: str | N
             return
         await manager.handle_request(scope, receive, send)
 
-    config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
-    async with manager.run():
-        serving = asyncio.ensure_future(server.serve())
-        try:
-            while not server.started:
-                if serving.done():
-                    break
+    try:  # bound here: a port in use is one clear line, and port 0 tells which port it got
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise ConfigurationError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    server = _Uvicorn(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False))
+    loop = asyncio.get_running_loop()
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    for sig in stops:  # a graceful stop: open requests answered, then the caller closes the fleet
+        loop.add_signal_handler(sig, setattr, server, "should_exit", True)
+    try:
+        async with manager.run():
+            serving = asyncio.create_task(server.serve(sockets=[sock]))
+            while not server.started and not serving.done():
                 await asyncio.sleep(0.02)
-            else:
-                bound = server.servers[0].sockets[0].getsockname()[1]  # port 0: the one the system chose
+            if server.started:
                 shown = f"[{host}]" if ":" in host else host
-                listening(f"http://{shown}:{bound}{MCP_PATH}")
+                listening(f"http://{shown}:{sock.getsockname()[1]}{MCP_PATH}")
             await serving
-        except SystemExit:  # uvicorn's answer to a port it cannot bind (it logged why)
-            raise ConfigurationError(f"cannot listen on {host}:{port}") from None
-        finally:
-            serving.cancel()
+    finally:
+        for sig in stops:
+            loop.remove_signal_handler(sig)
+        sock.close()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, minus its own signal handling: it re-raises a SIGTERM once it has stopped, which
+    killed the process before the fleet's turns were recorded over (serve_http stops it instead)."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 async def _answer(send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
