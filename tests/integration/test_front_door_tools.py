@@ -257,7 +257,7 @@ def test_fs_works_in_the_workspace_and_never_follows_a_way_out(door_worker, tmp_
                 assert got["error"]["kind"] == "denied", (op, path, got)
             link = (await door.fs("getMetadata", "outfile"))["ok"]
             assert link["isSymlink"] and not link["isFile"]  # the link itself, not the secret
-            assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+            assert sorted(os.listdir(outside)) == ["secret.txt"]
             assert (outside / "secret.txt").read_text() == "secret\n"
             assert await door.fs("remove", "outfile") == {"ok": {}}  # the link, not what it names
             assert await door.fs("remove", "out", recursive=True) == {"ok": {}}
