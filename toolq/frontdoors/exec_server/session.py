@@ -183,7 +183,7 @@ class ExecSession:
 
     def detach(self, push: Push) -> None:
         """The connection that pushed with `push` went away: keep the session for `resume_seconds`."""
-        if self._push is not push or self.closed:
+        if self._push != push or self.closed:  # bound methods: equal, never the same object
             return  # another connection resumed it meanwhile
         self._push = None
         self._reaper = asyncio.get_running_loop().call_later(
