@@ -1,6 +1,7 @@
 """The front doors' tools on real workers (issue 29): `process_start`, `process_write`,
 `process_terminate` and `fs`, called through `Fleet.run_calls` as `toolq exec-server` calls them
-(one conversation, one turn), on a bubblewrap worker as root and as an unprivileged user.
+(one conversation, one turn), on a bubblewrap worker as root and as an unprivileged user, and on
+a Landlock worker.
 
 A process's events are read back from its Redis stream and checked as a front door checks them
 (signed, numbered 1, 2, ... with no gap): `started` first, every output byte, then `exit`.
@@ -39,9 +40,10 @@ SIGNER = Signer(c.SIGNING_KEY)
 WAIT = 60.0
 
 
-@pytest.fixture(scope="module", params=["root", "nobody"])
+@pytest.fixture(scope="module", params=["bwrap-root", "bwrap-nobody", "landlock-root"])
 def door_worker(request, locked_redis, tmp_path_factory):  # noqa: F811 - the fixture above
-    yield from hostile_workers("bwrap", locked_redis, tmp_path_factory, user=request.param == "nobody",
+    backend, user = request.param.split("-")
+    yield from hostile_workers(backend, locked_redis, tmp_path_factory, user=user == "nobody",
                                TOOLQ_SANDBOX_CPU_SECONDS="30", TOOLQ_SANDBOX_FILE_MB="16")
 
 

@@ -568,6 +568,7 @@ class Host:
                 why = "lifetime limit"
             if why:
                 log.info("killing session %s (%s): %s", p.session_id, why, p.command[:80])
+                p.killed_for = f"toolq killed the session: {why}"  # a front door's process_start tells it
                 p.kill()
                 self._forget(p)
 
