@@ -201,6 +201,15 @@ def test_a_task_runs_on_and_any_replica_answers_for_it(fleet, redis_server, tmp_
             with pytest.raises(McpError):
                 await second.experimental.get_task("turn-000000000000")
 
+            # A task outlives the client session that started it: the client goes away, a new one reads it.
+            async with over_http(url) as leaving:
+                kept = await leaving.experimental.call_tool_as_task("exec_command",
+                                                                    {"cmd": "sleep 2; echo outlived-its-session"})
+            async with over_http(url) as later:
+                result = await later.experimental.get_task_result(kept.task.taskId, types.CallToolResult)
+                assert "outlived-its-session" in text_of(result)
+                assert (await later.experimental.get_task(kept.task.taskId)).status == "completed"
+
     asyncio.run(asyncio.wait_for(go(), 150))
 
 
