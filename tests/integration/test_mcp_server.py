@@ -78,6 +78,11 @@ async def over_http(url: str, headers: dict[str, str] | None = None) -> AsyncIte
         yield session
 
 
+def long_sleep(k: int) -> str:
+    """A command found in /proc by its own text (this test run's pid in it) while it runs."""
+    return f"sleep 300.{os.getpid() % 1000}{k}"
+
+
 def text_of(result: types.CallToolResult) -> str:
     return "".join(b.text for b in result.content if isinstance(b, types.TextContent))
 
@@ -137,8 +142,7 @@ def test_tools_listed_and_called_over_streamable_http(fleet, redis_server, tmp_p
 
 
 def test_a_cancelled_call_kills_its_process(fleet, redis_server, tmp_path):
-    tag = f"{os.getpid() % 1000}7"
-    marker = f"sleep 300.{tag}"
+    marker = long_sleep(7)
 
     async def go():
         async with over_stdio(redis_server.url, tmp_path) as session:
@@ -174,8 +178,7 @@ def test_streamed_output_comes_as_progress_notifications(fleet, redis_server, tm
 
 
 def test_a_task_runs_on_and_any_replica_answers_for_it(fleet, redis_server, tmp_path):
-    tag = f"{os.getpid() % 1000}8"
-    marker = f"sleep 300.{tag}"
+    marker = long_sleep(8)
 
     async def go():
         async with over_stdio(redis_server.url, tmp_path) as first, \
