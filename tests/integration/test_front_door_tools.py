@@ -249,6 +249,10 @@ def test_fs_works_in_the_workspace_and_never_follows_a_way_out(door_worker, tmp_
             assert (await door.fs("remove", "missing"))["error"]["kind"] == "notFound"
             assert (await door.fs("readFile", "missing"))["error"]["kind"] == "notFound"
             assert (await door.fs("readFile", "a"))["error"]["kind"] == "isDirectory"
+            big = os.urandom(3 << 20)  # far past what a model's history keeps of an output: whole anyway
+            assert await door.fs("writeFile", "big.bin", data=base64.b64encode(big).decode()) == {"ok": {}}
+            assert (ws / "big.bin").read_bytes() == big
+            assert base64.b64decode((await door.fs("readFile", "big.bin"))["ok"]["dataBase64"]) == big
 
             # A symlink the workspace holds, pointing out: never followed out.
             for op, path, kw in (("readFile", "outfile", {}), ("readFile", "out/secret.txt", {}),

@@ -152,6 +152,9 @@ class ToolSpec:
     offered: bool = True
     """Listed to a model or an MCP client; False: front doors call it, a model is never offered it
     (one that names it anyway gets it as any call). Not in the digest."""
+    whole_output: bool = False
+    """Its output travels whole, never cut to what a model's history keeps: a front door reads it
+    (fs's readFile), and the tool bounds it itself. Not in the digest."""
     shell_like: bool = False
     """Aborted shell calls read `Wall time: X seconds\\naborted by user`, like Codex's."""
     # What the pipeline does differently for a tool is read from here, never from its name. None of
@@ -276,6 +279,7 @@ def tool(
     idempotent: bool = False,
     deferred: bool = False,
     offered: bool = True,
+    whole_output: bool = False,
     shell_like: bool = False,
     streams_output: bool = False,
     route: Route = "queue",
@@ -309,7 +313,8 @@ def tool(
     (`"command"` for a tool taking `cmd`, as exec_command); `route="session"`: the call goes to the
     worker holding the session its `session_id` argument names. `sessions=True` is exec_command's.
     `offered=False`: front doors call it (toolq exec-server's process and file tools); no listing
-    offered to a model or an MCP client shows it.
+    offered to a model or an MCP client shows it. `whole_output=True`: its output is never cut to
+    what a model's history keeps (a front door needs it whole); the tool must bound it itself.
     """
 
     caller = sys._getframe(1).f_locals  # resolves annotations naming classes local to the declaring function
@@ -344,6 +349,7 @@ def tool(
             idempotent=idempotent,
             deferred=deferred,
             offered=offered,
+            whole_output=whole_output,
             shell_like=shell_like,
             streams_output=streams_output,
             route=route,

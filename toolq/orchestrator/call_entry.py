@@ -134,6 +134,7 @@ class CallEntry:
     def output(self) -> OutputItem:
         assert self.result is not None
         # Workers bound their outputs already (then this changes nothing); what the orchestrator made,
-        # or an older worker sent, is bounded here.
-        body = bound_output(self.result.output)
+        # or an older worker sent, is bounded here. A `whole_output` tool's is not (a front door reads it).
+        whole = self.call.spec is not None and self.call.spec.whole_output
+        body = self.result.output if whole else bound_output(self.result.output)
         return output_item(self.call.kind, self.call_id, body, tools=self.result.tools)

@@ -369,11 +369,11 @@ async def call_tool(inv: ToolInvocation, spec: ToolSpec, catalog: Catalog,
                     stream: OutputStream | None = None) -> Outcome:
     """Parse the arguments and run the handler; every error becomes an outcome the model can read.
     The output is cut to what history keeps here, on the worker, so it travels bounded (built-in,
-    user and MCP tools alike).
+    user and MCP tools alike), unless the tool declares `whole_output` (it bounds its own).
 
     Shared by the worker and the in-memory fleet (`toolq.testing`), so a test sees what a worker would."""
     state, output, extra = await _run_handler(inv, spec, catalog, is_cancelled, time_limit_errors, stream)
-    return state, bound_output(output), extra
+    return state, output if spec.whole_output else bound_output(output), extra
 
 
 async def _run_handler(inv: ToolInvocation, spec: ToolSpec, catalog: Catalog, is_cancelled: Callable[[], bool],

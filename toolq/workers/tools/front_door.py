@@ -197,7 +197,7 @@ _ERRORS: tuple[tuple[type[OSError], FsErrorKind], ...] = (
 )
 
 
-@tool(name=FS, parameters=FsRequest.model_json_schema(), strict=False, offered=False,
+@tool(name=FS, parameters=FsRequest.model_json_schema(), strict=False, offered=False, whole_output=True,
       flower_args={"op": "value", "path": "value"})
 def fs(args: FsRequest, ctx: ToolContext) -> ToolReturn:
     """One file operation for a front door, every path workspace-relative ("" is the root): the
