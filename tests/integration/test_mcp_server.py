@@ -24,6 +24,7 @@ from mcp.shared.exceptions import McpError
 
 import tests.integration.conftest as c
 from tests.integration.test_cancel import pids_matching, wait_until
+from tests.integration.test_environments import unmount_under
 
 # The SDK's client-side tasks API warns that tasks leave the spec's core for an extension in mcp 2.0.
 pytestmark = [pytest.mark.integration,
@@ -37,13 +38,14 @@ def server_env(redis_url: str) -> dict[str, str]:
     return {**env, **c.WORKER_ENV, "REDIS_URL": redis_url}
 
 
-def server_args(workspace: Path, *extra: str) -> list[str]:
-    return ["-m", "toolq.cli.main", "mcp-server", "--tools", c.TEST_TOOLS, "--workspace", str(workspace), *extra]
+def server_args(workspace: Path, *extra: str, where: str = "--workspace") -> list[str]:
+    return ["-m", "toolq.cli.main", "mcp-server", "--tools", c.TEST_TOOLS, where, str(workspace), *extra]
 
 
 @asynccontextmanager
-async def over_stdio(redis_url: str, workspace: Path) -> AsyncIterator[ClientSession]:
-    params = StdioServerParameters(command=sys.executable, args=server_args(workspace), env=server_env(redis_url))
+async def over_stdio(redis_url: str, workspace: Path, where: str = "--workspace") -> AsyncIterator[ClientSession]:
+    params = StdioServerParameters(command=sys.executable, args=server_args(workspace, where=where),
+                                   env=server_env(redis_url))
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
         yield session
@@ -243,3 +245,29 @@ def test_off_loopback_without_a_token_it_refuses_in_one_line(redis_server, tmp_p
     bad = subprocess.run([sys.executable, *server_args(tmp_path, "--listen", "ws://nowhere")],
                          env=server_env(redis_server.url), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--listen" in bad.stderr, bad.stderr
+
+
+def test_with_upload_each_session_works_in_an_environment_of_its_own(redis_env, worker, tmp_path):
+    host = worker(["toolq"], concurrency=2, redis_url=redis_env.url, name="mcp-env@test",
+                  env={"TOOLQ_HOST_ID": "mcp-env", "TOOLQ_ENV_ROOT": str(tmp_path / "root")})
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("hello from the upload\n")
+
+    async def go():
+        async with over_stdio(redis_env.url, folder, where="--upload") as session:
+            done = await session.call_tool("exec_command", {"cmd": "cat notes.txt; echo mine > made.txt; pwd"})
+            assert "hello from the upload" in text_of(done) and str(folder) not in text_of(done)
+            again = await session.call_tool("exec_command", {"cmd": "cat made.txt"})  # the same environment
+            assert "mine" in text_of(again)
+        assert not (folder / "made.txt").exists()  # a copy on the host, never the folder itself
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), 150))
+        envs = subprocess.run([sys.executable, "-m", "toolq.cli.main", "envs", "--json"], capture_output=True,
+                              text=True, env=server_env(redis_env.url), timeout=60, check=True)
+        states = [json.loads(line)["state"] for line in envs.stdout.splitlines()]
+        assert states and all(s == "destroyed" for s in states), envs.stdout  # gone with the session
+    finally:
+        host.stop(grace=3)
+        unmount_under(tmp_path)
