@@ -367,6 +367,20 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+def front_door_options(p: argparse.ArgumentParser, clients: str, token_env: str) -> None:
+    """What both front doors (`exec-server`, `mcp-server`) take: the workspace, or the environment each
+    client session gets, and the bearer token."""
+    p.add_argument("--workspace", help="directory the tools work in (default: the current directory)")
+    p.add_argument("--upload", metavar="DIR", help="each client session works in an environment on a worker host "
+                   "made from a copy of DIR, destroyed when the session ends")
+    p.add_argument("--git", metavar="URL[@REF]", help="each client session works in an environment cloned from "
+                   "URL at REF")
+    p.add_argument("--from", dest="from_", metavar="CHECKPOINT", help="each client session works in an "
+                   "environment made from a checkpoint")
+    p.add_argument("--token-file", metavar="FILE", help=f"the bearer token {clients} clients must send (default: "
+                   f"{token_env}); required to listen off loopback")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="toolq", description="Run an LLM agent's tool calls on a Celery fleet.")
     p.add_argument("--version", action=_Version, nargs=0, help="show toolq's version and exit")
@@ -492,14 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stdio (default: the MCP client starts this command) or streamable HTTP at "
                          "http://HOST:PORT/mcp; off loopback it needs a bearer token")
     mc.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
-    mc.add_argument("--workspace", help="directory the tools work in (default: the current directory)")
-    mc.add_argument("--upload", metavar="DIR", help="each client session works in an environment on a worker host "
-                    "made from a copy of DIR, destroyed when the session ends")
-    mc.add_argument("--git", metavar="URL[@REF]", help="each client session works in an environment cloned from URL")
-    mc.add_argument("--from", dest="from_", metavar="CHECKPOINT", help="each client session works in an "
-                    "environment made from a checkpoint")
-    mc.add_argument("--token-file", metavar="FILE", help="the bearer token HTTP clients must send (default: "
-                    "TOOLQ_MCP_SERVER_TOKEN); required to listen off loopback")
+    front_door_options(mc, "HTTP", "TOOLQ_MCP_SERVER_TOKEN")
     mc.set_defaults(func=_cmd_mcp_server)
 
     es = sub.add_parser("exec-server", help="Codex's exec-server protocol on the fleet (CODEX_EXEC_SERVER_URL): each "
@@ -507,17 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--listen", default="ws://127.0.0.1:0", metavar="ws://HOST:PORT|stdio",
                     help="WebSocket address (default ws://127.0.0.1:0: a free port, printed as the first line of "
                          "stdout), or stdio (Codex's environments.toml `program`); off loopback it needs a token")
-    es.add_argument("--workspace", help="directory the commands work in (default: the current directory)")
-    es.add_argument("--upload", metavar="DIR", help="each client session works in an environment on a worker host "
-                    "made from a copy of DIR (its path is what the client names), destroyed when the session ends")
-    es.add_argument("--git", metavar="URL[@REF]", help="each client session works in an environment cloned from "
-                    "URL at REF (needs --root)")
-    es.add_argument("--from", dest="from_", metavar="CHECKPOINT", help="each client session works in an "
-                    "environment made from a checkpoint (needs --root)")
+    front_door_options(es, "WebSocket", "TOOLQ_EXEC_SERVER_TOKEN")
     es.add_argument("--root", metavar="PATH", help="the path clients name the workspace by (Codex's -C; default: "
-                    "the --workspace or --upload folder)")
-    es.add_argument("--token-file", metavar="FILE", help="the bearer token WebSocket clients must send (default: "
-                    "TOOLQ_EXEC_SERVER_TOKEN); required to listen off loopback")
+                    "the --workspace or --upload folder; --git and --from need it)")
     es.set_defaults(func=_cmd_exec_server)
 
     qs = sub.add_parser("queues", help="each tool queue: calls waiting on it and the live workers that consume it")
