@@ -76,8 +76,8 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 
 def test_subcommands_are_listed_in_the_order_a_user_needs_them():
     assert list(subcommands()) == ["run", "resume", "batch", "worker", "up", "down", "cancel", "status", "turns",
-                                   "workers", "envs", "queues", "calls", "flower", "config", "demo", "fake-model", "decode",
-                                   "bench"]
+                                   "workers", "envs", "mcp-server", "exec-server", "queues", "calls", "flower", "config",
+                                   "demo", "fake-model", "decode", "bench"]
     listing = cli.build_parser().format_help().split("COMMAND\n")[-1]
     assert re.findall(r"^    (\S+)", listing, re.M) == list(subcommands())
 
