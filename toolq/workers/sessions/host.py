@@ -76,7 +76,7 @@ class Watcher:
     stream it came from), and what it may still get (None: all of it, a front door's process)."""
 
     left: int | None
-    unsent: list[tuple[str, bytes]] = field(default_factory=list)
+    unsent: list[tuple[str, bytearray]] = field(default_factory=list)
     size: int = 0
     """Bytes in `unsent`."""
 
@@ -87,12 +87,12 @@ class Watcher:
         if not chunk:
             return
         if self.unsent and self.unsent[-1][0] == stream:
-            self.unsent[-1] = (stream, self.unsent[-1][1] + chunk)
+            self.unsent[-1][1].extend(chunk)
         else:
-            self.unsent.append((stream, chunk))
+            self.unsent.append((stream, bytearray(chunk)))
         self.size += len(chunk)
 
-    def take(self) -> list[tuple[str, bytes]]:
+    def take(self) -> list[tuple[str, bytearray]]:
         pieces, self.unsent, self.size = self.unsent, [], 0
         return pieces
 
@@ -129,6 +129,8 @@ class Process:
     """Where its stdin is written: the pty's master, a front door's stdin pipe, or None (closed)."""
     front_door: bool = False
     """A front door's process: its one watcher (made with it) gets every byte, `pending` none."""
+    stdin_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while writing to `stdin_fd`, and while the finished process's fds are closed."""
 
     @property
     def stream(self) -> str:
@@ -282,13 +284,15 @@ class Host:
         self._reap_orphans()
         if p.slot is not None:
             self.slots.give_back(p.slot)
-        if p.proc.stdout is not None:
-            p.proc.stdout.close()
-        else:
-            os.close(p.fd)
-        for fd in {p.err_fd, p.stdin_fd} - {None, p.fd}:
-            assert fd is not None
-            os.close(fd)
+        with p.stdin_lock:  # no write may meet a closed fd, or its number reused by another file
+            if p.proc.stdout is not None:
+                p.proc.stdout.close()
+            else:
+                os.close(p.fd)
+            for fd in {p.err_fd, p.stdin_fd} - {None, p.fd}:
+                assert fd is not None
+                os.close(fd)
+            p.stdin_fd = None
         with p.cond:
             p.exit_code = exit_code
             p.done = True
@@ -484,13 +488,9 @@ class Host:
         if p is None:
             return Reply(status="unknownProcess")
         p.last_used = time.monotonic()
-        if p.stdin_fd is None:
-            return Reply(status="stdinClosed")
-        data = memoryview(base64.b64decode(req.data))
         try:
-            while data:
-                data = data[os.write(p.stdin_fd, data):]
-        except OSError:  # EPIPE (it closed its stdin, or exited), EIO (the pty's last slave closed)
+            _write_stdin(p, base64.b64decode(req.data))
+        except OSError:  # EPIPE (it closed its stdin, or exited), EIO (the pty's last slave closed), none
             return Reply(status="stdinClosed")
         return Reply(status="accepted")
 
@@ -512,7 +512,7 @@ class Host:
             if not p.tty:
                 return Reply(error=STDIN_CLOSED)
             try:
-                os.write(p.fd, req.chars.encode())
+                _write_stdin(p, req.chars.encode())
             except OSError as e:
                 return Reply(error=f"write_stdin failed: {e.strerror or e}")
         if not self.collect(p, req.yield_ms / 1000, conn, stream=req.stream):
@@ -599,6 +599,16 @@ class Host:
             procs = list(self.running) + list(self.live.values())
         for p in procs:
             p.kill()
+
+
+def _write_stdin(p: Process, data: bytes) -> None:
+    """All of `data` to the process's stdin (OSError: it has none, or it is closed)."""
+    view = memoryview(data)
+    with p.stdin_lock:
+        if p.stdin_fd is None:
+            raise OSError(errno.EPIPE, os.strerror(errno.EPIPE))
+        while view:
+            view = view[os.write(p.stdin_fd, view):]
 
 
 def _read_ready(p: Process, reading: dict[int, str], timeout: float) -> None:
