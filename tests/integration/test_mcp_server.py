@@ -68,6 +68,8 @@ async def http_server(redis_url: str, workspace: Path, *extra: str) -> AsyncIter
     finally:
         proc.terminate()
         await asyncio.wait_for(proc.wait(), 30)
+    said = (seen + await proc.stderr.read()).decode(errors="replace")
+    assert "Traceback" not in said, said  # clients coming and going are no error
 
 
 @asynccontextmanager
@@ -271,3 +273,19 @@ def test_with_upload_each_session_works_in_an_environment_of_its_own(redis_env, 
     finally:
         host.stop(grace=3)
         unmount_under(tmp_path)
+
+
+def test_a_stopping_server_cancels_what_it_runs(fleet, redis_server, tmp_path):
+    marker = long_sleep(9)
+
+    async def go():
+        async with http_server(redis_server.url, tmp_path) as url, over_http(url) as other:
+            async with http_server(redis_server.url, tmp_path) as stopping, over_http(stopping) as session:
+                task = await session.experimental.call_tool_as_task("exec_command", {"cmd": marker,
+                                                                                     "yield_time_ms": 60000})
+                await wait_until(lambda: pids_matching(marker), what="the task's process")
+            # SIGTERM: the server cancelled its task's turn on its way out, the process with it.
+            await wait_until(lambda: not pids_matching(marker), timeout=15, what="the task's process killed")
+            assert (await other.experimental.get_task(task.task.taskId)).status == "cancelled"
+
+    asyncio.run(asyncio.wait_for(go(), 150))

@@ -9,6 +9,7 @@ TOOLQ_MCP_SERVER_TOKEN); without one it refuses to start, in one line.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 from contextlib import ExitStack
@@ -69,6 +70,10 @@ def read_token(token_file: str | None, configured: str | None) -> str | None:
 def mcp_server_cmd(settings: Settings, *, listen: str, environment: EnvChoice | None,
                    token_file: str | None) -> int:
     where = parse_listen(listen)
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s: %(message)s")
+    # The SDK logs a client's ordinary goodbye (an HTTP session deleted while its stream was open)
+    # as an error with a traceback; what toolq's side of a call does wrong is logged by toolq.
+    logging.getLogger("mcp").setLevel(logging.CRITICAL)
     token = read_token(token_file, settings.mcp_server_token)
     if not where.loopback and token is None:
         raise ConfigurationError(f"toolq mcp-server listens on {where.host}, not a loopback address: give a "

@@ -44,6 +44,8 @@ log = logging.getLogger("toolq.mcp_server")
 
 #: Makes a client session's environment (`fleet.environment(upload=...)`), or None: the shared workspace.
 EnvironmentFactory = Callable[[Fleet], Environment]
+#: How long a stopping server waits for its cancelled calls to record their ends.
+STOP_WAIT = 15.0
 #: How long `tasks/result` waits for a task cancelled elsewhere to get its result from its runner.
 CANCELLED_RESULT_WAIT = 10.0
 
@@ -103,6 +105,8 @@ class McpFrontDoor:
         self.make_environment = make_environment
         self.tasks = TaskStore(fleet.ledger, required_signer(fleet.settings.signing_key, "toolq mcp-server"))
         self._background: set[asyncio.Task[Any]] = set()
+        self._running: dict[str, asyncio.Task[Any]] = {}
+        """The calls running here, by turn: `aclose` cancels their turns."""
         try:
             version = metadata.version("toolq")
         except metadata.PackageNotFoundError:
@@ -131,7 +135,14 @@ class McpFrontDoor:
                 await _logged(session.leave(), "could not end an MCP client session's conversation")
 
     async def aclose(self) -> None:
-        """Stop the calls and tasks still running here (their turns are cancelled, their processes killed)."""
+        """Stop the calls and tasks still running here: their turns are cancelled as `toolq cancel`
+        does (their worker tasks revoked, their processes killed, tasks recorded cancelled), then
+        whatever is left is stopped."""
+        for turn_id in list(self._running):
+            await _logged(self.fleet.ledger.cancel_turn(turn_id, reason="toolq mcp-server stopped"),
+                          f"could not cancel {turn_id}")
+        if self._running:
+            await asyncio.wait(list(self._running.values()), timeout=STOP_WAIT)
         for task in list(self._background):
             await stop(task)
 
@@ -175,13 +186,21 @@ class McpFrontDoor:
 
     async def _run(self, session: ClientState, offered: Offered, arguments: dict[str, Any], turn_id: str,
                    progress: Progress | None) -> CallOutcome:
+        """Every failure is the call's answer (an `isError` result saying why in one line)."""
+        me = asyncio.current_task()
+        assert me is not None
+        self._running[turn_id] = me
         try:
             environment = await session.ready()
-        except Exception as e:  # the environment could not be made: the call's answer says why
-            message = f"toolq could not make this session's environment: {e}"
-            return CallOutcome(error_result(message), "failed", message)
-        return await run_call(self.fleet, offered, arguments, turn_id=turn_id, conversation=session.conversation.id,
-                              environment=environment, on_output=progress)
+        except Exception as e:  # the environment could not be made (no host, an upload refused...)
+            return _failed(f"toolq could not make this session's environment: {e}")
+        try:
+            return await run_call(self.fleet, offered, arguments, turn_id=turn_id,
+                                  conversation=session.conversation.id, environment=environment, on_output=progress)
+        except Exception as e:  # the fleet itself (Redis away, a workspace refused)
+            return _failed(f"toolq could not run the call: {e}")
+        finally:
+            self._running.pop(turn_id, None)
 
     async def _run_task(self, session: ClientState, offered: Offered, arguments: dict[str, Any],
                         turn_id: str) -> None:
@@ -191,9 +210,6 @@ class McpFrontDoor:
             await self.fleet.ledger.cancel_turn(turn_id, reason="toolq mcp-server stopped")
             await self.tasks.finish(turn_id, "cancelled", "toolq mcp-server stopped", error_result("cancelled"))
             raise
-        except Exception as e:
-            message = f"toolq could not run the call: {e}"
-            outcome = CallOutcome(error_result(message), "failed", message)
         finally:
             await _logged(session.leave(), "could not end an MCP client session's conversation")
         await self.tasks.finish(turn_id, outcome.ending, outcome.message, outcome.result)
@@ -285,6 +301,11 @@ class Progress:
             except (TimeoutError, asyncio.CancelledError):
                 pass
         self._sender.cancel()
+
+
+def _failed(message: str) -> CallOutcome:
+    log.warning("%s", message)
+    return CallOutcome(error_result(message), "failed", message)
 
 
 async def _logged(work: Awaitable[Any], what: str) -> None:
