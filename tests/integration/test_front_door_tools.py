@@ -26,7 +26,7 @@ import tests.integration.conftest as c
 from tests.integration import unprivileged
 from tests.integration.test_cancel import pids_matching, wait_until
 from tests.integration.test_hostile_exec import hostile_workers, locked_redis  # noqa: F401 - fixtures
-from toolq.core.front_doors import ProcessEvent, open_event, process_stream_key
+from toolq.core.front_doors import PROCESS_STREAM_BYTES, STREAM_CAP_NOTE, ProcessEvent, open_event, process_stream_key
 from toolq.core.settings import Settings
 from toolq.core.signing import Signer
 from toolq.dev.fake_model import builders as b
@@ -150,6 +150,18 @@ def test_events_come_started_output_exit_in_order_with_every_byte_and_stdin_clos
     (ws / "sub").mkdir()
     if door_worker.user:
         os.chown(ws / "sub", *unprivileged.ids())
+    run(scenario())
+
+
+def test_output_past_16_mib_is_read_and_dropped_after_one_note_and_the_process_runs_on(door_worker, tmp_path):
+    async def scenario() -> None:
+        async with Door(door_worker, door_worker.workspace(tmp_path)) as door:
+            result = await door.start("flood", ["bash", "-c", "head -c 18000000 /dev/zero; echo done >&2; exit 4"])
+            events = door.events("flood")
+            assert result["exit_code"] == 4 == events[-1].exit_code  # it ran to its end, never throttled dead
+            assert output(events, "stdout") == bytes(PROCESS_STREAM_BYTES)
+            assert output(events, "stderr") == STREAM_CAP_NOTE.encode()  # the note, then nothing (not "done")
+
     run(scenario())
 
 
