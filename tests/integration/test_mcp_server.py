@@ -141,6 +141,12 @@ def test_tools_listed_and_called_over_streamable_http(fleet, redis_server, tmp_p
     async def go():
         async with http_server(redis_server.url, tmp_path) as url, over_http(url) as session:
             await check_calls(session, tmp_path)
+            # On loopback, a page a browser loaded from elsewhere cannot reach it (DNS rebinding).
+            ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+            async with httpx.AsyncClient() as http:
+                assert (await http.post(url, json=ping, headers={"Host": "attacker.example"})).status_code == 421
+                assert (await http.post(url, json=ping, headers={"Origin": "http://attacker.example"})).status_code \
+                    == 403
 
     asyncio.run(asyncio.wait_for(go(), 120))
 
@@ -197,6 +203,8 @@ def test_a_task_runs_on_and_any_replica_answers_for_it(fleet, redis_server, tmp_
             result = await second.experimental.get_task_result(task_id, types.CallToolResult)
             assert "task-done" in text_of(result) and not result.isError
             assert (await first.experimental.get_task(task_id)).status == "completed"
+            with pytest.raises(McpError, match="already completed"):
+                await first.experimental.cancel_task(task_id)
 
             long = await first.experimental.call_tool_as_task("exec_command", {"cmd": marker,
                                                                                "yield_time_ms": 60000})
