@@ -146,6 +146,11 @@ def test_events_come_started_output_exit_in_order_with_every_byte_and_stdin_clos
             assert results[5]["exit_code"] == 137 == door.events("killed")[-1].exit_code
             sessions = [r["session_id"] for r in results]
             assert len(set(sessions)) == len(sessions)
+            text = await door.call("process_start", {"argv": ["true"], "workdir": "nope", "stream_key": door.key("bad")})
+            assert text.startswith("process_start failed: workdir nope: ") and "(os error 2)" in text, text
+            assert door.events("bad") == []
+            assert (await door.start("missing", ["no-such-program-x"]))["exit_code"] == 127  # as Codex's: bash says so
+            assert b"no-such-program-x" in output(door.events("missing"), "stderr")
 
     (ws / "sub").mkdir()
     if door_worker.user:

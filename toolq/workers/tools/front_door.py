@@ -56,7 +56,6 @@ from toolq.core.signing import Signer
 from toolq.workers.reading import read_at_most
 from toolq.workers.sessions import calls as sessions
 from toolq.workers.sessions.protocol import OutputFrame
-from toolq.workers.tools.exec_command import spawn_failure_text
 from toolq.workers.workspace import NotARegularFile, Target, Workspace, describe, open_entry, resolve_in_workspace, walk
 
 #: The shells whose `[shell, -c|-lc, cmd]` runs as that shell and that command (anything else is
@@ -144,12 +143,15 @@ def process_start(args: ProcessStartArgs, ctx: ToolContext) -> ToolReturn:
         raise RespondToModel("process_start refused: it needs a conversation and a worker with a session host")
     shell, cmd = shell_command(args.argv)
     cwd = resolve_in_workspace(ctx.workspace, args.workdir) if args.workdir else Path(ctx.workspace)
+    if not cwd.is_dir():  # said here in words (a sandbox may start the shell and fail there instead)
+        raise RespondToModel(f"process_start failed: workdir {args.workdir}: "
+                             f"{describe(OSError(errno.ENOENT, os.strerror(errno.ENOENT)))}")
     r, signer = _fleet_redis()
     events = EventStream(r, signer, args.stream_key)
     reply = sessions.start_in_host(cmd, shell=shell, cwd=cwd, tty=args.tty, pipe_stdin=args.pipe_stdin,
                                    env=args.env, ctx=ctx, frames=events.frame)
     if reply.spawn_errno is not None:
-        raise RespondToModel(spawn_failure_text(OSError(reply.spawn_errno, reply.spawn_strerror)))
+        raise RespondToModel(f"process_start failed: {describe(OSError(reply.spawn_errno, reply.spawn_strerror))}")
     if reply.exit_code is None:
         raise RespondToModel("process_start failed: the process did not end within its call")
     events.append({"kind": "exit", "exit_code": reply.exit_code, "note": reply.limit_note})
