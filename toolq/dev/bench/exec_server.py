@@ -5,7 +5,8 @@ exec-server` (Codex's own executor, local and unsandboxed), in the same run, rou
 (the order alternates).
 
 The turn: the fake model answers the prompt with 8 parallel `exec_command true` calls, then a
-message. The step time is what the model waits between them: from the first request's arrival at
+message. Codex runs each as `bash -lc true`; Codex's executor gets an empty HOME, so the login
+shell reads no user profile, as in toolq's cell (this machine's runs pyenv's init: 0.8 s a shell). The step time is what the model waits between them: from the first request's arrival at
 the fake model to the second's (Codex ran the 8 commands through the exec-server and sent their
 outputs). Goal: toolq's p50 at most 1.5x Codex's. Needs Codex 0.171.0 (installed with npm into
 ~/.cache/toolq-tests the first time, bench/codex.py) and npm to reach its registry once.
@@ -200,11 +201,15 @@ def measure(codex: str, work: Path, sizes: Sizes) -> dict[str, Any]:
         fake = stack.enter_context(FakeModel(script(), loop=True))
         home = work / "codex-exec-server-home"  # not in the tests' temp dir: Codex makes helpers there
         home.mkdir()
+        # Its commands' HOME, empty: `bash -lc` would otherwise run the user's login profile (a
+        # pyenv init here takes 0.8 s a shell), which toolq's cell does not; like with like.
+        bare = work / "bare-home"
+        bare.mkdir()
         base = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL")}
         servers = {
             "toolq": stack.enter_context(listening(toolq_argv("--workspace", str(workspace)),
                                                    {**base, **fleet_env}, work / "toolq-exec-server.log")),
-            "codex": stack.enter_context(listening(codex_argv(codex), {**base, "CODEX_HOME": str(home)},
+            "codex": stack.enter_context(listening(codex_argv(codex), {**base, "CODEX_HOME": str(home), "HOME": str(bare)},
                                                    work / "codex-exec-server.log")),
         }
         clients = {name: stack.enter_context(reference.codex(codex, fake.base_url, sandboxed=False,
