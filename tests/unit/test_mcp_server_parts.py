@@ -4,15 +4,16 @@ a call's streamed output as progress pieces, outputs as MCP content, `--listen`,
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import pytest
 from mcp import types
 
-from toolq.cli.mcp_server import parse_listen, read_token
+from toolq.cli.mcp_server import read_token
 from toolq.core.errors import ConfigurationError
 from toolq.core.states import CallState
+from toolq.frontdoors.listening import bearer_matches, parse_listen
 from toolq.frontdoors.mcp_server.calls import CallWatch, content_of
-from toolq.frontdoors.mcp_server.server import authorized
 from toolq.frontdoors.mcp_server.tools import offered_tools
 from toolq.orchestrator.turn_events import CommandExecutionView, ItemCompleted, ItemUpdated, TurnStarted
 
@@ -54,7 +55,7 @@ def test_a_call_becomes_the_item_a_model_would_have_sent():
         tools["apply_patch"].call_item({"input": ["no"]}, "c")
 
 
-def _command(output: str, status: str = "in_progress") -> CommandExecutionView:
+def _command(output: str, status: Literal["in_progress", "completed"] = "in_progress") -> CommandExecutionView:
     return CommandExecutionView(id="c", tool="exec_command", status=status, state=CallState.RUNNING, step=1,
                                 command="bash -c x", aggregated_output=output)
 
@@ -79,15 +80,17 @@ def test_outputs_become_mcp_content():
     assert content_of([]) == [types.TextContent(type="text", text="")]
 
 
-def test_listen_takes_stdio_or_an_http_address():
-    assert parse_listen("stdio").host is None and parse_listen("stdio").loopback
-    where = parse_listen("http://127.0.0.1:8765")
-    assert (where.host, where.port, where.loopback) == ("127.0.0.1", 8765, True)
-    assert parse_listen("http://[::1]:0/mcp").loopback
-    assert not parse_listen("http://0.0.0.0:80").loopback
-    for bad in ("ws://127.0.0.1:1", "http://127.0.0.1", "http://:80", "http://h:99999", "http://h:1/other", "tcp"):
-        with pytest.raises(ConfigurationError, match="--listen"):
-            parse_listen(bad)
+def test_listen_takes_stdio_or_an_address_of_the_scheme():
+    assert parse_listen("stdio", "http") is None
+    where = parse_listen("http://127.0.0.1:8765", "http")
+    assert where is not None and (where.host, where.port, where.loopback) == ("127.0.0.1", 8765, True)
+    assert (listen := parse_listen("http://[::1]:0/mcp", "http", ("", "/mcp"))) is not None and listen.loopback
+    assert (listen := parse_listen("http://0.0.0.0:80", "http")) is not None and not listen.loopback
+    assert (listen := parse_listen("ws://localhost:1", "ws")) is not None and listen.loopback
+    for bad in ("ws://127.0.0.1:1", "http://127.0.0.1", "http://:80", "http://h:99999", "http://h:1/other", "tcp",
+                "http://h:1/?token=x"):
+        with pytest.raises(ValueError, match="--listen"):
+            parse_listen(bad, "http")
 
 
 def test_the_token_comes_from_its_file_or_the_setting(tmp_path):
@@ -96,14 +99,15 @@ def test_the_token_comes_from_its_file_or_the_setting(tmp_path):
     (tmp_path / "t").write_text("s3cret\n")
     assert read_token(str(tmp_path / "t"), "from-env") == "s3cret"
     (tmp_path / "two").write_text("a b\n")
-    for bad in ("two", "missing"):
+    (tmp_path / "empty").write_text("\n")
+    for bad in ("two", "missing", "empty"):
         with pytest.raises(ConfigurationError, match="--token-file"):
             read_token(str(tmp_path / bad), None)
 
 
 def test_a_request_is_authorized_by_its_bearer_token_only():
-    assert authorized([(b"Authorization", b"Bearer s3cret")], "s3cret")
-    assert authorized([(b"authorization", b"bearer s3cret ")], "s3cret")
-    assert not authorized([(b"authorization", b"Bearer s3cre")], "s3cret")
-    assert not authorized([(b"authorization", b"Basic s3cret")], "s3cret")
-    assert not authorized([(b"x-token", b"s3cret")], "s3cret")
+    assert bearer_matches(["Bearer s3cret"], "s3cret")
+    assert bearer_matches(["Basic x", "bearer s3cret "], "s3cret")
+    assert not bearer_matches(["Bearer s3cre"], "s3cret")
+    assert not bearer_matches(["Basic s3cret"], "s3cret")
+    assert not bearer_matches([], "s3cret")

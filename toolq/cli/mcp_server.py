@@ -13,69 +13,41 @@ import logging
 import signal
 import sys
 from contextlib import ExitStack
-from dataclasses import dataclass
-from pathlib import Path
-from urllib.parse import urlsplit
 
 from toolq.cli.envs import EnvChoice
-from toolq.cli.flower import is_loopback
 from toolq.cli.run import with_redis
 from toolq.core.errors import ConfigurationError
 from toolq.core.settings import Settings, workspace_problem
+from toolq.frontdoors.listening import Listen, parse_listen, read_token_file
+from toolq.frontdoors.mcp_server.transports import MCP_PATH
 from toolq.local.starting import WorkersStarting
 
 #: The variable holding the bearer token when no --token-file is given (`Settings.mcp_server_token`).
 TOKEN_ENV = "TOOLQ_MCP_SERVER_TOKEN"
 
 
-@dataclass(frozen=True)
-class Listen:
-    """stdio (host None), or streamable HTTP on host:port."""
-
-    host: str | None = None
-    port: int = 0
-
-    @property
-    def loopback(self) -> bool:
-        return self.host is None or is_loopback(self.host)
-
-
-def parse_listen(spec: str) -> Listen:
-    """`stdio` or `http://HOST:PORT` (port 0: any free one, printed when listening)."""
-    if spec == "stdio":
-        return Listen()
-    parts = urlsplit(spec)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/", "/mcp"):
-        raise ConfigurationError(f"--listen takes stdio or http://HOST:PORT, not {spec!r}")
-    return Listen(parts.hostname, port)
-
-
 def read_token(token_file: str | None, configured: str | None) -> str | None:
-    """The bearer token: --token-file's content, else TOOLQ_MCP_SERVER_TOKEN (`configured`), else None."""
+    """The bearer token: --token-file's, else TOOLQ_MCP_SERVER_TOKEN (`configured`), else None."""
     if token_file is None:
         return configured or None
     try:
-        token = Path(token_file).read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigurationError(f"--token-file {token_file}: {getattr(e, 'strerror', None) or e}") from None
-    if not token or any(c.isspace() for c in token):
-        raise ConfigurationError(f"--token-file {token_file}: the file must hold one token, with no spaces")
-    return token
+        return read_token_file(token_file)
+    except ValueError as e:
+        raise ConfigurationError(str(e)) from None
 
 
 def mcp_server_cmd(settings: Settings, *, listen: str, environment: EnvChoice | None,
                    token_file: str | None) -> int:
-    where = parse_listen(listen)
+    try:
+        where = parse_listen(listen, "http", paths=("", "/", MCP_PATH))
+    except ValueError as e:
+        raise ConfigurationError(str(e)) from None
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s: %(message)s")
     # The SDK logs a client's ordinary goodbye (an HTTP session deleted while its stream was open)
     # as an error with a traceback; what toolq's side of a call does wrong is logged by toolq.
     logging.getLogger("mcp").setLevel(logging.CRITICAL)
     token = read_token(token_file, settings.mcp_server_token)
-    if not where.loopback and token is None:
+    if where is not None and not where.loopback and token is None:
         raise ConfigurationError(f"toolq mcp-server listens on {where.host}, not a loopback address: give a "
                                  f"bearer token (--token-file FILE or {TOKEN_ENV})")
     if environment is None and (problem := workspace_problem(settings.workspace)):
@@ -86,8 +58,8 @@ def mcp_server_cmd(settings: Settings, *, listen: str, environment: EnvChoice | 
     return 0
 
 
-async def _serve(settings: Settings, starting: WorkersStarting | None, where: Listen, environment: EnvChoice | None,
-                 token: str | None) -> None:
+async def _serve(settings: Settings, starting: WorkersStarting | None, where: Listen | None,
+                 environment: EnvChoice | None, token: str | None) -> None:
     from toolq.frontdoors.mcp_server import McpFrontDoor, serve_http, serve_stdio
     from toolq.orchestrator.environments import Environment
     from toolq.orchestrator.fleet import Fleet
@@ -100,7 +72,7 @@ async def _serve(settings: Settings, starting: WorkersStarting | None, where: Li
     fleet.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
     door = McpFrontDoor(fleet, make_environment=make_environment if environment is not None else None)
     try:
-        if where.host is None:
+        if where is None:
             serving = asyncio.current_task()
             assert serving is not None
             loop = asyncio.get_running_loop()

@@ -16,7 +16,6 @@ fleet's and whose every `tools/call` is a toolq turn (calls.py), over stdio or s
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -313,13 +312,3 @@ async def _logged(work: Awaitable[Any], what: str) -> None:
         await work
     except Exception as e:
         log.warning("%s: %s", what, e)
-
-
-def authorized(headers: list[tuple[bytes, bytes]], token: str) -> bool:
-    """Whether a request carries `Authorization: Bearer TOKEN` (compared in constant time)."""
-    for name, value in headers:
-        if name.lower() == b"authorization":
-            scheme, _, given = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
-                return True
-    return False

@@ -19,7 +19,8 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 
 from toolq.core.errors import ConfigurationError
-from toolq.frontdoors.mcp_server.server import McpFrontDoor, authorized
+from toolq.frontdoors.listening import bearer_matches
+from toolq.frontdoors.mcp_server.server import McpFrontDoor
 
 log = logging.getLogger("toolq.mcp_server")
 
@@ -49,7 +50,8 @@ async def serve_http(door: McpFrontDoor, host: str, port: int, *, token: str | N
         if scope["path"].rstrip("/") != MCP_PATH:
             await _answer(send, 404, f"toolq mcp-server answers at {MCP_PATH}")
             return
-        if token is not None and not authorized(scope["headers"], token):
+        given = (v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"authorization")
+        if token is not None and not bearer_matches(given, token):
             await _answer(send, 401, "toolq mcp-server: a bearer token is required (Authorization: Bearer ...)",
                           [(b"www-authenticate", b'Bearer realm="toolq"')])
             return
