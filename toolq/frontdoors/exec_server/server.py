@@ -196,6 +196,33 @@ def token_accepted(token: str | None, headers: Any, path: str) -> bool:
     return any(hmac.compare_digest(g.encode(), token.encode()) for g in given)
 
 
+def _loopback_name(host: str | None) -> bool:
+    if host is None:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def browser_refused(token: str | None, headers: Any) -> str | None:
+    """Why an upgrade from a browser page is refused, or None. A page on any site may open a WebSocket
+    to a loopback port (no CORS for WebSockets) and, with no token, run commands: its `Origin` is
+    another site's (Codex sends none), or its `Host` is the page's own name (DNS rebinding). With a
+    token the page cannot pass `token_accepted`."""
+    if token is not None:
+        return None
+    host = headers.get("Host")
+    if not _loopback_name(urlsplit(f"//{host}").hostname if host else None):
+        return "toolq exec-server: a Host other than loopback is refused (no token is set)\n"
+    origin = headers.get("Origin")
+    if origin is not None and not _loopback_name(urlsplit(origin).hostname):
+        return "toolq exec-server: a browser page of another origin is refused (no token is set)\n"
+    return None
+
+
 async def serve_websocket(sessions: Sessions, listen: Listen, token: str | None,
                           on_listening: Callable[[str], None]) -> None:
     from websockets.asyncio.server import ServerConnection, serve
@@ -203,6 +230,8 @@ async def serve_websocket(sessions: Sessions, listen: Listen, token: str | None,
     from websockets.http11 import Request as HttpRequest
 
     def check(connection: ServerConnection, request: HttpRequest) -> Any:
+        if (why := browser_refused(token, request.headers)) is not None:
+            return connection.respond(403, why)
         if token_accepted(token, request.headers, request.path):
             return None
         return connection.respond(401, "toolq exec-server: a bearer token is required "
