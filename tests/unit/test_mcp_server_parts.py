@@ -14,7 +14,9 @@ from toolq.core.errors import ConfigurationError
 from toolq.core.states import CallState
 from toolq.frontdoors.listening import bearer_matches, parse_listen
 from toolq.frontdoors.mcp_server.calls import CallWatch, content_of
+from toolq.frontdoors.mcp_server.tasks import TASK_ID
 from toolq.frontdoors.mcp_server.tools import offered_tools
+from toolq.orchestrator.fleet import new_turn_id
 from toolq.orchestrator.turn_events import CommandExecutionView, ItemCompleted, ItemUpdated, TurnStarted
 
 SPECS = [
@@ -111,3 +113,9 @@ def test_a_request_is_authorized_by_its_bearer_token_only():
     assert not bearer_matches(["Bearer s3cre"], "s3cret")
     assert not bearer_matches(["Basic s3cret"], "s3cret")
     assert not bearer_matches([], "s3cret")
+
+
+def test_a_task_id_is_a_turn_id():
+    assert TASK_ID.fullmatch(new_turn_id())
+    for other in ("", "turn-", "turn-../../x", "toolq:turn:turn-0123456789ab", "TURN-0123456789AB"):
+        assert not TASK_ID.fullmatch(other)

@@ -12,6 +12,7 @@ whose lease lapsed (the replica running it died) is a failed one.
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -31,6 +32,9 @@ MAX_TTL_MS = keys.RECORD_TTL * 1000
 POLL_MS = 500
 #: While the call runs the record's key lives this long past the last look (the runner renews it).
 WORKING_TTL = 24 * 3600
+
+#: A task id is a turn id (`new_turn_id`); anything else names no task and costs no Redis lookup.
+TASK_ID = re.compile(r"turn-[0-9a-f]{12}")
 
 TERMINAL: frozenset[types.TaskStatus] = frozenset({"completed", "failed", "cancelled"})
 
@@ -104,7 +108,9 @@ class TaskStore:
         await self._write(record, max(1, record.ttl_ms // 1000))
 
     async def get(self, task_id: str) -> TaskRecord | None:
-        """The task as it stands, or None (unknown, expired, not genuine)."""
+        """The task as it stands, or None (unknown, expired, not genuine, not a turn id at all)."""
+        if not TASK_ID.fullmatch(task_id):
+            return None
         record = await self._read(task_id)
         if record is None or record.status in TERMINAL:
             return record
