@@ -127,7 +127,7 @@ def test_events_come_started_output_exit_in_order_with_every_byte_and_stdin_clos
                 door.start("big", ["bash", "-c", "head -c 3000000 /dev/zero | tr '\\0' x; echo; echo end"]),
                 door.start("stdin", ["bash", "-c", 'read line; echo "read=$? [$line]"']),
                 door.start("argv", ["printf", "%s|", "a b", "$HOME"], env={"FD_MARK": "marked"}),
-                door.start("env", ["sh", "-c", 'echo "$FD_MARK"'], env={"FD_MARK": "marked", "HOME": "/x"},
+                door.start("env", ["sh", "-c", 'echo "$FD_MARK $HOME ${TOOLQ_SIGNING_KEY:-none}"'], env={"FD_MARK": "marked", "HOME": "/x", "-S": "x", "A=B": "c", "TOOLQ_SIGNING_KEY": "k"},
                            workdir="sub"),
                 door.start("killed", ["bash", "-c", "kill -9 $$"]),
             )
@@ -142,7 +142,8 @@ def test_events_come_started_output_exit_in_order_with_every_byte_and_stdin_clos
             assert big[-1].exit_code == 0
             assert output(door.events("stdin")) == b"read=1 []\n"  # stdin is closed: EOF at once
             assert output(door.events("argv")) == b"a b|$HOME|"
-            assert output(door.events("env")) == b"marked\n"
+            mark, home, key = output(door.events("env")).split()
+            assert (mark, key) == (b"marked", b"none") and home != b"/x"  # HOME is the sandbox's; no fleet name
             assert results[5]["exit_code"] == 137 == door.events("killed")[-1].exit_code
             sessions = [r["session_id"] for r in results]
             assert len(set(sessions)) == len(sessions)

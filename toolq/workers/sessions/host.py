@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import pty
+import re
 import select
 import signal
 import socket
@@ -68,6 +69,7 @@ SLOTS_PER_SESSION_LIMIT = 4
 FRONT_DOOR_BACKLOG = 4 << 20
 #: Names a front door's `env` may not set: what the sandbox sets itself, and what it never passes.
 SANDBOX_SET_ENV = frozenset({"HOME", "TMPDIR", "PATH", *policy.ENV_OVERRIDES})
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(eq=False)
@@ -182,7 +184,7 @@ class Host:
         """Raises OSError (spawn failure) or SandboxUnavailable."""
         argv = [req.shell, "-c", req.cmd]
         if req.extra_env:  # set by `env` inside the sandbox: never bubblewrap's or a launcher's own
-            argv = ["env", *(f"{k}={v}" for k, v in sorted(_front_door_env(req.extra_env).items())), *argv]
+            argv = ["env", "--", *(f"{k}={v}" for k, v in sorted(_front_door_env(req.extra_env).items())), *argv]
         master = slave = None
         ours: list[int] = []  # the parent's ends of a front door's pipes
         theirs: list[int] = []  # the child's ends, closed here once it has them
@@ -633,10 +635,10 @@ def _read_ready(p: Process, reading: dict[int, str], timeout: float) -> None:
 
 
 def _front_door_env(env: dict[str, str]) -> dict[str, str]:
-    """A front door's `env` less what the sandbox sets itself or never passes, and names `env`
-    cannot carry (`NAME=VALUE`)."""
+    """A front door's `env` less what the sandbox sets itself or never passes, and names that are
+    no shell variable's (`env` would take one for an option or a command)."""
     return {k: v for k, v in env.items()
-            if k and "=" not in k and "\0" not in k + v and k not in SANDBOX_SET_ENV
+            if _ENV_NAME.fullmatch(k) and "\0" not in v and k not in SANDBOX_SET_ENV
             and not any(fnmatch.fnmatchcase(k, pattern) for pattern in policy.FORBIDDEN_ENV)}
 
 
