@@ -331,6 +331,10 @@ class ExecSession:
                 if event is None:
                     log.warning("process %s: an entry of its stream is not genuine; skipped", proc.id)
                     continue
+                if event.n < expected:  # a genuine entry of this stream written again: a replay
+                    log.warning("process %s: stream entry %d replayed (%d was due); skipped", proc.id, event.n,
+                                expected)
+                    continue
                 if event.n != expected:
                     log.warning("process %s: stream entry %d where %d was due", proc.id, event.n, expected)
                 expected = event.n + 1
