@@ -5,11 +5,12 @@ exec-server` (Codex's own executor, local and unsandboxed), in the same run, rou
 (the order alternates).
 
 The turn: the fake model answers the prompt with 8 parallel `exec_command true` calls, then a
-message. Codex runs each as `bash -lc true`; Codex's executor gets an empty HOME, so the login
-shell reads no user profile, as in toolq's cell (this machine's runs pyenv's init: 0.8 s a shell). The step time is what the model waits between them: from the first request's arrival at
+message. The step time is what the model waits between them: from the first request's arrival at
 the fake model to the second's (Codex ran the 8 commands through the exec-server and sent their
-outputs). Goal: toolq's p50 at most 1.5x Codex's. Needs Codex 0.171.0 (installed with npm into
-~/.cache/toolq-tests the first time, bench/codex.py) and npm to reach its registry once.
+outputs). Codex runs each command as `bash -lc true`; Codex's executor gets an empty HOME, so that
+login shell reads no user profile, as in toolq's cell (this machine's profile runs pyenv's init,
+0.8 s a shell). Goal: toolq's p50 at most 1.5x Codex's. Needs Codex 0.171.0 (installed with npm
+into ~/.cache/toolq-tests the first time, bench/codex.py) and npm to reach its registry once.
 
 `listening()`, `toolq_argv()` and `codex_argv()` start either exec-server and read the URL it
 listens on: the integration tests use them too.
@@ -20,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -141,24 +141,39 @@ def _gone_ok() -> Iterator[None]:
 # --- the fleet -----------------------------------------------------------------------------------------
 
 @contextmanager
-def fleet(work: Path) -> Iterator[dict[str, str]]:
-    """A Redis and worker processes of our own: the environment a `toolq exec-server` needs to use them."""
-    from toolq.local.embedded import RedisServer, WorkerProcess
+def fleet() -> Iterator[tuple[dict[str, str], dict[str, list[int]]]]:
+    """A Redis and worker processes of our own (the embedded stack `toolq run` starts): the
+    environment a `toolq exec-server` needs to use them, and their pids."""
+    from toolq.local.embedded import EmbeddedStack
 
-    key = secrets.token_hex(32)
-    with RedisServer() as redis_server:
-        env = {"TOOLQ_SIGNING_KEY": key}
-        workers = [WorkerProcess(redis_server.url, queues=["toolq"], concurrency=CONCURRENCY, env=env,
-                                 logdir=work, name=f"exec-server{i}@bench") for i in range(WORKERS)]
-        try:
-            for w in workers:
-                w.start(wait=False)
-            for w in workers:
-                w.wait_ready(timeout=120)
-            yield {"REDIS_URL": redis_server.url, **env}
-        finally:
-            for w in workers:
-                w.stop(grace=5)
+    with EmbeddedStack(workers=WORKERS, concurrency=CONCURRENCY) as stack:
+        redis = [stack.redis.pid] if stack.redis and stack.redis.pid else []
+        yield {"REDIS_URL": stack.url, "TOOLQ_SIGNING_KEY": stack.signing_key}, {
+            "redis": redis, "workers": [w.pid for w in stack.workers if w.pid]}
+
+
+def cpu_seconds(roots: list[int]) -> float:
+    """CPU time so far of the processes `roots` and all their descendants (the reaped ones' too,
+    through their parents' counts)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            stats[int(entry.name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]) / tick)
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += stats[pid][1]
+            todo += children.get(pid, [])
+    return total
 
 
 # --- the turn ------------------------------------------------------------------------------------------
@@ -196,20 +211,22 @@ def measure(codex: str, work: Path, sizes: Sizes) -> dict[str, Any]:
     workspace = work / "workspace"
     workspace.mkdir()
     samples: dict[str, list[float]] = {"toolq": [], "codex": []}
+    cpu = {"toolq": 0.0, "codex": 0.0, "toolq exec-server": 0.0, "redis": 0.0, "workers": 0.0}
     with ExitStack() as stack:
-        fleet_env = stack.enter_context(fleet(work))
+        fleet_env, fleet_pids = stack.enter_context(fleet())
         fake = stack.enter_context(FakeModel(script(), loop=True))
         home = work / "codex-exec-server-home"  # not in the tests' temp dir: Codex makes helpers there
         home.mkdir()
-        # Its commands' HOME, empty: `bash -lc` would otherwise run the user's login profile (a
-        # pyenv init here takes 0.8 s a shell), which toolq's cell does not; like with like.
+        # Its commands' HOME, empty: `bash -lc` would otherwise run the user's login profile, which
+        # toolq's cell does not; like with like.
         bare = work / "bare-home"
         bare.mkdir()
         base = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL")}
         servers = {
             "toolq": stack.enter_context(listening(toolq_argv("--workspace", str(workspace)),
                                                    {**base, **fleet_env}, work / "toolq-exec-server.log")),
-            "codex": stack.enter_context(listening(codex_argv(codex), {**base, "CODEX_HOME": str(home), "HOME": str(bare)},
+            "codex": stack.enter_context(listening(codex_argv(codex), {**base, "CODEX_HOME": str(home),
+                                                                       "HOME": str(bare)},
                                                    work / "codex-exec-server.log")),
         }
         clients = {name: stack.enter_context(reference.codex(codex, fake.base_url, sandboxed=False,
@@ -217,12 +234,22 @@ def measure(codex: str, work: Path, sizes: Sizes) -> dict[str, Any]:
                    for name, s in servers.items()}
         for name in samples:  # warm-up: the first turn on each server pays its start-up
             one_turn(clients[name], fake, str(workspace))
+        # The CPU each side spends on a turn: its exec-server and what it started (toolq: the
+        # embedded Redis and workers too, their session hosts and the commands); Codex's CLI is the
+        # same on both sides and not counted.
+        parts = {"toolq exec-server": [servers["toolq"].proc.pid], **fleet_pids}
+        roots = {"toolq": parts, "codex": {"codex": [servers["codex"].proc.pid]}}
         for k in range(sizes.rounds):
             for name in (("toolq", "codex") if k % 2 == 0 else ("codex", "toolq")):
+                before = {part: cpu_seconds(pids) for part, pids in roots[name].items()}
                 samples[name].append(one_turn(clients[name], fake, str(workspace)))
+                for part, pids in roots[name].items():
+                    cpu[part] += cpu_seconds(pids) - before[part]
+        cpu["toolq"] = sum(cpu[part] for part in parts)
     p50 = {name: median(xs) for name, xs in samples.items()}
-    return {"toolq": {"p50": p50["toolq"], "samples": samples["toolq"]},
-            "codex": {"p50": p50["codex"], "samples": samples["codex"]},
+    return {**{name: {"p50": p50[name], "samples": samples[name], "cpu_per_turn": cpu[name] / sizes.rounds}
+               for name in samples},
+            "toolq_cpu_per_turn": {part: cpu[part] / sizes.rounds for part in parts},
             "ratio": p50["toolq"] / p50["codex"], "goal_met": p50["toolq"] / p50["codex"] <= GOAL}
 
 
@@ -256,6 +283,10 @@ def report(res: dict[str, Any]) -> list[str]:
     t, c = res["toolq"], res["codex"]
     n = res["sizes"]["rounds"]
     return [head,
-            f"  codex exec-server (Codex's own, local) : p50 {c['p50'] * 1000:.0f} ms  (n={n})",
-            f"  toolq exec-server (fleet, {WORKERS} workers x {CONCURRENCY}) : p50 {t['p50'] * 1000:.0f} ms  (n={n})",
+            f"  codex exec-server (Codex's own, local) : p50 {c['p50'] * 1000:.0f} ms  (n={n}); CPU "
+            f"{c['cpu_per_turn'] * 1000:.0f} ms a turn (the server and its commands)",
+            f"  toolq exec-server (fleet, {WORKERS} workers x {CONCURRENCY}) : p50 {t['p50'] * 1000:.0f} ms  (n={n}); "
+            f"CPU {t['cpu_per_turn'] * 1000:.0f} ms a turn ("
+            + ", ".join(f"{part} {v * 1000:.0f}" for part, v in res["toolq_cpu_per_turn"].items())
+            + "; the workers' count holds their session hosts and the commands)",
             f"  ratio {res['ratio']:.2f}x  (goal <= {GOAL:g}x: {'met' if res['goal_met'] else 'MISSED'})"]
