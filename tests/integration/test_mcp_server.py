@@ -6,6 +6,7 @@ task-augmented call polled to its result through a second replica, and the beare
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -51,12 +53,20 @@ async def over_stdio(redis_url: str, workspace: Path, where: str = "--workspace"
         yield session
 
 
+@dataclass
+class HttpServer:
+    url: str
+    proc: asyncio.subprocess.Process
+
+
 @asynccontextmanager
-async def http_server(redis_url: str, workspace: Path, *extra: str) -> AsyncIterator[str]:
-    """A `toolq mcp-server --listen http://127.0.0.1:0` process; yields its URL once it listens."""
+async def http_server(redis_url: str, workspace: Path, *extra: str,
+                      env: dict[str, str] | None = None) -> AsyncIterator[HttpServer]:
+    """A `toolq mcp-server --listen http://127.0.0.1:0` process, once it listens."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, *server_args(workspace, "--listen", "http://127.0.0.1:0", *extra),
-        env=server_env(redis_url), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        env={**server_env(redis_url), **(env or {})}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE)
     assert proc.stderr is not None
     seen = b""
     try:
@@ -64,9 +74,10 @@ async def http_server(redis_url: str, workspace: Path, *extra: str) -> AsyncIter
             line = await asyncio.wait_for(proc.stderr.readline(), 60)
             assert line, f"toolq mcp-server exited: {seen.decode(errors='replace')}"
             seen += line
-        yield m.group(1).decode()
+        yield HttpServer(m.group(1).decode(), proc)
     finally:
-        proc.terminate()
+        with contextlib.suppress(ProcessLookupError):  # a test killed it
+            proc.terminate()
         await asyncio.wait_for(proc.wait(), 30)
     said = (seen + await proc.stderr.read()).decode(errors="replace")
     assert "Traceback" not in said, said  # clients coming and going are no error
@@ -139,8 +150,9 @@ def test_tools_listed_and_called_over_stdio(fleet, redis_server, tmp_path):
 
 def test_tools_listed_and_called_over_streamable_http(fleet, redis_server, tmp_path):
     async def go():
-        async with http_server(redis_server.url, tmp_path) as url, over_http(url) as session:
+        async with http_server(redis_server.url, tmp_path) as server, over_http(server.url) as session:
             await check_calls(session, tmp_path)
+            url = server.url
             # On loopback, a page a browser loaded from elsewhere cannot reach it (DNS rebinding).
             ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
             async with httpx.AsyncClient() as http:
@@ -192,7 +204,7 @@ def test_a_task_runs_on_and_any_replica_answers_for_it(fleet, redis_server, tmp_
 
     async def go():
         async with over_stdio(redis_server.url, tmp_path) as first, \
-                http_server(redis_server.url, tmp_path) as url, over_http(url) as second:
+                http_server(redis_server.url, tmp_path) as server, over_http(server.url) as second:
             created = await first.experimental.call_tool_as_task("exec_command",
                                                                  {"cmd": "sleep 1; echo task-done"}, ttl=60000)
             task_id = created.task.taskId
@@ -217,10 +229,10 @@ def test_a_task_runs_on_and_any_replica_answers_for_it(fleet, redis_server, tmp_
                 await second.experimental.get_task("turn-000000000000")
 
             # A task outlives the client session that started it: the client goes away, a new one reads it.
-            async with over_http(url) as leaving:
+            async with over_http(server.url) as leaving:
                 kept = await leaving.experimental.call_tool_as_task("exec_command",
                                                                     {"cmd": "sleep 2; echo outlived-its-session"})
-            async with over_http(url) as later:
+            async with over_http(server.url) as later:
                 result = await later.experimental.get_task_result(kept.task.taskId, types.CallToolResult)
                 assert "outlived-its-session" in text_of(result)
                 assert (await later.experimental.get_task(kept.task.taskId)).status == "completed"
@@ -235,7 +247,8 @@ def test_http_needs_the_bearer_token_when_one_is_set(fleet, redis_server, tmp_pa
     workspace.mkdir()
 
     async def go():
-        async with http_server(redis_server.url, workspace, "--token-file", str(token_file)) as url:
+        async with http_server(redis_server.url, workspace, "--token-file", str(token_file)) as server:
+            url = server.url
             async with httpx.AsyncClient() as http:
                 refused = await http.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "ping"})
                 assert refused.status_code == 401
@@ -287,13 +300,40 @@ def test_a_stopping_server_cancels_what_it_runs(fleet, redis_server, tmp_path):
     marker = long_sleep(9)
 
     async def go():
-        async with http_server(redis_server.url, tmp_path) as url, over_http(url) as other:
-            async with http_server(redis_server.url, tmp_path) as stopping, over_http(stopping) as session:
+        async with http_server(redis_server.url, tmp_path) as server, over_http(server.url) as other:
+            async with http_server(redis_server.url, tmp_path) as stopping, over_http(stopping.url) as session:
                 task = await session.experimental.call_tool_as_task("exec_command", {"cmd": marker,
                                                                                      "yield_time_ms": 60000})
                 await wait_until(lambda: pids_matching(marker), what="the task's process")
             # SIGTERM: the server cancelled its task's turn on its way out, the process with it.
             await wait_until(lambda: not pids_matching(marker), timeout=15, what="the task's process killed")
             assert (await other.experimental.get_task(task.task.taskId)).status == "cancelled"
+
+    asyncio.run(asyncio.wait_for(go(), 150))
+
+
+def test_a_task_whose_server_died_is_failed(fleet, redis_server, tmp_path):
+    marker = long_sleep(6)
+
+    async def go():
+        async with http_server(redis_server.url, tmp_path) as server, over_http(server.url) as other:
+            async with http_server(redis_server.url, tmp_path, env={"TOOLQ_TURN_LEASE": "2"}) as dying:
+                async with over_http(dying.url) as session:
+                    task = await session.experimental.call_tool_as_task("exec_command", {"cmd": marker,
+                                                                                         "yield_time_ms": 60000})
+                    await wait_until(lambda: pids_matching(marker), what="the task's process")
+                    dying.proc.kill()  # no goodbye: its turn's lease lapses
+                    await dying.proc.wait()
+            task_id = task.task.taskId
+            for _ in range(300):
+                if (status := await other.experimental.get_task(task_id)).status != "working":
+                    break
+                await asyncio.sleep(0.1)
+            assert status.status == "failed" and "stopped before it ended" in (status.statusMessage or "")
+            result = await other.experimental.get_task_result(task_id, types.CallToolResult)
+            assert result.isError
+        subprocess.run([sys.executable, "-m", "toolq.cli.main", "cancel", task_id], env=server_env(redis_server.url),
+                       check=True, capture_output=True, timeout=60)
+        await wait_until(lambda: not pids_matching(marker), timeout=15, what="the orphan's process killed")
 
     asyncio.run(asyncio.wait_for(go(), 150))
