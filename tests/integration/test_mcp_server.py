@@ -337,3 +337,26 @@ def test_a_task_whose_server_died_is_failed(fleet, redis_server, tmp_path):
         await wait_until(lambda: not pids_matching(marker), timeout=15, what="the orphan's process killed")
 
     asyncio.run(asyncio.wait_for(go(), 150))
+
+
+def test_toolq_cancel_from_a_shell_ends_a_running_call(fleet, redis_server, tmp_path):
+    marker = long_sleep(5)
+    env = server_env(redis_server.url)
+
+    async def go():
+        async with over_stdio(redis_server.url, tmp_path) as session:
+            call = asyncio.create_task(session.call_tool("exec_command", {"cmd": marker, "yield_time_ms": 60000}))
+            await wait_until(lambda: pids_matching(marker), what="the command's process")
+            listed = subprocess.run([sys.executable, "-m", "toolq.cli.main", "calls", "--json"], env=env, check=True,
+                                    capture_output=True, text=True, timeout=60).stdout
+            # The MCP call is a turn of its own, its call id made from the turn's (`toolq calls` shows both).
+            (turn_id,) = [row["turn_id"] for row in map(json.loads, listed.splitlines())
+                          if row["tool"] == "exec_command" and row["call_id"] == "call_" + row["turn_id"][5:]]
+            subprocess.run([sys.executable, "-m", "toolq.cli.main", "cancel", turn_id], env=env, check=True,
+                           capture_output=True, timeout=60)
+            result = await call
+            assert result.isError and result.meta is not None and result.meta["toolq/turn"] == turn_id
+            assert "aborted" in text_of(result)
+            await wait_until(lambda: not pids_matching(marker), timeout=15, what="the process to be killed")
+
+    asyncio.run(asyncio.wait_for(go(), 120))
