@@ -157,15 +157,18 @@ class McpFrontDoor:
 
     async def _call_tool(self, req: types.CallToolRequest) -> types.ServerResult:
         ctx = self.server.request_context
-        offered = (await self.offered()).get(req.params.name)
-        if offered is None:
-            return types.ServerResult(error_result(f"unknown tool {req.params.name!r}: tools/list names the "
-                                                   "fleet's tools"))
-        arguments = req.params.arguments or {}
         turn_id = new_turn_id()
+        try:
+            offered = (await self.offered()).get(req.params.name)
+            if offered is None:
+                return types.ServerResult(error_result(f"unknown tool {req.params.name!r}: tools/list names the "
+                                                       "fleet's tools"))
+            record = await self.tasks.create(turn_id, req.params.task.ttl) if req.params.task is not None else None
+        except Exception as e:  # Redis away: the answer says so
+            return types.ServerResult(_failed(f"toolq could not start the call: {e}").result)
+        arguments = req.params.arguments or {}
         session = ctx.lifespan_context
-        if req.params.task is not None:
-            record = await self.tasks.create(turn_id, req.params.task.ttl)
+        if record is not None:
             session.enter()  # the conversation lives on for the task, past the client's session
             self._spawn(self._run_task(session, offered, arguments, turn_id))
             return types.ServerResult(types.CreateTaskResult(task=record.task()))
@@ -190,14 +193,16 @@ class McpFrontDoor:
         assert me is not None
         self._running[turn_id] = me
         try:
-            environment = await session.ready()
-        except Exception as e:  # the environment could not be made (no host, an upload refused...)
-            return _failed(f"toolq could not make this session's environment: {e}")
-        try:
-            return await run_call(self.fleet, offered, arguments, turn_id=turn_id,
-                                  conversation=session.conversation.id, environment=environment, on_output=progress)
-        except Exception as e:  # the fleet itself (Redis away, a workspace refused)
-            return _failed(f"toolq could not run the call: {e}")
+            try:
+                environment = await session.ready()
+            except Exception as e:  # the environment could not be made (no host, an upload refused...)
+                return _failed(f"toolq could not make this session's environment: {e}")
+            try:
+                return await run_call(self.fleet, offered, arguments, turn_id=turn_id,
+                                      conversation=session.conversation.id, environment=environment,
+                                      on_output=progress)
+            except Exception as e:  # the fleet itself (Redis away, a workspace refused)
+                return _failed(f"toolq could not run the call: {e}")
         finally:
             self._running.pop(turn_id, None)
 
