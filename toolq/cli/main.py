@@ -565,8 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("which", nargs="*", metavar="NAME", help=f"any of {', '.join(BENCHMARKS)} (default: all); "
                     "with REDIS_URL set they run on that fleet; chaos (a seeded fault campaign on its own "
                     "Redis and worker, exit 1 on any violation) and envs (environments on a host of its own: "
-                    "overlay as root, then copy) and exec-server (a real codex exec turn through toolq exec-server against "
-                    "codex exec-server; Codex installed with npm) run only when named")
+                    "overlay as root, then copy) and exec-server (a real codex exec turn through toolq "
+                    "exec-server against codex exec-server; Codex installed with npm) run only when named")
     bn.add_argument("--turns", type=int, default=24, metavar="N", help="chaos: turns per campaign (default 24)")
     bn.add_argument("--seed", default="1", metavar="S", help="chaos: the campaign's seed, or a range 1..3 "
                     "for one campaign per seed (default 1)")
