@@ -27,6 +27,7 @@ from mcp.shared.exceptions import McpError
 import tests.integration.conftest as c
 from tests.integration.test_cancel import pids_matching, wait_until
 from tests.integration.test_environments import unmount_under
+from toolq.local.embedded import free_port
 
 # The SDK's client-side tasks API warns that tasks leave the spec's core for an extension in mcp 2.0.
 pytestmark = [pytest.mark.integration,
@@ -268,6 +269,10 @@ def test_off_loopback_without_a_token_it_refuses_in_one_line(redis_server, tmp_p
     bad = subprocess.run([sys.executable, *server_args(tmp_path, "--listen", "ws://nowhere")],
                          env=server_env(redis_server.url), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--listen" in bad.stderr, bad.stderr
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    away = subprocess.run([sys.executable, *server_args(tmp_path)], env=server_env(nowhere), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=60)
+    assert away.returncode == 2 and away.stderr.count("\n") == 1 and "cannot reach Redis" in away.stderr, away.stderr
 
 
 def test_with_upload_each_session_works_in_an_environment_of_its_own(redis_env, worker, tmp_path):

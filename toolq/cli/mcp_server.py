@@ -21,6 +21,7 @@ from toolq.core.settings import Settings, workspace_problem
 from toolq.frontdoors.listening import Listen, parse_listen, read_token_file
 from toolq.frontdoors.mcp_server.transports import MCP_PATH
 from toolq.local.starting import WorkersStarting
+from toolq.orchestrator.transport.redis_faults import reaching
 
 #: The variable holding the bearer token when no --token-file is given (`Settings.mcp_server_token`).
 TOKEN_ENV = "TOOLQ_MCP_SERVER_TOKEN"
@@ -54,7 +55,8 @@ def mcp_server_cmd(settings: Settings, *, listen: str, environment: EnvChoice | 
         raise ConfigurationError(problem)
     with ExitStack() as stack:
         settings, starting = with_redis(settings, stack, quiet=False)
-        asyncio.run(_serve(settings, starting, where, environment, token))
+        with reaching(settings.redis_url):  # Redis away: one line naming it, exit 2
+            asyncio.run(_serve(settings, starting, where, environment, token))
     return 0
 
 
