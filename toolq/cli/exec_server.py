@@ -18,7 +18,14 @@ from pathlib import Path
 from toolq.cli.envs import ChoiceError, EnvChoice, choose
 from toolq.core.settings import Settings, workspace_problem
 from toolq.frontdoors.exec_server.paths import Root
-from toolq.frontdoors.exec_server.server import Listen, Sessions, parse_listen, serve_stdio, serve_websocket
+from toolq.frontdoors.exec_server.server import (
+    Listen,
+    ListenError,
+    Sessions,
+    parse_listen,
+    serve_stdio,
+    serve_websocket,
+)
 from toolq.frontdoors.exec_server.session import Context
 from toolq.local.starting import WorkersStarting
 
@@ -86,6 +93,9 @@ def exec_server_cmd(settings: Settings, *, listen: str, upload: str | None = Non
             asyncio.run(_serve(settings, starting, where, choice, client_root, token))
         except KeyboardInterrupt:
             pass
+        except ListenError as e:
+            print(f"{PREFIX}: {e}", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -94,6 +104,7 @@ async def _serve(settings: Settings, starting: WorkersStarting | None, where: Li
     from toolq.core.signing import required_signer
     from toolq.orchestrator.environments import pending_source
     from toolq.orchestrator.fleet import Fleet
+    from toolq.orchestrator.transport.redis_faults import reaching
     from toolq.workers.redis_clients import async_client
 
     fleet = await Fleet.open(settings, read_fleet_tools=False)
@@ -109,6 +120,8 @@ async def _serve(settings: Settings, starting: WorkersStarting | None, where: Li
         with suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, lambda: serving.cancel() if serving else None)
     try:
+        with reaching(settings.redis_url):  # a wrong REDIS_URL: one line now, not a failure at each request
+            await streams.ping()
         if where is None:
             await serve_stdio(sessions)
         else:

@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
 
 #: The module whose imports are most of each turn-running command's start-up.
 RUNTIME_MODULES = {"run": "toolq.cli.run", "resume": "toolq.cli.run",
-                   "demo": "toolq.cli.run", "batch": "toolq.cli.batch"}
+                   "demo": "toolq.cli.run", "batch": "toolq.cli.batch", "exec-server": "toolq.cli.exec_server"}
 
 
 def import_quietly(module: str) -> None:

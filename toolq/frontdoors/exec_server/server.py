@@ -156,6 +156,10 @@ class Connection:
 
 # ---- WebSocket ---------------------------------------------------------------------------------
 
+class ListenError(Exception):
+    """The address cannot be listened on (one line for the user)."""
+
+
 @dataclass(frozen=True)
 class Listen:
     host: str
@@ -247,11 +251,18 @@ async def serve_websocket(sessions: Sessions, listen: Listen, token: str | None,
 
         await Connection(sessions, ws.send, keep=True).serve(frames())
 
-    async with serve(handler, listen.host, listen.port, process_request=check, max_size=MAX_MESSAGE_BYTES,
-                     compression=None) as server:
+    try:
+        server = await serve(handler, listen.host, listen.port, process_request=check, max_size=MAX_MESSAGE_BYTES,
+                             compression=None)
+    except OSError as e:  # a port in use, an address not ours: one line
+        raise ListenError(f"cannot listen on ws://{listen.host}:{listen.port}: {e.strerror or e}") from None
+    try:
         host, port = next(iter(server.sockets)).getsockname()[:2]
         on_listening(f"ws://{f'[{host}]' if ':' in host else host}:{port}")
         await server.serve_forever()
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 # ---- stdio ----------------------------------------------------------------------------------------
