@@ -13,9 +13,7 @@ import asyncio
 import base64
 import json
 import os
-import shutil
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,23 +22,17 @@ import redis
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-import tests.integration.conftest as c
+from tests.integration import test_exec_server as es
+from tests.integration import test_hostile_exec as he
 from tests.integration import unprivileged
-from tests.integration.test_exec_server import (  # noqa: F401 - fixtures
-    Client,
-    exec_server,
-    finished,
-    process_start,
-    run,
-    server,
-    server_env,
-    uri,
-    workspace,
-)
-from tests.integration.test_front_door_tools import Door, door_worker  # noqa: F401 - fixtures
-from tests.integration.test_hostile_exec import hostile_workers, locked_redis  # noqa: F401 - fixtures
+from tests.integration.test_exec_server import Client, exec_server, finished, process_start, run, uri
+from tests.integration.test_front_door_tools import Door
+from tests.integration.test_hostile_exec import hostile_workers
 from toolq.core.front_doors import process_stream_key
 from toolq.frontdoors.exec_server.session import process_key
+
+# the fixtures of those modules, used here too
+server, workspace, locked_redis = es.server, es.workspace, he.locked_redis
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +51,7 @@ def test_a_browser_page_cannot_drive_a_loopback_exec_server(server, workspace):
     page the user visits runs commands in the workspace and reads its files back."""
     port = port_of(server.url)
     for origin in ("https://evil.example", "null", "http://127.0.0.1.evil.example"):
-        with pytest.raises(InvalidStatus) as e, connect(f"ws://127.0.0.1:{port}", origin=origin):  # type: ignore[arg-type]
+        with pytest.raises(InvalidStatus) as e, connect(f"ws://127.0.0.1:{port}", origin=origin):
             pass
         assert e.value.response.status_code == 403, origin
     # DNS rebinding: the page's own name now resolves to 127.0.0.1, so the browser sends its Host
@@ -229,3 +221,112 @@ def test_forged_and_replayed_process_events_are_never_pushed(server, workspace, 
         client.result("process/terminate", {"processId": "rt-other"})
         finished(client.until("rt-other", "process/closed"))
     r.close()
+
+
+# ---- the workspace: what commands leave, and races against the worker's file operations ----------
+
+@pytest.fixture(scope="module", params=["bwrap-root", "bwrap-nobody"])
+def rt_worker(request, locked_redis, tmp_path_factory):
+    backend, user = request.param.split("-")
+    yield from hostile_workers(backend, locked_redis, tmp_path_factory, user=user == "nobody",
+                               TOOLQ_SANDBOX_CPU_SECONDS="120")
+
+
+def nested_repo(ws: Path, worker: Any) -> Path:
+    """`keep/.git`, a repository made before the turn (the sandbox binds it read-only)."""
+    git = ws / "keep" / ".git"
+    (git / "hooks").mkdir(parents=True)
+    (git / "config").write_text("[core]\n")
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    if worker.user:
+        for p in [ws, *ws.rglob("*")]:
+            os.chown(p, *unprivileged.ids(), follow_symlinks=False)
+    return git
+
+
+def test_a_recursive_remove_never_takes_a_git_moved_in_after_its_check(rt_worker, tmp_path):
+    """fs remove (recursive) looks for a `.git` in the tree, then removes it. A command moving a
+    folder that holds a protected repository into the tree between the two must not get the
+    worker, outside the sandbox, to delete what the sandbox keeps read-only."""
+    ws = rt_worker.workspace(tmp_path)
+    git = nested_repo(ws, rt_worker)
+    shuffle = ("end=$((SECONDS+45)); while [ $SECONDS -lt $end ] && [ ! -e stop ]; do mkdir -p victim/d; "
+               "mv keep victim/d/keep 2>/dev/null; mv victim/d/keep keep 2>/dev/null; done; echo shuffled")
+
+    async def scenario() -> tuple[int, int]:
+        async with Door(rt_worker, ws) as door:
+            mover = asyncio.create_task(door.start("mover", ["bash", "-c", shuffle]))
+            removed = denied = 0
+            try:
+                for _ in range(400):
+                    if not (ws / "keep" / ".git").exists() and not (ws / "victim/d/keep/.git").exists():
+                        await asyncio.sleep(0.05)  # between the two mv: look again
+                        if not (ws / "keep" / ".git").exists() and not (ws / "victim/d/keep/.git").exists():
+                            break
+                    got = await door.fs("remove", "victim", recursive=True, force=True)
+                    if "ok" in got:
+                        removed += 1
+                    else:
+                        denied += 1
+            finally:
+                (ws / "stop").touch()
+                await mover
+            return removed, denied
+
+    removed, denied = run_async(scenario())
+    assert removed and denied  # both orders were hit
+    where = git if git.exists() else ws / "victim/d/keep/.git"
+    assert (where / "config").read_text() == "[core]\n" and (where / "HEAD").exists(), (removed, denied)
+
+
+def test_a_copy_into_itself_through_a_link_ends(rt_worker, tmp_path):
+    """`copy a -> alias/b` where `alias` is a link to `a` the command made: the lexical check does
+    not see that the destination is inside the source. The walk must not copy forever."""
+    ws = rt_worker.workspace(tmp_path)
+
+    async def scenario() -> None:
+        async with Door(rt_worker, ws) as door:
+            made = await door.start("mk", ["bash", "-c", "mkdir -p a && echo x > a/f && ln -s a alias"])
+            assert made["exit_code"] == 0
+            got = await door.fs("copy", "a", to="alias/b", recursive=True)
+            assert "ok" in got or "error" in got
+            depth = max(len(p.relative_to(ws).parts) for p in ws.rglob("*"))
+            assert depth < 64, depth
+            assert (await door.fs("readFile", "a/f"))["ok"]["dataBase64"] == base64.b64encode(b"x\n").decode()
+
+    run_async(scenario())
+
+
+def run_async(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_a_git_directory_of_another_name_is_not_removed_nor_written(rt_worker, tmp_path):
+    """`sub/.git` is a file naming `../gd` (`git init --separate-git-dir`): git reads `gd` as it
+    reads a `.git`, and the sandbox binds it read-only; the worker's fs must not change it either."""
+    ws = rt_worker.workspace(tmp_path)
+    gd = ws / "gd"
+    for d in ("objects", "refs/heads", "hooks"):
+        (gd / d).mkdir(parents=True)
+    (gd / "HEAD").write_text("ref: refs/heads/main\n")
+    (gd / "config").write_text("[core]\n")
+    (ws / "sub").mkdir()
+    (ws / "sub" / ".git").write_text("gitdir: ../gd\n")
+    if rt_worker.user:
+        for p in [ws, *ws.rglob("*")]:
+            os.chown(p, *unprivileged.ids(), follow_symlinks=False)
+    hook = base64.b64encode(b"#!/bin/sh\ntouch /tmp/pwned\n").decode()
+
+    async def scenario() -> None:
+        async with Door(rt_worker, ws) as door:
+            for op, path, kw in (("remove", "gd", {"recursive": True}), ("remove", "gd/hooks", {"recursive": True}),
+                                 ("remove", "gd/config", {}), ("writeFile", "gd/config", {"data": hook}),
+                                 ("writeFile", "gd/hooks/post-checkout", {"data": hook}),
+                                 ("copy", "sub/.git", {"to": "gd/hooks/pre-commit"}),
+                                 ("createDirectory", "gd/hooks/x", {}), ("remove", "sub", {"recursive": True})):
+                got = await door.fs(op, path, **kw)
+                assert got.get("error", {}).get("kind") == "denied", (op, path, got)
+
+    run_async(scenario())
+    assert (gd / "config").read_text() == "[core]\n" and sorted(os.listdir(gd / "hooks")) == []
+    assert (ws / "sub" / ".git").is_file()

@@ -20,7 +20,6 @@ import errno
 import json
 import os
 import shlex
-import shutil
 import stat
 from collections.abc import Callable
 from contextlib import closing
@@ -305,23 +304,53 @@ def _remove(ws: Workspace, args: FsRequest) -> dict[str, Any]:
         elif not args.recursive:
             os.rmdir(target.rel.name, dir_fd=parent)  # ENOTEMPTY unless empty
         else:
-            _refuse_git_inside(parent, target)
-            shutil.rmtree(target.rel.name, dir_fd=parent)  # fd-based: never follows a symlink
+            _remove_tree(parent, target)
     finally:
         os.close(parent)
     return {}
 
 
-def _refuse_git_inside(parent: int, target: Target) -> None:
-    """A tree holding a `.git` is not removed: the sandbox keeps every `.git` read-only."""
+def _remove_tree(parent: int, target: Target) -> None:
+    """The directory `target` and all it holds removed by fd, bottom-up, never through a symlink.
+    A tree holding a `.git` or a git directory of another name is not removed (the sandbox keeps
+    them read-only): each directory is checked as it is listed, just before its entries go, so a
+    repository a command moves into the tree meanwhile is found (or its folder's rmdir fails),
+    never removed unseen (a check of the whole tree first, then a removal, lost that race)."""
     top = open_entry(parent, target.rel.name, directory=True)
+    stack: list[tuple[int, str, list[os.DirEntry[str]]]] = []
     try:
-        with closing(walk(top)) as tree:
-            for _, where, entries in tree:
-                if any(e.name.lower() == ".git" for e in entries):
-                    raise FsFailure("denied", f"{target.given} holds a `.git` ({where or '.'}), which is not removed")
+        stack.append((top, target.rel.name, _listed_removable(top, target.given)))
+        while stack:
+            fd, name, entries = stack[-1]
+            if not entries:
+                stack.pop()
+                os.close(fd)
+                os.rmdir(name, dir_fd=stack[-1][0] if stack else parent)  # ENOTEMPTY if one came in
+                continue
+            entry = entries.pop()
+            if entry.is_dir(follow_symlinks=False):
+                sub = open_entry(fd, entry.name, directory=True)
+                try:
+                    stack.append((sub, entry.name, _listed_removable(sub, target.given)))
+                except BaseException:
+                    os.close(sub)
+                    raise
+            else:
+                os.unlink(entry.name, dir_fd=fd)  # a file, a link (never what it names), a FIFO
     finally:
-        os.close(top)
+        for fd, _, _ in stack:
+            os.close(fd)
+
+
+def _listed_removable(fd: int, given: str) -> list[os.DirEntry[str]]:
+    with os.scandir(fd) as it:
+        entries = list(it)
+    names = {e.name: e for e in entries}
+    if any(n.lower() == ".git" for n in names) or (
+            "HEAD" in names and names["HEAD"].is_file(follow_symlinks=False)
+            and all(n in names and names[n].is_dir(follow_symlinks=False) for n in ("objects", "refs"))):
+        raise FsFailure("denied", f"{given} holds a `.git` or a git directory, which is not removed")
+    return entries
 
 
 def _list(ws: Workspace, args: FsRequest) -> dict[str, Any]:
@@ -362,14 +391,32 @@ def _copy_tree(ws: Workspace, top: int, dest: Target) -> None:
     """The tree open at `top` copied to `dest`: directories and regular files (at most
     READ_FILE_BYTES in all), symlinks as the same links; nothing followed, nothing else copied."""
     budget = READ_FILE_BYTES
-    ws.make_directory(dest, parents=True)
-    with closing(walk(top)) as tree:
+    made: set[tuple[int, int]] = set()
+    """The directories this copy made: never walked into (a destination inside the source through
+    a link, `copy a alias/b` with `alias -> a`, would copy itself without end)."""
+
+    def make(to: Target) -> None:
+        ws.make_directory(to, parents=True)
+        fd = ws.open(to, os.O_PATH | os.O_DIRECTORY)
+        try:
+            status = os.fstat(fd)
+        finally:
+            os.close(fd)
+        made.add((status.st_dev, status.st_ino))
+
+    def enter(entry: os.DirEntry[str]) -> bool:
+        status = entry.stat(follow_symlinks=False)
+        return (status.st_dev, status.st_ino) not in made
+
+    make(dest)
+    with closing(walk(top, enter=enter)) as tree:
         for fd, where, entries in tree:
             here = dest.rel / where if where else dest.rel
             for e in entries:
                 to = Target(f"{dest.given}/{where}/{e.name}".replace("//", "/"), here / e.name)
                 if e.is_dir(follow_symlinks=False):
-                    ws.make_directory(to, parents=True)
+                    if enter(e):
+                        make(to)
                 elif e.is_symlink():
                     _link_like(ws, to, os.readlink(e.name, dir_fd=fd))
                 elif e.is_file(follow_symlinks=False):
