@@ -427,3 +427,27 @@ def test_off_loopback_a_token_is_required(fleet, redis_server, workspace, tmp_pa
         with Client.connect(f"ws://127.0.0.1:{port}",
                             additional_headers={"Authorization": "Bearer s3cret-token"}) as client:
             client.initialize()
+
+
+def test_bad_options_a_wrong_redis_and_a_port_in_use_are_one_line_and_exit_2(redis_server, workspace):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    ws = ["--workspace", str(workspace)]
+    cases = [(redis_server.url, ["--git", "https://example.com/r.git"], "need --root"),
+             (redis_server.url, ["--git", "https://example.com/r.git", *ws], "exclusive"),
+             (redis_server.url, ["--listen", "http://127.0.0.1:1", *ws], "--listen takes"),
+             (redis_server.url, ["--upload", str(workspace / "missing")], "not a folder"),
+             ("redis://127.0.0.1:1/0", ws, "cannot reach Redis"),
+             (redis_server.url, ["--listen", f"ws://127.0.0.1:{port}", *ws], "address already in use")]
+    try:
+        for url, args, said in cases:
+            done = subprocess.run([sys.executable, "-m", "toolq.cli.main", "exec-server", *args],
+                                  env=server_env(url), capture_output=True, text=True, timeout=TIMEOUT)
+            assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)
+            assert said in done.stderr and done.stdout == "", (args, done.stderr)
+    finally:
+        taken.close()

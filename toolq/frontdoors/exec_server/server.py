@@ -93,8 +93,8 @@ class Connection:
             async for frame in frames:
                 await self._receive(frame)
         finally:
-            for task in list(self._tasks):
-                task.cancel()
+            # Requests in flight run to their end (a process/terminate sent just before Codex's socket
+            # dropped still kills); their answers have nowhere to go.
             self._out.put_nowait(None)
             await asyncio.wait({writer}, timeout=5)
             if self.session is not None:
