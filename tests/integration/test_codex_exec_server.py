@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -28,6 +30,7 @@ import pytest
 from tests.integration.codex_cli import codex_or_skip, environments_toml, running, turn
 from tests.integration.conftest import SIGNING_KEY, WORKER_ENV
 from tests.integration.test_environments import unmount_under
+from toolq.core import import_path
 from toolq.dev.bench.exec_server import codex_argv, listening, toolq_argv
 from toolq.dev.fake_model import builders as b
 from toolq.local.embedded import WorkerProcess
@@ -358,6 +361,23 @@ def test_codex_killed_mid_command_leaves_nothing_running_after_the_reap_window(c
     assert left, f"still running after the reap window: {_running_with(marker.encode())}\n{s.log()}"
 
 
+def test_toolq_cancel_of_the_session_turn_ends_its_processes(codex, serve, redis_env):
+    s = serve("toolq")
+    marker = f"{os.getpid() % 1000 + 43000}{int(time.time()) % 1000:03d}"
+    with running(codex, [[ex("c_long", f"echo started; sleep {marker}; echo never", yield_time_ms=30000)],
+                         [b.message("cancelled")]], s.workspace, url=s.url) as t:
+        assert _until(lambda: bool(_running_with(f"sleep\0{marker}".encode())), 60), s.log()
+        (turn_id,) = re.findall(r"exec-server session \S+: turn (turn-\S+)", s.log())
+        env = {**os.environ, "REDIS_URL": redis_env.url, "TOOLQ_SIGNING_KEY": SIGNING_KEY}
+        done = subprocess.run([*import_path.python_argv("-m", "toolq.cli.main"), "cancel", turn_id], env=env,
+                              capture_output=True, text=True, timeout=60, cwd=import_path.NEUTRAL_CWD)
+        assert done.returncode == 0, done.stderr
+    assert t.proc.returncode == 0, t.why()
+    said = t.said["c_long"]
+    assert "Process exited with code -1" in said and "started" in said and "never" not in said, t.why()
+    assert not _running_with(f"sleep\0{marker}".encode())
+
+
 # --- stdio -----------------------------------------------------------------------------------------------
 
 @BOTH
@@ -381,3 +401,23 @@ def test_stdio_mode_from_environments_toml(codex, request, redis_env, tmp_path, 
     assert "A stdio.txt" in t.said["p_add"], t.why()
     assert t.said["c_cat"].endswith("via stdio\n"), t.why()
     assert (ws / "stdio.txt").exists() == (kind == "codex")
+
+
+def test_stdio_eof_ends_the_session_at_once(codex, request, redis_env, tmp_path):
+    """Codex SIGKILLed: the stdio server's stdin ends, so its session ends then (no resume over
+    stdio): the process is killed and the server exits, though the resume window is long."""
+    request.getfixturevalue("host")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    marker = f"{os.getpid() % 1000 + 44000}{int(time.time()) % 1000:03d}"
+    args = ["-P", "-m", "toolq.cli.main", "exec-server", "--listen", "stdio", "--upload", str(ws)]
+    env = {**WORKER_ENV, "REDIS_URL": redis_env.url, "TOOLQ_SIGNING_KEY": SIGNING_KEY,
+           "TOOLQ_EXEC_SERVER_RESUME": "600"}
+    with running(codex, [[ex("c_long", f"echo started; sleep {marker}; echo never", yield_time_ms=30000)],
+                         [b.message("never reached")]], ws, environments=environments_toml(sys.executable, args, env)) as t:
+        assert _until(lambda: bool(_running_with(f"sleep\0{marker}".encode())), 60)
+        servers = _running_with(f"--upload\0{ws}\0".encode())
+        assert servers
+        t.proc.send_signal(signal.SIGKILL)
+    assert _until(lambda: not _running_with(f"sleep\0{marker}".encode()), 30)
+    assert _until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in servers), 30), servers
