@@ -351,3 +351,99 @@ def test_every_request_gets_one_answer_in_any_order_and_notifications_none():
     # pipelined: the slow request (3) was answered after the one sent after it (4)
     order = [a["id"] for a in answers]
     assert order.index(4) < order.index(3)
+
+
+# ---- a process's stream read into its events, with stand-in calls and Redis ------------------------------
+
+class _Streams:
+    """XREAD over one list of entries (the worker's XADDs), handed out once."""
+
+    def __init__(self, entries: list[tuple[str, dict[str, str]]]) -> None:
+        self.entries = entries
+        self.deleted: list[str] = []
+
+    async def xread(self, streams: dict[str, str], count: int | None = None, block: int | None = None) -> Any:
+        (key, after), = streams.items()
+        found = [(i, f) for i, f in self.entries if int(i.split("-")[0]) > int(after.split("-")[0])]
+        if not found:
+            await asyncio.sleep(0.001)
+            return []
+        return [(key, found)]
+
+    async def delete(self, key: str) -> None:
+        self.deleted.append(key)
+
+
+class _Calls:
+    turn_id = "turn-abc"
+
+    def __init__(self, reply: str) -> None:
+        self.reply = reply
+
+    async def run(self, tool: str, args: dict[str, Any], *, control: bool = True,
+                  call_id: str | None = None) -> tuple[str, Any]:
+        await asyncio.sleep(0.01)
+        try:
+            return self.reply, json.loads(self.reply)
+        except ValueError:
+            return self.reply, None
+
+
+def _process_events(reply: str, events: list[dict[str, Any]], forged: bool = False) -> list[dict[str, Any]]:
+    from types import SimpleNamespace
+
+    from toolq.core.front_doors import ProcessEvent, seal_event
+    from toolq.core.signing import Signer
+    from toolq.frontdoors.exec_server.session import Context, ExecSession, Process
+
+    signer = Signer("k" * 40)
+    pushed: list[dict[str, Any]] = []
+
+    async def scenario() -> None:
+        params = parse_params(ProcessStartParams, {"processId": "p-1", "argv": ["/bin/bash", "-lc", "x"],
+                                                   "cwd": "file:///ws"})
+        proc = Process(params, "turn-abc")
+        entries = [(f"{n}-0", seal_event(signer if not (forged and n == 2) else Signer("x" * 40), proc.stream_key,
+                                         ProcessEvent(n=n, **e)))
+                   for n, e in enumerate(events, 1)]
+        streams = _Streams(entries)
+        fleet = SimpleNamespace(ledger=SimpleNamespace(r=None), environments=None)
+        ctx = Context(fleet, Root("/ws"), None, streams, signer, 60.0)  # type: ignore[arg-type]
+        session = ExecSession(ctx, lambda s: None)
+        session.calls = _Calls(reply)  # type: ignore[assignment]
+        session.attach(pushed.append, resumed=False)
+        session.processes[proc.id] = proc
+        await asyncio.wait_for(session._run(proc, {}), 10)
+        assert streams.deleted == [proc.stream_key]
+
+    asyncio.run(scenario())
+    return pushed
+
+
+def test_a_process_stream_becomes_output_exited_and_closed():
+    pushed = _process_events('{"exit_code": 0, "session_id": 3}', [
+        {"kind": "started", "session_id": 3, "instance": "w1"},
+        {"kind": "output", "stream": "stdout", "data": base64.b64encode(b"hi\n").decode()},
+        {"kind": "exit", "exit_code": 0}])
+    assert [(m["method"], m["params"]["seq"]) for m in pushed] == \
+        [("process/output", 1), ("process/exited", 2), ("process/closed", 3)]
+    assert pushed[1]["params"]["exitCode"] == 0
+
+
+def test_a_call_that_ends_with_no_exit_says_why_and_exits_minus_1_never_a_made_up_code():
+    pushed = _process_events("aborted: the turn was cancelled (toolq cancel)", [
+        {"kind": "started", "session_id": 3, "instance": "w1"}])
+    assert [m["method"] for m in pushed] == ["process/output", "process/exited", "process/closed"]
+    assert pushed[0]["params"]["stream"] == "stderr"
+    assert b"[toolq: aborted: the turn was cancelled" in base64.b64decode(pushed[0]["params"]["chunk"])
+    assert pushed[1]["params"]["exitCode"] == -1
+
+
+def test_a_limit_note_is_a_stderr_line_before_the_exit_and_a_forged_entry_is_skipped():
+    pushed = _process_events('{"exit_code": 137, "session_id": 3}', [
+        {"kind": "started", "session_id": 3, "instance": "w1"},
+        {"kind": "output", "stream": "stdout", "data": base64.b64encode(b"forged\n").decode()},
+        {"kind": "exit", "exit_code": 137, "note": "the sandbox's memory cap (512 MiB) was hit"}], forged=True)
+    assert [m["method"] for m in pushed] == ["process/output", "process/exited", "process/closed"]
+    assert b"memory cap" in base64.b64decode(pushed[0]["params"]["chunk"])
+    assert pushed[1]["params"]["exitCode"] == 137
