@@ -138,12 +138,46 @@ def test_the_codex_baseline_is_its_native_binary_not_the_npm_wrapper(tmp_path, m
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "codex").symlink_to(wrapper)
     monkeypatch.delenv("TOOLQ_BENCH_CODEX", raising=False)
+    monkeypatch.setattr(codex, "CACHE", tmp_path / "no-install")  # not the copy the tests installed
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     assert codex.binary() == str(native)  # node's start-up is not counted against Codex
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert codex.binary() is None and "npm install -g @openai/codex@0.171.0" in codex.describe(None)
+    monkeypatch.setattr(codex, "CACHE", tmp_path)  # what `install()` put there (npm install --prefix)
+    assert codex.binary() == str(native)
     monkeypatch.setenv("TOOLQ_BENCH_CODEX", str(tmp_path / "missing"))
     assert codex.binary() is None
     native.unlink()  # the wrapper alone would count node's start-up against Codex
     monkeypatch.setenv("TOOLQ_BENCH_CODEX", str(wrapper))
     assert codex.binary() is None
+
+
+def test_exec_server_printout_gives_both_step_times_and_marks_a_missed_ratio():
+    from toolq.dev.bench import exec_server
+
+    res = {"parallel": 8, "cpus": 2, "load": 1.0, "quick": False, "sizes": {"rounds": 9}, "failed": [],
+           "codex": {"p50": 0.2, "cpu_per_turn": 0.1}, "toolq": {"p50": 0.32, "cpu_per_turn": 0.3},
+           "toolq_cpu_per_turn": {"toolq exec-server": 0.07, "redis": 0.02, "workers": 0.21}, "ratio": 1.6}
+    lines = exec_server.report(res)
+    assert "p50 200 ms" in lines[1] and "p50 320 ms" in lines[2] and "workers 210" in lines[2]
+    assert lines[-1] == "  ratio 1.60x  (goal <= 1.5x: MISSED)"
+    failed = exec_server.report({**res, "failed": ["CodexFailed: npm is not installed, so Codex 0.171.0 cannot be"]})
+    assert failed[1:] == ["  FAILED: CodexFailed: npm is not installed, so Codex 0.171.0 cannot be"]
+
+
+def test_codex_install_says_in_one_line_why_it_cannot(tmp_path, monkeypatch):
+    import pytest
+
+    from toolq.dev.bench import codex
+
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    with pytest.raises(codex.CodexFailed, match="^npm is not installed, so Codex 0.171.0 cannot be$"):
+        codex.install(tmp_path / "prefix")
+    (tmp_path / "bin").mkdir()
+    npm = tmp_path / "bin" / "npm"
+    npm.write_text("#!/bin/sh\necho 'npm error code ENOTFOUND' >&2\necho 'npm error network request failed' >&2\n"
+                   "exit 1\n")
+    npm.chmod(0o755)
+    with pytest.raises(codex.CodexFailed) as e:
+        codex.install(tmp_path / "prefix")
+    assert str(e.value) == "npm install @openai/codex@0.171.0 failed: npm error network request failed"

@@ -33,10 +33,13 @@ CACHE = Path.home() / ".cache" / "toolq-tests" / f"codex-{VERSION}"
 
 
 def binary() -> str | None:
-    """The native `codex` executable, or None (none installed, or only npm's wrapper)."""
+    """The native `codex` executable, or None (none installed, or only npm's wrapper). Without
+    TOOLQ_BENCH_CODEX or `codex` on PATH, the copy `install()` made, if any."""
     found = os.environ.get("TOOLQ_BENCH_CODEX") or shutil.which("codex")
-    if not found or not os.access(found, os.X_OK):
+    if not found:
         return native_in(CACHE)
+    if not os.access(found, os.X_OK):
+        return None
     path = Path(found).resolve()
     with path.open("rb") as f:
         script = f.read(2) == b"#!"

@@ -35,7 +35,7 @@ from typing import IO, Any
 
 from toolq.core import import_path
 from toolq.dev.bench import codex as reference
-from toolq.dev.bench.harness import median
+from toolq.dev.bench.harness import goal, median
 from toolq.dev.fake_model import builders as b
 from toolq.dev.fake_model.server import FakeModel
 
@@ -250,7 +250,7 @@ def measure(codex: str, work: Path, sizes: Sizes) -> dict[str, Any]:
     return {**{name: {"p50": p50[name], "samples": samples[name], "cpu_per_turn": cpu[name] / sizes.rounds}
                for name in samples},
             "toolq_cpu_per_turn": {part: cpu[part] / sizes.rounds for part in parts},
-            "ratio": p50["toolq"] / p50["codex"], "goal_met": p50["toolq"] / p50["codex"] <= GOAL}
+            "ratio": p50["toolq"] / p50["codex"], "goal_met": goal(p50["toolq"] / p50["codex"], GOAL)[0]}
 
 
 def run(out: IO[str] = sys.stdout, quick: bool = False, as_json: bool = False) -> dict[str, Any]:
@@ -289,4 +289,4 @@ def report(res: dict[str, Any]) -> list[str]:
             f"CPU {t['cpu_per_turn'] * 1000:.0f} ms a turn ("
             + ", ".join(f"{part} {v * 1000:.0f}" for part, v in res["toolq_cpu_per_turn"].items())
             + "; the workers' count holds their session hosts and the commands)",
-            f"  ratio {res['ratio']:.2f}x  (goal <= {GOAL:g}x: {'met' if res['goal_met'] else 'MISSED'})"]
+            f"  ratio {res['ratio']:.2f}x  ({goal(res['ratio'], GOAL)[1]})"]
