@@ -26,6 +26,7 @@ from websockets.sync.client import ClientConnection, connect
 
 import tests.integration.conftest as c
 from tests.integration.test_cancel import pids_matching
+from tests.integration.test_codex_exec_server import host  # noqa: F401  # a worker host for environments
 
 pytestmark = pytest.mark.integration
 
@@ -63,8 +64,10 @@ class Server:
 
 
 @contextmanager
-def exec_server(redis_url: str, workspace: Path, *extra: str, **env: str) -> Iterator[Server]:
-    proc = subprocess.Popen([sys.executable, "-m", "toolq.cli.main", "exec-server", "--workspace", str(workspace),
+def exec_server(redis_url: str, workspace: Path | None, *extra: str, **env: str) -> Iterator[Server]:
+    """`toolq exec-server` on `workspace` (None: `extra` names the source, e.g. `--upload DIR`)."""
+    where = ["--workspace", str(workspace)] if workspace is not None else []
+    proc = subprocess.Popen([sys.executable, "-m", "toolq.cli.main", "exec-server", *where,
                              *extra], env=server_env(redis_url, **env), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     server = Server(proc)
@@ -451,3 +454,35 @@ def test_bad_options_a_wrong_redis_and_a_port_in_use_are_one_line_and_exit_2(red
             assert said in done.stderr and done.stdout == "", (args, done.stderr)
     finally:
         taken.close()
+
+
+def envs_of(redis_url: str) -> list[dict[str, Any]]:
+    done = subprocess.run([sys.executable, "-m", "toolq.cli.main", "envs", "--json"], env=server_env(redis_url),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+
+@pytest.mark.usefixtures("host")
+def test_upload_gives_each_session_an_environment_of_its_own_destroyed_when_it_is_reaped(redis_env, tmp_path):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "seed.txt").write_text("seed\n")
+    with exec_server(redis_env.url, None, "--upload", str(folder), TOOLQ_EXEC_SERVER_RESUME="1") as server:
+        with Client.connect(server.url) as one, Client.connect(server.url) as two:
+            assert one.initialize()["environmentInfo"]["cwd"] == uri(folder)  # the client names it by DIR's path
+            two.initialize()
+            assert run(one, folder, "cat seed.txt; echo made > made.txt") == (b"seed\n", 0)
+            assert not (folder / "made.txt").exists()  # written in the environment, not in DIR
+            assert one.result("fs/readFile", {"path": uri(folder / "made.txt"), "sandbox": None}) == \
+                {"dataBase64": b64(b"made\n")}
+            assert run(two, folder, "cat made.txt")[1] != 0  # the other session's environment has no such file
+            live = [e for e in envs_of(redis_env.url) if e.get("state") not in ("destroyed", "lost")]
+            assert len(live) == 2, live
+            one.ws.socket.close()
+            two.ws.socket.close()
+        end = time.monotonic() + TIMEOUT
+        while [e for e in envs_of(redis_env.url) if e.get("state") not in ("destroyed", "lost")] \
+                and time.monotonic() < end:
+            time.sleep(0.5)
+        assert [e for e in envs_of(redis_env.url) if e.get("state") not in ("destroyed", "lost")] == []
