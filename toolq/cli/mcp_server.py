@@ -19,8 +19,10 @@ from toolq.cli.run import with_redis
 from toolq.core.errors import ConfigurationError
 from toolq.core.settings import Settings, workspace_problem
 from toolq.frontdoors.listening import Listen, parse_listen, read_token_file
-from toolq.frontdoors.mcp_server.transports import MCP_PATH
+from toolq.frontdoors.mcp_server import MCP_PATH, McpFrontDoor, serve_http, serve_stdio
 from toolq.local.starting import WorkersStarting
+from toolq.orchestrator.environments import Environment
+from toolq.orchestrator.fleet import Fleet
 from toolq.orchestrator.transport.redis_faults import reaching
 
 #: The variable holding the bearer token when no --token-file is given (`Settings.mcp_server_token`).
@@ -62,10 +64,6 @@ def mcp_server_cmd(settings: Settings, *, listen: str, environment: EnvChoice | 
 
 async def _serve(settings: Settings, starting: WorkersStarting | None, where: Listen | None,
                  environment: EnvChoice | None, token: str | None) -> None:
-    from toolq.frontdoors.mcp_server import McpFrontDoor, serve_http, serve_stdio
-    from toolq.orchestrator.environments import Environment
-    from toolq.orchestrator.fleet import Fleet
-
     def make_environment(fleet: Fleet) -> Environment:
         assert environment is not None
         return fleet.environment(upload=environment.upload, git=environment.git, checkpoint=environment.checkpoint)
@@ -78,7 +76,7 @@ async def _serve(settings: Settings, starting: WorkersStarting | None, where: Li
             serving = asyncio.current_task()
             assert serving is not None
             loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGHUP):  # uvicorn handles its own; stdio's are ours
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # serve_http stops on its own
                 loop.add_signal_handler(sig, serving.cancel)
             try:
                 await serve_stdio(door)
