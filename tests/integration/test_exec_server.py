@@ -373,6 +373,8 @@ def test_toolq_cancel_of_the_sessions_turn_ends_its_processes(server, workspace,
         assert done.returncode == 0, done.stderr
         output, code = finished(client.until(p["processId"], "process/closed"))
         assert code in (-1, 137) and output.startswith(b"up\n")
+        output, code = run(client, workspace, "echo again")  # the turn is over: later commands say so
+        assert code == -1 and b"[toolq: " in output and b"again" not in output
     end = time.monotonic() + TIMEOUT
     while pids_matching(marker) and time.monotonic() < end:
         time.sleep(0.1)
