@@ -488,3 +488,25 @@ def test_upload_gives_each_session_an_environment_of_its_own_destroyed_when_it_i
                 and time.monotonic() < end:
             time.sleep(0.5)
         assert [e for e in envs_of(redis_env.url) if e.get("state") not in ("destroyed", "lost")] == []
+
+
+def test_a_link_out_of_the_workspace_is_never_followed_by_fs(server, workspace, tmp_path):
+    """Workspace content is hostile: a command's link leading out reads and writes nothing outside
+    (the worker's confined file operations; the server's mapping is lexical and never resolves it)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("k3pt-0utside\n")
+    with Client.connect(server.url) as client:
+        client.initialize()
+        assert run(client, workspace, f"ln -s {outside} out; ln -s {outside}/secret.txt s.txt")[1] == 0
+        for path in (workspace / "out" / "secret.txt", workspace / "s.txt"):
+            reply = client.call("fs/readFile", {"path": uri(path), "sandbox": None})
+            assert "error" in reply and b64(b"k3pt-0utside\n") not in json.dumps(reply), reply
+            reply = client.call("fs/writeFile", {"path": uri(path), "dataBase64": b64(b"pwned\n"), "sandbox": None})
+            assert "error" in reply, reply
+        reply = client.call("fs/writeFile", {"path": uri(workspace / "out" / "new.txt"), "dataBase64": b64(b"x"),
+                                             "sandbox": None})
+        assert "error" in reply, reply
+        assert client.result("fs/getMetadata", {"path": uri(workspace / "s.txt"), "sandbox": None})["isSymlink"]
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+    assert (outside / "secret.txt").read_text() == "k3pt-0utside\n"
