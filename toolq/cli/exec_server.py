@@ -27,6 +27,7 @@ from toolq.frontdoors.exec_server.server import (
     serve_websocket,
 )
 from toolq.frontdoors.exec_server.session import Context
+from toolq.frontdoors.listening import read_token_file
 from toolq.local.starting import WorkersStarting
 
 log = logging.getLogger("toolq.exec_server")
@@ -65,12 +66,9 @@ def plan(settings: Settings, *, listen: str, upload: str | None, git: str | None
 
 def read_token(path: str) -> str:
     try:
-        token = Path(path).expanduser().read_text().strip()
-    except OSError as e:
-        raise Refused(f"--token-file {path}: {e.strerror}") from None
-    if not token:
-        raise Refused(f"--token-file {path} is empty")
-    return token
+        return read_token_file(path)
+    except ValueError as e:
+        raise Refused(str(e)) from None
 
 
 def exec_server_cmd(settings: Settings, *, listen: str, upload: str | None = None, git: str | None = None,

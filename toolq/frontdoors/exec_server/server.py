@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -35,10 +33,10 @@ from toolq.frontdoors.exec_server.protocol import (
     result_frame,
 )
 from toolq.frontdoors.exec_server.session import Context, ExecSession
+from toolq.frontdoors.listening import Listen
+from toolq.frontdoors.listening import parse_listen as parse_address
 
 log = logging.getLogger("toolq.exec_server")
-
-STDIO = "stdio"
 
 
 class Sessions:
@@ -160,35 +158,9 @@ class ListenError(Exception):
     """The address cannot be listened on (one line for the user)."""
 
 
-@dataclass(frozen=True)
-class Listen:
-    host: str
-    port: int
-
-    @property
-    def loopback(self) -> bool:
-        if self.host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            return False
-
-
 def parse_listen(text: str) -> Listen | None:
     """`ws://HOST:PORT` → Listen; `stdio` → None; ValueError (one sentence) otherwise."""
-    if text == STDIO:
-        return None
-    parts = urlsplit(text)
-    if parts.scheme != "ws" or not parts.hostname or parts.path not in ("", "/") or parts.query:
-        raise ValueError(f"--listen takes ws://HOST:PORT or stdio, not {text!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"--listen {text}: the port is not a number from 0 to 65535") from None
-    if port is None:
-        raise ValueError(f"--listen {text}: give a port (0 picks a free one)")
-    return Listen(parts.hostname, port)
+    return parse_address(text, "ws")
 
 
 def token_accepted(token: str | None, headers: Any, path: str) -> bool:
@@ -201,14 +173,7 @@ def token_accepted(token: str | None, headers: Any, path: str) -> bool:
 
 
 def _loopback_name(host: str | None) -> bool:
-    if host is None:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return host is not None and Listen(host, 0).loopback
 
 
 def browser_refused(token: str | None, headers: Any) -> str | None:
