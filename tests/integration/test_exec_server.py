@@ -212,6 +212,15 @@ def test_codex_start_up_then_echo_hi_streams_output_exited_and_closed_in_one_seq
         assert client.error("no/such/method", {})["code"] == -32601
 
 
+def test_a_big_output_streams_whole_in_chunks_of_at_most_8192_bytes(server, workspace):
+    with Client.connect(server.url) as client:
+        client.initialize()
+        output, code = run(client, workspace, "seq 1 300000")
+        assert code == 0 and output == "".join(f"{i}\n" for i in range(1, 300001)).encode()
+        p = next(iter(client.events.values()))
+        assert max(len(base64.b64decode(e["params"]["chunk"])) for e in p if e["method"] == "process/output") <= 8192
+
+
 def test_parallel_processes_each_complete_with_their_own_output(server, workspace):
     with Client.connect(server.url) as client:
         client.initialize()

@@ -146,6 +146,7 @@ class ExecSession:
         self._push: Push | None = None
         self._ready: asyncio.Task[None] | None = None
         self._reaper: asyncio.TimerHandle | None = None
+        self._closing: asyncio.Future[None] | None = None
         self._on_closed = on_closed
         self.closed = False
 
@@ -186,8 +187,10 @@ class ExecSession:
         if self._push != push or self.closed:  # bound methods: equal, never the same object
             return  # another connection resumed it meanwhile
         self._push = None
-        self._reaper = asyncio.get_running_loop().call_later(
-            self.ctx.resume_seconds, lambda: asyncio.ensure_future(self.close()))
+        self._reaper = asyncio.get_running_loop().call_later(self.ctx.resume_seconds, self._reap)
+
+    def _reap(self) -> None:
+        self._closing = asyncio.ensure_future(self.close())  # held: the loop keeps only a weak reference
 
     async def close(self) -> None:
         """Reap: kill the processes still running, end the turns, destroy the environment and
