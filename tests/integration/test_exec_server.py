@@ -285,6 +285,13 @@ def test_a_missing_or_outside_cwd_is_spawn_not_found(server, workspace):
             assert error["code"] == -32603 and error["data"] == {"kind": "spawnNotFound"}, error
         assert run(client, workspace, "pwd", cwd=uri(workspace / "sub"))[0].strip().endswith(b"/sub")
         assert client.error("process/start", {"processId": "x"}) == {"code": -32602, "message": "missing field `argv`"}
+        # Codex's -s read-only: a workspace toolq's cell cannot keep unwritable is refused, never run weaker
+        read_only = {"permissions": {"type": "managed", "file_system": {"type": "restricted", "entries": [
+            {"path": {"type": "special", "value": {"kind": "root"}}, "access": "read"}]}, "network": "restricted"}}
+        error = client.error("process/start", {**process_start(workspace, "touch x"), "sandbox": read_only})
+        assert error["code"] == -32603 and "read-only" in error["message"]
+        error = client.error("fs/writeFile", {"path": uri(workspace / "x"), "dataBase64": "eA==", "sandbox": read_only})
+        assert error["code"] == -32603 and not (workspace / "x").exists()
 
 
 def b64(data: bytes) -> str:
