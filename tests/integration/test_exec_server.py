@@ -45,6 +45,7 @@ class Server:
         self.proc = proc
         self.stderr: list[str] = []
         self.url = ""
+        self.redis_url = ""
         threading.Thread(target=self._collect, daemon=True).start()
 
     def _collect(self) -> None:
@@ -71,6 +72,7 @@ def exec_server(redis_url: str, workspace: Path | None, *extra: str, **env: str)
                              *extra], env=server_env(redis_url, **env), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     server = Server(proc)
+    server.redis_url = redis_url
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline().decode()
@@ -210,6 +212,12 @@ def test_codex_start_up_then_echo_hi_streams_output_exited_and_closed_in_one_seq
         client.notify("something/else")  # ignored, the connection goes on
         assert run(client, workspace, "echo hi") == (b"hi\n", 0)
         assert client.error("no/such/method", {})["code"] == -32601
+    # the command was a toolq call: in the ledger, as `toolq status` shows it
+    turn = server.turn_of(info["sessionId"])
+    done = subprocess.run([sys.executable, "-m", "toolq.cli.main", "status", turn, "--json"],
+                          env=server_env(server.redis_url), capture_output=True, text=True, timeout=TIMEOUT)
+    calls = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    assert [call["tool"] for call in calls] == ["process_start"], (done.stdout, done.stderr)
 
 
 def test_a_big_output_streams_whole_in_chunks_of_at_most_8192_bytes(server, workspace):
