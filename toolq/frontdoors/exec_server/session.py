@@ -170,7 +170,8 @@ class ExecSession:
         try:
             await asyncio.shield(self._ready)
         except Exception as e:
-            raise RpcError(INTERNAL_ERROR, f"toolq could not open this session's environment: {e}") from None
+            raise RpcError(INTERNAL_ERROR, one_line(f"toolq could not open this session (its conversation or "
+                                                    f"environment): {e}")) from None
 
     def attach(self, push: Push, *, resumed: bool) -> None:
         if self._reaper is not None:
