@@ -14,6 +14,7 @@ import base64
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -330,3 +331,44 @@ def test_a_git_directory_of_another_name_is_not_removed_nor_written(rt_worker, t
     run_async(scenario())
     assert (gd / "config").read_text() == "[core]\n" and sorted(os.listdir(gd / "hooks")) == []
     assert (ws / "sub" / ".git").is_file()
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_client_that_stops_reading_does_not_grow_the_servers_memory_without_bound(server, workspace,
+                                                                                      redis_server):
+    """A client starts processes that print 16 MB each (about the most a stream keeps) and never
+    reads its socket: the server must not queue every frame for it (it did: its memory grew with
+    the output); past a bound it drops the connection, and the kept session can be resumed."""
+    r = redis.Redis.from_url(redis_server.url)
+    with Client.connect(server.url) as client:
+        session = client.initialize()["sessionId"]
+        turn = server.turn_of(session)
+        assert run(client, workspace, "echo warm") == (b"warm\n", 0)
+        before = rss_kib(server.proc.pid)
+        ids = []
+        for _ in range(20):  # 320 MB, unread; what is kept: the queue's bound and 4 MiB a process
+            p = process_start(workspace, "head -c 16000000 /dev/zero")
+            ids.append(client.send("process/start", p))
+        deadline = time.monotonic() + 240
+        started = False
+        while time.monotonic() < deadline:  # every stream written and then deleted by the server
+            keys = r.keys(f"toolq:proc:{turn}:*")
+            started = started or bool(keys)
+            if started and not keys:
+                break
+            time.sleep(0.5)
+        grown = rss_kib(server.proc.pid) - before
+    r.close()
+    # Unbounded, it held more than the output itself (287 MiB for 160 MB); bounded, the queue's 32 MiB
+    # and what each process keeps for a resume, plus the stream reads in flight
+    assert grown < 320_000_000 >> 10, f"the server grew by {grown >> 10} MiB for a client that does not read"
+    assert any("unread; its connection is dropped" in line for line in server.stderr)
+    with Client.connect(server.url) as again:  # the session was kept: the client may come back
+        assert again.initialize(resume=session)["sessionId"] == session
+        assert run(again, workspace, "echo back") == (b"back\n", 0)

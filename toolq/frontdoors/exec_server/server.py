@@ -38,6 +38,11 @@ from toolq.frontdoors.listening import parse_listen as parse_address
 
 log = logging.getLogger("toolq.exec_server")
 
+#: What a WebSocket connection may have waiting to be sent: past it, the client is not reading
+#: (the server's memory would grow with every process's output), so the connection is dropped;
+#: the session is kept, and a client that resumes catches up with `process/read`.
+MAX_QUEUED_BYTES = 32 << 20
+
 
 class Sessions:
     """The client sessions of one server, by id (a resumed client names its own)."""
@@ -65,24 +70,40 @@ class Sessions:
 class Connection:
     """One client connection: `frames` in, `send` out; `keep` says whether the session outlives it."""
 
-    def __init__(self, sessions: Sessions, send: Callable[[str], Awaitable[None]], *, keep: bool) -> None:
+    def __init__(self, sessions: Sessions, send: Callable[[str], Awaitable[None]], *, keep: bool,
+                 hang_up: Callable[[], None] | None = None) -> None:
         self.sessions = sessions
         self._send = send
         self.keep = keep
+        self._hang_up = hang_up
+        """Drops the connection at once (None: never, whatever waits to be sent)."""
         self.session: ExecSession | None = None
-        self._out: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self._out: asyncio.Queue[str | None] = asyncio.Queue()
+        self._queued = 0
+        """The characters in `_out`; -1 once hung up on."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     def push(self, frame: dict[str, Any]) -> None:
-        self._out.put_nowait(frame)
+        if self._queued < 0:  # hung up on: nothing more is queued
+            return
+        text = encode(frame)
+        self._queued += len(text)
+        if self._hang_up is not None and self._queued > MAX_QUEUED_BYTES:
+            log.warning("exec-server: the client left %d bytes unread; its connection is dropped", self._queued)
+            self._queued = -1
+            self._hang_up()
+            return
+        self._out.put_nowait(text)
 
     async def _writer(self) -> None:
-        while (frame := await self._out.get()) is not None:
+        while (text := await self._out.get()) is not None:
             try:
-                await self._send(encode(frame))
+                await self._send(text)
             except Exception as e:  # the peer went away: the reader ends the connection
                 log.debug("could not send a frame: %s", e)
                 return
+            if self._queued >= 0:
+                self._queued -= len(text)
 
     async def serve(self, frames: Any) -> None:
         """Until `frames` (an async iterator of text) ends; then the session is kept or closed."""
@@ -214,7 +235,7 @@ async def serve_websocket(sessions: Sessions, listen: Listen, token: str | None,
             except ConnectionClosed:
                 return
 
-        await Connection(sessions, ws.send, keep=True).serve(frames())
+        await Connection(sessions, ws.send, keep=True, hang_up=ws.transport.abort).serve(frames())
 
     try:
         server = await serve(handler, listen.host, listen.port, process_request=check, max_size=MAX_MESSAGE_BYTES,
