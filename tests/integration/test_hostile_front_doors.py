@@ -13,6 +13,8 @@ import asyncio
 import base64
 import json
 import os
+import re
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -372,3 +374,72 @@ def test_a_client_that_stops_reading_does_not_grow_the_servers_memory_without_bo
     with Client.connect(server.url) as again:  # the session was kept: the client may come back
         assert again.initialize(resume=session)["sessionId"] == session
         assert run(again, workspace, "echo back") == (b"back\n", 0)
+
+
+def test_fs_never_writes_through_a_hard_link_a_fifo_or_a_socket(rt_worker, tmp_path):
+    """A hard link to a file outside (made before the turn: a `git clone` of a local repository
+    shares inodes so), a FIFO and a socket a command made: fs writes none of them through, and
+    never waits on the FIFO."""
+    ws = rt_worker.workspace(tmp_path)
+    outside = Path(unprivileged.owned_dir("toolq-rt-out-") if rt_worker.user else tmp_path.parent / "rt-outside")
+    outside.mkdir(exist_ok=True)
+    victim = outside / "victim.txt"
+    victim.write_text("intact\n")
+    os.link(victim, ws / "hard")
+    if rt_worker.user:
+        for p in [ws, outside, victim]:
+            os.chown(p, *unprivileged.ids())
+    data = base64.b64encode(b"pwned\n").decode()
+
+    async def scenario() -> None:
+        async with Door(rt_worker, ws) as door:
+            made = await door.start("mk", ["bash", "-c", "mkfifo fifo && python3 -c \"import socket; "
+                                           "socket.socket(socket.AF_UNIX).bind('sock')\" && echo ok"])
+            assert made["exit_code"] == 0
+            for op, path, kw in (("writeFile", "hard", {"data": data}), ("writeFile", "fifo", {"data": data}),
+                                 ("writeFile", "sock", {"data": data}), ("readFile", "fifo", {}),
+                                 ("readFile", "sock", {}), ("copy", "fifo", {"to": "f2"}),
+                                 ("copy", "sock", {"to": "s2"}), ("copy", "hard", {"to": "fifo"})):
+                got = await door.fs(op, path, **kw)
+                assert "error" in got or (op == "copy" and path == "hard"), (op, path, got)
+            assert await door.fs("remove", "hard") == {"ok": {}}  # the name goes, never the file it shares
+
+    try:
+        run_async(scenario())
+        assert victim.read_text() == "intact\n"
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+
+
+# ---- toolq mcp-server: one client against another, and the tools no client is offered ------------
+
+def test_an_mcp_client_reaches_neither_another_clients_sessions_nor_the_front_door_tools(fleet, redis_server,
+                                                                                         tmp_path):
+    from mcp import types as mcp_types
+
+    from tests.integration.test_mcp_server import http_server, over_http, text_of
+
+    async def go() -> None:
+        async with http_server(redis_server.url, tmp_path) as srv, over_http(srv.url) as alice, \
+                over_http(srv.url) as mallory:
+            held = await alice.call_tool("exec_command", {"cmd": "read line; echo alice-got:$line", "tty": True,
+                                                          "yield_time_ms": 500})
+            assert not held.isError and "session" in text_of(held).lower(), text_of(held)
+            for sid in range(0, 6):  # session ids are a per-conversation counter: guessable, never shared
+                stolen = await mallory.call_tool("write_stdin", {"session_id": sid, "chars": "mallory\n",
+                                                                "yield_time_ms": 200})
+                assert "alice-got" not in text_of(stolen)
+            for name, args in (("fs", {"op": "readFile", "path": "x"}), ("process_start", {"argv": ["id"],
+                               "stream_key": "toolq:proc:t:k"}), ("process_write", {"session_id": 1, "data": ""}),
+                               ("process_terminate", {"session_id": 1}), ("tool_search", {"query": "x"}),
+                               ("functions__exec_command", {"cmd": "id"}), ("__fs", {})):
+                refused = await mallory.call_tool(name, args)
+                assert refused.isError and "unknown tool" in text_of(refused), (name, text_of(refused))
+            found = re.search(r"session id:? (\d+)", text_of(held), re.IGNORECASE)
+            assert found, text_of(held)
+            sid = int(found.group(1))
+            own = await alice.call_tool("write_stdin", {"session_id": sid, "chars": "alice\n", "yield_time_ms": 2000})
+            assert "alice-got:alice" in text_of(own), text_of(own)
+            assert isinstance(own, mcp_types.CallToolResult)
+
+    asyncio.run(asyncio.wait_for(go(), 180))
