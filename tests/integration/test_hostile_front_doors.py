@@ -425,7 +425,7 @@ def test_an_mcp_client_reaches_neither_another_clients_sessions_nor_the_front_do
             held = await alice.call_tool("exec_command", {"cmd": "read line; echo alice-got:$line", "tty": True,
                                                           "yield_time_ms": 500})
             assert not held.isError and "session" in text_of(held).lower(), text_of(held)
-            for sid in range(0, 6):  # session ids are a per-conversation counter: guessable, never shared
+            for sid in range(6):  # session ids are a per-conversation counter: guessable, never shared
                 stolen = await mallory.call_tool("write_stdin", {"session_id": sid, "chars": "mallory\n",
                                                                 "yield_time_ms": 200})
                 assert "alice-got" not in text_of(stolen)
