@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from toolq.core.front_doors import ProcessEvent, seal_event
+from toolq.core.signing import Signer
 from toolq.frontdoors.exec_server import policy
 from toolq.frontdoors.exec_server.paths import Root, file_uri, local_path
 from toolq.frontdoors.exec_server.processes import ProcessLog
@@ -31,7 +34,7 @@ from toolq.frontdoors.exec_server.protocol import (
     parse_params,
 )
 from toolq.frontdoors.exec_server.server import Connection, parse_listen, token_accepted
-from toolq.frontdoors.exec_server.session import process_key
+from toolq.frontdoors.exec_server.session import Context, ExecSession, Process, process_key
 
 # ---- frames ------------------------------------------------------------------------------------
 
@@ -389,30 +392,31 @@ class _Calls:
             return self.reply, None
 
 
+SIGNER = Signer("k" * 40)
+
+
+def _session_with_a_process(streams: _Streams, reply: str = "{}") -> tuple[ExecSession, Process]:
+    """A session on stand-in fleet parts (no Redis, no workers), holding process p-1."""
+    fleet = SimpleNamespace(ledger=SimpleNamespace(r=None), environments=None)
+    session = ExecSession(Context(fleet, Root("/ws"), None, streams, SIGNER, 60.0),  # type: ignore[arg-type]
+                          lambda s: None)
+    session.calls = _Calls(reply)  # type: ignore[assignment]
+    params = parse_params(ProcessStartParams, {"processId": "p-1", "argv": ["/bin/bash", "-lc", "x"],
+                                               "cwd": "file:///ws"})
+    proc = session.processes["p-1"] = Process(params, "turn-abc")
+    return session, proc
+
+
 def _process_events(reply: str, events: list[dict[str, Any]], forged: bool = False) -> list[dict[str, Any]]:
-    from types import SimpleNamespace
-
-    from toolq.core.front_doors import ProcessEvent, seal_event
-    from toolq.core.signing import Signer
-    from toolq.frontdoors.exec_server.session import Context, ExecSession, Process
-
-    signer = Signer("k" * 40)
     pushed: list[dict[str, Any]] = []
 
     async def scenario() -> None:
-        params = parse_params(ProcessStartParams, {"processId": "p-1", "argv": ["/bin/bash", "-lc", "x"],
-                                                   "cwd": "file:///ws"})
-        proc = Process(params, "turn-abc")
-        entries = [(f"{n}-0", seal_event(signer if not (forged and n == 2) else Signer("x" * 40), proc.stream_key,
-                                         ProcessEvent(n=n, **e)))
-                   for n, e in enumerate(events, 1)]
-        streams = _Streams(entries)
-        fleet = SimpleNamespace(ledger=SimpleNamespace(r=None), environments=None)
-        ctx = Context(fleet, Root("/ws"), None, streams, signer, 60.0)  # type: ignore[arg-type]
-        session = ExecSession(ctx, lambda s: None)
-        session.calls = _Calls(reply)  # type: ignore[assignment]
+        streams = _Streams([])
+        session, proc = _session_with_a_process(streams, reply)
+        streams.entries = [(f"{n}-0", seal_event(SIGNER if not (forged and n == 2) else Signer("x" * 40),
+                                                 proc.stream_key, ProcessEvent(n=n, **e)))
+                           for n, e in enumerate(events, 1)]
         session.attach(pushed.append, resumed=False)
-        session.processes[proc.id] = proc
         await asyncio.wait_for(session._run(proc, {}), 10)
         assert streams.deleted == [proc.stream_key]
 
@@ -447,3 +451,25 @@ def test_a_limit_note_is_a_stderr_line_before_the_exit_and_a_forged_entry_is_ski
     assert [m["method"] for m in pushed] == ["process/output", "process/exited", "process/closed"]
     assert b"memory cap" in base64.b64decode(pushed[0]["params"]["chunk"])
     assert pushed[1]["params"]["exitCode"] == 137
+
+
+def test_a_resumed_session_holds_its_pushes_until_the_clients_catch_up_read():
+    async def scenario() -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+        session, proc = _session_with_a_process(_Streams([]))
+        first: list[dict[str, Any]] = []
+        second: list[dict[str, Any]] = []
+        session.attach(first.append, resumed=False)
+        session._emit(proc, proc.log.output("stdout", b"started\n"))
+        session.detach(first.append)
+        session._emit(proc, proc.log.output("stdout", b"after-drop\n"))  # detached: kept, not pushed
+        session.attach(second.append, resumed=True)
+        session._emit(proc, proc.log.output("stdout", b"end\n"))  # held for the catch-up read
+        assert second == []
+        read = await session.process_read({"processId": "p-1", "afterSeq": 1, "maxBytes": None, "waitMs": 0})
+        session._emit(proc, proc.log.close(0))
+        return first, second, read
+
+    first, second, read = asyncio.run(scenario())
+    assert [m["params"]["seq"] for m in first] == [1]
+    assert [c["seq"] for c in read["chunks"]] == [2, 3]
+    assert [(m["method"], m["params"]["seq"]) for m in second] == [("process/exited", 4), ("process/closed", 5)]
