@@ -367,9 +367,10 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def front_door_options(p: argparse.ArgumentParser, clients: str, token_env: str) -> None:
-    """What both front doors (`exec-server`, `mcp-server`) take: the workspace, or the environment each
-    client session gets, and the bearer token."""
+def front_door_options(p: argparse.ArgumentParser, listen: tuple[str, str, str], clients: str, token_env: str) -> None:
+    """What both front doors (`exec-server`, `mcp-server`) take: where to listen (default, metavar,
+    help), the workspace or the environment each client session gets, and the bearer token."""
+    p.add_argument("--listen", default=listen[0], metavar=listen[1], help=listen[2])
     p.add_argument("--workspace", help="directory the tools work in (default: the current directory)")
     p.add_argument("--upload", metavar="DIR", help="each client session works in an environment on a worker host "
                    "made from a copy of DIR, destroyed when the session ends")
@@ -502,19 +503,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     mc = sub.add_parser("mcp-server", help="the fleet's tools as an MCP server (stdio, or streamable HTTP): each "
                                           "call runs on the fleet as a toolq turn")
-    mc.add_argument("--listen", default="stdio", metavar="stdio|http://HOST:PORT",
-                    help="stdio (default: the MCP client starts this command) or streamable HTTP at "
-                         "http://HOST:PORT/mcp; off loopback it needs a bearer token")
+    front_door_options(mc, ("stdio", "stdio|http://HOST:PORT", "stdio (default: the MCP client starts this command) "
+                            "or streamable HTTP at http://HOST:PORT/mcp; off loopback it needs a bearer token"),
+                       "HTTP", "TOOLQ_MCP_SERVER_TOKEN")
     mc.add_argument("--tools", action="append", help="module with @tool declarations (repeatable)")
-    front_door_options(mc, "HTTP", "TOOLQ_MCP_SERVER_TOKEN")
     mc.set_defaults(func=_cmd_mcp_server)
 
     es = sub.add_parser("exec-server", help="Codex's exec-server protocol on the fleet (CODEX_EXEC_SERVER_URL): each "
                                             "command and file operation of a Codex turn is a toolq call")
-    es.add_argument("--listen", default="ws://127.0.0.1:0", metavar="ws://HOST:PORT|stdio",
-                    help="WebSocket address (default ws://127.0.0.1:0: a free port, printed as the first line of "
-                         "stdout), or stdio (Codex's environments.toml `program`); off loopback it needs a token")
-    front_door_options(es, "WebSocket", "TOOLQ_EXEC_SERVER_TOKEN")
+    front_door_options(es, ("ws://127.0.0.1:0", "ws://HOST:PORT|stdio", "WebSocket address (default "
+                            "ws://127.0.0.1:0: a free port, printed as the first line of stdout), or stdio (Codex's "
+                            "environments.toml `program`); off loopback it needs a token"),
+                       "WebSocket", "TOOLQ_EXEC_SERVER_TOKEN")
     es.add_argument("--root", metavar="PATH", help="the path clients name the workspace by (Codex's -C; default: "
                     "the --workspace or --upload folder; --git and --from need it)")
     es.set_defaults(func=_cmd_exec_server)
