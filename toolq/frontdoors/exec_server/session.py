@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,11 +126,15 @@ class Process:
                 w.cancel()
 
 
+#: How a digested key ends: an id that ends so is digested too, so no id is another's key.
+_DIGESTED = re.compile(r"-[0-9a-f]{16}\Z")
+
+
 def process_key(process_id: str) -> str:
     """A client's processId as a stream key's last part: itself when it is one, else a readable
     prefix and a digest (two ids never share a key)."""
     safe = "".join(c if c.isascii() and (c.isalnum() or c in "_.:-") else "_" for c in process_id)
-    if safe == process_id and len(safe) <= 200:
+    if safe == process_id and len(safe) <= 200 and not _DIGESTED.search(safe):  # else it could be another's
         return safe
     return f"{safe[:150]}-{sha256(process_id.encode()).hexdigest()[:16]}"
 
