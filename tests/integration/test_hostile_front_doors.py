@@ -28,6 +28,7 @@ from websockets.sync.client import connect
 from tests.integration import test_exec_server as es
 from tests.integration import test_hostile_exec as he
 from tests.integration import unprivileged
+from tests.integration.test_cancel import pids_matching
 from tests.integration.test_exec_server import Client, exec_server, finished, process_start, run, uri
 from tests.integration.test_front_door_tools import Door
 from tests.integration.test_hostile_exec import hostile_workers
@@ -443,3 +444,62 @@ def test_an_mcp_client_reaches_neither_another_clients_sessions_nor_the_front_do
             assert isinstance(own, mcp_types.CallToolResult)
 
     asyncio.run(asyncio.wait_for(go(), 180))
+
+
+# ---- the fleet: what one client may hold of it ---------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="open: a front door's process holds a worker pool child for its whole life "
+                                       "(process_start streams from the pool child until the exit), so one client's "
+                                       "long-running processes, up to TOOLQ_MAX_PARALLEL_CALLS of them, take every "
+                                       "pool child of a small fleet and every other client's calls wait")
+def test_one_clients_long_processes_do_not_starve_another_clients_calls(server, workspace):
+    """The shared fleet has 2 workers x 2 pool children. One client starts 6 processes that run
+    for minutes (Codex's dev servers, watchers); another client's `echo` must still be served while
+    they run."""
+    marker = f"sleep 170.{os.getpid() % 1000}7"
+    with Client.connect(server.url) as hog, Client.connect(server.url) as other:
+        hog.initialize()
+        other.initialize()
+        held = [process_start(workspace, marker) for _ in range(6)]
+        for p in held:
+            hog.result("process/start", p)
+        time.sleep(3)  # let them start (no timing asserted: the order of events below is)
+        p = process_start(workspace, "echo served")
+        other.result("process/start", p)
+        events: list[dict[str, Any]] = []
+        while pids_matching(marker):  # served while they run, or not at all before they end
+            try:
+                message = json.loads(other.ws.recv(timeout=5))
+            except TimeoutError:
+                continue
+            if message.get("params", {}).get("processId") == p["processId"]:
+                events.append(message)
+                if message["method"] == "process/closed":
+                    break
+        still_running = bool(pids_matching(marker))
+        for q in held:
+            hog.send("process/terminate", {"processId": q["processId"]})
+        assert events and finished(events) == (b"served\n", 0) and still_running
+
+
+def test_process_start_writes_only_its_own_turns_streams(rt_worker, tmp_path):
+    """`process_start` is never offered, but a model that names it gets it: its `stream_key` must
+    not let it append events, signed with the fleet's key, to another turn's process stream (a
+    Codex client elsewhere would take them for its command's output) or to any other key."""
+    ws = rt_worker.workspace(tmp_path)
+    r = redis.Redis.from_url(rt_worker.redis.url)
+    victim = process_stream_key("turn-0123456789ab", "victim")
+
+    async def scenario() -> None:
+        async with Door(rt_worker, ws) as door:
+            for key in (victim, "toolq:ledger:forged", "toolq:proc:" + door.turn + "x:k", "plain-key",
+                        process_stream_key(door.turn, "k") + "/x", "toolq:proc:" + door.turn + ":"):
+                text = await door.call("process_start", {"argv": ["echo", "injected"], "stream_key": key})
+                assert "injected" not in text and r.exists(key) == 0, (key, text)
+            own = await door.start("mine", ["echo", "mine"])  # its own turn's stream: served
+            assert own["exit_code"] == 0
+
+    try:
+        run_async(scenario())
+    finally:
+        r.close()

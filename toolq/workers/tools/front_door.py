@@ -49,6 +49,7 @@ from toolq.core.front_doors import (
     ProcessStartArgs,
     ProcessTerminateArgs,
     ProcessWriteArgs,
+    process_stream_key,
     seal_event,
 )
 from toolq.core.signing import Signer
@@ -138,6 +139,9 @@ def process_start(args: ProcessStartArgs, ctx: ToolContext) -> ToolReturn:
     goes to the Redis stream `stream_key` as signed events (started, output..., exit), and the
     result is `{"exit_code": n, "session_id": s}` once it has exited.
     """
+    if not _own_stream(args.stream_key, ctx.invocation.turn_id):
+        raise RespondToModel("process_start refused: stream_key must name a process stream of this call's own turn "
+                             "(toolq:proc:<turn>:<key>)")
     if not sessions.available(ctx):
         raise RespondToModel("process_start refused: it needs a conversation and a worker with a session host")
     shell, cmd = shell_command(args.argv)
@@ -156,6 +160,16 @@ def process_start(args: ProcessStartArgs, ctx: ToolContext) -> ToolReturn:
     events.append({"kind": "exit", "exit_code": reply.exit_code, "note": reply.limit_note})
     result = {"exit_code": reply.exit_code, "session_id": events.session_id}
     return ToolReturn(output=json.dumps(result), success=reply.exit_code == 0, exit_code=reply.exit_code)
+
+
+def _own_stream(key: str, turn_id: str) -> bool:
+    """Whether `key` is a process stream of turn `turn_id`: the events it gets are signed with the
+    fleet's key, so a caller (a model may name this tool) must not pick another turn's stream (a
+    front door would push them to its client as its command's output) or any other key."""
+    try:
+        return process_stream_key(turn_id, key.removeprefix(f"toolq:proc:{turn_id}:")) == key
+    except ValueError:
+        return False
 
 
 @tool(name=PROCESS_WRITE, parameters=ProcessWriteArgs.model_json_schema(), strict=False, offered=False,
