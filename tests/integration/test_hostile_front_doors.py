@@ -503,3 +503,22 @@ def test_process_start_writes_only_its_own_turns_streams(rt_worker, tmp_path):
         run_async(scenario())
     finally:
         r.close()
+
+
+def test_process_read_and_write_with_hostile_numbers_get_one_answer_each(server, workspace):
+    with Client.connect(server.url) as client:
+        client.initialize()
+        p = process_start(workspace, "echo one; echo two", tty=True)
+        client.result("process/start", p)
+        client.until(p["processId"], "process/closed")
+        pid = p["processId"]
+        for params in ({"afterSeq": -5, "maxBytes": -1, "waitMs": -1}, {"afterSeq": 2 ** 63, "maxBytes": 2 ** 64,
+                       "waitMs": 2 ** 63}, {"afterSeq": "1", "maxBytes": None, "waitMs": None},
+                       {"afterSeq": 1.5, "maxBytes": 0, "waitMs": 0}, {"afterSeq": None, "maxBytes": None,
+                       "waitMs": 10 ** 9}):
+            reply = client.call("process/read", {"processId": pid, **params})
+            assert ("result" in reply) != ("error" in reply), (params, reply)
+        for chunk in ("", "!!notbase64", "A" * 3, None, 5):
+            reply = client.call("process/write", {"processId": pid, "chunk": chunk, "writeId": "w"})
+            assert ("result" in reply) != ("error" in reply), (chunk, reply)
+        assert run(client, workspace, "echo fine") == (b"fine\n", 0)
