@@ -522,3 +522,38 @@ def test_process_read_and_write_with_hostile_numbers_get_one_answer_each(server,
             reply = client.call("process/write", {"processId": pid, "chunk": chunk, "writeId": "w"})
             assert ("result" in reply) != ("error" in reply), (chunk, reply)
         assert run(client, workspace, "echo fine") == (b"fine\n", 0)
+
+
+def test_a_folder_swapped_for_a_link_out_while_fs_writes_never_leads_out(rt_worker, tmp_path):
+    """A command swaps `d` between a folder and a link to a folder outside in a tight loop while
+    the client writes, copies into and makes folders in `d`: nothing lands outside."""
+    ws = rt_worker.workspace(tmp_path)
+    outside = Path(unprivileged.owned_dir("toolq-rt-swap-") if rt_worker.user else tmp_path.parent / "rt-swap-out")
+    outside.mkdir(exist_ok=True)
+    if rt_worker.user:
+        os.chown(outside, *unprivileged.ids())
+    (ws / "src.txt").write_text("x\n")
+    if rt_worker.user:
+        os.chown(ws / "src.txt", *unprivileged.ids())
+    swap = (f"ln -s {outside} out; end=$((SECONDS+45)); while [ $SECONDS -lt $end ] && [ ! -e stop ]; do "
+            "mkdir -p real; mv -T real d 2>/dev/null; mv -T d real 2>/dev/null; ln -sfn out d2; mv -T d2 d 2>/dev/null; "
+            "rm -f d 2>/dev/null; done; echo swapped")
+    data = base64.b64encode(b"pwned\n").decode()
+
+    async def scenario() -> None:
+        async with Door(rt_worker, ws) as door:
+            mover = asyncio.create_task(door.start("swap", ["bash", "-c", swap]))
+            try:
+                for i in range(150):
+                    await door.fs("writeFile", f"d/w{i}", data=data)
+                    await door.fs("createDirectory", f"d/m{i}/n", recursive=True)
+                    await door.fs("copy", "src.txt", to=f"d/c{i}")
+            finally:
+                (ws / "stop").touch()
+                await mover
+
+    try:
+        run_async(scenario())
+        assert os.listdir(outside) == []
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
