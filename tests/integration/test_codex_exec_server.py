@@ -185,13 +185,7 @@ def test_a_failing_command_gives_its_exit_code(codex, serve, kind):
     assert exited(137) in t.said["c_sig"], t.why()
 
 
-#: Ctrl-C to a tty session: the command is a session leader without the pty as its controlling
-#: terminal (the cell posix_spawns it with setsid, and nothing makes the pty its ctty), so the
-#: line discipline echoes ^C but has no foreground group to send SIGINT to.
-CTRL_C_KNOWN_BROKEN = pytest.mark.xfail(strict=True, reason="a tty session's ^C sends no SIGINT on toolq's workers")
-
-
-@pytest.mark.parametrize("kind", ["codex", pytest.param("toolq", marks=CTRL_C_KNOWN_BROKEN)])
+@BOTH
 def test_ctrl_c_to_a_tty_session_interrupts_it(codex, serve, kind):
     s = serve(kind)
     t = turn(codex, [[ex("c_tty", "echo ready; sleep 30; echo not-interrupted", tty=True, yield_time_ms=800)],

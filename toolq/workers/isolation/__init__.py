@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import termios
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -60,9 +62,14 @@ class Launch:
     def spawn(self, **popen: Any) -> subprocess.Popen:
         """Popen the command. With `confine_thread`, from a new thread that confines itself first:
         Landlock, no_new_privs and the capability bounding set are per thread and inherited by
-        the child, so the spawn needs no pre-exec function and Python can use vfork."""
+        the child, so the spawn needs no pre-exec function and Python can use vfork.
+        `ctty=True` (with start_new_session, stdin the command's own pty): the pty becomes the
+        command's controlling terminal (`take_ctty`), so ^C written to it interrupts it."""
+        preexec_fn = self.preexec_fn
+        if popen.pop("ctty", False):
+            preexec_fn = _then_take_ctty(preexec_fn)
         if self.confine_thread is None:
-            proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=self.preexec_fn, **popen)
+            proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=preexec_fn, **popen)
             if self.listener_channel is not None:
                 self._watch(_received_fd(self.listener_channel[0]))
             return proc
@@ -72,7 +79,7 @@ class Launch:
             try:
                 listener = self.confine_thread()  # type: ignore[misc]
                 try:
-                    spawned["proc"] = subprocess.Popen(self.argv, env=self.env, **popen)
+                    spawned["proc"] = subprocess.Popen(self.argv, env=self.env, preexec_fn=preexec_fn, **popen)
                 except BaseException:
                     os.close(listener)
                     raise
@@ -126,6 +133,25 @@ def _refusal() -> Iterator[None]:
         raise SandboxRefused(str(e)) from None
 
 
+def take_ctty() -> None:
+    """In the child, after its setsid: stdin (the command's own pty, made for it alone by the
+    session host) becomes its controlling terminal and its group the foreground one, as a
+    terminal emulator does, so the line discipline sends SIGINT for ^C. TIOCSTI on it reaches only
+    what reads that pty: the command itself. ^C and ^\\ get their default action back (the session
+    host ignores SIGINT, and an ignored signal stays ignored across exec)."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def _then_take_ctty(preexec_fn: Callable[[], None] | None) -> Callable[[], None]:
+    def both() -> None:
+        take_ctty()  # before a Landlock confinement, which may limit ioctls
+        if preexec_fn is not None:
+            preexec_fn()
+    return both
+
+
 class GatedLaunch(Launch):
     """A bubblewrap spawn through its start gate (`bwrap.Gate`): the rlimits are set on the held
     sandbox and `.git` checked before the command runs, with no process in between."""
@@ -137,8 +163,17 @@ class GatedLaunch(Launch):
 
     def spawn(self, **popen: Any) -> subprocess.Popen:
         assert self.call_limits is not None
+        build = self.build
+        if popen.pop("ctty", False):
+            # The command keeps bwrap's session, whose terminal is its own pty (`take_ctty`): bwrap's
+            # --new-session guards a terminal shared with others, and would leave ^C no group to signal.
+            def build(gate: bwrap.Gate | None) -> list[str]:
+                args = self.build(gate)
+                args.remove("--new-session")  # bwrap's own, the first (the command's words come after)
+                return args
+            popen["preexec_fn"] = take_ctty
         with _refusal():
-            return bwrap.spawn(self.build, self.call_limits.apply_to, env=self.env, **popen)
+            return bwrap.spawn(build, self.call_limits.apply_to, env=self.env, **popen)
 
 
 class CellLaunch(Launch):

@@ -119,14 +119,15 @@ class Cell:
         return workspace == self.workspace and self.proc.poll() is None and self._state() == self.bound
 
     def run(self, argv: list[str], env: dict[str, str], cwd: str, tmp_size: int, stdio: tuple[int, int, int],
-            set_limits: Callable[[int], None]) -> CellProcess:
-        """Start a command; it runs once `set_limits(pid)` returned. Raises OSError."""
+            set_limits: Callable[[int], None], ctty: bool = False) -> CellProcess:
+        """Start a command; it runs once `set_limits(pid)` returned. Raises OSError. `ctty`: stdin
+        is the command's own pty, which it takes as its controlling terminal (`cell_init._init`)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             mine.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             self.control.sendmsg([b"c"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                            array.array("i", [*stdio, theirs.fileno()]))])
-            request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "tmp_size": tmp_size}).encode()
+            request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "tmp_size": tmp_size, "ctty": ctty}).encode()
             mine.settimeout(START_TIMEOUT)
             mine.sendall(struct.pack("I", len(request)) + request)
         except BaseException:
@@ -267,6 +268,7 @@ def spawn(bwrap_path: str, policy: Policy, workspace: str, argv: list[str], env:
         return value.fileno() if hasattr(value, "fileno") else int(value)
 
     reader = None
+    ctty = bool(popen.get("ctty"))
     try:
         stdin = fd_for(popen.get("stdin"), 0)
         out = popen.get("stdout")
@@ -281,7 +283,8 @@ def spawn(bwrap_path: str, policy: Policy, workspace: str, argv: list[str], env:
 
         def start() -> CellProcess:
             return slot_cell(bwrap_path, policy, workspace).run(
-                argv, env, workdir, policy.limits.memory_mb * 1024 * 1024, (stdin, stdout, stderr), set_limits)
+                argv, env, workdir, policy.limits.memory_mb * 1024 * 1024, (stdin, stdout, stderr), set_limits,
+                ctty)
 
         try:
             try:

@@ -624,8 +624,16 @@ def _init(stdio: list[int], gate: socket.socket, outer: list[str], links: list[t
         argv, env = req["argv"], req["env"]
         program = shutil.which(argv[0], path=env.get("PATH")) or argv[0]
         # vfork and exec (no copy of this interpreter); every other descriptor here is close-on-exec.
-        command = os.posix_spawn(program, argv, env, setsid=True, setsigdef=_DEFAULTED,
-                                 file_actions=[(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(stdio)])
+        actions: list[tuple] = [(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(stdio)]
+        if req.get("ctty") and os.isatty(stdio[0]):
+            # A tty session: its pty (the worker's, made for this command alone) becomes the
+            # command's controlling terminal, its group the foreground one, so ^C written to it
+            # sends SIGINT. The child opens it again after its setsid (glibc runs file actions
+            # after it): a session leader with no terminal that opens one without O_NOCTTY takes
+            # it, as a terminal emulator's TIOCSCTTY does. Its own pty: TIOCSTI on it reaches
+            # only what reads it, the command itself.
+            actions.append((os.POSIX_SPAWN_OPEN, 0, "/proc/self/fd/1", os.O_RDWR, 0))
+        command = os.posix_spawn(program, argv, env, setsid=True, setsigdef=_DEFAULTED, file_actions=actions)
     except BaseException as e:  # after the worker's check that the program is there: a shell's 127
         _say(stdio, e)
         os._exit(NOT_STARTED)

@@ -213,7 +213,8 @@ class Host:
 
     def _spawn(self, req: ExecRequest, argv: list[str], stdio: dict[str, int], master: int | None, ours: list[int],
                theirs: list[int]) -> Process:
-        popen = dict(cwd=req.cwd, start_new_session=True, close_fds=True, **stdio)
+        # ctty: a tty command takes its pty as its controlling terminal, so ^C interrupts it.
+        popen = dict(cwd=req.cwd, start_new_session=True, close_fds=True, ctty=master is not None, **stdio)
         sandbox = isolation.current(self.settings)
         if over := self._conversation_over(req.conversation):
             raise OSError(errno.EAGAIN, f"{over}; end a session first")
