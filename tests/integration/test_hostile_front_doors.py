@@ -557,3 +557,22 @@ def test_a_folder_swapped_for_a_link_out_while_fs_writes_never_leads_out(rt_work
         assert os.listdir(outside) == []
     finally:
         shutil.rmtree(outside, ignore_errors=True)
+
+
+def test_a_clients_text_reaches_the_servers_log_without_terminal_controls(server, workspace):
+    """What the client names (a method, a session id to resume, a process id) is logged on the
+    operator's terminal: escape sequences in it (a screen clear, OSC 52 clipboard writes, a window
+    title, a bidi override) must not reach the terminal raw."""
+    evil = "\x1b[2J\x1b]52;c;cHduZWQ=\x07\x1b]0;owned\x07\u202eevil\x9b31m"
+    with Client.connect(server.url) as client:
+        client.notify(f"x/{evil}")
+        client.initialize(resume=f"s-{evil}")
+        p = process_start(workspace, "exit 0")
+        p["processId"] = f"p-{evil}"
+        client.result("process/start", p)
+        client.until(p["processId"], "process/closed")
+        client.ws.send(json.dumps({"id": 1, "method": f"m/{evil}", "params": {}}))
+        client.ws.recv(timeout=TIMEOUT)
+        time.sleep(1)  # let the log lines come (no timing asserted)
+    logged = "".join(server.stderr)
+    assert "\x1b" not in logged and "\x07" not in logged and "\u202e" not in logged and "\x9b" not in logged, logged

@@ -16,6 +16,7 @@ from contextlib import ExitStack, suppress
 from pathlib import Path
 
 from toolq.cli.envs import ChoiceError, EnvChoice, choose
+from toolq.cli.terminal import log_to_stderr
 from toolq.core.settings import Settings, workspace_problem
 from toolq.frontdoors.exec_server.paths import Root
 from toolq.frontdoors.exec_server.server import (
@@ -81,7 +82,7 @@ def exec_server_cmd(settings: Settings, *, listen: str, upload: str | None = Non
     except Refused as e:
         print(f"{PREFIX}: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s: %(message)s")
+    log_to_stderr()  # a client's text is in the log lines: no escape sequence reaches the terminal
     log.setLevel(logging.INFO)
     from toolq.cli.run import with_redis
 

@@ -16,6 +16,7 @@ from contextlib import ExitStack
 
 from toolq.cli.envs import EnvChoice
 from toolq.cli.run import with_redis
+from toolq.cli.terminal import log_to_stderr
 from toolq.core.errors import ConfigurationError
 from toolq.core.settings import Settings, workspace_problem
 from toolq.frontdoors.listening import Listen, parse_listen, read_token_file
@@ -45,7 +46,7 @@ def mcp_server_cmd(settings: Settings, *, listen: str, environment: EnvChoice | 
         where = parse_listen(listen, "http", paths=("", "/", MCP_PATH))
     except ValueError as e:
         raise ConfigurationError(str(e)) from None
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s: %(message)s")
+    log_to_stderr()  # a client's text is in the log lines: no escape sequence reaches the terminal
     # The SDK logs a client's ordinary goodbye (an HTTP session deleted while its stream was open)
     # as an error with a traceback; what toolq's side of a call does wrong is logged by toolq.
     logging.getLogger("mcp").setLevel(logging.CRITICAL)

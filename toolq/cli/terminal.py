@@ -12,7 +12,9 @@ non-ASCII is escaped) the C1 controls and bidi characters a terminal obeys.
 from __future__ import annotations
 
 import json
+import logging
 import re
+import sys
 from typing import Any
 
 #: Whole escape sequences (CSI, OSC and other strings ended by BEL or ST, two-byte escapes), the
@@ -52,3 +54,16 @@ def human_age(seconds: float) -> str:
     if seconds < 172_800:
         return f"{seconds / 3600:.1f}h"
     return f"{seconds / 86400:.1f}d"
+
+
+class _PrintableFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record))
+
+
+def log_to_stderr(level: int = logging.WARNING) -> None:
+    """Log records on stderr as `logger: message`, each through `printable`: a front door logs what
+    its client named (a method, a session or process id), and a client may name escape sequences."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_PrintableFormatter("%(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
