@@ -576,3 +576,25 @@ def test_a_clients_text_reaches_the_servers_log_without_terminal_controls(server
         time.sleep(1)  # let the log lines come (no timing asserted)
     logged = "".join(server.stderr)
     assert "\x1b" not in logged and "\x07" not in logged and "\u202e" not in logged and "\x9b" not in logged, logged
+
+
+@pytest.mark.xfail(strict=True, reason="open: each fs/writeFile (up to 64 MiB, 85 MiB of base64) is a call whose "
+                                       "arguments travel through Redis, and nothing bounds the bytes in flight: 8 "
+                                       "pipelined writes of 48 MiB grew Redis by 672 MiB at its peak (16 in flight per "
+                                       "session, any number of sessions)")
+def test_pipelined_large_writes_do_not_grow_the_fleets_redis_without_bound(server, workspace, redis_server):
+    """Eight fs/writeFile of 48 MiB each, pipelined: each is a call whose arguments travel through
+    Redis. What Redis holds at its peak must stay within a bound, not grow with what is pipelined."""
+    r = redis.Redis.from_url(redis_server.url)
+    data = base64.b64encode(b"\0" * (48 << 20)).decode()
+    r.config_resetstat()
+    base = int(r.info("memory")["used_memory"])
+    with Client.connect(server.url) as client:
+        client.initialize()
+        ids = [client.send("fs/writeFile", {"path": uri(workspace / f"big{i}"), "dataBase64": data, "sandbox": None})
+               for i in range(8)]
+        for id_ in ids:
+            assert "result" in client.answer(id_)
+    peak = int(r.info("memory")["used_memory_peak"]) - base
+    r.close()
+    assert peak < 512 << 20, f"Redis grew by {peak >> 20} MiB at its peak"
