@@ -218,6 +218,8 @@ def test_forged_and_replayed_process_events_are_never_pushed(server, workspace, 
                        "data": base64.b64encode(b"FORGED\n").decode()}
         r.xadd(key, {"event": json.dumps(forged_body, sort_keys=True, separators=(",", ":")), "sig": "0" * 64})
         r.xadd(key, {"event": json.dumps({"kind": "exit", "n": len(genuine) + 1, "exit_code": 0}), "sig": ""})
+        r.xadd(key, {"event": "[" * 100_000, "sig": "0" * 64})  # deep JSON: it ended the stream's reader
+        r.xadd(key, {"event": b"\xff\xfe", "sig": b"\xff"})
         for fields in genuine + foreign:  # replays: the victim's own output again, the other's output
             r.xadd(key, fields)
         output, code = finished(client.until("rt-victim", "process/closed"))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from websockets.datastructures import Headers
 
+from toolq.core.front_doors import open_event
+from toolq.core.signing import Signer
 from toolq.frontdoors.exec_server.paths import Root
 from toolq.frontdoors.exec_server.protocol import RpcError
 from toolq.frontdoors.exec_server.server import browser_refused, token_accepted
@@ -98,3 +100,10 @@ def test_two_process_ids_never_share_a_redis_key() -> None:
     assert len(set(keys)) == len(set(ids)), {i: k for i, k in zip(ids, keys, strict=True)}
     for k in keys:
         assert len(k) <= 200 and all(c.isascii() and (c.isalnum() or c in "_.:-") for c in k)
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"a":' * 50_000, b"1e400", b"NaN", b'"x"', b"[]", b"\xff\xfe", b""])
+def test_a_forged_stream_entry_is_refused_never_raised(raw: bytes) -> None:
+    """Anyone who can write to Redis may XADD anything into a process's stream: deep JSON raised
+    RecursionError out of open_event, and the exec-server took its process for lost."""
+    assert open_event(Signer("k" * 32), "toolq:proc:t:k", {b"event": raw, b"sig": b"00"}) is None

@@ -124,7 +124,7 @@ def open_event(signer: Signer, key: str, fields: Mapping[bytes | str, bytes | st
         return None
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # a forged entry of deep JSON: refused as any other
         return None
     if not signer.process_event_genuine(key, body, sig):
         return None
