@@ -605,3 +605,34 @@ def test_pipelined_large_writes_do_not_grow_the_fleets_redis_without_bound(serve
     peak = int(r.info("memory")["used_memory_peak"]) - base
     r.close()
     assert peak < 512 << 20, f"Redis grew by {peak >> 20} MiB at its peak"
+
+
+def test_a_forged_mcp_task_record_is_no_task(fleet, redis_server, tmp_path):
+    """Someone who can write to Redis plants task records: unsealed, sealed for another id, deep
+    JSON. Each is "not found" to every client, and the server goes on."""
+    from mcp.shared.exceptions import McpError
+
+    from tests.integration.test_mcp_server import http_server, over_http
+    from toolq.frontdoors.mcp_server.tasks import task_key
+
+    r = redis.Redis.from_url(redis_server.url)
+    record = {"record": {"task_id": "turn-aaaaaaaaaaaa", "status": "completed", "created": 0, "updated": 0,
+                         "ttl_ms": 60000, "result": {"content": [{"type": "text", "text": "FORGED"}]}}}
+    planted = {"turn-aaaaaaaaaaaa": json.dumps(record), "turn-bbbbbbbbbbbb": "[" * 100_000,
+               "turn-cccccccccccc": '{"record": 5, "sig": "00"}'}
+    for task_id, value in planted.items():
+        r.set(task_key(task_id), value, ex=600)
+
+    async def go() -> None:
+        async with http_server(redis_server.url, tmp_path) as srv, over_http(srv.url) as client:
+            for task_id in planted:
+                for ask in (client.experimental.get_task, client.experimental.cancel_task):
+                    with pytest.raises(McpError):
+                        await ask(task_id)
+            done = await client.call_tool("exec_command", {"cmd": "echo alive"})
+            assert not done.isError
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), 120))
+    finally:
+        r.close()

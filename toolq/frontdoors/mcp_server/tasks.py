@@ -85,7 +85,7 @@ class TaskStore:
             if self.signer.meta_refusal(_sealed_id(task_id), sealed) is not None:
                 return None
             return TaskRecord.model_validate(sealed["record"])
-        except (ValueError, KeyError, TypeError, ValidationError):
+        except (ValueError, KeyError, TypeError, ValidationError, RecursionError):  # deep JSON written to Redis
             return None
 
     async def create(self, task_id: str, ttl_ms: int | None) -> TaskRecord:
