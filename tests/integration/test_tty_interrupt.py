@@ -105,6 +105,11 @@ def test_ctrl_c_interrupts_a_front_door_tty_process(tty_worker, tmp_path):
 def test_a_tty_commands_terminal_reaches_only_the_command(tty_worker, tmp_path):
     async def scenario() -> None:
         async with Door(tty_worker, tty_worker.workspace(tmp_path)) as door:
+            # No descriptor more than a spawn without a tty has (its stdio, the one ls reads the folder with).
+            _, code, text = await exec_tty(door, "ls /proc/self/fd", yield_ms=10_000)
+            plain = parts(await door.call("exec_command", {"cmd": "ls /proc/self/fd", "yield_time_ms": 10_000}))[2]
+            assert code == 0 and {"0", "1", "2"} <= set(text.split()) and len(text.split()) == len(plain.split()), (
+                text, plain)
             _, code, text = await exec_tty(door, SELF_INJECT, yield_ms=10_000)
             assert code == 0 and ("got hello" in text or "refused" in text), text  # refused: legacy_tiocsti off
 
