@@ -473,3 +473,67 @@ def test_a_resumed_session_holds_its_pushes_until_the_clients_catch_up_read():
     assert [m["params"]["seq"] for m in first] == [1]
     assert [c["seq"] for c in read["chunks"]] == [2, 3]
     assert [(m["method"], m["params"]["seq"]) for m in second] == [("process/exited", 4), ("process/closed", 5)]
+
+
+def test_the_payload_budget_lets_what_fits_travel_and_holds_the_rest_until_some_returns():
+    from toolq.frontdoors.exec_server.calls import PayloadBudget
+
+    async def scenario() -> list[str]:
+        budget, order = PayloadBudget(limit=100), []
+
+        async def carry(name: str, size: int, until: asyncio.Event) -> None:
+            async with budget.hold(size):
+                order.append(f"{name} in")
+                await until.wait()
+            order.append(f"{name} out")
+
+        first, second, big = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        tasks = [asyncio.create_task(carry("a", 60, first))]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(carry("b", 60, second)))  # does not fit beside a
+        tasks.append(asyncio.create_task(carry("huge", 500, big)))  # larger than the whole budget: alone
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert order == ["a in"] and budget.used == 60
+        first.set()
+        second.set()
+        big.set()
+        await asyncio.gather(*tasks)
+        assert budget.used == 0
+        return order
+
+    order = asyncio.run(scenario())
+    assert order.index("a out") < order.index("b in")
+    assert order.index("b out") < order.index("huge in") or order.index("huge out") < order.index("b in")
+
+
+def test_pipelined_large_writes_go_to_the_fleet_two_at_a_time():
+    """Each fs/writeFile's data travels through the fleet's Redis as its call's arguments (several
+    copies: the message, kombu's unacked copy): eight pipelined writes of 24 MiB must not all be
+    calls at once (they held 344 MiB of arguments), only what PAYLOAD_BUDGET (64 MiB) lets by."""
+    data = base64.b64encode(b"\0" * (24 << 20)).decode()
+
+    class Counting(_Calls):
+        def __init__(self) -> None:
+            super().__init__('{"ok": {}}')
+            self.now = self.most = 0
+
+        async def run(self, tool: str, args: dict[str, Any], *, control: bool = True,
+                      call_id: str | None = None) -> tuple[str, Any]:
+            self.now += 1
+            self.most = max(self.most, self.now)
+            try:
+                return await super().run(tool, args, control=control, call_id=call_id)
+            finally:
+                self.now -= 1
+
+    async def scenario() -> int:
+        session, _ = _session_with_a_process(_Streams([]))
+        calls = session.calls = Counting()  # type: ignore[assignment]
+        session._ready = asyncio.get_running_loop().create_future()
+        session._ready.set_result(None)  # type: ignore[attr-defined]
+        await asyncio.gather(*(session.fs_write_file({"path": f"file:///ws/big{i}", "dataBase64": data})
+                               for i in range(8)))
+        return calls.most
+
+    assert asyncio.run(scenario()) == 2

@@ -9,12 +9,44 @@ turn. Both are recorded in the ledger and shown by `toolq status`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from toolq.orchestrator.environments import Environment
 from toolq.orchestrator.fleet import Fleet, new_turn_id
+
+#: Bytes of file contents one server lets travel through the fleet's Redis at once, over all its
+#: sessions: a writeFile's data is its call's arguments and a readFile's content its result (up to
+#: 64 MiB, 85 MiB in base64, each), and a client may pipeline as many as it likes.
+PAYLOAD_BUDGET = 64 << 20
+#: What a readFile holds of the budget before its size is known: at most two at once.
+READ_SHARE = PAYLOAD_BUDGET // 2
+
+
+class PayloadBudget:
+    """The file contents in flight through Redis: a call waits until its share fits (one larger
+    than the whole budget goes alone), so Redis holds a bounded amount whatever is pipelined."""
+
+    def __init__(self, limit: int = PAYLOAD_BUDGET) -> None:
+        self.limit, self.used = limit, 0
+        self._changed = asyncio.Condition()
+
+    @asynccontextmanager
+    async def hold(self, size: int) -> AsyncIterator[None]:
+        size = min(size, self.limit)
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.used + size <= self.limit)
+            self.used += size
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.used -= size
+                self._changed.notify_all()
 
 
 def new_call_id() -> str:

@@ -17,7 +17,7 @@ import logging
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from toolq.core.front_doors import (
 )
 from toolq.core.signing import Signer
 from toolq.frontdoors.exec_server import policy
-from toolq.frontdoors.exec_server.calls import Calls, new_call_id
+from toolq.frontdoors.exec_server.calls import READ_SHARE, Calls, PayloadBudget, new_call_id
 from toolq.frontdoors.exec_server.paths import Root, file_uri, local_path
 from toolq.frontdoors.exec_server.processes import Event, ProcessLog
 from toolq.frontdoors.exec_server.protocol import (
@@ -96,6 +96,8 @@ class Context:
     """The Redis the workers append process events to; blocking reads use their own connections."""
     signer: Signer
     resume_seconds: float
+    payloads: PayloadBudget = field(default_factory=PayloadBudget)
+    """File contents in flight through Redis, over every session (`calls.PAYLOAD_BUDGET`)."""
 
 
 Push = Callable[[dict[str, Any]], None]
@@ -422,7 +424,9 @@ class ExecSession:
             raise RpcError(INTERNAL_ERROR, why)
         await self.ready()
         request = FsRequest.model_validate({"op": op, "path": path, "to": target, **fields})
-        text, reply = await self.calls.run(FS, request.model_dump(exclude_none=True))
+        share = len(request.data or "") if op == "writeFile" else READ_SHARE if op == "readFile" else 0
+        async with self.ctx.payloads.hold(share):
+            text, reply = await self.calls.run(FS, request.model_dump(exclude_none=True))
         try:
             result = FsResult.model_validate(reply)
         except ValueError:
