@@ -365,3 +365,31 @@ def test_toolq_cancel_from_a_shell_ends_a_running_call(fleet, redis_server, tmp_
             await wait_until(lambda: not pids_matching(marker), timeout=15, what="the process to be killed")
 
     asyncio.run(asyncio.wait_for(go(), 120))
+
+
+def test_with_upload_on_a_cold_embedded_stack_the_first_call_waits_for_its_workers(tmp_path):
+    """No REDIS_URL: the server starts its own Redis and workers, which boot slowly (3 s each); the
+    session's environment waits for a worker host as a call waits for a worker, not failing at once."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("hello from the upload\n")
+    xdg, tmp = tmp_path / "xdg", tmp_path / "tmp"
+    for d in (xdg, tmp):
+        d.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL", "TOOLQ_MCP_SERVER_TOKEN")}
+    env.update(XDG_RUNTIME_DIR=str(xdg), TMPDIR=str(tmp), TOOLQ_ENV_ROOT=str(tmp_path / "root"),
+               TOOLQ_TEST_WORKER_BOOT_DELAY="3", PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    params = StdioServerParameters(command=sys.executable, env=env,
+                                   args=["-m", "toolq.cli.main", "mcp-server", "--tools",
+                                         "tests.integration.slow_boot_tools", "--upload", str(folder)])
+
+    async def go():
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+            await session.initialize()
+            done = await session.call_tool("exec_command", {"cmd": "cat notes.txt"})
+            assert not done.isError and "hello from the upload" in text_of(done), text_of(done)
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), 150))
+    finally:
+        unmount_under(tmp_path)

@@ -50,7 +50,7 @@ from toolq.core.errors import ConfigurationError
 from toolq.core.session_records import conversation_key
 from toolq.core.settings import Settings, workspace_problem
 from toolq.core.signing import Signer
-from toolq.orchestrator.transport.catalog_reader import FleetCatalog
+from toolq.orchestrator.transport.catalog_reader import BOOT_POLL, NOTICE_AFTER, POLL, FleetCatalog
 from toolq.orchestrator.transport.conversation import ConversationLease
 from toolq.orchestrator.transport.indexed import read_indexed
 from toolq.workers.redis_clients import dedicated_pool
@@ -256,9 +256,29 @@ class Environments:
         return bool(await self.r.exists(host_key(host)))
 
     async def place(self, base: str | None, *, avoid: Sequence[str] = ()) -> str:
-        host = choose_host(await self.hosts(), base, avoid=avoid)
-        if host is None:
-            raise NoEnvironmentHost(NO_HOST)
+        """A host for it. While workers this process started are still booting (an embedded
+        stack's, `catalog.starting`) it waits for one as a call waits for its worker: for the boot,
+        then the catalog's grace; then it gives up, saying so in one line."""
+        began = time.monotonic()
+        end = began + self.catalog.grace
+        noticed = False
+        while (host := choose_host(await self.hosts(), base, avoid=avoid)) is None:
+            starting = self.catalog.starting
+            if starting is None:
+                raise NoEnvironmentHost(NO_HOST)
+            now = time.monotonic()
+            if starting.booting:
+                end = now + self.catalog.grace
+            elif starting.error:
+                raise NoEnvironmentHost(f"no worker host keeps environments: the workers toolq started failed to "
+                                        f"start ({starting.error})")
+            if now >= end:
+                log.warning("gave up waiting for a worker host that keeps environments after %.0fs", now - began)
+                raise NoEnvironmentHost(NO_HOST)
+            if not noticed and now - began >= NOTICE_AFTER:
+                noticed = True
+                log.warning("waiting for a worker host that keeps environments (%s)", starting.what)
+            await asyncio.sleep(BOOT_POLL if starting.booting else POLL)
         return host
 
     # --- records ---------------------------------------------------------------------------------
