@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -393,3 +394,30 @@ def test_with_upload_on_a_cold_embedded_stack_the_first_call_waits_for_its_worke
         asyncio.run(asyncio.wait_for(go(), 150))
     finally:
         unmount_under(tmp_path)
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stopped_http_server_answers_its_calls_in_flight_as_aborted(fleet, redis_server, tmp_path, sig):
+    """A plain call in flight when the server is stopped: its turn is cancelled at once (as `toolq
+    cancel` does, its process killed), the client gets the aborted output, and the turn is
+    recorded cancelled, not left to run to its yield."""
+    marker = long_sleep(4 if sig == "SIGINT" else 3)
+    env = server_env(redis_server.url)
+
+    async def go():
+        async with http_server(redis_server.url, tmp_path) as server, over_http(server.url) as session:
+            call = asyncio.create_task(session.call_tool("exec_command", {"cmd": marker, "yield_time_ms": 60000}))
+            await wait_until(lambda: pids_matching(marker), what="the command's process")
+            server.proc.send_signal(getattr(signal, sig))
+            result = await call
+            assert result.isError and "aborted" in text_of(result), text_of(result)
+            assert result.meta is not None
+            await wait_until(lambda: not pids_matching(marker), timeout=15, what="the process to be killed")
+            await asyncio.wait_for(server.proc.wait(), 60)
+            return result.meta["toolq/turn"]
+
+    turn_id = asyncio.run(asyncio.wait_for(go(), 120))
+    listed = subprocess.run([sys.executable, "-m", "toolq.cli.main", "turns", "--json"], env=env, check=True,
+                            capture_output=True, text=True, timeout=60).stdout
+    (row,) = [row for row in map(json.loads, listed.splitlines()) if turn_id in row.values()]
+    assert "cancelled" in row.values(), row

@@ -77,8 +77,22 @@ async def _serve(settings: Settings, starting: WorkersStarting | None, where: Li
             serving = asyncio.current_task()
             assert serving is not None
             loop = asyncio.get_running_loop()
+            stopping: list[asyncio.Task[None]] = []
+
+            async def stop() -> None:
+                try:  # the calls in flight are cancelled and answered (aborted) while stdout is open
+                    await door.stop_calls()
+                finally:
+                    serving.cancel()
+
+            def on_signal() -> None:
+                if stopping:  # a second signal: stop now
+                    serving.cancel()
+                else:
+                    stopping.append(asyncio.create_task(stop()))
+
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # serve_http stops on its own
-                loop.add_signal_handler(sig, serving.cancel)
+                loop.add_signal_handler(sig, on_signal)
             try:
                 await serve_stdio(door)
             except asyncio.CancelledError:

@@ -105,7 +105,9 @@ class McpFrontDoor:
         self.tasks = TaskStore(fleet.ledger, required_signer(fleet.settings.signing_key, "toolq mcp-server"))
         self._background: set[asyncio.Task[Any]] = set()
         self._running: dict[str, asyncio.Task[Any]] = {}
-        """The calls running here, by turn: `aclose` cancels their turns."""
+        """The calls running here, by turn: `stop_calls` cancels their turns."""
+        self._answering: set[asyncio.Task[Any]] = set()
+        """The requests of plain calls not answered yet: a stop waits for their answers."""
         try:
             version = metadata.version("toolq")
         except metadata.PackageNotFoundError:
@@ -133,15 +135,21 @@ class McpFrontDoor:
             with anyio.CancelScope(shield=True):  # a session ended by a shutdown still releases its own
                 await _logged(session.leave(), "could not end an MCP client session's conversation")
 
+    async def stop_calls(self) -> None:
+        """A stop's first step, while the transport still carries answers: every call and task
+        running here has its turn cancelled at once, as `toolq cancel` does (worker tasks revoked,
+        processes killed, tasks recorded cancelled), and each plain call in flight is answered with
+        its aborted output (`isError`) before this returns (at most STOP_WAIT)."""
+        turns = list(self._running)
+        await asyncio.gather(*(_logged(self.fleet.ledger.cancel_turn(turn_id, reason="toolq mcp-server stopped"),
+                                       f"could not cancel {turn_id}") for turn_id in turns))
+        waiting = [*self._running.values(), *self._answering]
+        if waiting:
+            await asyncio.wait(waiting, timeout=STOP_WAIT)
+
     async def aclose(self) -> None:
-        """Stop the calls and tasks still running here: their turns are cancelled as `toolq cancel`
-        does (their worker tasks revoked, their processes killed, tasks recorded cancelled), then
-        whatever is left is stopped."""
-        for turn_id in list(self._running):
-            await _logged(self.fleet.ledger.cancel_turn(turn_id, reason="toolq mcp-server stopped"),
-                          f"could not cancel {turn_id}")
-        if self._running:
-            await asyncio.wait(list(self._running.values()), timeout=STOP_WAIT)
+        """Stop the calls and tasks still running here (`stop_calls`), then whatever is left."""
+        await self.stop_calls()
         for task in list(self._background):
             await stop(task)
 
@@ -175,6 +183,9 @@ class McpFrontDoor:
         token = ctx.meta.progressToken if ctx.meta is not None else None
         progress = Progress(ctx.session, token, ctx.request_id) if token is not None else None
         run = asyncio.create_task(self._run(session, offered, arguments, turn_id, progress))
+        me = asyncio.current_task()
+        if me is not None:
+            self._answering.add(me)
         try:
             outcome = await asyncio.shield(run)  # a cancelled request must not cancel the turn's own task
         except asyncio.CancelledError:  # notifications/cancelled, or the client went away
@@ -182,6 +193,8 @@ class McpFrontDoor:
             self._keep(run)
             raise
         finally:
+            if me is not None:
+                self._answering.discard(me)
             if progress is not None:
                 await progress.close()
         return types.ServerResult(outcome.result)
