@@ -534,3 +534,30 @@ def test_a_link_out_of_the_workspace_is_never_followed_by_fs(server, workspace, 
         assert client.result("fs/getMetadata", {"path": uri(workspace / "s.txt"), "sandbox": None})["isSymlink"]
     assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
     assert (outside / "secret.txt").read_text() == "k3pt-0utside\n"
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stopped_server_tells_each_client_how_its_processes_ended(fleet, redis_server, workspace, sig):
+    """Ctrl-C (or SIGTERM) while a command runs: before the connection goes, the client gets the
+    command's output, toolq's reason on stderr, exited -1 and closed (Codex then finishes the
+    command instead of trying to resume); the process is killed and the turn recorded cancelled."""
+    import signal
+
+    marker = f"toolq-es-stop-{secrets.token_hex(4)}"
+    with exec_server(redis_server.url, workspace) as server:
+        with Client.connect(server.url) as client:
+            session = client.initialize()["sessionId"]
+            p = process_start(workspace, f"echo up; exec -a {marker} sleep 600")
+            client.result("process/start", p)
+            client.until(p["processId"], "process/output")
+            assert pids_matching(marker)
+            server.proc.send_signal(getattr(signal, sig))
+            output, code = finished(client.until(p["processId"], "process/closed"))
+            assert code == -1 and output.startswith(b"up\n") and b"[toolq: toolq exec-server stopped]" in output
+        assert server.proc.wait(timeout=TIMEOUT) == 0
+    assert pids_matching(marker) == []
+    turn = server.turn_of(session)
+    listed = subprocess.run([sys.executable, "-m", "toolq.cli.main", "turns", "--json"],
+                            env=server_env(redis_server.url), capture_output=True, text=True, timeout=TIMEOUT)
+    (row,) = [row for row in map(json.loads, listed.stdout.splitlines()) if turn in row.values()]
+    assert "cancelled" in row.values(), row

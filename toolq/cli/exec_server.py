@@ -98,6 +98,10 @@ def exec_server_cmd(settings: Settings, *, listen: str, upload: str | None = Non
     return 0
 
 
+#: toolq's reason, on each live process's stderr, when the server is stopped (SIGINT, SIGTERM).
+STOPPED = "toolq exec-server stopped"
+
+
 async def _serve(settings: Settings, starting: WorkersStarting | None, where: Listen | None, choice: EnvChoice | None,
                  root: Root, token: str | None) -> None:
     from toolq.core.signing import required_signer
@@ -115,9 +119,24 @@ async def _serve(settings: Settings, starting: WorkersStarting | None, where: Li
     sessions = Sessions(Context(fleet, root, source, streams, signer, settings.exec_server_resume))
     serving = asyncio.current_task()
     loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[None]] = []
+
+    async def stop() -> None:
+        try:  # while the connections are open: each client is told how its processes ended
+            await sessions.stop_all(STOPPED)
+        finally:
+            if serving is not None:
+                serving.cancel()
+
+    def on_signal() -> None:
+        if stopping and serving is not None:  # a second signal: stop now
+            serving.cancel()
+        elif not stopping:
+            stopping.append(asyncio.create_task(stop()))
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, lambda: serving.cancel() if serving else None)
+            loop.add_signal_handler(sig, on_signal)
     try:
         with reaching(settings.redis_url):  # a wrong REDIS_URL: one line now, not a failure at each request
             await streams.ping()

@@ -42,6 +42,8 @@ log = logging.getLogger("toolq.exec_server")
 #: (the server's memory would grow with every process's output), so the connection is dropped;
 #: the session is kept, and a client that resumes catches up with `process/read`.
 MAX_QUEUED_BYTES = 32 << 20
+#: How long a stopping server waits for each connection to send what it pushed last.
+DRAIN_WAIT = 5.0
 
 
 class Sessions:
@@ -50,6 +52,8 @@ class Sessions:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.by_id: dict[str, ExecSession] = {}
+        self.connections: set[Connection] = set()
+        """The connections being served (a stop waits for what it pushed to them to be sent)."""
 
     def open(self, resume: str | None) -> tuple[ExecSession, bool]:
         """The session `resume` names when it is still kept, else a new one; and whether it resumed."""
@@ -65,6 +69,13 @@ class Sessions:
 
     async def close_all(self) -> None:
         await asyncio.gather(*(s.close() for s in list(self.by_id.values())))
+
+    async def stop_all(self, reason: str) -> None:
+        """The server stops while its connections are still open: every session ends as a reap
+        does, each attached client told first how each live process ended (`ExecSession.stop`);
+        then what was pushed is sent (at most DRAIN_WAIT), and the caller closes the connections."""
+        await asyncio.gather(*(s.stop(reason) for s in list(self.by_id.values())))
+        await asyncio.gather(*(c.drained(DRAIN_WAIT) for c in list(self.connections)))
 
 
 class Connection:
@@ -101,17 +112,32 @@ class Connection:
                 await self._send(text)
             except Exception as e:  # the peer went away: the reader ends the connection
                 log.debug("could not send a frame: %s", e)
+                self._queued = -1  # nothing more is queued, and what is will never be sent
+                while not self._out.empty():
+                    self._out.get_nowait()
+                    self._out.task_done()
                 return
+            finally:
+                self._out.task_done()
             if self._queued >= 0:
                 self._queued -= len(text)
+
+    async def drained(self, seconds: float) -> None:
+        """Once every frame pushed so far is sent (or `seconds` passed, or the peer is gone)."""
+        try:
+            await asyncio.wait_for(self._out.join(), seconds)
+        except TimeoutError:
+            log.warning("exec-server: a client did not take its last frames in %.0fs", seconds)
 
     async def serve(self, frames: Any) -> None:
         """Until `frames` (an async iterator of text) ends; then the session is kept or closed."""
         writer = asyncio.create_task(self._writer())
+        self.sessions.connections.add(self)
         try:
             async for frame in frames:
                 await self._receive(frame)
         finally:
+            self.sessions.connections.discard(self)
             # Requests in flight run to their end (a process/terminate sent just before Codex's socket
             # dropped still kills); their answers have nowhere to go.
             self._out.put_nowait(None)

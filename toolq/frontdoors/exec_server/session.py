@@ -118,6 +118,8 @@ class Process:
         self.writing = asyncio.Lock()
         """Writes reach the process in the order they came."""
         self.task: asyncio.Task[None] | None = None
+        self.stopped: str | None = None
+        """Why the server ended it (`ExecSession.stop`): its end is exit -1 with this line on stderr."""
 
     async def started_or_done(self, seconds: float) -> None:
         waits = [asyncio.create_task(self.started.wait()), asyncio.create_task(self.done.wait())]
@@ -227,6 +229,32 @@ class ExecSession:
         except Exception as e:
             log.warning("session %s: could not record the end of its turns: %s", self.id, e)
 
+    async def stop(self, reason: str) -> None:
+        """The server stops: end the session as a reap does, but first tell the attached client how
+        each live process ended (its remaining output, then toolq's `reason` on stderr, exited -1,
+        closed), so it finishes the command at once instead of trying to resume. Both turns are
+        cancelled as `toolq cancel` does (the calls revoked, the processes killed), so they are
+        recorded cancelled."""
+        if self.closed:
+            return
+        running = [p for p in self.processes.values() if not p.done.is_set()]
+        for proc in running:
+            if not proc.log.exited:
+                proc.stopped = reason
+        ledger = self.ctx.fleet.ledger
+        for turn in (self.calls.turn_id, self.calls.control_turn):
+            try:
+                await ledger.cancel_turn(turn, reason=reason)
+            except Exception as e:  # the reap below still kills them, through their conversation
+                log.warning("session %s: could not cancel %s: %s", self.id, turn, e)
+        if running:
+            await asyncio.wait([asyncio.create_task(p.done.wait()) for p in running], timeout=KILL_WAIT)
+        for proc in running:  # the rest of a process whose end did not come in time
+            if not proc.done.is_set():
+                self._emit(proc, proc.log.output("stderr", reason_line(reason)))
+                self._emit(proc, proc.log.close(-1))
+        await self.close()
+
     async def _kill(self, proc: Process) -> None:
         try:
             await asyncio.wait_for(self.process_terminate({"processId": proc.id}), KILL_WAIT)
@@ -305,7 +333,9 @@ class ExecSession:
         call = asyncio.create_task(self.calls.run(PROCESS_START, args, control=False, call_id=proc.call_id))
         try:
             await self._follow(proc, call)
-            if not proc.log.exited:  # the call ended with no exit: toolq's reason, then exit -1
+            if proc.stopped is not None and not proc.log.exited:  # the server stopped it: why, then exit -1
+                self._emit(proc, proc.log.output("stderr", reason_line(proc.stopped)))
+            elif not proc.log.exited:  # the call ended with no exit: toolq's reason, then exit -1
                 text, reply = await call
                 code = reply.get("exit_code") if isinstance(reply, dict) else None
                 if isinstance(code, int) and not isinstance(code, bool):
@@ -359,6 +389,8 @@ class ExecSession:
             proc.started.set()
         elif event.kind == "output" and event.data:
             self._emit(proc, proc.log.output(event.stream or "stdout", base64.b64decode(event.data)))
+        elif event.kind == "exit" and proc.stopped is not None:  # killed by the stop: its end is the stop's
+            return
         elif event.kind == "exit":
             if event.note:
                 self._emit(proc, proc.log.output("stderr", reason_line(event.note)))
