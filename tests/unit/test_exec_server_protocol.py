@@ -300,6 +300,7 @@ class _Session:
 class _Sessions:
     def __init__(self) -> None:
         self.session = _Session()
+        self.connections: set[Any] = set()
 
     def open(self, resume: str | None) -> tuple[_Session, bool]:
         return self.session, resume == self.session.id
