@@ -561,3 +561,36 @@ def test_a_stopped_server_tells_each_client_how_its_processes_ended(fleet, redis
                             env=server_env(redis_server.url), capture_output=True, text=True, timeout=TIMEOUT)
     (row,) = [row for row in map(json.loads, listed.stdout.splitlines()) if turn in row.values()]
     assert "cancelled" in row.values(), row
+
+
+def test_upload_on_a_cold_embedded_stack_waits_for_its_workers(tmp_path):
+    """No REDIS_URL: the server starts its own Redis and workers, which boot slowly (3 s each); the
+    session's environment waits for a worker host as a command waits for a worker."""
+    from tests.integration.test_environments import unmount_under
+
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("hello from the upload\n")
+    xdg, tmp = tmp_path / "xdg", tmp_path / "tmp"
+    for d in (xdg, tmp):
+        d.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("REDIS_URL", "CELERY_BROKER_URL") and not k.startswith("TOOLQ_EXEC_SERVER_")}
+    env.update(XDG_RUNTIME_DIR=str(xdg), TMPDIR=str(tmp), TOOLQ_ENV_ROOT=str(tmp_path / "root"),
+               TOOLQ_TOOLS="tests.integration.slow_boot_tools", TOOLQ_TEST_WORKER_BOOT_DELAY="3",
+               PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "toolq.cli.main", "exec-server", "--upload", str(folder)], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    server = Server(proc)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline().decode()
+        assert first.startswith("toolq exec-server: listening on ws://"), (first, "".join(server.stderr))
+        with Client.connect(first.rsplit(" ", 1)[1].strip()) as client:
+            client.initialize()
+            output, code = run(client, folder, "cat notes.txt")
+            assert (output, code) == (b"hello from the upload\n", 0), "".join(server.stderr)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=TIMEOUT)
+        unmount_under(tmp_path)
