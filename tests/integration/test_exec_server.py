@@ -366,15 +366,21 @@ def test_a_dropped_connection_resumes_the_session_and_catches_up_with_process_re
             assert third.initialize(resume="no-such-session")["sessionId"] not in (session, "no-such-session")
 
 
+def start_sleeper(client: Client, workspace: Path, marker: str) -> tuple[str, dict[str, Any]]:
+    """A new session (its id) running `sleep 600` named `marker` (its process/start), once it printed."""
+    session = client.initialize()["sessionId"]
+    p = process_start(workspace, f"echo up; exec -a {marker} sleep 600")
+    client.result("process/start", p)
+    client.until(p["processId"], "process/output")
+    assert pids_matching(marker)
+    return session, p
+
+
 def test_an_abandoned_session_is_reaped_and_nothing_is_left_running(fleet, redis_server, workspace):
     marker = f"toolq-es-reap-{secrets.token_hex(4)}"
     with exec_server(redis_server.url, workspace, TOOLQ_EXEC_SERVER_RESUME="1") as server:
         with Client.connect(server.url) as client:
-            session = client.initialize()["sessionId"]
-            p = process_start(workspace, f"echo up; exec -a {marker} sleep 600")
-            client.result("process/start", p)
-            client.until(p["processId"], "process/output")
-            assert pids_matching(marker)
+            session, _ = start_sleeper(client, workspace, marker)
             client.ws.socket.close()
         end = time.monotonic() + TIMEOUT
         while pids_matching(marker) and time.monotonic() < end:
@@ -546,11 +552,7 @@ def test_a_stopped_server_tells_each_client_how_its_processes_ended(fleet, redis
     marker = f"toolq-es-stop-{secrets.token_hex(4)}"
     with exec_server(redis_server.url, workspace) as server:
         with Client.connect(server.url) as client:
-            session = client.initialize()["sessionId"]
-            p = process_start(workspace, f"echo up; exec -a {marker} sleep 600")
-            client.result("process/start", p)
-            client.until(p["processId"], "process/output")
-            assert pids_matching(marker)
+            session, p = start_sleeper(client, workspace, marker)
             server.proc.send_signal(getattr(signal, sig))
             output, code = finished(client.until(p["processId"], "process/closed"))
             assert code == -1 and output.startswith(b"up\n") and b"[toolq: toolq exec-server stopped]" in output
@@ -567,18 +569,9 @@ def test_upload_on_a_cold_embedded_stack_waits_for_its_workers(tmp_path):
     """No REDIS_URL: the server starts its own Redis and workers, which boot slowly (3 s each); the
     session's environment waits for a worker host as a command waits for a worker."""
     from tests.integration.test_environments import unmount_under
+    from tests.integration.test_mcp_server import cold_stack
 
-    folder = tmp_path / "project"
-    folder.mkdir()
-    (folder / "notes.txt").write_text("hello from the upload\n")
-    xdg, tmp = tmp_path / "xdg", tmp_path / "tmp"
-    for d in (xdg, tmp):
-        d.mkdir(mode=0o700)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("REDIS_URL", "CELERY_BROKER_URL") and not k.startswith("TOOLQ_EXEC_SERVER_")}
-    env.update(XDG_RUNTIME_DIR=str(xdg), TMPDIR=str(tmp), TOOLQ_ENV_ROOT=str(tmp_path / "root"),
-               TOOLQ_TOOLS="tests.integration.slow_boot_tools", TOOLQ_TEST_WORKER_BOOT_DELAY="3",
-               PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    folder, env = cold_stack(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "toolq.cli.main", "exec-server", "--upload", str(folder)], env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     server = Server(proc)

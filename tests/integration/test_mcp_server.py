@@ -368,18 +368,27 @@ def test_toolq_cancel_from_a_shell_ends_a_running_call(fleet, redis_server, tmp_
     asyncio.run(asyncio.wait_for(go(), 120))
 
 
-def test_with_upload_on_a_cold_embedded_stack_the_first_call_waits_for_its_workers(tmp_path):
-    """No REDIS_URL: the server starts its own Redis and workers, which boot slowly (3 s each); the
-    session's environment waits for a worker host as a call waits for a worker, not failing at once."""
+def cold_stack(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A folder to upload (notes.txt in it), and a shell's environment with no REDIS_URL (a front
+    door then starts its own stack) whose workers each take 3 s to boot."""
     folder = tmp_path / "project"
     folder.mkdir()
     (folder / "notes.txt").write_text("hello from the upload\n")
     xdg, tmp = tmp_path / "xdg", tmp_path / "tmp"
     for d in (xdg, tmp):
         d.mkdir(mode=0o700)
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL", "TOOLQ_MCP_SERVER_TOKEN")}
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "CELERY_BROKER_URL")
+           and not k.startswith(("TOOLQ_EXEC_SERVER_", "TOOLQ_MCP_SERVER_"))}
     env.update(XDG_RUNTIME_DIR=str(xdg), TMPDIR=str(tmp), TOOLQ_ENV_ROOT=str(tmp_path / "root"),
-               TOOLQ_TEST_WORKER_BOOT_DELAY="3", PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               TOOLQ_TOOLS="tests.integration.slow_boot_tools", TOOLQ_TEST_WORKER_BOOT_DELAY="3",
+               PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return folder, env
+
+
+def test_with_upload_on_a_cold_embedded_stack_the_first_call_waits_for_its_workers(tmp_path):
+    """No REDIS_URL: the server starts its own Redis and workers, which boot slowly (3 s each); the
+    session's environment waits for a worker host as a call waits for a worker, not failing at once."""
+    folder, env = cold_stack(tmp_path)
     params = StdioServerParameters(command=sys.executable, env=env,
                                    args=["-m", "toolq.cli.main", "mcp-server", "--tools",
                                          "tests.integration.slow_boot_tools", "--upload", str(folder)])
