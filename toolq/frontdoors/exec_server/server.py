@@ -121,6 +121,7 @@ class Connection:
                 self._out.task_done()
             if self._queued >= 0:
                 self._queued -= len(text)
+        self._out.task_done()  # the end mark: a stop waiting for what was pushed waits no longer
 
     async def drained(self, seconds: float) -> None:
         """Once every frame pushed so far is sent (or `seconds` passed, or the peer is gone)."""
