@@ -91,6 +91,9 @@ STOP_GRACE = 5.0
 #: again: a cancel swallowed inside redis-py leaves the lease's beat running and `close()` waiting
 #: on it; a second cancel reaches the beat. Closing takes milliseconds otherwise.
 CLOSE_GRACE = 2.0
+#: A line's own environment is destroyed in the close: its host unmounts and removes its files,
+#: seconds on a loaded host, and a close cut short left it `ready` for the reaper to find later.
+ENV_CLOSE_GRACE = 30.0
 #: The watchdog names (one line on stderr) and lets go of a lane whose turn ended this long ago
 #: but whose task has not: nothing of the turn is lost, its result is written from its end.
 STUCK_AFTER = 30.0
@@ -514,7 +517,7 @@ class Batch:
         """End the turn's conversation (its exec_command sessions), bounded: see `CLOSE_GRACE`.
         A close cut short leaves the conversation's key to expire by itself (seconds)."""
         closing = asyncio.create_task(session.close())
-        await asyncio.wait({closing}, timeout=CLOSE_GRACE)
+        await asyncio.wait({closing}, timeout=CLOSE_GRACE if session.environment is None else ENV_CLOSE_GRACE)
         if not closing.done():
             await stop(closing)  # cancelled until it ends; the cancel reaches the beat it awaits
 
