@@ -109,7 +109,7 @@ RELEASED_DIGESTS = {
     "list_dir": "8db5835acad154bd", "read_file": "7f970183728ebea8", "tool_search": "94a6e38958333de3",
     "update_plan": "a1f16d933da5d689", "view_image": "52f40d3593bf80c6", "write_stdin": "64fcc07397ca050c",
     # issue 29: the front doors' tools
-    "process_start": "642ff0f1270cfbb8", "process_write": "01f871db0268fe58", "process_terminate": "e225f5968042a5e9",
+    "process_start": "a435236ef7aaa240", "process_write": "01f871db0268fe58", "process_terminate": "e225f5968042a5e9",
     "fs": "594b74d70e6d0ae5",
 }
 

@@ -37,7 +37,10 @@ def session_gone_answer(tool: str) -> str | None:
     return {PROCESS_WRITE: '{"status": "unknownProcess"}', PROCESS_TERMINATE: '{"running": false}'}.get(tool)
 
 
-PROCESS_TIMEOUT = 1800.0
+#: A front door's process lives at most this long (its call's timeout; `TOOLQ_TOOL_LIMITS` may lower
+#: it). As exec_command's: a worker's graceful stop waits for its longest tool, and the deploy
+#: files' grace periods follow it (tests/unit/test_deploy.py).
+PROCESS_TIMEOUT = 300.0
 """A front-door process's call timeout, in seconds (TOOLQ_TOOL_LIMITS may lower it)."""
 PROCESS_STREAM_BYTES = 16 << 20
 """At most this many output bytes of one process are kept in its stream; the rest is read and dropped."""
