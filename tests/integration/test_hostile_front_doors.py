@@ -372,9 +372,10 @@ def test_a_client_that_stops_reading_does_not_grow_the_servers_memory_without_bo
             time.sleep(0.5)
         grown = rss_kib(server.proc.pid) - before
     r.close()
-    # Unbounded, it held more than the output itself (287 MiB for 160 MB); bounded, the queue's 32 MiB
-    # and what each process keeps for a resume, plus the stream reads in flight
-    assert grown < 320_000_000 >> 10, f"the server grew by {grown >> 10} MiB for a client that does not read"
+    # Unbounded, it held 1.8 times the output (287 MiB for 160 MB: 550 MiB for these 320 MB); bounded,
+    # the queue's 32 MiB and what each process keeps for a resume, plus the stream reads in flight and
+    # what the allocator keeps of their buffers (308 MiB seen once on a loaded machine)
+    assert grown < 420_000_000 >> 10, f"the server grew by {grown >> 10} MiB for a client that does not read"
     assert any("unread; its connection is dropped" in line for line in server.stderr)
     with Client.connect(server.url) as again:  # the session was kept: the client may come back
         assert again.initialize(resume=session)["sessionId"] == session
