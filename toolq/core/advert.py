@@ -72,6 +72,8 @@ class ToolAdvert(BaseModel):
     """`ToolSpec.offered` (not in the digest, as shell_like)."""
     whole_output: bool = False
     """`ToolSpec.whole_output` (not in the digest)."""
+    session_gone: str | None = None
+    """`ToolSpec.session_gone` (not in the digest)."""
     module: str | None = None
     """Where the worker got it: the Python module of its handler (None if it has none)."""
 
@@ -79,7 +81,8 @@ class ToolAdvert(BaseModel):
     def of(cls, spec: ToolSpec) -> ToolAdvert:
         module = getattr(spec.handler, "__module__", None) if spec.handler is not None else None
         return cls(name=spec.name, digest=spec.digest(), declaration=spec.declaration(), shell_like=spec.shell_like,
-                   offered=spec.offered, whole_output=spec.whole_output, module=module)
+                   offered=spec.offered, whole_output=spec.whole_output, session_gone=spec.session_gone,
+                   module=module)
 
     def to_spec(self) -> ToolSpec | None:
         """The declaration as a `ToolSpec` with no handler (an orchestrator binds and sends it; a
@@ -93,7 +96,8 @@ class ToolAdvert(BaseModel):
                             parallel=bool(d.get("parallel", True)), queue=d.get("queue", DEFAULT_QUEUE),
                             timeout=d.get("timeout", 60.0), idempotent=bool(d.get("idempotent", False)),
                             deferred=bool(d.get("deferred", False)), shell_like=self.shell_like,
-                            offered=self.offered, whole_output=self.whole_output)
+                            offered=self.offered, whole_output=self.whole_output,
+                            session_gone=self.session_gone)
         except (TypeError, ValueError):
             return None
         return spec if spec.digest() == self.digest else None

@@ -155,6 +155,9 @@ class ToolSpec:
     whole_output: bool = False
     """Its output travels whole, never cut to what a model's history keeps: a front door reads it
     (fs's readFile), and the tool bounds it itself. Not in the digest."""
+    session_gone: str | None = None
+    """`route="session"`: the output the orchestrator gives a call whose session its conversation
+    does not hold (or whose worker is gone); None: write_stdin's words, Codex's. Not in the digest."""
     shell_like: bool = False
     """Aborted shell calls read `Wall time: X seconds\\naborted by user`, like Codex's."""
     # What the pipeline does differently for a tool is read from here, never from its name. None of
@@ -280,6 +283,7 @@ def tool(
     deferred: bool = False,
     offered: bool = True,
     whole_output: bool = False,
+    session_gone: str | None = None,
     shell_like: bool = False,
     streams_output: bool = False,
     route: Route = "queue",
@@ -315,6 +319,7 @@ def tool(
     `offered=False`: front doors call it (toolq exec-server's process and file tools); no listing
     offered to a model or an MCP client shows it. `whole_output=True`: its output is never cut to
     what a model's history keeps (a front door needs it whole); the tool must bound it itself.
+    `session_gone=`: with `route="session"`, the output of a call whose session is unknown or lost.
     """
 
     caller = sys._getframe(1).f_locals  # resolves annotations naming classes local to the declaring function
@@ -350,6 +355,7 @@ def tool(
             deferred=deferred,
             offered=offered,
             whole_output=whole_output,
+            session_gone=session_gone,
             shell_like=shell_like,
             streams_output=streams_output,
             route=route,

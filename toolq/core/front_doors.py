@@ -30,12 +30,6 @@ FRONT_DOOR_TOOLS = (PROCESS_START, PROCESS_WRITE, PROCESS_TERMINATE, FS)
 
 
 
-def session_gone_answer(tool: str) -> str | None:
-    """What a front door's session tool answers for a session its conversation does not hold (or
-    that was lost with its worker): the tool's own JSON, as its worker would answer. None: not a
-    front door's tool (write_stdin's words are Codex's)."""
-    return {PROCESS_WRITE: '{"status": "unknownProcess"}', PROCESS_TERMINATE: '{"running": false}'}.get(tool)
-
 
 #: A front door's process lives at most this long (its call's timeout; `TOOLQ_TOOL_LIMITS` may lower
 #: it). As exec_command's: a worker's graceful stop waits for its longest tool, and the deploy

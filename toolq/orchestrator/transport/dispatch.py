@@ -178,7 +178,7 @@ class Dispatcher:
         worker serves it. DispatchError (the call's ledger record says why) if there is none."""
         if spec.route == "session":  # sessions hook: to the worker holding the session it names
             try:
-                session = await session_route.session_for(self.ledger.r, inv)
+                session = await session_route.session_for(self.ledger.r, inv, spec)
             except DispatchError:
                 await self.ledger.set_state(inv.task_id, CallState.FAILED, finished_at=time.time())
                 raise

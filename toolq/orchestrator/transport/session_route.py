@@ -15,41 +15,37 @@ from pydantic import ValidationError
 
 from toolq.core import keys
 from toolq.core.calls import FunctionPayload, ToolInvocation
-from toolq.core.front_doors import session_gone_answer
+from toolq.core.catalog import ToolSpec
 from toolq.core.session_records import SessionRecord, lost_session, sessions_key, unknown_session
 from toolq.core.states import CallState
 from toolq.orchestrator.transport import DispatchError
 
 
-def unknown(session_id: object, tool: str = "") -> DispatchError:
+def unknown(session_id: object, spec: ToolSpec) -> DispatchError:
+    """The call's session is not its conversation's: its declaration's answer, or write_stdin's words."""
     return DispatchError("unknown session", state=CallState.FAILED,
-                         output=session_gone_answer(tool) or unknown_session(session_id))
+                         output=spec.session_gone or unknown_session(session_id))
 
 
-def _builtin(inv: ToolInvocation) -> str:
-    """The call's tool name if it is not namespaced (a front door's tools are built-ins)."""
-    return "" if inv.tool_name.namespace else inv.tool_name.name
-
-
-async def session_for(r, inv: ToolInvocation) -> SessionRecord:
+async def session_for(r, inv: ToolInvocation, spec: ToolSpec) -> SessionRecord:
     """The record of the call's session (its instance's queue is `instance_queue(record.instance)`);
     DispatchError (with the output) if none."""
     try:
         assert isinstance(inv.payload, FunctionPayload)
         session_id = int(json.loads(inv.payload.arguments)["session_id"])
     except (AssertionError, ValueError, KeyError, TypeError, OverflowError):  # 1e400 parses as inf
-        raise unknown("?", _builtin(inv)) from None
+        raise unknown("?", spec) from None
     raw = await r.hget(sessions_key(inv.conversation or ""), str(session_id)) if inv.conversation else None
     if raw is None:
-        raise unknown(session_id, _builtin(inv))
+        raise unknown(session_id, spec)
     try:
         record = SessionRecord.model_validate_json(raw)
     except ValidationError:
-        raise unknown(session_id, _builtin(inv)) from None
+        raise unknown(session_id, spec) from None
     if not await r.exists(keys.fleet_worker(record.instance)):
         await r.hdel(sessions_key(inv.conversation or ""), str(session_id))
         raise DispatchError("session lost", state=CallState.FAILED,
-                            output=session_gone_answer(_builtin(inv)) or lost_session(record))
+                            output=spec.session_gone or lost_session(record))
     return record
 
 

@@ -173,7 +173,8 @@ def _own_stream(key: str, turn_id: str) -> bool:
 
 
 @tool(name=PROCESS_WRITE, parameters=ProcessWriteArgs.model_json_schema(), strict=False, offered=False,
-      sessions=True, route="session", flower_args={"session_id": "value", "data": "length"})
+      sessions=True, route="session", session_gone='{"status": "unknownProcess"}',
+      flower_args={"session_id": "value", "data": "length"})
 def process_write(args: ProcessWriteArgs, ctx: ToolContext) -> str:
     """Writes bytes (base64) to a front door's process's stdin at once: `{"status": "accepted" |
     "stdinClosed" | "unknownProcess"}`. Never offered to a model (as confined as write_stdin)."""
@@ -187,7 +188,7 @@ def process_write(args: ProcessWriteArgs, ctx: ToolContext) -> str:
 
 
 @tool(name=PROCESS_TERMINATE, parameters=ProcessTerminateArgs.model_json_schema(), strict=False, offered=False,
-      sessions=True, route="session", flower_args={"session_id": "value"})
+      sessions=True, route="session", session_gone='{"running": false}', flower_args={"session_id": "value"})
 def process_terminate(args: ProcessTerminateArgs, ctx: ToolContext) -> str:
     """Kills a front door's process (SIGKILL to its process group and cell): `{"running": true}` if
     it was running (its process_start then ends with exit 137), false if it had exited or is
