@@ -39,6 +39,7 @@ from toolq.core.environments import (
     new_environment_id,
     reply_key,
 )
+from toolq.core.session_records import conversation_key
 from toolq.core.settings import Settings
 from toolq.core.signing import Signer
 from toolq.local.embedded import WorkerProcess
@@ -133,6 +134,14 @@ def exec_on(redis_url: str, host: str, env: EnvironmentRecord | Any, cmd: str, *
     return result
 
 
+def live_conversation(r: redis.Redis) -> str:
+    """A conversation id whose key lives, as the orchestrator keeps it while a conversation runs:
+    the session host kills the sessions of a conversation whose key is gone, at its next sweep."""
+    conversation = "conv-" + secrets.token_hex(4)
+    r.set(conversation_key(conversation), "1", ex=600)
+    return conversation
+
+
 def output(result: dict[str, Any]) -> str:
     out = result["output"]
     return out if isinstance(out, str) else json.dumps(out)
@@ -192,10 +201,12 @@ def test_a_call_of_an_environment_runs_in_it_on_its_host_and_nowhere_else(redis_
     assert ghost["status"] == "rejected" and "not present on host h2" in output(ghost)
 
     # A session still running in it when it is destroyed goes with it.
-    session = exec_on(redis_env.url, "h1", env, "sleep 600", conversation="conv-" + secrets.token_hex(4),
-                      yield_ms=300)
-    assert "session" in output(session).lower(), session
-    assert processes_in(workspace)
+    session = exec_on(redis_env.url, "h1", env, "sleep 600", conversation=live_conversation(r), yield_ms=300)
+    assert "session id" in output(session).lower(), session
+    end = time.monotonic() + 60  # the session is open once its shell started; its `sleep` may come later
+    while not processes_in(workspace):
+        assert time.monotonic() < end, f"the session's command never started: {session}"
+        time.sleep(0.1)
     assert ask(r, "destroy", env).ok
     assert not (roots["h1"] / "envs" / env.id).exists()
     assert json.loads(r.get(env_key(env.id)) or b"{}")["state"] == "destroyed"

@@ -16,7 +16,7 @@ import redis
 
 from tests.integration import unprivileged
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
-from tests.integration.test_env_worker import ask, exec_on, output, record_of
+from tests.integration.test_env_worker import ask, exec_on, live_conversation, output, record_of
 from toolq.core.environments import EnvironmentRecord, EnvSource, env_key, host_key, new_environment_id
 from toolq.local.embedded import WorkerProcess
 from toolq.workers.environments import archive
@@ -133,13 +133,15 @@ def test_destroy_ends_a_session_whose_processes_left_the_workspace(redis_env, ho
     name, root = host
     env = made(r, name, {"a.txt": "a\n"}, tmp_path)
     tag = secrets.token_hex(6)
+    # A live conversation: without its key the session host's sweep kills the session (this test
+    # once raced that sweep and lost it under load).
     started = exec_on(redis_env.url, name, env, f"cd /tmp && exec -a toolq-idle-{tag} sleep 900",
-                      conversation="conv-" + secrets.token_hex(4), yield_ms=500)
-    assert "session" in output(started).lower(), started
+                      conversation=live_conversation(r), yield_ms=500)
+    assert "session id" in output(started).lower(), started
     # The session is open once its shell started; on a loaded machine the `exec -a` may come later.
     end = time.monotonic() + 60
     while not _running(tag):
-        assert time.monotonic() < end, "the session's command never started"
+        assert time.monotonic() < end, f"the session's command never started: {started}"
         time.sleep(0.2)
     assert ask(r, "destroy", env).ok
     end = time.monotonic() + 15
