@@ -102,9 +102,10 @@ def test_the_circle_finder_finds_a_circle_through_a_deferred_import():
 #: the orchestrator reaches into the worker layer only through the modules named below. The front
 #: doors (issue 29) sit on the orchestrator: each holds a `Fleet` and turns another agent's requests
 #: into its calls. `cli` and `dev` share the top: the CLI's `bench`/`fake-model`/`demo` run dev's
-#: code, and a benchmark may measure a command's own renderer.
-LAYERS = {"toolq.core": 0, "toolq.workers": 1, "toolq.local": 2, "toolq.orchestrator": 3, "toolq.frontdoors": 4,
-          "toolq.cli": 5, "toolq.dev": 5, "toolq.testing": 6, "toolq": 6}
+#: code, and a benchmark may measure a command's own renderer. Telemetry (issue 30) sits just above
+#: `core`: both ends of a queue record their spans and metrics through it.
+LAYERS = {"toolq.core": 0, "toolq.telemetry": 1, "toolq.workers": 2, "toolq.local": 3, "toolq.orchestrator": 4,
+          "toolq.frontdoors": 5, "toolq.cli": 6, "toolq.dev": 6, "toolq.testing": 7, "toolq": 7}
 
 #: What the orchestrator and the embedded stack use of the worker layer: the Celery app's
 #: configuration (both ends of a queue build it), loading tool modules, running one call in

@@ -189,6 +189,9 @@ ENV = {
     "exec_server_token": ("TOOLQ_EXEC_SERVER_TOKEN",),
     # toolq mcp-server (toolq/frontdoors/mcp_server)
     "mcp_server_token": ("TOOLQ_MCP_SERVER_TOKEN",),
+    # Telemetry (toolq/telemetry): traces are turned on by the standard OTEL_* variables
+    "metrics_port": ("TOOLQ_METRICS_PORT",),
+    "trace_url": ("TOOLQ_TRACE_URL",),
 }
 
 SECRETS = {"openai_api_key", "flower_password", "signing_key", "sentinel_password", "exec_server_token",
@@ -351,6 +354,12 @@ class Settings(BaseModel):
     mcp_server_token: str | None = None
     """The bearer token `toolq mcp-server` asks of every HTTP client (`Authorization: Bearer`);
     needed to listen on an address other than loopback."""
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve Prometheus metrics on this port (`/metrics`): a worker's (`toolq worker --metrics-port`
+    says the same) or an orchestrator's (`toolq run`, `toolq batch`, a `Fleet`). Unset: none."""
+    trace_url: str | None = None
+    """A trace viewer's address with `{trace_id}` in it (Jaeger: `http://HOST:16686/trace/{trace_id}`):
+    Flower and `toolq run` show each call's and turn's trace there when tracing is on."""
 
     @field_validator("redis_url", "result_url")
     @classmethod

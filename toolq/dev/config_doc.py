@@ -80,6 +80,8 @@ GROUPS: list[tuple[str, str, tuple[str, ...]]] = [
     ("toolq exec-server", "The exec-server front door ([front-doors.md](front-doors.md)).",
      ("exec_server_resume", "exec_server_token")),
     ("toolq mcp-server", "The MCP front door ([front-doors.md](front-doors.md)).", ("mcp_server_token",)),
+    ("Telemetry", "Prometheus metrics and links to traces; traces themselves are turned on by the standard "
+     "`OTEL_*` variables ([operating.md](operating.md#traces-and-metrics)).", ("metrics_port", "trace_url")),
 ]
 
 #: What a field's docstring does not say: its whole description when it has none, else a note
@@ -141,6 +143,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
     "flower_port": (("flower",), "--port"),
     "exec_server_token": (("exec-server",), "--token-file"),
     "mcp_server_token": (("mcp-server",), "--token-file"),
+    "metrics_port": (("worker",), "--metrics-port"),
 }
 
 #: Variables read outside the settings model, and what reads them.
