@@ -48,7 +48,7 @@ def test_no_host_at_all_is_refused_and_loopback_clients_pass() -> None:
 
 @pytest.mark.parametrize("given_headers, path", [
     ({}, "/"), ({"Authorization": "Bearer "}, "/"), ({"Authorization": "Bearer secret-tokeX"}, "/"),
-    ({"Authorization": "bearer secret-token"}, "/x"), ({"Authorization": "Basic secret-token"}, "/"),
+    ({"Authorization": "Bearersecret-token"}, "/x"), ({"Authorization": "Basic secret-token"}, "/"),
     ({}, "/?token="), ({}, "/?token=secret-toke"), ({}, "/?token=secret-token-and-more"),
     ({}, "/?tok=secret-token"),
 ])
@@ -58,6 +58,7 @@ def test_a_wrong_token_is_refused(given_headers: dict[str, str], path: str) -> N
 
 def test_the_right_token_passes_either_way() -> None:
     assert token_accepted("secret-token", headers(Authorization="Bearer secret-token"), "/")
+    assert token_accepted("secret-token", headers(Authorization="bearer secret-token"), "/")  # RFC 7235: any case
     assert token_accepted("secret-token", headers(), "/?token=secret-token")
     assert token_accepted("secret-token", headers(), "/?a=1&token=secret-token")
 

@@ -33,7 +33,7 @@ from toolq.frontdoors.exec_server.protocol import (
     result_frame,
 )
 from toolq.frontdoors.exec_server.session import Context, ExecSession
-from toolq.frontdoors.listening import Listen
+from toolq.frontdoors.listening import Listen, bearer_matches
 from toolq.frontdoors.listening import parse_listen as parse_address
 
 log = logging.getLogger("toolq.exec_server")
@@ -215,9 +215,9 @@ def token_accepted(token: str | None, headers: Any, path: str) -> bool:
     """No token set: every upgrade; else `Authorization: Bearer T` or `?token=T` (Codex sends no headers)."""
     if token is None:
         return True
-    given = [v[len("Bearer "):] for v in headers.get_all("Authorization") if v.startswith("Bearer ")]
-    given += parse_qs(urlsplit(path).query).get("token", [])
-    return any(hmac.compare_digest(g.encode(), token.encode()) for g in given)
+    if bearer_matches(headers.get_all("Authorization"), token):
+        return True
+    return any(hmac.compare_digest(g.encode(), token.encode()) for g in parse_qs(urlsplit(path).query).get("token", []))
 
 
 def _loopback_name(host: str | None) -> bool:
