@@ -25,6 +25,7 @@ from toolq.core.items import (
 )
 from toolq.core.permits import Permit
 from toolq.core.states import CallState
+from toolq.core.tracing import TraceContext
 
 PayloadKind = Literal["function", "custom", "tool_search"]
 
@@ -116,6 +117,12 @@ class ToolInvocation(BaseModel):
     permit: Permit | None = None
     """The tool's max_concurrency permit the orchestrator took for this call: the worker renews it
     while the call runs and releases it at the end (toolq/core/permits.py)."""
+    trace: TraceContext | None = None
+    """The call's `execute_tool` span (toolq/core/tracing.py), set by the orchestrator only when
+    tracing is on: the worker's spans are its children. Inside the signed body, so a worker joins
+    only the trace its orchestrator named."""
+    sent_at: float | None = None
+    """Epoch seconds the task message was made (`Dispatcher._message`): the queue wait starts here."""
 
     @property
     def task_id(self) -> str:

@@ -197,7 +197,9 @@ class Dispatcher:
     def _message(self, inv: ToolInvocation, spec: ToolSpec, queue: str) -> str:
         """The call's Celery task message (task_message.py), signed, for `queue`."""
         assert self.signer is not None, "a Dispatcher that sends needs the fleet's signer"
+        now = time.time()
         task, invocation = task_name(spec.idempotent), inv.model_dump(mode="json")
+        invocation["sent_at"] = now  # signed with the rest: the worker's queue wait starts here
         return TaskMessage(
             task=task, task_id=inv.task_id, args=[invocation],
             kwargs={"signature": self.signer.sign_invocation(task, inv.task_id, invocation)},  # signing hook
@@ -207,7 +209,7 @@ class Dispatcher:
             # Flower shows these: a low-cardinality name, the call id, and what a shell call runs.
             shadow=f"tool:{spec.tool_name}", argsrepr=flower_args(inv, spec), kwargsrepr="{}",
             origin=self._origin, reply_to=self._reply_to,
-        ).encode(time.time())
+        ).encode(now)
 
     async def revoke(self, task_ids: list[str], terminate: bool = True) -> None:
         if task_ids:
