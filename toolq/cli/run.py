@@ -259,6 +259,8 @@ async def _run(settings: Settings, prompt: str, json_events: bool, history: Hist
                environment: EnvChoice | None = None,
                patch: LastMessageFile | None = None) -> tuple[TurnOutcome, History]:
     view: Any = JsonView() if json_events else LiveView()  # JSON on stdout; the live view on stderr
+    emit: Any = _WithTraceLink(view, settings.trace_url) if isinstance(view, LiveView) and settings.trace_url \
+        else view
     runtime = await Runtime.create(settings)
     runtime.fleet.dispatcher.fleet.starting = starting  # a call waits for the embedded workers still booting
     placed: Placed | None = None
@@ -291,8 +293,8 @@ async def _run(settings: Settings, prompt: str, json_events: bool, history: Hist
     ticker = loop.create_task(_tick(view)) if isinstance(view, LiveView) and view.tty else None
     try:
         if resume:
-            return await session.resume(turn_id, view), session.history
-        outcome = await session.run_turn(prompt, view, turn_id=turn_id)
+            return await session.resume(turn_id, emit), session.history
+        outcome = await session.run_turn(prompt, emit, turn_id=turn_id)
         if placed is not None:  # `turn.completed` carried the checkpoint and the diff; now --patch, --apply
             await placed.deliver(outcome, view, patch)
         return outcome, session.history
@@ -309,6 +311,31 @@ async def _run(settings: Settings, prompt: str, json_events: bool, history: Hist
         if placed is not None:
             await placed.destroy()  # and so does its environment
         await runtime.aclose()
+        flush_traces()  # the command line exits with os._exit: no atexit hook would export them
+
+
+def flush_traces() -> None:
+    """Export the run's spans before the process exits (a no-op when tracing is off)."""
+    if "toolq.telemetry.tracing" in sys.modules:  # imported by the turn: never loaded here for nothing
+        from toolq.telemetry import tracing
+
+        tracing.flush()
+
+
+class _WithTraceLink:
+    """The live view, and once a turn has started, its trace's address (`TOOLQ_TRACE_URL`) on a
+    line of its own, when tracing is on."""
+
+    def __init__(self, view: LiveView, url: str) -> None:
+        self._view, self._url = view, url
+
+    def __call__(self, event: Any) -> None:
+        self._view(event)
+        trace_id = getattr(event, "trace_id", None)
+        if event.type == "turn.started" and trace_id:
+            from toolq.telemetry.tracing import trace_link
+
+            self._view.write(f"trace {trace_link(trace_id, self._url)}")
 
 
 async def _tick(view: LiveView) -> None:

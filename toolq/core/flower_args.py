@@ -10,15 +10,19 @@ budget counts), and the worker into its task-received event, from its own declar
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
 
 from toolq.core import untrusted
 from toolq.core.catalog import Shown, ToolSpec
+from toolq.core.tracing import TRACEPARENT
 
 #: What all shown values may take in all: the task message carries it twice, and the turn's store
 #: budget counts it so (durable.ARGSREPR_BYTES).
 FLOWER_ARGS_CHARS = 300
+#: A trace link's characters at most (the user's TOOLQ_TRACE_URL with the trace id in it).
+TRACE_CHARS = 200
 #: An undeclared argument's name is the model's text when the schema names none: cut to this.
 _NAME_CHARS = 40
 
@@ -54,7 +58,7 @@ def shown_arguments(spec: ToolSpec) -> tuple[tuple[str, Shown], ...]:
     return tuple((name, "length" if secret_name(name) else how) for name, how in declared)
 
 
-def flower_args(invocation: Any, spec: ToolSpec | None) -> str:
+def flower_args(invocation: Any, spec: ToolSpec | None, trace_url: str | None = None) -> str:
     """A call's args as Flower shows them: the call id, the turn, and the arguments its
     declaration names (`shown_arguments`), every value sharing one budget of FLOWER_ARGS_CHARS
     (a string is cut, then quoted; anything else has its repr cut). A tool with no declared
@@ -63,9 +67,10 @@ def flower_args(invocation: Any, spec: ToolSpec | None) -> str:
     if not isinstance(invocation, dict):
         return "()"
     base = f"call_id={_text(invocation.get('call_id'))!r}, turn={_text(invocation.get('turn_id'))!r}"
+    shown_trace = _trace(invocation.get("trace"), trace_url)
     args = _arguments(invocation.get("payload")) if spec is not None else None
     if spec is None or not args:
-        return f"({base})"
+        return f"({base}{shown_trace})"
     named = shown_arguments(spec)
     free = not named and spec.kind == "function"
     wanted = [(name, "length" if secret_name(name) else "value") for name in args] if free else named
@@ -86,7 +91,22 @@ def flower_args(invocation: Any, spec: ToolSpec | None) -> str:
             text = _cut(repr(value), max(room, 1))
         shown.append(f"{label}={text}")
         room -= len(text)
-    return f"({', '.join(shown)})"
+    return f"({', '.join(shown)}{shown_trace})"
+
+
+def _trace(trace: Any, trace_url: str | None) -> str:
+    """`, trace=<link or trace id>` for a call that carries its trace context (tracing on): the
+    address in TOOLQ_TRACE_URL (`{trace_id}` replaced) when it is set, else the trace id."""
+    if not isinstance(trace, dict):
+        return ""
+    traceparent = trace.get("traceparent")
+    if not isinstance(traceparent, str) or not TRACEPARENT.fullmatch(traceparent):
+        return ""
+    trace_id = traceparent[3:35]
+    url = trace_url if trace_url is not None else os.environ.get("TOOLQ_TRACE_URL")
+    if url and "{trace_id}" in url:
+        return f", trace={_cut(url.replace('{trace_id}', trace_id), TRACE_CHARS)!r}"
+    return f", trace={trace_id!r}"
 
 
 def _arguments(payload: Any) -> dict[str, Any] | None:

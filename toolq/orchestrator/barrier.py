@@ -20,12 +20,14 @@ from toolq.core.calls import ToolInvocation, ToolResult, task_id_for
 from toolq.core.errors import Fatal
 from toolq.core.items import OutputItem
 from toolq.core.states import CallState
+from toolq.orchestrator import spans
 from toolq.orchestrator.binding import BoundCall
 from toolq.orchestrator.call_entry import CallEntry, startable
 from toolq.orchestrator.call_items import entry_view
 from toolq.orchestrator.limits import Limits, TurnSlots
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.transport import CallRecords, CallWatch, DispatchError, Transport
+from toolq.orchestrator.transport.dispatch import call_queue
 from toolq.orchestrator.turn_events import (
     Emit,
     ItemCompleted,
@@ -57,12 +59,15 @@ class Step:
         self.entries: list[CallEntry] = []
         self.fatal: Fatal | None = None
         self.aborted = False
+        self.trace_parent: Any = None
+        """The turn's span (spans.py), the parent of each call's `execute_tool` span; None: the
+        caller's current context (a library user's own span, a front door's client)."""
 
     # --- adding calls (at response.output_item.done) -------------------------------------------
 
     def add(self, call: BoundCall) -> CallEntry:
         """Take a bound call; it is answered at once or queued when it may start. Never raises."""
-        entry = CallEntry(call)
+        entry = CallEntry(call, span=spans.start_tool(self.trace_parent, call))
         self.entries.append(entry)
         if call.fatal is not None:
             # A runtime bug: the turn ends after this step, but the history stays paired.
@@ -115,7 +120,7 @@ class Step:
         A call held back waits as THROTTLED, never fails for it (toolq/orchestrator/limits.py)."""
         inv, spec = entry.inv, entry.spec
         assert inv is not None and spec is not None
-        if not await self._slots.take(inv.deadline, lambda why: self._throttle(entry, why)):
+        if not await self._slots.take(inv.deadline, lambda why: self._throttle(entry, why), str(spec.tool_name)):
             return self._expired_throttled(entry)
         try:
             admission = None if entry.done.is_set() else await self.limits.admit(
@@ -165,6 +170,8 @@ class Step:
         if self.stream_output and spec.streams_output:
             inv = inv.model_copy(update={"stream_output": True})
             watch.on_output = printed
+        if entry.span is not None:  # the worker's spans are children of the call's (signed with it)
+            inv = spans.sent(entry.span, inv, None if spec.route == "session" else call_queue(inv, spec))
         try:
             try:
                 await self.transport.send(inv, spec)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from toolq.core.calls import ToolInvocation, ToolResult, aborted_text, output_item
 from toolq.core.catalog import ToolSpec
@@ -18,8 +19,10 @@ from toolq.core.contracts import STREAM_BYTES
 from toolq.core.items import OutputItem
 from toolq.core.states import CallState
 from toolq.core.truncate import bound_output
+from toolq.orchestrator import spans
 from toolq.orchestrator.binding import BoundCall
 from toolq.orchestrator.transport import CallWatch
+from toolq.telemetry import metrics
 
 #: Held by this process, never sent: nothing to revoke, and a cancel answers them here.
 UNSENT = (CallState.PENDING, CallState.THROTTLED)
@@ -62,6 +65,8 @@ class CallEntry:
     live_output: str = ""
     """What the worker streamed while the call runs (bounded; shown only, never the output)."""
     watch: CallWatch | None = None
+    span: Any = None
+    """Its `execute_tool` span (spans.py) when tracing is on: ended where its final state is decided."""
 
     @property
     def call_id(self) -> str:
@@ -124,6 +129,10 @@ class CallEntry:
             return False
         self.result, self.state, self.finished_at = result, result.status, time.time()
         self.done.set()
+        metrics.call_settled(str(self.spec.tool_name) if self.spec is not None else None, result.status.value,
+                             result.output, self.finished_at - self.added_at)
+        if self.span is not None:
+            spans.end_tool(self.span, result, self.worker)
         return True
 
     def aborted(self, worker: str | None = None) -> ToolResult:

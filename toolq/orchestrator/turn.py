@@ -38,6 +38,7 @@ from toolq.core.items import (
 from toolq.core.reasoning import reasoning_for
 from toolq.core.session_records import conversation_key
 from toolq.core.settings import Settings, absolute_workspace, workspace_problem
+from toolq.orchestrator import spans
 from toolq.orchestrator.barrier import Step
 from toolq.orchestrator.environments import (
     Environment,
@@ -77,6 +78,7 @@ from toolq.orchestrator.turn_events import (
     ignore,
 )
 from toolq.orchestrator.turn_scope import TurnScope, stop
+from toolq.telemetry import metrics, tracing
 
 log = logging.getLogger("toolq.turn")
 
@@ -196,6 +198,8 @@ class Session:
         """What the running turn has made toolq keep in Redis, bounded by TOOLQ_TURN_STORE_MB."""
         self.conversation = ConversationLease(runtime.fleet.ledger.r, new_conversation_id())
         """Its exec_command sessions live while it is held: from the first turn to `close()`."""
+        self._turn_span: Any = None
+        """The running turn's root span (spans.py) when tracing is on."""
         # --- environments (issue 28): the calls run in an environment on one worker host
         self._handle = environment if isinstance(environment, Environment) else None
         self.environment: EnvironmentRecord | None = environment_record(environment)
@@ -236,6 +240,9 @@ class Session:
         # The turn's item list starts with the whole conversation so far (for `toolq resume`).
         self._store.add(sum(wire_cost(obj, history=True) for obj in self.history.to_json()))
         deadline = time.time() + settings.turn_timeout
+        tracing.setup(tracing.ORCHESTRATOR)  # once per process; off unless OTEL_* turn it on
+        self._turn_span = spans.start_turn(turn_id, self.conversation.id)
+        metrics.turn_started()
         try:
             await self.fleet.follow_fleet_tools()  # MCP hook: this turn offers the MCP tools live workers host now
             await self.fleet.ledger.start_turn(turn_id, prompt, self.workspace)
@@ -255,7 +262,7 @@ class Session:
             return await self._end(turn_id, outcome, emit)
         # Started once its records are in Redis: a turn that could not start names no turn id a
         # user would look for (`toolq status` knows none), only its one-line error and turn.failed.
-        emit(TurnStarted(turn_id=turn_id))
+        emit(TurnStarted(turn_id=turn_id, trace_id=spans.trace_id(self._turn_span)))
         return await self._drive(turn_id, outcome, emit, self._loop(turn_id, outcome, emit, deadline))
 
     async def resume(self, turn_id: str, emit: Emit = ignore) -> TurnOutcome:
@@ -287,7 +294,10 @@ class Session:
                                   sum(wire_cost(c.item, history=c.step is None) for c in committed))
         outcome = TurnOutcome(turn_id=turn_id, status="running")
         self._cancel.clear()
-        emit(TurnStarted(turn_id=turn_id))
+        tracing.setup(tracing.ORCHESTRATOR)
+        self._turn_span = spans.start_turn(turn_id, self.conversation.id, resumed=True)
+        metrics.turn_started()
+        emit(TurnStarted(turn_id=turn_id, trace_id=spans.trace_id(self._turn_span)))
         await self.fleet.follow_fleet_tools()  # MCP hook: the resumed turn offers what live workers host now
         await self._hold_conversation(turn_id)  # a new conversation: the dead one's sessions died with its lease
         if saved.environment:
@@ -377,13 +387,18 @@ class Session:
 
     async def _end(self, turn_id: str, outcome: TurnOutcome, emit: Emit) -> TurnOutcome:
         """Exactly one terminal event, then the ledger's record of the end."""
+        span, self._turn_span = self._turn_span, None
+        trace_id = spans.trace_id(span)
         if outcome.status == "failed":
             emit(ErrorEvent(message=outcome.error or ""))
-            emit(TurnFailed(turn_id=turn_id, error=TurnError(message=outcome.error or "")))
+            emit(TurnFailed(turn_id=turn_id, error=TurnError(message=outcome.error or ""), trace_id=trace_id))
         elif outcome.status == "completed":
             diff = outcome.diff
             emit(TurnCompleted(turn_id=turn_id, usage=outcome.usage.model_dump(), environment=outcome.environment,
-                               checkpoint=diff.checkpoint if diff is not None else None, diff=diff))
+                               checkpoint=diff.checkpoint if diff is not None else None, diff=diff,
+                               trace_id=trace_id))
+        spans.end_turn(span, outcome.status, outcome.usage, outcome.requests)
+        metrics.turn_ended(outcome.status)
         # Not recorded when the Redis to record it in is away, or when the turn's new orchestrator will.
         if not (outcome.could_not_start or self._superseded):
             await self._finish(turn_id, outcome)
@@ -480,7 +495,7 @@ class Session:
         await self._commit(MessageItem(role="user", content=[InputText(text=TURN_ABORTED)]))
         outcome.status = "cancelled"
         outcome.error = f"turn cancelled after {time.monotonic() - started:.1f}s"
-        emit(TurnAborted(turn_id=turn_id, reason="interrupted"))
+        emit(TurnAborted(turn_id=turn_id, reason="interrupted", trace_id=spans.trace_id(self._turn_span)))
 
     def _call_cancelled(self, task_id: str) -> None:
         """`toolq cancel --call`: a call this process still holds (throttled, or waiting for its
@@ -498,6 +513,7 @@ class Session:
             step = self._step = self.fleet.step(StepContext(turn_id, step_no, deadline, self.workspace,
                                                          conversation=self.conversation.id,
                                                          environment=self._env_ref()), emit)
+            step.trace_parent = self._turn_span
             for c in calls:
                 bound = self.fleet.bind(decode_item(c.item), step.ctx, c.output_index or 0)
                 if bound is not None:
@@ -522,6 +538,7 @@ class Session:
             step = self._step = self.fleet.step(StepContext(turn_id, step_index, deadline, self.workspace,
                                                         conversation=self.conversation.id,
                                                         environment=self._env_ref()), emit)
+            step.trace_parent = self._turn_span
             step_index += 1
             body = build_request(self.rt.client.settings.model, self.history.for_prompt(),
                                  self.fleet.registry.model_visible_specs(self.loaded_tools),
@@ -562,13 +579,32 @@ class Session:
         try:
             await self._sample(body, step, outcome, emit, deadline)
         except ModelError as e:
+            metrics.model_request("retried" if e.retryable else "failed")
             return e, False
         except DeadlinePassed:
+            metrics.model_request("cancelled")
             return None, True
+        except asyncio.CancelledError:
+            metrics.model_request("cancelled")
+            raise
+        metrics.model_request("completed")
         return None, False
 
     async def _sample(self, body: dict[str, Any], step: Step, outcome: TurnOutcome, emit: Emit,
                       deadline: float) -> None:
+        span = spans.start_chat(self._turn_span, self.rt.client.settings.model, body)
+        if span is None:
+            return await self._stream(body, step, outcome, emit, deadline, None)
+        record = spans.ChatRecord()
+        try:
+            await self._stream(body, step, outcome, emit, deadline, record)
+        except BaseException as e:
+            spans.end_chat(span, record, e)
+            raise
+        spans.end_chat(span, record)
+
+    async def _stream(self, body: dict[str, Any], step: Step, outcome: TurnOutcome, emit: Emit,
+                      deadline: float, record: spans.ChatRecord | None) -> None:
         index = 0
         async with aclosing(self.rt.client.stream(body)) as events:  # a stop at the store bound closes it now
             while True:
@@ -585,6 +621,8 @@ class Session:
                         raise DeadlinePassed from None
                     raise
                 self._model_answered = True
+                if record is not None:
+                    record.event(event)
                 if event.kind == "item_done":
                     item: ResponseItem = event.item
                     # toolq's own count, not the server's output_index, names the call's task: a server

@@ -116,6 +116,8 @@ ItemView = Annotated[
 class TurnStarted(_Event):
     type: Literal["turn.started"] = "turn.started"
     turn_id: str
+    trace_id: str | None = None
+    """The turn's trace (OpenTelemetry, hex) when tracing is on: its spans, the workers' too."""
 
 
 class _ItemEvent(_Event):
@@ -148,6 +150,7 @@ class ErrorEvent(_Event):
 class TurnCompleted(_Event):
     type: Literal["turn.completed"] = "turn.completed"
     turn_id: str
+    trace_id: str | None = None
     usage: dict[str, Any] = Field(default_factory=dict)
     environment: str | None = None
     """The environment the turn ran in (issue 28); absent for the shared workspace."""
@@ -164,12 +167,14 @@ class TurnError(BaseModel):
 class TurnFailed(_Event):
     type: Literal["turn.failed"] = "turn.failed"
     turn_id: str
+    trace_id: str | None = None
     error: TurnError
 
 
 class TurnAborted(_Event):
     type: Literal["turn.aborted"] = "turn.aborted"
     turn_id: str
+    trace_id: str | None = None
     reason: str = "interrupted"
 
 

@@ -17,7 +17,9 @@ from typing import Any, Literal
 from mcp import types
 
 from toolq.core.environments import EnvironmentRecord
+from toolq.core.tracing import TraceContext
 from toolq.frontdoors.mcp_server.tools import Offered
+from toolq.orchestrator import spans
 from toolq.orchestrator.environments import Environment
 from toolq.orchestrator.fleet import Fleet
 from toolq.orchestrator.turn_events import ItemCompleted, ItemUpdated, ToolCallView, TurnEvent
@@ -64,9 +66,34 @@ class CallOutcome:
 
 async def run_call(fleet: Fleet, offered: Offered, arguments: dict[str, Any], *, turn_id: str,
                    conversation: str | None, environment: Environment | EnvironmentRecord | None,
-                   on_output: Callable[[str], None] | None = None) -> CallOutcome:
+                   on_output: Callable[[str], None] | None = None,
+                   trace: TraceContext | None = None) -> CallOutcome:
     """Run the call as turn `turn_id` and end the turn; never raises for what the call did (its
-    failure is the result's `isError`), only for the fleet itself (Redis away)."""
+    failure is the result's `isError`), only for the fleet itself (Redis away). `trace`: the
+    client's own `_meta.traceparent` (never anything the call's arguments say), the parent of the
+    call's spans when tracing is on."""
+    span = spans.start_front_door_call("tools/call", offered.tool.name, turn_id, trace)
+    if span is None:
+        return await _run_call(fleet, offered, arguments, turn_id=turn_id, conversation=conversation,
+                               environment=environment, on_output=on_output)
+    from opentelemetry import context
+    from opentelemetry import trace as otel
+
+    token = context.attach(otel.set_span_in_context(span))  # this task's: the call's execute_tool span's parent
+    outcome: CallOutcome | None = None
+    try:
+        outcome = await _run_call(fleet, offered, arguments, turn_id=turn_id, conversation=conversation,
+                                  environment=environment, on_output=on_output)
+        return outcome
+    finally:
+        context.detach(token)
+        spans.end_front_door_call(span, outcome.ending if outcome is not None else "failed",
+                                  outcome.result.isError if outcome is not None else True)
+
+
+async def _run_call(fleet: Fleet, offered: Offered, arguments: dict[str, Any], *, turn_id: str,
+                    conversation: str | None, environment: Environment | EnvironmentRecord | None,
+                    on_output: Callable[[str], None] | None = None) -> CallOutcome:
     try:
         item = offered.call_item(arguments, call_id="call_" + turn_id.removeprefix("turn-"))
     except ValueError as e:

@@ -31,6 +31,7 @@ from mcp.shared.exceptions import McpError
 from mcp.shared.experimental.tasks.helpers import RELATED_TASK_METADATA_KEY
 
 from toolq.core.signing import required_signer
+from toolq.core.tracing import TraceContext
 from toolq.frontdoors.mcp_server.calls import CallOutcome, error_result, run_call
 from toolq.frontdoors.mcp_server.tasks import POLL_MS, TERMINAL, TaskRecord, TaskStore
 from toolq.frontdoors.mcp_server.tools import Offered, offered_tools
@@ -38,6 +39,7 @@ from toolq.orchestrator.environments import Environment
 from toolq.orchestrator.fleet import Fleet, new_turn_id
 from toolq.orchestrator.transport.conversation import ConversationLease, new_conversation_id
 from toolq.orchestrator.turn_scope import stop
+from toolq.telemetry import tracing
 
 log = logging.getLogger("toolq.mcp_server")
 
@@ -102,6 +104,7 @@ class McpFrontDoor:
     def __init__(self, fleet: Fleet, *, make_environment: EnvironmentFactory | None = None) -> None:
         self.fleet = fleet
         self.make_environment = make_environment
+        tracing.setup(tracing.MCP_SERVER)  # off unless OTEL_* turn it on
         self.tasks = TaskStore(fleet.ledger, required_signer(fleet.settings.signing_key, "toolq mcp-server"))
         self._background: set[asyncio.Task[Any]] = set()
         self._running: dict[str, asyncio.Task[Any]] = {}
@@ -175,14 +178,15 @@ class McpFrontDoor:
         except Exception as e:  # Redis away: the answer says so
             return types.ServerResult(_failed(f"toolq could not start the call: {e}").result)
         arguments = req.params.arguments or {}
+        trace = client_trace(req.params.meta) if tracing.on() else None
         session = ctx.lifespan_context
         if record is not None:
             session.enter()  # the conversation lives on for the task, past the client's session
-            self._spawn(self._run_task(session, offered, arguments, turn_id))
+            self._spawn(self._run_task(session, offered, arguments, turn_id, trace))
             return types.ServerResult(types.CreateTaskResult(task=record.task()))
         token = ctx.meta.progressToken if ctx.meta is not None else None
         progress = Progress(ctx.session, token, ctx.request_id) if token is not None else None
-        run = asyncio.create_task(self._run(session, offered, arguments, turn_id, progress))
+        run = asyncio.create_task(self._run(session, offered, arguments, turn_id, progress, trace))
         me = asyncio.current_task()
         if me is not None:
             self._answering.add(me)
@@ -200,7 +204,7 @@ class McpFrontDoor:
         return types.ServerResult(outcome.result)
 
     async def _run(self, session: ClientState, offered: Offered, arguments: dict[str, Any], turn_id: str,
-                   progress: Progress | None) -> CallOutcome:
+                   progress: Progress | None, trace: TraceContext | None = None) -> CallOutcome:
         """Every failure is the call's answer (an `isError` result saying why in one line)."""
         me = asyncio.current_task()
         assert me is not None
@@ -213,16 +217,16 @@ class McpFrontDoor:
             try:
                 return await run_call(self.fleet, offered, arguments, turn_id=turn_id,
                                       conversation=session.conversation.id, environment=environment,
-                                      on_output=progress)
+                                      on_output=progress, trace=trace)
             except Exception as e:  # the fleet itself (Redis away, a workspace refused)
                 return _failed(f"toolq could not run the call: {e}")
         finally:
             self._running.pop(turn_id, None)
 
     async def _run_task(self, session: ClientState, offered: Offered, arguments: dict[str, Any],
-                        turn_id: str) -> None:
+                        turn_id: str, trace: TraceContext | None = None) -> None:
         try:
-            outcome = await self._run(session, offered, arguments, turn_id, None)
+            outcome = await self._run(session, offered, arguments, turn_id, None, trace)
         except asyncio.CancelledError:  # this server stops: the task's turn with it
             await self.fleet.ledger.cancel_turn(turn_id, reason="toolq mcp-server stopped")
             await self.tasks.finish(turn_id, "cancelled", "toolq mcp-server stopped", error_result("cancelled"))
@@ -318,6 +322,16 @@ class Progress:
             except (TimeoutError, asyncio.CancelledError):
                 pass
         self._sender.cancel()
+
+
+def client_trace(meta: Any) -> TraceContext | None:
+    """The W3C trace context a client put in its request's `_meta` (`traceparent`, `tracestate`,
+    as MCP's trace-context convention has it), checked; None when there is none or it is not one.
+    Only the client's own request gives one: a call's arguments never do."""
+    extra = getattr(meta, "model_extra", None) if meta is not None else None
+    if not extra:
+        return None
+    return tracing.parse_traceparent(extra.get("traceparent"), extra.get("tracestate"))
 
 
 def _failed(message: str) -> CallOutcome:

@@ -118,6 +118,8 @@ class Completed(BaseModel):
     kind: Literal["completed"] = "completed"
     response_id: str | None = None
     usage: Usage | None = None
+    model: str | None = None
+    """The model that answered (`response.model`), for the request's span."""
 
 
 class Failed(BaseModel):
@@ -338,7 +340,8 @@ def _completed(obj: dict[str, Any]) -> Completed:
     # (compat servers send bare terminal events; the items came in `output_item.done`).
     response = obj.get("response")
     usage = Usage.from_wire(response.get("usage")) if isinstance(response, dict) else None
-    return Completed(response_id=_response_id(obj), usage=usage)
+    model = _opt_str(response.get("model")) if isinstance(response, dict) else None
+    return Completed(response_id=_response_id(obj), usage=usage, model=model)
 
 
 def _failed(obj: dict[str, Any]) -> Failed:

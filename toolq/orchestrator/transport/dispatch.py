@@ -78,10 +78,11 @@ def call_queue(inv: ToolInvocation, spec: ToolSpec) -> str:
     return tool_queue(spec)
 
 
-def flower_args(inv: ToolInvocation, spec: ToolSpec) -> str:
+def flower_args(inv: ToolInvocation, spec: ToolSpec, trace_url: str | None = None) -> str:
     """The task message's args as Flower shows them (`core.flower_args`, the worker's rules)."""
-    return shown_args({"call_id": inv.call_id, "turn_id": inv.turn_id, "payload": inv.payload.model_dump(mode="json")},
-                      spec)
+    trace = inv.trace.model_dump() if inv.trace is not None else None
+    return shown_args({"call_id": inv.call_id, "turn_id": inv.turn_id, "payload": inv.payload.model_dump(mode="json"),
+                       "trace": trace}, spec, trace_url)
 
 
 def _env_host(inv: ToolInvocation) -> str | None:
@@ -207,7 +208,7 @@ class Dispatcher:
             expires=inv.deadline,  # a call still queued at the turn deadline never starts
             time_limit=spec.timeout + TIME_LIMIT_MARGIN, soft_time_limit=spec.timeout + TIME_LIMIT_MARGIN / 2,
             # Flower shows these: a low-cardinality name, the call id, and what a shell call runs.
-            shadow=f"tool:{spec.tool_name}", argsrepr=flower_args(inv, spec), kwargsrepr="{}",
+            shadow=f"tool:{spec.tool_name}", argsrepr=flower_args(inv, spec, self._settings.trace_url), kwargsrepr="{}",
             origin=self._origin, reply_to=self._reply_to,
         ).encode(now)
 
