@@ -1,4 +1,5 @@
-"""The deploy files (docker-compose.yml, deploy/Dockerfile, deploy/k8s/*.yaml) and the README.
+"""The deploy files (docker-compose.yml, deploy/Dockerfile, deploy/k8s/*.yaml, the observability
+profile's Prometheus, Grafana and OpenTelemetry collector configs, deploy/k8s-monitoring) and the README.
 
 No Docker engine and no Kubernetes cluster is available where these tests run, so nothing here
 starts a container. Instead the files are parsed offline and cross-checked against the code:
@@ -6,6 +7,8 @@ every toolq command line in them goes through the real CLI parser, every environ
 set for a toolq container is one the code reads, the structure is checked for the fields
 Compose and Kubernetes require, and `kubectl kustomize` renders deploy/k8s where kubectl is
 installed (it needs no cluster). `docker compose config` runs only where the compose plugin is.
+The Grafana dashboard's PromQL names only metrics (and their labels) declared in
+toolq/core/metrics.py; `promtool` checks the expressions and the scrape config where it is installed.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import opentelemetry.environment_variables
+import opentelemetry.sdk.environment_variables
 import pytest
 import yaml
 
 from toolq.cli.main import build_parser
+from toolq.core import metrics as declared
 from toolq.core.catalog import DEFAULT_QUEUE
 from toolq.core.settings import ENV
 from toolq.workers.loader import load_catalog
@@ -42,7 +48,12 @@ READ_ELSEWHERE = {
     "PATH": "the shell, to find the toolq and celery scripts",
     "PYTHONUNBUFFERED": "the Python runtime: logs reach `docker logs` at once",
     "TOOLQ_SANDBOX": "toolq.workers.processes: the worker's sandbox (auto|bwrap|landlock|none)",
+    "OTEL_TRACES_EXPORTER": "toolq.telemetry.tracing: traces on (otlp, console) or off (none, unset)",
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "the OpenTelemetry OTLP exporter: where traces (and OTLP metrics) go",
 }
+#: The standard OpenTelemetry variables (the API's and the SDK's lists of names).
+OTEL_VARIABLES = {n for mod in (opentelemetry.environment_variables, opentelemetry.sdk.environment_variables)
+                  for n in dir(mod) if n.startswith("OTEL_")}
 SANDBOXES = {"auto", "bwrap", "landlock", "none"}
 #: What the deploy files run workers with: Landlock works under the runtime's default seccomp
 #: profile; bubblewrap needs deploy/compose.bwrap.yml.
@@ -637,3 +648,451 @@ def test_the_images_working_directory_is_not_the_workspace():
     """Issue 24: every toolq process would start where the model's commands write."""
     workdir = [rest for word, rest in dockerfile_instructions() if word == "WORKDIR"][-1]
     assert workdir.strip() != dockerfile_env()["TOOLQ_WORKSPACE"]
+
+
+# ---- observability: the Grafana dashboard, Prometheus, the collector, the compose profile ---------
+
+DASHBOARD = ROOT / "deploy" / "grafana" / "toolq.json"
+GRAFANA_PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
+PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+COLLECTOR_CONFIG = ROOT / "deploy" / "otel" / "collector.yaml"
+K8S_MONITORING = ROOT / "deploy" / "k8s-monitoring"
+OBSERVABILITY = {"prometheus", "grafana", "otel-collector", "jaeger"}
+#: Labels Prometheus puts on every scraped series (the target's), beside the metric's own.
+TARGET_LABELS = {"job", "instance"}
+#: PromQL's functions and aggregations the dashboard may call.
+PROMQL_FUNCTIONS = {"sum", "max", "min", "avg", "count", "rate", "irate", "increase", "histogram_quantile",
+                    "topk", "bottomk", "clamp_min", "label_values"}
+PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
+                   "unless", "offset"}
+#: Grafana's variables, as Prometheus would see them once Grafana has put their values in.
+GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
+_PROMQL_TOKEN = re.compile(
+    r'"(?:[^"\\]|\\.)*"|\[[^\]]*\]|[A-Za-z_:][A-Za-z0-9_:]*|\d+(?:\.\d+)?|=~|!~|!=|==|>=|<=|[{}(),=<>+\-*/^]|\s+')
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def dashboard_panels() -> list[dict[str, Any]]:
+    return [p for p in dashboard()["panels"] if p["type"] != "row"]
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    return [(p["title"], t["expr"]) for p in dashboard_panels() for t in p["targets"]]
+
+
+def metric_of(series: str) -> tuple[declared.Metric, str]:
+    """The declared metric a scraped series name belongs to, and the suffix (`_bucket`...)."""
+    for m in declared.METRICS:
+        for name in declared.scraped_names(m):
+            if name == series:
+                return m, series[len(m.name):]
+    raise AssertionError(f"{series} is not a series of any metric declared in toolq/core/metrics.py")
+
+
+def promql_parts(expr: str) -> dict[str, Any]:
+    """What one PromQL expression names: its series, the label names it matches or groups by, its
+    functions, and the series each range function (rate...) is applied to. A small reader, enough
+    for the dashboard's expressions (promtool, where installed, checks the full syntax)."""
+    for var, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(var, value)
+    assert _PROMQL_TOKEN.sub("", expr) == "", f"unreadable PromQL: {expr}"
+    tokens = [t for t in _PROMQL_TOKEN.findall(expr) if not t.isspace()]
+    series, labels, functions, ranged = [], set(), set(), []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
+        if tok in {"by", "without"} and nxt == "(":
+            j = tokens.index(")", i)
+            labels |= {x for x in tokens[i + 2:j] if x != ","}
+            i = j + 1
+            continue
+        if tok == "{":
+            j = tokens.index("}", i)
+            inner = tokens[i + 1:j]
+            for k, x in enumerate(inner):
+                if k + 1 < len(inner) and inner[k + 1] in {"=", "!=", "=~", "!~"}:
+                    labels.add(x)
+            i = j + 1
+            continue
+        if re.fullmatch(r"[A-Za-z_:][A-Za-z0-9_:]*", tok):
+            if nxt == "(" or nxt in {"by", "without"}:  # a call, or an aggregation's grouping first
+                functions.add(tok)
+                if tok in {"rate", "irate", "increase"}:
+                    ranged.append(tokens[i + 2])
+            elif tok not in PROMQL_KEYWORDS:
+                series.append(tok)
+        i += 1
+    return {"series": series, "labels": labels, "functions": functions, "ranged": ranged}
+
+
+def check_promql(where: str, expr: str) -> declared.Metric:
+    parts = promql_parts(expr)
+    assert parts["functions"] <= PROMQL_FUNCTIONS, f"{where}: {parts['functions'] - PROMQL_FUNCTIONS} in {expr}"
+    assert parts["series"], f"{where}: no metric in {expr}"
+    (metric, suffix), *others = [metric_of(s) for s in parts["series"]]
+    assert all(m == metric for m, _ in others), f"{where}: one metric per expression: {expr}"
+    allowed = set(metric.labels) | TARGET_LABELS | ({"le"} if suffix == "_bucket" else set())
+    assert parts["labels"] <= allowed, f"{where}: {metric.name} has no label {parts['labels'] - allowed}"
+    for s in parts["ranged"]:
+        assert metric_of(s)[0].kind in {"counter", "histogram"}, f"{where}: rate() of the gauge {s}"
+    if "histogram_quantile" in parts["functions"]:
+        assert suffix == "_bucket" and "le" in parts["labels"], f"{where}: a quantile needs the buckets by le: {expr}"
+    if metric.kind != "histogram":
+        assert suffix == "", where
+    return metric
+
+
+def test_every_dashboard_expression_names_only_declared_metrics_and_their_labels():
+    exprs = dashboard_exprs()
+    assert exprs
+    for title, expr in exprs:
+        check_promql(title, expr)
+
+
+@pytest.mark.parametrize("expr,problem", [
+    ("sum(rate(toolq_calls_totl[5m]))", "is not a series"),
+    ("sum by (call_id) (rate(toolq_calls_total[5m]))", "has no label"),
+    ('toolq_queue_depth{tool="x"}', "has no label"),
+    ("rate(toolq_queue_depth[5m])", "rate() of the gauge"),
+    ("histogram_quantile(0.95, sum by (tool) (rate(toolq_tool_run_seconds_bucket[5m])))", "by le"),
+    ("toolq_turns_in_flight_bucket", "is not a series"),
+    ("sum(toolq_turns_in_flight) / sum(toolq_sessions_in_flight)", "one metric"),
+    ("predict_linear(toolq_workspace_bytes[1h], 3600)", "predict_linear"),
+])
+def test_the_promql_reader_refuses_what_the_dashboard_must_not_do(expr, problem):
+    with pytest.raises(AssertionError, match=re.escape(problem)):
+        check_promql("self-check", expr)
+
+
+def test_the_dashboard_shows_every_declared_metric():
+    """Calls by state and reason, duration by tool, queue wait and depth, sandbox start,
+    cancel-to-dead, turns and sessions in flight, limit waits, environments, workspace bytes..."""
+    shown = {check_promql(title, expr).name for title, expr in dashboard_exprs()}
+    assert shown == {m.name for m in declared.METRICS}
+    text = " ".join(e for _, e in dashboard_exprs())
+    assert "by (state)" in text and "reason" in text
+    for q in ("0.5", "0.95"):
+        assert f"histogram_quantile({q}, sum by (tool, le) (rate(gen_ai_execute_tool_duration_seconds_bucket" in text
+    assert "by (queue) (toolq_queue_depth" in text
+
+
+def test_the_dashboard_is_grafana_json_over_a_prometheus_datasource_variable():
+    d = dashboard()
+    assert d["uid"] and d["title"] and d["schemaVersion"] >= 36
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    for v in variables.values():
+        if v["type"] == "query":
+            m = re.fullmatch(r"label_values\((\w+), (\w+)\)", v["query"]["query"])
+            assert m, v["name"]
+            metric, _ = metric_of(m[1])
+            assert m[2] in metric.labels, f"variable {v['name']}: {m[1]} has no label {m[2]}"
+    used = {m for _, e in dashboard_exprs() for m in re.findall(r"\$(\w+)", e)}
+    assert used - {"__rate_interval"} <= set(variables)
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dashboard_panels():
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert p["targets"] and all(t["datasource"] == p["datasource"] for t in p["targets"]), p["title"]
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        assert p.get("description"), p["title"]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_promtool_accepts_the_dashboards_expressions_and_the_scrape_config(tmp_path):
+    rules = []
+    for i, (_, expr) in enumerate(dashboard_exprs()):
+        for var, value in GRAFANA_VARIABLES.items():
+            expr = expr.replace(var, value)
+        rules.append({"record": f"toolq:dashboard:{i}", "expr": re.sub(r"\$\w+", ".*", expr)})
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    out = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = subprocess.run(["promtool", "check", "config", "--syntax-only", str(PROMETHEUS_CONFIG)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def observability_services() -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in compose()["services"].items() if n in OBSERVABILITY}
+
+
+def bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """A service's bind mounts of the project's files: container path -> the file or folder here."""
+    out = {}
+    for v in service.get("volumes", []):
+        source, target = v.split(":")[:2]
+        if source.startswith("./"):
+            out[target] = ROOT / source
+    return out
+
+
+def published(service: dict[str, Any]) -> dict[int, str]:
+    """container port -> the host address it is published on."""
+    out = {}
+    for p in service.get("ports", []):
+        host, _, container = p.rpartition(":")
+        out[int(container)] = host.split(":")[0]
+    return out
+
+
+def flag(argv: list[str], name: str) -> str:
+    for i, a in enumerate(argv):
+        if a == name:
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    raise AssertionError(f"no {name} in {argv}")
+
+
+def test_the_observability_profile_starts_prometheus_grafana_a_collector_and_jaeger():
+    services = compose()["services"]
+    extra = observability_services()
+    assert set(extra) == OBSERVABILITY
+    for name, s in extra.items():
+        assert s["profiles"] == ["observability"], name
+        image, _, tag = s["image"].rpartition(":")
+        assert image and re.fullmatch(r"v?\d+\.\d+\.\d+", tag), f"{name}: image {s['image']} is not pinned"
+        assert s.get("cap_drop") == ["ALL"] and "no-new-privileges:true" in s["security_opt"], name
+        assert all(host == "127.0.0.1" for host in published(s).values()), f"{name} publishes beyond loopback"
+        for source in bind_mounts(s).values():
+            assert source.exists(), f"{name}: mounts {source}, which is not here"
+    # a service outside the profile never waits for one inside it (compose refuses that)
+    for name, s in services.items():
+        if not s.get("profiles"):
+            assert not set(s.get("depends_on") or {}) & OBSERVABILITY, name
+    assert published(extra["grafana"]).keys() == {3000}
+    assert published(extra["prometheus"]).keys() == {9090}
+    assert published(extra["jaeger"]).keys() == {16686}
+    assert published(extra["otel-collector"]).keys() == {4317, 4318}
+
+
+def test_prometheus_and_the_collector_read_the_files_mounted_for_them():
+    extra = observability_services()
+    prometheus = extra["prometheus"]
+    assert bind_mounts(prometheus)[flag(prometheus["command"], "--config.file")] == PROMETHEUS_CONFIG
+    assert any(v.endswith(":" + flag(prometheus["command"], "--storage.tsdb.path")) for v in prometheus["volumes"])
+    collector = extra["otel-collector"]
+    assert bind_mounts(collector)[flag(collector["command"], "--config")] == COLLECTOR_CONFIG
+
+
+def test_grafana_is_provisioned_with_the_prometheus_datasource_and_the_dashboard():
+    grafana = observability_services()["grafana"]
+    mounts = bind_mounts(grafana)
+    assert mounts["/etc/grafana/provisioning"] == GRAFANA_PROVISIONING
+    (datasources,) = (yaml.safe_load(p.read_text()) for p in (GRAFANA_PROVISIONING / "datasources").glob("*.yml"))
+    by_type = {d["type"]: d for d in datasources["datasources"]}
+    prom = by_type["prometheus"]
+    assert prom["isDefault"] is True
+    host, port = re.fullmatch(r"http://([\w-]+):(\d+)", prom["url"]).groups()
+    assert host == "prometheus" and int(port) == 9090  # the service, on the port Prometheus listens on
+    assert re.fullmatch(r"http://jaeger:16686", by_type["jaeger"]["url"])
+    (providers,) = (yaml.safe_load(p.read_text()) for p in (GRAFANA_PROVISIONING / "dashboards").glob("*.yml"))
+    (provider,) = providers["providers"]
+    folder = provider["options"]["path"]
+    dashboards = {t: s for t, s in mounts.items() if t.startswith(folder + "/")}
+    assert set(dashboards.values()) == {DASHBOARD}
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] in dashboards
+
+
+def collector() -> dict[str, Any]:
+    return yaml.safe_load(COLLECTOR_CONFIG.read_text())
+
+
+def test_the_collectors_pipelines_take_otlp_and_send_traces_to_jaeger():
+    c = collector()
+    service = c["service"]
+    assert set(service.get("extensions", [])) <= set(c.get("extensions", {}))
+    for name, pipeline in service["pipelines"].items():
+        for kind in ("receivers", "processors", "exporters"):
+            for component in pipeline.get(kind, []):
+                assert component in c.get(kind, {}), f"pipeline {name}: {kind[:-1]} {component} is not defined"
+        assert pipeline["receivers"] and pipeline["exporters"], name
+    used = {x for p in service["pipelines"].values() for k in ("receivers", "exporters") for x in p.get(k, [])}
+    assert set(c["receivers"]) | set(c["exporters"]) <= used, "a defined receiver or exporter no pipeline uses"
+    otlp = c["receivers"]["otlp"]["protocols"]
+    assert otlp["grpc"]["endpoint"] == "0.0.0.0:4317" and otlp["http"]["endpoint"] == "0.0.0.0:4318"
+    assert service["pipelines"]["traces"]["receivers"] == ["otlp"]
+    (to_jaeger,) = service["pipelines"]["traces"]["exporters"]
+    assert to_jaeger.split("/")[0] == "otlp"  # OTLP over gRPC
+    host, port = c["exporters"][to_jaeger]["endpoint"].split(":")
+    assert host == "jaeger" and host in compose()["services"]
+    jaeger = compose()["services"]["jaeger"]
+    assert f"receivers.otlp.protocols.grpc.endpoint=0.0.0.0:{port}" in jaeger["command"]
+    assert "prometheus" in service["pipelines"]["metrics"]["exporters"]
+    used_processors = {x for p in service["pipelines"].values() for x in p.get("processors", [])}
+    assert set(c.get("processors", {})) <= used_processors, "a defined processor no pipeline uses"
+    # toolq's OTLP gauges and counters have unit "1", which the Prometheus exporter would turn into a
+    # `_ratio` suffix: the metrics pipeline drops that unit, so the dashboard's names hold for them too.
+    drops_unit = [k for k in service["pipelines"]["metrics"]["processors"]
+                  if k.split("/")[0] == "transform" and any(
+                      'set(unit, "") where unit == "1"' in s
+                      for group in c["processors"][k]["metric_statements"] for s in group["statements"])]
+    assert drops_unit
+
+
+def metrics_ports_served() -> dict[str, set[int]]:
+    """compose service -> the ports its network namespace serves metrics on: a worker's
+    --metrics-port, an orchestrator's TOOLQ_METRICS_PORT (in the namespace it shares), the
+    collector's Prometheus exporter."""
+    services = compose()["services"]
+    served: dict[str, set[int]] = {}
+    for name, s in toolq_services().items():
+        argv = toolq_argv(s.get("entrypoint", dockerfile_json("ENTRYPOINT")) + s.get("command", []))
+        port = None
+        if argv and "--metrics-port" in argv:
+            port = int(flag(argv, "--metrics-port"))
+        elif "TOOLQ_METRICS_PORT" in s.get("environment", {}):
+            port = int(s["environment"]["TOOLQ_METRICS_PORT"])
+        if port is not None:
+            home = s.get("network_mode", "").removeprefix("service:") or name
+            assert home in services
+            served.setdefault(home, set()).add(port)
+    exporter = collector()["exporters"]["prometheus"]["endpoint"]
+    served.setdefault("otel-collector", set()).add(int(exporter.rsplit(":", 1)[1]))
+    return served
+
+
+def test_prometheus_scrapes_the_compose_services_on_the_ports_they_serve_metrics_on():
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    served = metrics_ports_served()
+    scraped: dict[str, set[int]] = {}
+    jobs = {}
+    for job in config["scrape_configs"]:
+        jobs[job["job_name"]] = job
+        assert job.get("metrics_path", "/metrics") == "/metrics"
+        for sd in job.get("dns_sd_configs", []):
+            assert sd["type"] == "A"  # Docker's DNS: one address per replica of the service
+            for name in sd["names"]:
+                scraped.setdefault(name, set()).add(sd["port"])
+        for static in job.get("static_configs", []):
+            for target in static["targets"]:
+                host, port = target.rsplit(":", 1)
+                scraped.setdefault(host, set()).add(int(port))
+    for host, ports in scraped.items():
+        assert ports <= served.get(host, set()), f"Prometheus scrapes {host}:{ports}; it serves {served.get(host)}"
+    assert scraped == served, "a metrics port nobody scrapes"
+    # every worker replica, not one chosen by DNS round robin
+    assert "worker" in {n for j in jobs.values() for sd in j.get("dns_sd_configs", []) for n in sd["names"]}
+    worker = compose()["services"]["worker"]
+    assert "ports" not in worker  # scraped on the compose network, so --scale still works
+
+
+def test_workers_and_orchestrators_trace_only_when_a_variable_turns_it_on():
+    services = compose()["services"]
+    for name in ("worker", "run", "demo"):
+        env = services[name]["environment"]
+        assert env["OTEL_TRACES_EXPORTER"] == "${OTEL_TRACES_EXPORTER:-none}", name  # off without the profile
+        endpoint = re.fullmatch(r"\$\{OTEL_EXPORTER_OTLP_ENDPOINT:-http://([\w-]+):(\d+)\}",
+                                env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+        assert endpoint, name
+        # the collector's OTLP/HTTP receiver (the exporters' default protocol is http/protobuf)
+        assert endpoint[1] == "otel-collector" and int(endpoint[2]) == 4318, name
+        assert env["TOOLQ_TRACE_URL"] == "${TOOLQ_TRACE_URL:-}", name
+    for name, s in toolq_services().items():
+        otel = {v for v in s.get("environment", {}) if v.startswith("OTEL_")}
+        assert otel <= OTEL_VARIABLES, f"{name}: {otel - OTEL_VARIABLES} are not OpenTelemetry's variables"
+
+
+# ---- Kubernetes: scraping and the monitoring overlay ---------------------------------------------
+
+
+def k8s_monitoring_docs() -> list[dict[str, Any]]:
+    kz = yaml.safe_load((K8S_MONITORING / "kustomization.yaml").read_text())
+    return [d for r in kz["resources"] if r.endswith(".yaml")
+            for d in yaml.safe_load_all((K8S_MONITORING / r).read_text()) if d]
+
+
+def worker_container() -> dict[str, Any]:
+    (worker,) = pod_specs()["toolq-worker"]["containers"]
+    return worker
+
+
+def test_k8s_workers_serve_metrics_on_a_named_port_their_annotations_name():
+    worker = worker_container()
+    port = int(flag(worker["args"], "--metrics-port"))
+    ports = {p["name"]: p["containerPort"] for p in worker["ports"]}
+    assert ports["metrics"] == port
+    annotations = k8s_by_kind("Deployment")["toolq-worker"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(port)
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_the_service_monitor_selects_a_service_with_the_port_it_scrapes():
+    services = k8s_by_kind("Service")
+    docs = k8s_monitoring_docs()
+    (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    spec = monitor["spec"]
+    selected = [s for s in services.values()
+                if spec["selector"]["matchLabels"].items() <= s["metadata"].get("labels", {}).items()
+                and s["metadata"]["namespace"] in spec["namespaceSelector"]["matchNames"]]
+    assert len(selected) == 1, "the ServiceMonitor selects no Service (or several)"
+    (service,) = selected
+    (endpoint,) = spec["endpoints"]
+    (svc_port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    assert endpoint["path"] == "/metrics"
+    # the Service reaches the workers' named metrics port
+    pods = k8s_by_kind("Deployment")["toolq-worker"]["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pods.items()
+    assert svc_port["targetPort"] == "metrics" and "metrics" in {p["name"] for p in worker_container()["ports"]}
+    (pod_monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert pod_monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "toolq-orchestrator"}
+    assert [e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+
+
+def test_prometheus_may_reach_the_metrics_port_through_the_network_policies():
+    policy = k8s_by_kind("NetworkPolicy")["toolq-metrics-scrape"]["spec"]
+    assert policy["policyTypes"] == ["Ingress"]
+    worker_labels = k8s_by_kind("Deployment")["toolq-worker"]["spec"]["template"]["metadata"]["labels"]
+    assert _selects(policy["podSelector"], worker_labels)
+    assert _selects(policy["podSelector"], {"app.kubernetes.io/name": "toolq-orchestrator"})
+    (rule,) = policy["ingress"]
+    assert [p["port"] for p in rule["ports"]] == ["metrics"]  # the named port, nothing else
+    assert all("namespaceSelector" in peer and "ipBlock" not in peer for peer in rule["from"])
+
+
+def test_the_monitoring_overlay_turns_traces_on_and_opens_only_the_collectors_ports():
+    kz = yaml.safe_load((K8S_MONITORING / "kustomization.yaml").read_text())
+    assert "../k8s" in kz["resources"]
+    listed = set(kz["resources"]) | {p["path"] for p in kz.get("patches", [])}
+    assert {p.name for p in K8S_MONITORING.glob("*.yaml")} - {"kustomization.yaml"} <= listed
+    for patch in kz.get("patches", []):
+        doc = yaml.safe_load((K8S_MONITORING / patch["path"]).read_text())
+        assert doc["kind"] == "ConfigMap" and doc["metadata"]["name"] in k8s_by_kind("ConfigMap")
+        assert set(doc["data"]) <= OTEL_VARIABLES and doc["data"]["OTEL_TRACES_EXPORTER"] == "otlp"
+        assert doc["data"]["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith(":4318")
+    for doc in k8s_monitoring_docs():
+        assert doc["metadata"]["namespace"] == "toolq", doc["metadata"]["name"]
+        if doc["kind"] == "NetworkPolicy":
+            assert doc["spec"]["policyTypes"] == ["Egress"]
+            for rule in doc["spec"]["egress"]:
+                assert rule["to"] and {(p["protocol"], p["port"]) for p in rule["ports"]} == {
+                    ("TCP", 4317), ("TCP", 4318)}
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kubectl_kustomize_renders_the_monitoring_overlay_offline():
+    out = subprocess.run(["kubectl", "kustomize", str(K8S_MONITORING)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = list(yaml.safe_load_all(out.stdout))
+    kinds = [d["kind"] for d in docs]
+    assert {"ServiceMonitor", "PodMonitor"} <= set(kinds) and kinds.count("Deployment") == 3
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert config["data"]["OTEL_TRACES_EXPORTER"] == "otlp" and config["data"]["TOOLQ_WORKSPACE"] == "/workspace"
+
+
+def test_the_deploy_readme_says_how_to_start_the_profile_and_where_things_are():
+    text = DEPLOY_README.read_text()
+    assert "docker compose --profile observability up" in text
+    for port in ("3000", "9090", "16686", "4317", "4318", "9464"):
+        assert port in text, port
+    for path in ("grafana/toolq.json", "prometheus/prometheus.yml", "otel/collector.yaml", "k8s-monitoring"):
+        assert path in text, path
