@@ -122,6 +122,16 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         return 2
     if args.logfile:  # else the worker's own log line says it, on stderr too (it was printed twice)
         print(banner, file=sys.stderr, flush=True)
+    port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
+    if port is not None:  # before the pool forks: its children record into the directory it makes
+        from toolq.telemetry import metrics
+        from toolq.workers import config, redis_clients
+
+        target = config.broker_target(app.conf)  # the broker's lists, where the queues wait
+        metrics.serve_worker(port, queues=queues, tools=[str(s.tool_name) for s in catalog()],
+                             redis=lambda: redis_clients.sync_client(target, socket_timeout=1.0,
+                                                                     socket_connect_timeout=1.0,
+                                                                     client_name="toolq-metrics"))
     # No --events: task events start when a monitor asks (workers/config.py, `worker_send_task_events`).
     argv = ["worker", "--pool", "prefork", "--concurrency", str(settings.concurrency), "--queues", ",".join(queues),
             "--without-gossip", "--without-mingle", "--loglevel", args.loglevel]
@@ -459,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--name", help="worker node name, e.g. gpu1@%%h")
     w.add_argument("--logfile", help="write the worker's log to this file (default: stderr)")
     w.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    w.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on this port at /metrics (0: a free port, said on stderr); "
+                        "default TOOLQ_METRICS_PORT, else none")
     w.set_defaults(func=_cmd_worker)
 
     up = sub.add_parser("up", help="leave a warm local fleet running (no REDIS_URL): later runs with the same "

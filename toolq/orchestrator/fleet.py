@@ -38,6 +38,7 @@ from toolq.orchestrator.transport.ledger import FLEET_DRIVER, Ledger
 from toolq.orchestrator.transport.results import ResultRouter
 from toolq.orchestrator.turn_events import Emit, ignore
 from toolq.orchestrator.turn_scope import TurnScope, stop
+from toolq.telemetry import metrics
 from toolq.workers.config import longest_timeout
 from toolq.workers.loader import load_catalog
 
@@ -97,6 +98,9 @@ class Fleet:
         # --- end of the MCP hook
         self.environments = Environments(ledger.r, settings, dispatcher.signer, dispatcher.fleet)
         """Workspaces placed on worker hosts (issue 28): uploads, creation, checkpoints, forks."""
+        # Prometheus' /metrics for this process when TOOLQ_METRICS_PORT is set (once per process:
+        # every Fleet of it records into the same instruments); nothing at all when it is not.
+        metrics.serve_orchestrator(settings.metrics_port)
 
     async def follow_fleet_tools(self) -> int:
         """Make the registry's MCP namespaces what live workers offer now (at a turn's start; `open`

@@ -28,6 +28,7 @@ from toolq.core.calls import ToolInvocation
 from toolq.core.catalog import ToolSpec
 from toolq.core.permits import ACQUIRE, RATE, RELEASE, RENEW, Permit
 from toolq.core.tool_limits import UNLIMITED, Rate, ToolLimit
+from toolq.telemetry import metrics
 
 log = logging.getLogger("toolq.limits")
 
@@ -46,6 +47,15 @@ class Admission:
     """Give back what was taken (idempotent; the worker releases the permit too)."""
 
 
+def _noting(on_wait: OnWait, held: list[float]) -> OnWait:
+    """`on_wait`, noting when it was first called (a call held back, from then)."""
+    def noted(why: str) -> None:
+        if not held:
+            held.append(time.monotonic())
+        on_wait(why)
+    return noted
+
+
 class TurnSlots:
     """The turn's cap on calls in flight (TOOLQ_MAX_PARALLEL_CALLS; a turn's steps run one after
     another, so one step's cap is the turn's), taken in call order."""
@@ -54,18 +64,22 @@ class TurnSlots:
         self.cap = cap
         self._slots = asyncio.Semaphore(cap) if cap else None
 
-    async def take(self, deadline: float, on_wait: OnWait) -> bool:
-        """One slot; False: the deadline passed while waiting (`on_wait` heard why it waits)."""
+    async def take(self, deadline: float, on_wait: OnWait, tool: str = "unknown") -> bool:
+        """One slot; False: the deadline passed while waiting (`on_wait` heard why it waits).
+        `tool`: the call's (declared) tool, for the limit-wait metric."""
         if self._slots is None:
             return True
         if not self._slots.locked():
             await self._slots.acquire()  # taken at once, with no suspension: the next call sees it taken
             return True
         on_wait(f"the turn's cap of {self.cap} calls in flight (TOOLQ_MAX_PARALLEL_CALLS)")
+        held = time.monotonic()
         try:
             await asyncio.wait_for(self._slots.acquire(), timeout=max(deadline - time.time(), 0.0))
         except TimeoutError:
             return False
+        finally:
+            metrics.limit_wait("parallel", tool, time.monotonic() - held)
         return True
 
     def give_back(self) -> None:
@@ -156,6 +170,9 @@ class FleetLimits(Limits):
         first. `first` is the quick try; when it fails the caller is throttled and `wait` decides.
         One that finds a waiter ahead is held back at once; one behind a quick try, if that try fails."""
         queue, behind = self._queues[key], self._behind[key]
+        held: list[float] = []  # when it was first held back (the limit-wait metric)
+        if metrics.on():
+            on_wait = _noting(on_wait, held)
         if queue.locked():
             if key in self._waiting:
                 on_wait(why)
@@ -179,6 +196,9 @@ class FleetLimits(Limits):
         finally:
             if on_wait in behind:
                 behind.remove(on_wait)
+            if held:
+                limit, tool = ("rate", key.removeprefix("rate:")) if key.startswith("rate:") else ("concurrency", key)
+                metrics.limit_wait(limit, tool, time.monotonic() - held[0])
 
     async def _wait_for_permit(self, permit: Permit, task_id: str, deadline: float) -> bool:
         self._listen()

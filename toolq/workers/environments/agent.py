@@ -25,6 +25,7 @@ from typing import Any
 
 import redis
 
+from toolq.core import metrics as declared
 from toolq.core.environments import (
     ALL_ENVS_KEY,
     HOST_ID,
@@ -38,6 +39,7 @@ from toolq.core.environments import (
 )
 from toolq.core.settings import Settings, mask_url_password
 from toolq.core.signing import Signer
+from toolq.telemetry import metrics
 from toolq.workers.environments import archive
 from toolq.workers.environments.host import EnvError, EnvHost, update_record
 from toolq.workers.store import StoreError, open_store
@@ -119,6 +121,12 @@ def start(r: redis.Redis, signer: Signer | None) -> None:
     _host.r = r
     _agent = Agent(_host, r, signer)
     _agent.start()
+    host = _host
+    # Read when scraped (the worker's main process serves /metrics), from what the host knows:
+    # its environments' records in one MGET, and the sizes last computed (never a walk).
+    metrics.add_source(declared.ENVIRONMENTS.name,
+                       lambda: {(state,): float(n) for state, n in host.state_counts().items()})
+    metrics.add_source(declared.WORKSPACE_BYTES.name, lambda: {(): float(host.used_bytes(walk=False))})
 
 
 def stop() -> None:

@@ -709,6 +709,19 @@ class EnvHost:
     def env_ids(self) -> list[str]:
         return sorted(p.name for p in (self.root / "envs").iterdir() if ENV_ID.fullmatch(p.name))
 
+    def state_counts(self) -> dict[str, int]:
+        """This host's environments on disk by their record's state (one MGET; "unknown": no record
+        or one that does not read), for the `toolq_environments` gauge at scrape time."""
+        ids = self.env_ids()
+        if self.r is None or not ids:
+            return {}
+        counts: dict[str, int] = {}
+        for raw in self.r.mget([env_key(i) for i in ids]):
+            rec = _record(_bytes(raw))
+            state = rec.state if rec is not None else "unknown"
+            counts[state] = counts.get(state, 0) + 1
+        return counts
+
     # --- the reaper ---
 
     def reap(self, now: float | None = None) -> list[str]:
