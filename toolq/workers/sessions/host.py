@@ -38,6 +38,7 @@ from toolq.core.contracts import STREAM_BYTES
 from toolq.core.redis_target import target_from_env
 from toolq.core.session_records import CONVERSATION_TTL, SessionRecord, conversation_key, next_id_key, sessions_key
 from toolq.core.settings import Settings
+from toolq.telemetry import metrics
 from toolq.workers import hardening, isolation, redis_clients
 from toolq.workers.isolation import limits, policy, reaper, spawner
 from toolq.workers.isolation.cell import CellProcess
@@ -219,6 +220,7 @@ class Host:
         if over := self._conversation_over(req.conversation):
             raise OSError(errno.EAGAIN, f"{over}; end a session first")
         slot = self.slots.take()
+        began = time.monotonic()  # the sandbox's start: its launch until the command's process exists
         try:
             launch = sandbox.launch(argv, workspace=req.workspace, cwd=req.cwd, env=req.env, in_slot=True)
         except BaseException:
@@ -239,6 +241,8 @@ class Host:
             if isinstance(e, OSError) and (full := self.slots.full()):
                 raise OSError(errno.EAGAIN, full) from None  # what made the start fail, not how it failed
             raise
+        if sandbox.backend != "none":
+            metrics.sandbox_started(sandbox.backend, time.monotonic() - began)
         while theirs:
             os.close(theirs.pop())
         p = Process(proc=proc, fd=0, tty=req.tty, command=req.cmd, conversation=req.conversation, launch=launch,
@@ -426,6 +430,7 @@ class Host:
                 pipe.execute()
         with self.lock:
             self.live[(p.conversation, session_id)] = p
+            metrics.sessions_in_flight(len(self.live))
         return session_id
 
     def _forget(self, p: Process) -> None:
@@ -433,6 +438,7 @@ class Host:
             return
         with self.lock:
             self.live.pop((p.conversation, p.session_id), None)
+            metrics.sessions_in_flight(len(self.live))
         if self.r is not None:
             try:
                 self.r.hdel(sessions_key(p.conversation), str(p.session_id))
@@ -718,6 +724,8 @@ def main() -> None:
                 r, key=sys.stdin.buffer.readline().strip())
     if not host.key:
         sys.exit("session host: no key on its standard input (start it with toolq.workers.sessions.start)")
+    if metrics.join_worker():  # the worker serves metrics: its sessions are counted in its directory
+        metrics.sessions_in_flight(0)
 
     def stop(signum: int, frame: object) -> None:
         # Once: a second SIGTERM during the cleanup re-entered it and blocked on the slots' lock,
