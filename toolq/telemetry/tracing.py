@@ -118,6 +118,14 @@ def _otlp_exporter() -> Any:
     return Http()
 
 
+def install(provider: TracerProvider) -> None:
+    """Use this provider (an application's own, or a test's in-memory one) instead of one made from
+    the variables: tracing is on in this process from now."""
+    global _provider, _pid, _on
+    with _lock:
+        _provider, _pid, _on = provider, os.getpid(), True
+
+
 def on() -> bool:
     """Whether this process traces (after `setup`): call sites skip all span work when not."""
     return _on and _pid == os.getpid()

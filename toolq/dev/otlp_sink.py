@@ -1,0 +1,242 @@
+"""A loopback OTLP/HTTP receiver for the tests and the bench: `POST /v1/traces` and `/v1/metrics`
+(protobuf, gzip or not), decoded with opentelemetry-proto's `ExportTraceServiceRequest` and
+`ExportMetricsServiceRequest`; the spans kept in a list, the metrics' names and data points too.
+
+    with OtlpSink() as sink:
+        env = {"OTEL_TRACES_EXPORTER": "otlp", **sink.env()}
+        ...
+        spans = sink.wait_for(lambda spans: any(s.name == "invoke_agent toolq" for s in spans))
+
+Listens on 127.0.0.1 only, on a free port. Not a collector: no retries asked, no partial success.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+#: The largest request body taken (an exporter's batch is far below it).
+MAX_BODY = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SinkSpan:
+    trace_id: str
+    span_id: str
+    parent_id: str
+    """"" for a root span."""
+    name: str
+    kind: int
+    attributes: dict[str, Any]
+    service: str
+    """Its resource's `service.name`."""
+    start_ns: int
+    end_ns: int
+    status_code: int
+    resource: dict[str, Any] = field(default_factory=dict)
+    scope: str = ""
+
+    @property
+    def duration(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+
+@dataclass(frozen=True)
+class SinkPoint:
+    """One metric data point: its metric's name, its attributes, and its value (a number for a
+    sum or gauge; the count for a histogram)."""
+
+    name: str
+    attributes: dict[str, Any]
+    value: float
+    service: str
+
+
+def _value(v: Any) -> Any:
+    """An OTLP `AnyValue` as Python."""
+    kind = v.WhichOneof("value")
+    if kind is None:
+        return None
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    if kind == "kvlist_value":
+        return {kv.key: _value(kv.value) for kv in v.kvlist_value.values}
+    return getattr(v, kind)
+
+
+def _attributes(kvs: Any) -> dict[str, Any]:
+    return {kv.key: _value(kv.value) for kv in kvs}
+
+
+def decode_traces(body: bytes) -> list[SinkSpan]:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest()
+    request.ParseFromString(body)
+    out = []
+    for rs in request.resource_spans:
+        resource = _attributes(rs.resource.attributes)
+        service = str(resource.get("service.name", ""))
+        for ss in rs.scope_spans:
+            for s in ss.spans:
+                out.append(SinkSpan(trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
+                                    parent_id=s.parent_span_id.hex(), name=s.name, kind=s.kind,
+                                    attributes=_attributes(s.attributes), service=service,
+                                    start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
+                                    status_code=s.status.code, resource=resource, scope=ss.scope.name))
+    return out
+
+
+def decode_metrics(body: bytes) -> list[SinkPoint]:
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    request = ExportMetricsServiceRequest()
+    request.ParseFromString(body)
+    out = []
+    for rm in request.resource_metrics:
+        service = str(_attributes(rm.resource.attributes).get("service.name", ""))
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                kind = m.WhichOneof("data")
+                if kind is None:
+                    continue
+                for p in getattr(m, kind).data_points:
+                    if kind in ("histogram", "exponential_histogram", "summary"):
+                        value = float(p.count)
+                    else:
+                        value = float(p.as_double if p.WhichOneof("value") == "as_double" else p.as_int)
+                    out.append(SinkPoint(name=m.name, attributes=_attributes(p.attributes), value=value,
+                                         service=service))
+    return out
+
+
+class OtlpSink:
+    """A threaded HTTP server on 127.0.0.1 taking OTLP/HTTP protobuf exports."""
+
+    def __init__(self) -> None:
+        self.spans: list[SinkSpan] = []
+        self.points: list[SinkPoint] = []
+        self.requests = 0
+        self.errors: list[str] = []
+        self._cond = threading.Condition()
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    if length < 0 or length > MAX_BODY:
+                        raise ValueError(f"a body of {length} bytes")
+                    body = self.rfile.read(length)
+                    encoding = (self.headers.get("Content-Encoding") or "").lower()
+                    if encoding == "gzip":
+                        body = gzip.decompress(body)
+                    elif encoding == "deflate":
+                        body = zlib.decompress(body)
+                    path = self.path.split("?")[0]
+                    if path.endswith("/v1/traces"):
+                        sink._add(spans=decode_traces(body))
+                    elif path.endswith("/v1/metrics"):
+                        sink._add(points=decode_metrics(body))
+                    else:
+                        self._answer(404)
+                        return
+                except Exception as e:  # a test reads `errors`
+                    sink._error(f"{self.path}: {type(e).__name__}: {e}")
+                    self._answer(400)
+                    return
+                self._answer(200)
+
+            def _answer(self, code: int) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    # --- the server --------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    @property
+    def endpoint(self) -> str:
+        """What OTEL_EXPORTER_OTLP_ENDPOINT takes (the exporters add `/v1/traces`, `/v1/metrics`)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """The variables that send a process's traces here (metrics too, with OTEL_METRICS_EXPORTER=otlp)."""
+        return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": self.endpoint,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+
+    def start(self) -> OtlpSink:
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="otlp-sink", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def __enter__(self) -> OtlpSink:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- what came -----------------------------------------------------------------------------
+
+    def _add(self, spans: list[SinkSpan] | None = None, points: list[SinkPoint] | None = None) -> None:
+        with self._cond:
+            self.requests += 1
+            self.spans.extend(spans or [])
+            self.points.extend(points or [])
+            self._cond.notify_all()
+
+    def _error(self, message: str) -> None:
+        with self._cond:
+            self.errors.append(message)
+            self._cond.notify_all()
+
+    def snapshot(self) -> list[SinkSpan]:
+        with self._cond:
+            return list(self.spans)
+
+    def wait_for(self, done: Callable[[list[SinkSpan]], bool], timeout: float = 30.0) -> list[SinkSpan]:
+        """The spans so far, once `done(spans)` holds; AssertionError with what came after `timeout`."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not done(list(self.spans)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    names = sorted({(s.service, s.name) for s in self.spans})
+                    raise AssertionError(f"the sink did not get the spans waited for in {timeout:g}s; "
+                                         f"it has {len(self.spans)}: {names}; errors: {self.errors}")
+                self._cond.wait(min(left, 0.5))
+            return list(self.spans)
+
+    def trace(self, trace_id: str) -> list[SinkSpan]:
+        return [s for s in self.snapshot() if s.trace_id == trace_id]
+
+    def clear(self) -> None:
+        with self._cond:
+            self.spans.clear()
+            self.points.clear()
