@@ -50,3 +50,17 @@ def test_base_and_scraped_names() -> None:
     assert metrics.TURNS_IN_FLIGHT.base_name == "toolq_turns_in_flight"
     assert metrics.scraped_names(metrics.QUEUE_WAIT) == (
         "toolq_queue_wait_seconds_bucket", "toolq_queue_wait_seconds_count", "toolq_queue_wait_seconds_sum")
+
+
+def test_operating_md_documents_every_metric_with_its_labels() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operating.md").read_text()
+    section = doc.split("\n## Traces and metrics\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and re.fullmatch(r"`[a-z_]+`", cells[0]):
+            labels = tuple(re.findall(r"`([a-z_]+)`", cells[2]))
+            rows[cells[0].strip("`")] = (cells[1], labels, cells[3])
+    assert rows == {m.name: (m.kind, m.labels, m.side) for m in metrics.METRICS}
