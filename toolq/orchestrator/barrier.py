@@ -38,6 +38,7 @@ from toolq.orchestrator.turn_events import (
     ignore,
 )
 from toolq.orchestrator.watchdog import Watchdog
+from toolq.telemetry import tracing
 
 __all__ = ["CallEntry", "Step", "flush_background", "startable"]
 
@@ -62,6 +63,7 @@ class Step:
         self.trace_parent: Any = None
         """The turn's span (spans.py), the parent of each call's `execute_tool` span; None: the
         caller's current context (a library user's own span, a front door's client)."""
+        tracing.setup(tracing.ORCHESTRATOR)  # once per process (a library's `Fleet.run_calls` too); off unless OTEL_*
 
     # --- adding calls (at response.output_item.done) -------------------------------------------
 
