@@ -21,6 +21,7 @@ from celery import Celery
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
 from celery.signals import (
     celeryd_after_setup,
+    task_postrun,
     worker_process_init,
     worker_process_shutdown,
     worker_ready,
@@ -38,7 +39,7 @@ from toolq.core.errors import ConfigurationError
 from toolq.core.flower_args import flower_args
 from toolq.core.settings import Settings, mask_url_password
 from toolq.core.states import FAILURE, CallState, celery_state
-from toolq.workers import config, isolation, kombu_acks, pool_exits, presence, redis_clients, stopping
+from toolq.workers import config, isolation, kombu_acks, pool_exits, presence, redis_clients, spans, stopping
 from toolq.workers.config import configure_app, longest_timeout, make_app
 from toolq.workers.environments import agent as environments
 from toolq.workers.execute import StillRunning, execute
@@ -123,7 +124,15 @@ def _child_init(**_: Any) -> None:
     global _redis
     _redis = None  # never share a socket across fork
     isolation.pool_child_started()
+    spans.child_started()  # its own tracer provider (the parent's batch thread did not fork), if traces are on
     worker_process_shutdown.connect(stopping.exit_without_lingering, weak=False)  # after the user's receivers
+
+
+# Traces (toolq/workers/spans.py): a call's spans are exported at its task's end, once its result
+# is stored (task_postrun comes after the store), and what a child holds before it exits, ahead of
+# `exit_without_lingering` (connected later, in the child), so a replaced child loses none.
+task_postrun.connect(lambda **_: spans.call_ended(), weak=False)
+worker_process_shutdown.connect(lambda **_: spans.child_exiting(), weak=False)
 
 
 @celeryd_after_setup.connect

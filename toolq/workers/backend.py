@@ -24,6 +24,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from toolq.core import signing
 from toolq.core.contracts import ToolCallFailed
+from toolq.workers import spans
 
 # KEYS: the meta. ARGV: the encoded meta, its TTL (0: none). Returns a stored SUCCESS, left in
 # place, or nil once the meta is stored and published. A genuine meta is kombu's JSON of Celery's
@@ -71,12 +72,13 @@ class NoSubscribeRedisBackend(RedisBackend):
             raise BackendStoreError("value too large for Redis backend", state=state, task_id=task_id)
         key = bytes_to_str(self.get_key_for_task(task_id))
         expires = self.failure_expires if state == states.FAILURE else self.expires
-        stored = self.ensure(self._store, (key, value, int(expires or 0)))
-        if stored is not None:
-            current = signing.genuine_stored(self.app.conf.get(signing.CONF_KEY), bytes_to_str(task_id),
-                                             self.decode_result(stored))
-            if current["status"] != states.SUCCESS:  # a forged SUCCESS blocks nothing: overwrite it
-                self.set(key, value, expires=expires)
+        with spans.result_store(state):  # the call's `toolq.result.store`, when it is traced
+            stored = self.ensure(self._store, (key, value, int(expires or 0)))
+            if stored is not None:
+                current = signing.genuine_stored(self.app.conf.get(signing.CONF_KEY), bytes_to_str(task_id),
+                                                 self.decode_result(stored))
+                if current["status"] != states.SUCCESS:  # a forged SUCCESS blocks nothing: overwrite it
+                    self.set(key, value, expires=expires)
         return result
 
     def _store(self, key: str, value: str, expires: int) -> Any:

@@ -28,7 +28,7 @@ from toolq.core.settings import workspace_problem
 from toolq.core.signing import Signer
 from toolq.core.states import TERMINAL, CallState, parse_state
 from toolq.core.truncate import bound_output
-from toolq.workers import permit
+from toolq.workers import permit, spans
 from toolq.workers.environments import agent as environments
 from toolq.workers.environments.host import update_record
 from toolq.workers.processes import CallCancelled
@@ -177,8 +177,11 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
             time_limit_errors: tuple[type[BaseException], ...] = (), signer: Signer | None = None) -> dict:
     """`time_limit_errors`: what the pool raises inside a tool at its soft time limit. `signer`
     seals the batches of a call that streams its output."""
+    picked_at = time.time()
     inv = ToolInvocation.model_validate(raw)
     spec = catalog.get(inv.tool_name)
+    if spans.begin_call(inv):  # tracing on: this call's spans hang under its signed invocation's
+        spans.queue_wait(inv, picked_at)
     try:
         started = _start(inv, spec, r, hostname, redelivery)
     except redis.RedisError as e:  # nothing ran: say so, never the exception's name as the tool's failure
@@ -194,8 +197,10 @@ def execute(raw: dict, *, hostname: str, r: redis.Redis, catalog: Catalog, redel
     log.debug("→ %s %s started on %s", inv.call_id, inv.tool_name, hostname)
     stream = output_stream(inv, spec, r, signer)
     try:
-        status, output, extra = run_invocation(inv, spec, catalog, hostname, cancel_check(r, inv),
-                                               time_limit_errors, stream)
+        with spans.tool(inv, spec is not None, hostname) as span:
+            status, output, extra = run_invocation(inv, spec, catalog, hostname, cancel_check(r, inv),
+                                                   time_limit_errors, stream)
+            spans.ended(span, status)
         if stream is not None:  # what a tool wrote last goes out before its result
             stream.flush()
         _record_end(r, inv, status)

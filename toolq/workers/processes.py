@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from toolq.workers import spans
 from toolq.workers.isolation import reaper
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ class HeadTailBuffer:
         return bytes(self.head + self.tail)
 
 
-def run_command(  # noqa: C901 - one process's whole life (spawn, stream, bound, kill, reap) read top to bottom
+def run_command(
     command: str | Sequence[str],
     *,
     cwd: Path | str,
@@ -174,6 +175,10 @@ def run_command(  # noqa: C901 - one process's whole life (spawn, stream, bound,
     argv = [shell, "-c", command] if isinstance(command, str) else list(command)
     start = time.monotonic()
     launch: Launch | None = None
+    # Traces: the sandbox's start and the command's run, under the call's `toolq.tool` (None when off).
+    backend = sandbox.backend if sandbox is not None and sandbox.backend != "none" else None
+    span = spans.start_command(command, backend)
+    spawning = spans.now() if span is not None else 0.0
     try:
         popen: dict[str, Any] = dict(cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
@@ -185,10 +190,25 @@ def run_command(  # noqa: C901 - one process's whole life (spawn, stream, bound,
     except BaseException as e:  # OSError: a spawn failure; SandboxRefused goes to the tool
         if launch is not None:
             launch.close()
+        spans.end(span, error=type(e).__name__)
         if not isinstance(e, OSError):
             raise
         return CommandResult(exit_code=-1, output=b"", wall_time=time.monotonic() - start, spawn_error=e)
+    if span is not None and backend is not None:
+        spans.sandbox_started(backend, spawning)
+    try:
+        result = _run(proc, launch, sandbox, start, timeout, is_cancelled, output_cap, output)
+    except BaseException as e:
+        spans.end(span, error=type(e).__name__)
+        raise
+    spans.end(span, **{spans.EXIT_CODE: result.exit_code},
+              error="timeout" if result.timed_out else "cancelled" if result.cancelled else None)
+    return result
 
+
+def _run(proc: Any, launch: Launch | None, sandbox: Sandbox | None, start: float, timeout: float | None,
+         is_cancelled: Callable[[], bool] | None, output_cap: int, output: LiveOutput | None) -> CommandResult:
+    """`run_command` once the process is spawned: read, bound, stream, and kill and reap at the end."""
     pgid = proc.pid
     with _groups_lock:
         _live_groups.add(pgid)

@@ -251,6 +251,11 @@ async def _call_tool(session: ClientSession, req: CallRequest) -> types.CallTool
     """`ClientSession.call_tool` without its per-call output-schema check (`checks.py` has it
     compiled once per listing), and so without its `tools/list` when a tool is not in its cache."""
     params = types.CallToolRequestParams(name=req.tool, arguments=req.arguments)
+    if req.trace is not None:  # W3C trace context in `_meta` (the MCP convention): the server's spans join
+        meta = {"traceparent": req.trace.traceparent}
+        if req.trace.tracestate:
+            meta["tracestate"] = req.trace.tracestate
+        params.meta = types.RequestParams.Meta(**meta)
     return await session.send_request(types.ClientRequest(types.CallToolRequest(params=params)),
                                       types.CallToolResult)
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, TypeAdapter
 
 from toolq.core.items import ContentPart
 from toolq.core.mcp_specs import McpToolRecord
+from toolq.core.tracing import TraceContext
 
 
 class McpOutput(BaseModel):
@@ -34,6 +35,9 @@ class CallRequest(BaseModel):
     digest: str
     """The declaration the child checked; the host refuses if its server listed another since."""
     timeout: float
+    trace: TraceContext | None = None
+    """The pool child's `tools/call` span (from the call's signed invocation, never from a server):
+    the host sends it as the request's `_meta.traceparent` and `_meta.tracestate`."""
 
 
 Request = Annotated[ListRequest | CallRequest, Field(discriminator="op")]

@@ -22,10 +22,11 @@ from toolq.core.catalog import Catalog, ToolContext, ToolReturn
 from toolq.core.errors import ConfigurationError, RespondToModel, ToolTimedOut
 from toolq.core.honest import InfrastructureLost
 from toolq.core.mcp_specs import mcp_queue, tool_spec
+from toolq.workers import spans
 from toolq.workers.mcp.config import BASIC_ENV, McpServerConfig
 from toolq.workers.mcp.host_client import HostClient, HostGone, HostUnavailable
 from toolq.workers.mcp.launch import HostProcess
-from toolq.workers.mcp.wire import CallRequest, Listing
+from toolq.workers.mcp.wire import CallReply, CallRequest, Listing
 
 log = logging.getLogger("toolq.worker")
 
@@ -132,14 +133,24 @@ class Forward:
             raise RespondToModel("failed to parse function arguments: expected a JSON object")
         spec = ctx.catalog.get(ctx.invocation.tool_name) if ctx.catalog else None
         timeout = min(spec.timeout if spec else ctx.remaining(), ctx.remaining())
+        # Traces: the MCP call's client span, whose context the host puts in the request's `_meta`.
+        config = _host.servers.get(self.server)
+        span = spans.start_mcp_call(self.server, self.tool, stdio=config is None or config.command is not None)
         request = CallRequest(server=self.server, tool=self.tool, arguments=args,
-                              digest=ctx.invocation.spec_digest, timeout=max(timeout, 0.001))
+                              digest=ctx.invocation.spec_digest, timeout=max(timeout, 0.001),
+                              trace=spans.context_of_span(span))
         try:
             reply = _host.client.call(request, ctx.cancelled, wait=min(timeout, HOST_RESTART_WAIT))
         except HostGone as e:
+            spans.end(span, error="lost")
             raise InfrastructureLost(str(e)) from None
         except HostUnavailable as e:
+            spans.end(span, error="not_run")
             raise InfrastructureLost(str(e), started=False) from None
+        except BaseException as e:
+            spans.end(span, error=type(e).__name__)
+            raise
+        spans.end(span, error=_span_error(reply))
         if reply.lost is not None:
             raise InfrastructureLost(reply.lost)
         if reply.timed_out is not None:
@@ -154,6 +165,17 @@ class Forward:
                 getattr(p, "text", "") for p in out.output if getattr(p, "text", ""))
             raise RespondToModel(text or f"MCP tool {self.server}.{self.tool} failed")
         return ToolReturn(output=out.output)
+
+
+def _span_error(reply: CallReply) -> str | None:
+    """A `tools/call` span's `error.type`: how the call did not return a result, or the tool's error."""
+    if reply.lost is not None:
+        return "lost"
+    if reply.timed_out is not None:
+        return "timeout"
+    if reply.refusal is not None or reply.result is None:
+        return "refused"
+    return "tool_error" if reply.result.is_error else None
 
 
 def banner(listing: Listing) -> list[str]:

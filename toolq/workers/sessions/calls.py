@@ -11,6 +11,7 @@ from pathlib import Path
 from toolq.core.catalog import ToolContext, ToolReturn
 from toolq.core.errors import RespondToModel
 from toolq.core.honest import InfrastructureLost
+from toolq.workers import spans
 from toolq.workers.exec_output import format_exec_output
 from toolq.workers.processes import CallCancelled
 from toolq.workers.sessions import host_client
@@ -73,15 +74,26 @@ def kill_in_host(session_id: int, ctx: ToolContext) -> Reply:
 
 def _call(request: Request, ctx: ToolContext, yield_ms: float, tool: str,
           frames: Callable[[OutputFrame], None] | None = None) -> Reply:
+    # Traces: a command started in the session host is this call's `toolq.command` (to its exit, or
+    # to the yield that leaves it running as a session).
+    span = spans.start_command(request.cmd, session_host=True) if isinstance(request, ExecRequest) else None
     try:
         reply = host_client.call(request, ctx.cancelled, timeout=yield_ms / 1000 + REPLY_SLACK, output=ctx.output,
                                  frames=frames)
     except host_client.Cancelled:
+        spans.end(span, error="cancelled")
         raise CallCancelled(f"{tool} cancelled") from None
     except host_client.HostLost as e:  # the host (or its cell) died with the command in its hands
+        spans.end(span, error="lost")
         raise InfrastructureLost(f"{e}, on worker {socket.gethostname()}") from None
     except host_client.HostUnavailable as e:
+        spans.end(span, error="not_run")
         raise InfrastructureLost(str(e), started=False) from None
+    except BaseException as e:
+        spans.end(span, error=type(e).__name__)
+        raise
+    spans.end(span, error="spawn_failed" if reply.spawn_errno is not None else None,
+              **{spans.EXIT_CODE: reply.exit_code, spans.SESSION_ID: reply.session_id})
     if reply.error is not None:
         raise RespondToModel(reply.error)
     return reply

@@ -1,0 +1,43 @@
+"""The worker's spans cost nothing when traces are off (issue 30): a call's whole span path, run
+with no OTEL_* set, imports nothing of OpenTelemetry and starts no thread. The spans themselves
+are checked end to end in tests/integration/test_traces_worker.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+PROBE = r"""
+import json, sys, threading, time
+from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName
+from toolq.core.tracing import TraceContext
+from toolq.workers import spans
+from toolq.workers.processes import run_command
+
+spans.child_started()
+inv = ToolInvocation(tool_name=ToolName.plain("noop"), call_id="c1", turn_id="t1", step=0, output_index=0,
+                     payload=FunctionPayload(arguments="{}"), spec_digest="d", deadline=time.time() + 60,
+                     trace=TraceContext(traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01"), sent_at=time.time())
+traced = spans.begin_call(inv)
+spans.queue_wait(inv, time.time())
+with spans.tool(inv, True, "w@h") as span:
+    spans.ended(span, __import__("toolq.core.states", fromlist=["x"]).CallState.COMPLETED)
+    run_command("true", cwd="/")
+    assert spans.start_mcp_call("s", "t") is None and spans.context_of_span(None) is None
+with spans.result_store("SUCCESS"):
+    pass
+spans.call_ended()
+spans.child_exiting()
+print(json.dumps({"traced": traced, "span": span is not None,
+                  "otel": sorted(m for m in sys.modules if m.startswith("opentelemetry")),
+                  "threads": threading.active_count()}))
+"""
+
+
+def test_a_calls_span_path_with_traces_off_imports_no_opentelemetry_and_starts_no_thread():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"traced": False, "span": False, "otel": [], "threads": 1}
