@@ -33,6 +33,7 @@ ORCHESTRATOR, WORKER, MCP_SERVER = "toolq-orchestrator", "toolq-worker", "toolq-
 PROMPT = "prompt-words-7f3a"
 SECRET_ARG = "argument-words-91c2"
 SECRET_OUT = "output-words-4d0e"
+TRACE_URL = "http://jaeger.example:16686/trace/{trace_id}"
 #: Whether the worker side records spans yet (TRACE-WORKER's part of issue 30).
 WORKER_SPANS = importlib.util.find_spec("toolq.workers.spans") is not None
 
@@ -49,7 +50,8 @@ def traced(sink, tmp_path_factory) -> Iterator[RedisServer]:
     logdir = tmp_path_factory.mktemp("traced-workers")
     with RedisServer() as server:
         workers = [WorkerProcess(server.url, queues=["toolq"], concurrency=2, tools=[c.TEST_TOOLS],
-                                 env={**c.WORKER_ENV, **sink.env()}, logdir=logdir, name=f"traced{i}@test")
+                                 env={**c.WORKER_ENV, **sink.env(), "TOOLQ_TRACE_URL": TRACE_URL}, logdir=logdir,
+                                 name=f"traced{i}@test")
                    for i in range(2)]
         for w in workers:
             w.start(wait=False)
@@ -166,7 +168,7 @@ def test_a_turn_is_one_trace_with_its_requests_and_calls_and_no_content(traced, 
 
 
 def test_the_live_view_shows_the_trace_link_once_and_tracing_off_says_no_trace(traced, sink, tmp_path):
-    url = "http://jaeger.example:16686/trace/{trace_id}"
+    url = TRACE_URL
     with FakeModel([[message("hello")]]) as fake:
         shown = toolq("run", "hi", env={**run_env(traced, fake, tmp_path, TOOLQ_TRACE_URL=url), **sink.env()})
     assert shown.returncode == 0, shown.stderr
@@ -263,3 +265,38 @@ def test_the_mcp_front_door_takes_the_clients_traceparent_and_no_argument_sets_o
     (noop,) = [s for s in spans if s.name == "tools/call noop"]
     assert noop.parent_id == "" and noop.trace_id != CLIENT_TRACE  # a malformed traceparent: a root of its own
     assert_workers_join(sink, CLIENT_TRACE, {"t": tool})
+
+
+# --- Flower ------------------------------------------------------------------------------------------------
+
+def test_flower_links_a_traced_call_to_its_trace(traced, sink, traced_here, tmp_path, monkeypatch):
+    import time
+
+    import httpx
+
+    from toolq.cli.flower import FlowerProcess
+    from toolq.core.settings import Settings
+
+    auth = ("toolq-test", "p" * 20)
+    settings = Settings(redis_url=traced.url, flower_user=auth[0], flower_password=auth[1])
+    with FlowerProcess(settings, logdir=tmp_path) as flower:
+        flower.wait_for_workers(["traced0@test", "traced1@test"])
+        events: list = []
+        with FakeModel([[function_call("sleep_echo", {"ms": 0, "text": "x"}, call_id="call_flower")],
+                        [message("done")]]) as fake:
+            run_settings = c.settings_for(traced.url, fake, tmp_path, trace_url=TRACE_URL)
+            (outcome,), _ = asyncio.run(asyncio.wait_for(c.run_session(run_settings, ["go"], events), 90))
+        assert outcome.status == "completed"
+        trace_id = events[0]["trace_id"]
+        with httpx.Client(base_url=flower.url, auth=auth, timeout=5) as client:
+            deadline = time.monotonic() + 60
+            while True:
+                tasks = client.get("/api/tasks").raise_for_status().json()
+                mine = [t for t in tasks.values() if "call_flower" in (t.get("args") or "")
+                        and t.get("state") == "SUCCESS"]
+                if mine:
+                    break
+                assert time.monotonic() < deadline, tasks
+                time.sleep(0.2)
+    (task,) = mine
+    assert task["args"].endswith(f"trace='http://jaeger.example:16686/trace/{trace_id}')"), task["args"]
