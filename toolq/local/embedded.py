@@ -288,8 +288,8 @@ class WorkerProcess(ChildProcess):
     def start(self, wait: bool = True) -> WorkerProcess:
         env = {**os.environ, **self.env, "REDIS_URL": self.redis_url}
         env.pop("CELERY_BROKER_URL", None)
-        if "TOOLQ_METRICS_PORT" not in self.env:  # the orchestrator's port (`toolq run`), not its workers'
-            env.pop("TOOLQ_METRICS_PORT", None)
+        if "TOOLQ_METRICS_PORT" not in self.env and env.get("TOOLQ_METRICS_PORT", "").strip() != "0":
+            env.pop("TOOLQ_METRICS_PORT", None)  # the orchestrator's port (`toolq run`); 0: a free one each
         self.log.write_text("")
         # Its pool children get the same from Celery's prefork pool, which sets their parent-death signal.
         self.proc = subprocess.Popen(self.argv(), env=env, cwd=self.cwd, stdout=subprocess.DEVNULL,

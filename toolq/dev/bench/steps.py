@@ -18,7 +18,8 @@ import re
 import subprocess
 import sys
 import tempfile
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -106,10 +107,12 @@ def codex_step_times(path: str, n: int, steps: int, *, sandboxed: bool) -> dict[
     return _per_step(fake.request_times)
 
 
-def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: int = 10) -> dict[int, Any]:
+def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: int = 10, *,
+        telemetry_rounds: int = 4) -> dict[Any, Any]:
     """With Codex: toolq as configured against Codex sandboxed as toolq is, and, when toolq's own
-    workers are sandboxed and ours to start (embedded), both unsandboxed too."""
-    results: dict[int, Any] = {}
+    workers are sandboxed and ours to start (embedded), both unsandboxed too. Then the telemetry
+    comparison (`telemetry_run`; `telemetry_rounds=0` skips it), under results["telemetry"]."""
+    results: dict[Any, Any] = {}
     path = reference.binary()
     external = bool(Settings.load().redis_url)
     sandbox = "the fleet's" if external else isolation.current().backend
@@ -127,6 +130,83 @@ def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: i
                 results[n]["unsandboxed"] = {"toolq": step_times(unsandboxed, n, steps),
                                              "codex": codex_step_times(path, n, steps, sandboxed=False)}
     print("\n".join(report(results, steps, path, sandbox)), file=out)
+    if telemetry_rounds:
+        results["telemetry"] = telemetry_run(out, sizes, steps, telemetry_rounds)
+    return results
+
+
+# --- telemetry on against off (issue 30) ---------------------------------------------------------
+
+#: The stacks' shape (`stack`'s arguments), as the other step figures are measured.
+STACK: dict[str, Any] = {"workers": 2, "concurrency": 8}
+#: Tracing (to a loopback OTLP receiver) and metrics (served, scraped by nobody) on: at most this
+#: times the step time with both off.
+TELEMETRY_GOAL = 1.05
+
+
+def telemetry_env(sink: Any) -> dict[str, str]:
+    """What turns traces and metrics on in a process started with it (workers) or in this one."""
+    # The SDK's default export delay (5 s), as a deployment has it, not the sink's short one for tests.
+    return {"OTEL_TRACES_EXPORTER": "otlp", **sink.env(), "OTEL_BSP_SCHEDULE_DELAY": "5000", "TOOLQ_METRICS_PORT": "0"}
+
+
+@contextmanager
+def telemetry_stacks(**shape: Any) -> Iterator[tuple[Settings, Settings, Any]]:
+    """Two embedded stacks of the same shape, one started with tracing (to a loopback OTLP sink) and
+    metrics on in its workers, one with both off, and the sink. With REDIS_URL set both are that
+    fleet, and only this process's telemetry changes."""
+    from toolq.dev.otlp_sink import OtlpSink
+
+    with ExitStack() as stacks:
+        sink = stacks.enter_context(OtlpSink())
+        with environment({"OTEL_TRACES_EXPORTER": "none"}):
+            off = stacks.enter_context(stack(**(shape or STACK)))
+        with environment(telemetry_env(sink)):
+            on = stacks.enter_context(stack(**(shape or STACK)))
+        yield off.model_copy(update={"metrics_port": None}), on.model_copy(update={"metrics_port": 0}), sink
+
+
+@contextmanager
+def orchestrator_telemetry(on: bool, sink: Any) -> Iterator[None]:
+    """This process's tracing and metrics on (to `sink`, on a free port) or off for the block."""
+    from toolq.telemetry import metrics, tracing
+
+    with environment(telemetry_env(sink) if on else {"OTEL_TRACES_EXPORTER": "none"}):
+        tracing.reset_for_tests()  # set up again from the variables at the next step
+        metrics.stop()
+        if on:
+            metrics.serve_orchestrator(0, host="127.0.0.1")
+        try:
+            yield
+        finally:
+            tracing.flush()
+            tracing.reset_for_tests()
+            metrics.stop()
+
+
+def telemetry_run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: int = 10,
+                  rounds: int = 4) -> dict[str, Any]:
+    """The step time with tracing and metrics on (orchestrator and workers; spans exported over
+    OTLP/HTTP to a loopback receiver, /metrics served) against both off, in interleaved rounds, each
+    mode first in every other one."""
+    samples: dict[tuple[bool, int], list[float]] = {(m, n): [] for m in (True, False) for n in sizes}
+    with telemetry_stacks() as (off, on, sink):
+        for k in range(rounds):
+            for n in sizes:
+                for mode in ((True, False) if k % 2 == 0 else (False, True)):
+                    with orchestrator_telemetry(mode, sink):
+                        samples[mode, n] += step_times(on if mode else off, n, steps)["samples"]
+        spans = len(sink.snapshot())
+    results: dict[str, Any] = {"spans": spans}
+    print(f"time per model step, telemetry on (traces over OTLP to a loopback receiver, {spans} spans; metrics "
+          f"served) vs off, p50 of {rounds}x{steps} interleaved steps:", file=out)
+    for n in sizes:
+        with_, without = median(samples[True, n]), median(samples[False, n])
+        met, note = goal(with_ / without, TELEMETRY_GOAL)
+        results[str(n)] = {"on": with_, "off": without, "ratio": with_ / without, "goal_met": met}
+        print(f"  {n:>2} parallel exec_command: on {ms(with_)}  off {ms(without)}  = {with_ / without:.3f}x ({note})",
+              file=out)
+    results["goal_met"] = all(r["goal_met"] for k, r in results.items() if k not in ("spans", "goal_met"))
     return results
 
 

@@ -30,8 +30,10 @@ from typing import IO, Any
 from toolq.core.calls import FunctionPayload, ToolCall, ToolName
 from toolq.core.contracts import TASK
 from toolq.core.items import FunctionCallItem
+from toolq.core.settings import Settings
 from toolq.dev.bench.harness import BENCH_QUEUE, BENCH_TOOLS, goal, median, ms, pct, stack, workspace
 from toolq.dev.bench.pipeline import baseline_client
+from toolq.dev.bench.steps import orchestrator_telemetry, telemetry_stacks
 from toolq.orchestrator.fleet import Fleet, new_turn_id
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.turn_events import ItemCompleted, ToolCallView
@@ -176,10 +178,63 @@ async def _measure(settings: Any, ks: tuple[int, ...], rounds: int, calls_per_ro
 
 
 def run(out: IO[str] = sys.stdout, ks: tuple[int, ...] = KS, rounds: int = 2,
-        calls_per_round: int = CALLS_PER_ROUND) -> dict[str, Any]:
+        calls_per_round: int = CALLS_PER_ROUND, *, telemetry_rounds: int = 4) -> dict[str, Any]:
+    """Then the telemetry comparison (`telemetry_run`; `telemetry_rounds=0` skips it), under
+    res["telemetry"]."""
     with stack(workers=2, concurrency=4, queues=(BENCH_QUEUE,)) as settings:
         res = asyncio.run(_measure(settings, ks, rounds, calls_per_round))
     print("\n".join(report(res)), file=out)
+    if telemetry_rounds:
+        res["telemetry"] = telemetry_run(out, tuple(k for k in ks if k <= 32), telemetry_rounds, calls_per_round)
+    return res
+
+
+# --- telemetry on against off (issue 30) ---------------------------------------------------------
+
+#: calls/s with tracing (to a loopback OTLP receiver) and metrics on: at least this times with both off.
+TELEMETRY_GOAL = 0.95
+
+
+async def _telemetry_rounds(off: Settings, on: Settings, sink: Any, ks: tuple[int, ...], rounds: int,
+                            calls_per_round: int) -> dict[int, dict[bool, Phase]]:
+    phases: dict[int, dict[bool, Phase]] = {k: {True: Phase(), False: Phase()} for k in ks}
+    fleets = {False: await Fleet.open(off, catalog=load_catalog([BENCH_TOOLS])),
+              True: await Fleet.open(on, catalog=load_catalog([BENCH_TOOLS]))}
+    try:
+        for mode in (False, True):  # warm: each fleet's connections and workers once
+            with orchestrator_telemetry(mode, sink):
+                await _toolq_round(fleets[mode], 8, 2, Phase())
+        for r in range(rounds):
+            for k in ks:
+                steps = max(2, calls_per_round // (k * CALLS_PER_STEP))
+                for mode in ((True, False) if r % 2 == 0 else (False, True)):
+                    with orchestrator_telemetry(mode, sink):
+                        await _toolq_round(fleets[mode], k, steps, phases[k][mode])
+    finally:
+        for fleet in fleets.values():
+            await fleet.aclose()
+    return phases
+
+
+def telemetry_run(out: IO[str] = sys.stdout, ks: tuple[int, ...] = (1, 8, 32), rounds: int = 4,
+                  calls_per_round: int = CALLS_PER_ROUND) -> dict[str, Any]:
+    """toolq's calls/s with tracing and metrics on (this process and the workers; spans exported
+    over OTLP/HTTP to a loopback receiver, /metrics served) against both off, on two stacks of the
+    same shape, in interleaved rounds."""
+    with telemetry_stacks(workers=2, concurrency=4, queues=(BENCH_QUEUE,)) as (off, on, sink):
+        phases = asyncio.run(_telemetry_rounds(off, on, sink, ks, rounds, calls_per_round))
+        spans = len(sink.snapshot())
+    res: dict[str, Any] = {"spans": spans, "ks": {}}
+    print(f"throughput, telemetry on (traces over OTLP to a loopback receiver, {spans} spans; metrics served) vs "
+          f"off, {rounds} interleaved rounds:", file=out)
+    for k in ks:
+        with_, without = phases[k][True].figures(), phases[k][False].figures()
+        ratio = with_["calls_per_s"] / without["calls_per_s"]
+        met, note = goal(ratio, TELEMETRY_GOAL, at_least=True)
+        res["ks"][k] = {"on": with_, "off": without, "ratio": ratio, "goal_met": met}
+        print(f"  K={k:<3} on {with_['calls_per_s']:7.0f} calls/s (p50 {ms(with_['p50'])})  off "
+              f"{without['calls_per_s']:7.0f} calls/s (p50 {ms(without['p50'])})  = {ratio:.3f}x ({note})", file=out)
+    res["goal_met"] = all(r["goal_met"] for r in res["ks"].values())
     return res
 
 
