@@ -149,3 +149,27 @@ def test_worker_counts_its_forked_children() -> None:
     assert not any(name == "toolq_queue_depth" for name, _ in samples)  # no Redis there: no sample
     assert "port" not in done.stderr or "metrics on" in done.stderr
     assert not os.path.exists(out["dir"])  # the private directory goes with the worker
+
+
+def test_the_same_instruments_go_over_otlp_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolq.dev.otlp_sink import OtlpSink
+
+    with OtlpSink() as sink:
+        monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", sink.endpoint)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        port = metrics.serve_orchestrator(0, host="127.0.0.1")
+        try:
+            assert port
+            metrics.call_settled("exec_command", "failed", "boom", 0.2)
+            metrics.turn_started()
+            metrics.limit_wait("rate", "exec_command", 0.5)
+            metrics.flush()
+        finally:
+            metrics.stop()
+        got = {(p.name, tuple(sorted(p.attributes.items()))): p.value for p in sink.points}
+    assert got[("toolq_calls", (("reason", ""), ("state", "failed"), ("tool", "exec_command")))] == 1
+    assert got[("gen_ai_execute_tool_duration_seconds", (("state", "failed"), ("tool", "exec_command")))] == 1
+    assert got[("toolq_turns_in_flight", ())] == 1
+    assert got[("toolq_limit_wait_seconds", (("limit", "rate"), ("tool", "exec_command")))] == 1
+    assert {p.service for p in sink.points} == {"toolq-orchestrator"}
