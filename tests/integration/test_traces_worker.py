@@ -197,9 +197,16 @@ def test_a_command_the_session_host_runs_is_the_calls_command_span(traced_worker
     finally:
         r.close()
     assert MARKER in str(result["output"])
-    spans = wait_for(receiver, parent.trace_id, {"toolq.tool exec_command", "toolq.command", "toolq.result.store"})
+    wanted = {"toolq.tool exec_command", "toolq.command", "toolq.result.store"}
+    if sandboxed():
+        wanted.add("toolq.sandbox.start")
+    spans = wait_for(receiver, parent.trace_id, wanted)
     command = by_name(spans, "toolq.command")
-    assert command.parent_id == by_name(spans, "toolq.tool exec_command").span_id
+    tool = by_name(spans, "toolq.tool exec_command")
+    assert command.parent_id == tool.span_id
+    if sandboxed():  # the session host's spawn, timed there, a span of the pool child's
+        start = by_name(spans, "toolq.sandbox.start")
+        assert start.parent_id == tool.span_id and start.attributes["toolq.sandbox.backend"] == isolation.current().backend
     assert command.attributes["toolq.session_host"] is True and command.attributes["process.exit.code"] == 0
     assert MARKER not in dump(spans)
 

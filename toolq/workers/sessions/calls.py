@@ -77,6 +77,8 @@ def _call(request: Request, ctx: ToolContext, yield_ms: float, tool: str,
     # Traces: a command started in the session host is this call's `toolq.command` (to its exit, or
     # to the yield that leaves it running as a session).
     span = spans.start_command(request.cmd, session_host=True) if isinstance(request, ExecRequest) else None
+    if span is not None:
+        request = request.model_copy(update={"traced": True})
     try:
         reply = host_client.call(request, ctx.cancelled, timeout=yield_ms / 1000 + REPLY_SLACK, output=ctx.output,
                                  frames=frames)
@@ -92,6 +94,8 @@ def _call(request: Request, ctx: ToolContext, yield_ms: float, tool: str,
     except BaseException as e:
         spans.end(span, error=type(e).__name__)
         raise
+    if span is not None and reply.spawn_started is not None and reply.sandbox not in (None, "none"):
+        spans.sandbox_started(reply.sandbox or "", reply.spawn_started, reply.spawn_ended)
     spans.end(span, error="spawn_failed" if reply.spawn_errno is not None else None,
               **{spans.EXIT_CODE: reply.exit_code, spans.SESSION_ID: reply.session_id})
     if reply.error is not None:

@@ -453,18 +453,21 @@ class Host:
         if req.front_door and (live := self._live_in(req.conversation)) >= self.settings.session_limit:
             return Reply(error=(f"{tool} failed: this conversation already has {live} live sessions (the limit is "
                                 f"{self.settings.session_limit}, TOOLQ_SESSION_LIMIT); end one first"))
+        spawn_at = time.time() if req.traced else 0.0
         try:
             p = self.spawn(req)
         except isolation.SandboxUnavailable as e:
             return Reply(error=f"{tool} refused: {e}")
         except OSError as e:
             return Reply(spawn_errno=e.errno or 0, spawn_strerror=e.strerror or str(e), wall_time=0.0)
+        # A traced call's `toolq.sandbox.start` (the pool child makes the span): the spawn's times.
+        spawned = (spawn_at, time.time(), isolation.current(self.settings).backend) if req.traced else None
         if req.front_door:
-            return self._run_front_door(p, req, conn, started)
+            return _with_spawn(self._run_front_door(p, req, conn, started), spawned)
         if not self.collect(p, req.yield_ms / 1000, conn, stream=req.stream):
             p.kill()
             return None
-        return self.reply_for(p, started)
+        return _with_spawn(self.reply_for(p, started), spawned)
 
     def _run_front_door(self, p: Process, req: ExecRequest, conn: socket.socket, started: float) -> Reply | None:
         """A session at once (write/terminate find it), then all its output as it comes, until it
@@ -661,6 +664,12 @@ def _kill_group(proc: subprocess.Popen | CellProcess) -> None:
         proc.kill()
     else:
         _killpg(proc.pid)
+
+
+def _with_spawn(reply: Reply | None, spawned: tuple[float, float, str] | None) -> Reply | None:
+    if reply is not None and spawned is not None:
+        reply.spawn_started, reply.spawn_ended, reply.sandbox = spawned
+    return reply
 
 
 def _b64(data: bytes) -> str:

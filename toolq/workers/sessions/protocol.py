@@ -30,6 +30,8 @@ class ExecRequest(_Request):
     """Front door, no tty: stdin is a pipe `InputRequest`s write to (else it is closed)."""
     extra_env: dict[str, str] = {}
     """Front door: set on top of the command's environment, inside the sandbox only."""
+    traced: bool = False
+    """The call is traced: the reply says when the spawn began and ended (`toolq.sandbox.start`)."""
 
 
 class WriteRequest(_Request):
@@ -93,3 +95,9 @@ class Reply(BaseModel):
     """An `InputRequest`'s answer."""
     running: bool | None = None
     """A `KillRequest`'s answer: whether a live process was killed."""
+    spawn_started: float | None = None
+    """A traced `ExecRequest`: when the host began the spawn (epoch seconds)..."""
+    spawn_ended: float | None = None
+    """...when the command was spawned in its sandbox..."""
+    sandbox: str | None = None
+    """...and the sandbox's backend."""
