@@ -78,15 +78,10 @@ def otel_env(receiver: OtlpSink, **more: str) -> dict[str, str]:
 
 
 class RecyclingWorker(WorkerProcess):
-    """`toolq worker` whose pool children each run one task and are replaced (Celery's
-    `--max-tasks-per-child 1`, which `toolq worker` passes on to `celery worker` here)."""
+    """`toolq worker --max-tasks-per-child 1`: each pool child runs one call and is replaced."""
 
     def argv(self) -> list[str]:
-        script = ("import sys, celery; main = celery.Celery.worker_main; "
-                  "celery.Celery.worker_main = lambda self, argv=None: main(self, [*argv, '--max-tasks-per-child', '1']); "
-                  "from toolq.cli.main import main as toolq; sys.argv[0] = 'toolq'; sys.exit(toolq())")
-        toolq = super().argv()
-        return [sys.executable, "-c", script, *toolq[toolq.index("worker"):]]
+        return [*super().argv(), "--max-tasks-per-child", "1"]
 
 
 # --- the orchestrator's part: a signed invocation under a parent span -------------------------------

@@ -93,6 +93,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if not settings.redis_url:
         print("toolq worker: set REDIS_URL (or CELERY_BROKER_URL) to the broker the orchestrator uses", file=sys.stderr)
         return 2
+    if args.max_tasks_per_child is not None and args.max_tasks_per_child < 1:
+        print("toolq worker: --max-tasks-per-child must be at least 1", file=sys.stderr)
+        return 2
     if args.logfile:
         worker_log(args.logfile, settings.workspace)
     from toolq.core.signing import required_signer
@@ -137,6 +140,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             "--without-gossip", "--without-mingle", "--loglevel", args.loglevel]
     if args.name:
         argv += ["--hostname", args.name]
+    if args.max_tasks_per_child is not None:  # each pool child exits after N calls (its spans exported first)
+        argv += ["--max-tasks-per-child", str(args.max_tasks_per_child)]
     if args.logfile:
         argv += ["--logfile", os.path.abspath(args.logfile)]
     # Celery imports its app and modules with the current directory on sys.path (import_from_cwd),
@@ -469,6 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--name", help="worker node name, e.g. gpu1@%%h")
     w.add_argument("--logfile", help="write the worker's log to this file (default: stderr)")
     w.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    w.add_argument("--max-tasks-per-child", type=int, metavar="N",
+                   help="replace each pool process after it has run N calls (Celery's option; default: never)")
     w.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this port at /metrics (0: a free port, said on stderr); "
                         "default TOOLQ_METRICS_PORT, else none")
