@@ -39,6 +39,7 @@ from toolq.core.errors import ConfigurationError
 from toolq.core.flower_args import flower_args
 from toolq.core.settings import Settings, mask_url_password
 from toolq.core.states import FAILURE, CallState, celery_state
+from toolq.telemetry import metrics
 from toolq.workers import config, isolation, kombu_acks, pool_exits, presence, redis_clients, spans, stopping
 from toolq.workers.config import configure_app, longest_timeout, make_app
 from toolq.workers.environments import agent as environments
@@ -125,6 +126,7 @@ def _child_init(**_: Any) -> None:
     _redis = None  # never share a socket across fork
     isolation.pool_child_started()
     spans.child_started()  # its own tracer provider (the parent's batch thread did not fork), if traces are on
+    metrics.after_fork()  # its own OTLP metrics provider, if OTEL_METRICS_EXPORTER=otlp (Prometheus needs none)
     worker_process_shutdown.connect(stopping.exit_without_lingering, weak=False)  # after the user's receivers
 
 
@@ -133,6 +135,7 @@ def _child_init(**_: Any) -> None:
 # `exit_without_lingering` (connected later, in the child), so a replaced child loses none.
 task_postrun.connect(lambda **_: spans.call_ended(), weak=False)
 worker_process_shutdown.connect(lambda **_: spans.child_exiting(), weak=False)
+worker_process_shutdown.connect(lambda **_: metrics.flush(), weak=False)  # its OTLP metric points, if on
 
 
 @celeryd_after_setup.connect
@@ -231,12 +234,15 @@ def _execute(task: Any, invocation: dict, signature: str, redelivery: bool) -> A
     # worker_process_init, so a handler set there is gone by the time a task runs.
     install_sigterm_handler()
     sync_mcp_tools(catalog(), invocation)  # an MCP server may have listed its tools anew since the fork
+    spec = _spec_of(invocation) if metrics.on() else None  # metrics: the catalog's name and queue only
+    metrics.calling(str(spec.tool_name) if spec else None)
     try:
         result = execute(invocation, hostname=_hostname(task), r=redis_client(), catalog=catalog(),
                          redelivery=redelivery, time_limit_errors=(SoftTimeLimitExceeded,),
                          signer=signing.signer_for(app.conf.get(signing.CONF_KEY)))
     except StillRunning:
         raise Ignore() from None  # the first delivery's result answers the call
+    metrics.worker_task(str(spec.tool_name) if spec else None, spec.queue if spec else "unknown", invocation, result)
     if celery_state(CallState(result["status"])) == FAILURE:
         raise ToolCallFailed(result)  # Celery records FAILURE; the result travels in the exception
     return returned(result, log_output=bool(app.conf.get("toolq_log_tool_output")))

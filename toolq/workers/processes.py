@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from toolq.telemetry import metrics
 from toolq.workers import spans
 from toolq.workers.isolation import reaper
 
@@ -185,6 +186,8 @@ def run_command(
         if sandbox is not None:
             launch = sandbox.launch(argv, workspace=str(workspace or cwd), cwd=str(cwd), env=env or dict(os.environ))
             proc = launch.spawn(**popen)
+            if sandbox.backend != "none":
+                metrics.sandbox_started(sandbox.backend, time.monotonic() - start)
         else:
             proc = subprocess.Popen(argv, env=env, **popen)
     except BaseException as e:  # OSError: a spawn failure; SandboxRefused goes to the tool
@@ -221,6 +224,7 @@ def _run(proc: Any, launch: Launch | None, sandbox: Sandbox | None, start: float
     selector = selectors.DefaultSelector()
     selector.register(fd, selectors.EVENT_READ)
     timed_out = cancelled = eof = False
+    seen = 0.0  # when the cancel was seen
     exit_wait = 0.001
     try:
         while True:
@@ -242,7 +246,7 @@ def _run(proc: Any, launch: Launch | None, sandbox: Sandbox | None, start: float
                 timed_out = True
                 break
             if is_cancelled is not None and is_cancelled():
-                cancelled = True
+                cancelled, seen = True, time.monotonic()
                 break
         # The leader is still unreaped here (alive or a zombie), so its pgid cannot be reused:
         # this kills the command on timeout/cancel, and any leftover members after a normal exit.
@@ -252,6 +256,8 @@ def _run(proc: Any, launch: Launch | None, sandbox: Sandbox | None, start: float
         if not eof:
             _drain(fd, buf, selector, DRAIN_TIMEOUT)
         returncode = proc.wait()
+        if cancelled:  # the cancel seen until the call's process is reaped
+            metrics.cancel_to_dead(time.monotonic() - seen)
     finally:
         selector.close()
         proc.stdout.close()
