@@ -41,3 +41,32 @@ def test_a_calls_span_path_with_traces_off_imports_no_opentelemetry_and_starts_n
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"traced": False, "span": False, "otel": [], "threads": 1}
+
+
+def test_a_collector_that_does_not_take_the_spans_is_not_waited_for_at_every_calls_end(monkeypatch):
+    """The SDK's flush ignores its timeout (it retried a down collector for ~7 s): a task's end
+    waits for it in a thread of its own up to FLUSH_TIMEOUT, then not at all for FLUSH_BACKOFF."""
+    import threading
+
+    from toolq.telemetry import tracing
+    from toolq.workers import spans
+
+    stuck = threading.Event()
+    flushes: list[float] = []
+
+    def flush(timeout_s: float = 5.0) -> bool:
+        flushes.append(timeout_s)
+        stuck.wait(30)  # a collector that never answers
+        return True
+
+    monkeypatch.setattr(tracing, "flush", flush)
+    monkeypatch.setattr(spans, "FLUSH_TIMEOUT", 0.01)
+    monkeypatch.setattr(spans, "_skip_flush_until", 0.0)
+    try:
+        for _ in range(3):
+            monkeypatch.setattr(spans, "_traced", True)
+            spans.call_ended()
+            assert spans._traced is False and spans._parent is None
+        assert len(flushes) == 1, "after one flush that did not finish, the next calls' ends did not wait"
+    finally:
+        stuck.set()

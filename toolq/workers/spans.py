@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -47,9 +48,12 @@ SESSION_ID = "toolq.session.id"
 SESSION_HOST = "toolq.session_host"
 
 #: How long a task's end waits for its spans to be exported (the result is stored already).
-FLUSH_TIMEOUT = 2.0
+FLUSH_TIMEOUT = 1.0
 #: How long a pool child on its way out waits for them.
 EXIT_FLUSH_TIMEOUT = 5.0
+#: After a task's flush timed out, how long the next tasks' ends do not wait for the collector.
+FLUSH_BACKOFF = 30.0
+_skip_flush_until = 0.0
 
 #: States that end a call (Celery's), the stores `toolq.result.store` times (not STARTED).
 _READY = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
@@ -151,18 +155,45 @@ def result_store(state: str) -> Iterator[None]:
 
 
 def call_ended() -> None:
-    """At the task's end (after its result is stored): export this call's spans, forget its parent."""
-    global _parent, _traced
+    """At the task's end (after its result is stored): export this call's spans, forget its parent.
+    A collector that did not take them in time (down, slow) is not waited for again at each task's
+    end for `FLUSH_BACKOFF` seconds: the batch processor and the exit's flush still send them."""
+    global _parent, _traced, _skip_flush_until
     if not _traced:
         return
     _parent, _traced = None, False
-    tracing.flush(FLUSH_TIMEOUT)
+    if time.monotonic() < _skip_flush_until:
+        return
+    if not _flush_within(FLUSH_TIMEOUT):
+        _skip_flush_until = time.monotonic() + FLUSH_BACKOFF
+        log.warning("traces: the collector did not take this call's spans in %gs; not waiting for it at each "
+                    "call's end for %gs", FLUSH_TIMEOUT, FLUSH_BACKOFF)
 
 
 def child_exiting() -> None:
     """A pool child on its way out (replaced, or its pool closing): what it holds goes out first."""
     if tracing.on():
-        tracing.flush(EXIT_FLUSH_TIMEOUT)
+        _flush_within(EXIT_FLUSH_TIMEOUT)
+
+
+def _flush_within(timeout: float) -> bool:
+    """Export what this process holds, waiting at most `timeout`; whether it was done by then. The
+    SDK's force_flush exports in the caller's thread and ignores its timeout: against a collector
+    that is down it retried for ~7 s, so it runs in a thread of its own, which a child's exit ends."""
+    done = threading.Event()
+
+    def flush() -> None:
+        try:
+            if tracing.flush(timeout):
+                done.set()
+        except Exception as e:  # an exporter's failure never fails a call
+            log.debug("trace flush: %s", e)
+
+    try:
+        threading.Thread(target=flush, name="toolq-trace-flush", daemon=True).start()
+    except RuntimeError:  # no thread to be had (the pool child's bound on processes): not waited for
+        return False
+    return done.wait(timeout)
 
 
 # --- spans inside a handler: children of whatever span is current (the call's `toolq.tool`) ------
