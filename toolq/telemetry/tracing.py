@@ -42,6 +42,8 @@ _pid: int | None = None
 """The process `_provider` was made in: a forked child makes its own."""
 _on = False
 _global_set = False
+_tracer: Tracer | None = None
+"""toolq's tracer on `_provider` (made once: the SDK's `get_tracer` costs ~40 us a call)."""
 """Whether this process tree gave the API its global provider (once: the API refuses a second)."""
 
 
@@ -59,7 +61,7 @@ def setup(service: str = ORCHESTRATOR) -> bool:
     """Make this process's tracer provider if the variables ask for one; whether tracing is on.
     Idempotent per process; a forked child (a prefork pool's) makes its own. `OTEL_SERVICE_NAME`
     overrides `service`."""
-    global _provider, _pid, _on
+    global _provider, _pid, _on, _tracer
     if _pid == os.getpid():
         return _on
     with _lock:
@@ -74,7 +76,7 @@ def setup(service: str = ORCHESTRATOR) -> bool:
             log.warning("tracing is off: %s", e)
             _provider, _pid, _on = None, os.getpid(), False
             return False
-        _provider, _pid, _on = provider, os.getpid(), True
+        _provider, _pid, _on, _tracer = provider, os.getpid(), True, None
         return True
 
 
@@ -121,9 +123,9 @@ def _otlp_exporter() -> Any:
 def install(provider: TracerProvider) -> None:
     """Use this provider (an application's own, or a test's in-memory one) instead of one made from
     the variables: tracing is on in this process from now."""
-    global _provider, _pid, _on
+    global _provider, _pid, _on, _tracer
     with _lock:
-        _provider, _pid, _on = provider, os.getpid(), True
+        _provider, _pid, _on, _tracer = provider, os.getpid(), True, None
 
 
 def on() -> bool:
@@ -133,9 +135,12 @@ def on() -> bool:
 
 def tracer() -> Tracer:
     """toolq's tracer: on this process's provider, else the API's no-op one (importing the API)."""
+    global _tracer
     if on():
-        assert _provider is not None
-        return _provider.get_tracer("toolq")
+        if _tracer is None:
+            assert _provider is not None
+            _tracer = _provider.get_tracer("toolq")
+        return _tracer
     from opentelemetry import trace
 
     return trace.get_tracer("toolq")
@@ -226,11 +231,11 @@ def trace_link(trace_id: str | None, url: str | None = None) -> str | None:
 
 def reset_for_tests() -> None:
     """Forget this process's provider (a test that changes the variables sets up again)."""
-    global _provider, _pid, _on
+    global _provider, _pid, _on, _tracer
     with _lock:
         if _provider is not None:
             try:
                 _provider.shutdown()
             except Exception:
                 pass
-        _provider, _pid, _on = None, None, False
+        _provider, _pid, _on, _tracer = None, None, False, None
