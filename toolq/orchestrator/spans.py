@@ -16,7 +16,9 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from toolq.core import tracing as names
+from toolq.core import untrusted
 from toolq.core.calls import ToolInvocation, ToolResult
+from toolq.core.flower_args import secret_name
 from toolq.core.honest import Known
 from toolq.core.mcp_specs import MCP_QUEUE_PREFIX
 from toolq.core.states import CallState
@@ -54,6 +56,43 @@ def output_reason(state: CallState) -> str:
 
 def _cut(text: str, room: int = CONTENT_CHARS) -> str:
     return text if len(text) <= room else text[:room - 1] + "…"
+
+
+def masked(value: Any) -> Any:
+    """Content as a span may hold it (capture on): wherever a call's `arguments` appear (the
+    history's and the answer's function calls), a secret-named argument's value (`api_key`,
+    `password`...: Flower's rule, `flower_args.secret_name`) by its length only."""
+    if isinstance(value, dict):
+        return {k: masked_arguments(v) if k == "arguments" and isinstance(v, str) else masked(v)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [masked(v) for v in value]
+    return value
+
+
+def masked_arguments(text: str) -> str:
+    """A call's arguments (the model's JSON text) with each secret-named value shown by its length."""
+    try:
+        args = untrusted.loads(text)
+    except (ValueError, RecursionError, TypeError):
+        return text  # not JSON: no names to tell a secret by
+    if not isinstance(args, (dict, list)):
+        return text
+    hidden = _hide(args)
+    return text if hidden == args else json.dumps(hidden)
+
+
+def _hide(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _length(v) if isinstance(k, str) and secret_name(k) else _hide(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_hide(v) for v in value]
+    return value
+
+
+def _length(value: Any) -> str:
+    n = len(value) if isinstance(value, str) else len(json.dumps(value, default=str))
+    return f"<hidden: {n} chars>"
 
 
 def _parent(span: Any) -> Any:
@@ -118,7 +157,7 @@ def start_chat(turn: Span | None, model: str, body: dict[str, Any]) -> Span | No
 
     attributes: dict[str, Any] = {names.OPERATION: "chat", names.PROVIDER: PROVIDER, names.REQUEST_MODEL: model}
     if tracing.capture_content():
-        attributes["gen_ai.input.messages"] = _cut(json.dumps(body.get("input", []), default=str))
+        attributes["gen_ai.input.messages"] = _cut(json.dumps(masked(body.get("input", [])), default=str))
         if body.get("instructions"):
             attributes["gen_ai.system_instructions"] = _cut(str(body["instructions"]))
     return tracing.tracer().start_span(f"{names.CHAT} {model}", context=_parent(turn), kind=SpanKind.CLIENT,
@@ -172,7 +211,7 @@ def end_chat(span: Span | None, record: ChatRecord, error: BaseException | None 
             span.set_attribute(names.FINISH_REASONS, [record.reason])
         if record.items:
             span.set_attribute("gen_ai.output.messages", _cut(json.dumps(
-                [_wire(i) for i in record.items], default=str)))
+                masked([_wire(i) for i in record.items]), default=str)))
         _end(span, _error_type(error))
     except Exception as e:
         log.debug("could not end a chat span: %s", e)
@@ -214,7 +253,7 @@ def start_tool(turn: Span | None, call: BoundCall) -> Span | None:
             payload = inv.payload
             text = getattr(payload, "arguments", None) or getattr(payload, "input", None) \
                 or getattr(payload, "query", None) or ""
-            attributes[names.TOOL_ARGUMENTS] = _cut(str(text))
+            attributes[names.TOOL_ARGUMENTS] = _cut(masked_arguments(text) if isinstance(text, str) else str(text))
     # The span's name is low-cardinality: an undeclared tool's name is the model's text.
     name = f"{names.EXECUTE_TOOL} {tool}" if tool else names.EXECUTE_TOOL
     return tracing.tracer().start_span(name, context=_parent(turn), kind=SpanKind.INTERNAL, attributes=attributes)
