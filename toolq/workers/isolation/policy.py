@@ -24,8 +24,10 @@ Backend = Literal["bwrap", "landlock", "none"]
 #: Variables a command keeps from the worker's environment (exact names or `*` patterns).
 BASE_ENV = ("PATH", "LANG", "LANGUAGE", "LC_*", "TERM", "TZ", "USER", "LOGNAME", "SHELL",
             "PAGER", "GIT_PAGER", "MANPAGER", "LESS", "NO_COLOR")
-#: Never passed, even when the operator names them: the fleet's credentials and toolq's own settings.
-FORBIDDEN_ENV = ("REDIS_URL", "CELERY_*", "TOOLQ_*", "OPENAI_*", "FLOWER_*")
+#: Never passed, even when the operator names them: the fleet's credentials and toolq's own settings,
+#: the OTLP exporter's headers (a tracing vendor's API key) and the worker's metrics directory.
+FORBIDDEN_ENV = ("REDIS_URL", "CELERY_*", "TOOLQ_*", "OPENAI_*", "FLOWER_*", "OTEL_EXPORTER_OTLP*_HEADERS",
+                 "PROMETHEUS_MULTIPROC_DIR")
 #: Keep tools non-interactive: no pagers waiting for a key, no colour codes in the output.
 ENV_OVERRIDES = {"PAGER": "cat", "GIT_PAGER": "cat", "NO_COLOR": "1", "TERM": "dumb"}
 #: Directories every command may read (and execute from), when they exist. /etc is not among
