@@ -53,6 +53,11 @@ Source = Callable[[], Mapping[tuple[str, ...], float] | None]
 
 _tool: ContextVar[str] = ContextVar("toolq_metrics_tool", default=declared.UNKNOWN_TOOL)
 
+#: At most this many distinct `tool` label values per process. The catalog does not bound them by
+#: itself: an MCP server lists what tools it likes (thousands, or new names at each list_changed),
+#: and each becomes a declared tool. Past the cap a tool counts as "unknown".
+TOOL_LABELS = 500
+
 
 class _Metrics:
     """One process's metrics: the prometheus_client instruments of its side, and the OTLP mirror."""
@@ -63,6 +68,8 @@ class _Metrics:
         self.side = side
         self.registry = CollectorRegistry(auto_describe=True)
         self.known: set[str] = set()
+        self.labelled: set[str] = set()
+        """The `tool` label values used so far (at most TOOL_LABELS)."""
         self.sources: dict[str, Source] = {}
         self.server: Any = None
         self.port: int | None = None
@@ -81,7 +88,17 @@ class _Metrics:
                 self.prom[m.name] = Gauge(m.name, m.help, m.labels, registry=registry, multiprocess_mode="livesum")
 
     def tool(self, name: str) -> str:
-        return name if name in self.known else declared.UNKNOWN_TOOL
+        return self.bounded(name) if name in self.known else declared.UNKNOWN_TOOL
+
+    def bounded(self, name: str | None) -> str:
+        """A declared tool's name as a label value, while fewer than TOOL_LABELS are in use."""
+        if name is None:
+            return declared.UNKNOWN_TOOL
+        if name not in self.labelled:
+            if len(self.labelled) >= TOOL_LABELS:
+                return declared.UNKNOWN_TOOL
+            self.labelled.add(name)
+        return name
 
 
 _m: _Metrics | None = None
@@ -346,7 +363,7 @@ def call_settled(tool: str | None, state: str, output: object, seconds: float) -
     m = _m
     if m is None:
         return
-    label = tool if tool is not None else declared.UNKNOWN_TOOL
+    label = m.bounded(tool)
     form = known_form(output) if isinstance(output, str) else None
     reason = form.value if form is not None else ""
     _inc(m, declared.CALLS, (label, state, reason))
@@ -376,7 +393,7 @@ def limit_wait(limit: str, tool: str, seconds: float) -> None:
     """Orchestrator: a call held back by a limit, and for how long (a call let go at once: none)."""
     m = _m
     if m is not None:
-        _observe(m, declared.LIMIT_WAIT, (limit, tool), seconds)  # a declared tool (its spec held it)
+        _observe(m, declared.LIMIT_WAIT, (limit, m.bounded(tool)), seconds)  # a declared tool (its spec held it)
 
 
 def calling(tool: str | None) -> None:
@@ -384,7 +401,7 @@ def calling(tool: str | None) -> None:
     declared), for what records without knowing it (cancel-to-dead). A pool child runs one call
     at a time; the session host's calls say their tool themselves."""
     if _m is not None:
-        _tool.set(tool if tool is not None else declared.UNKNOWN_TOOL)
+        _tool.set(_m.bounded(tool))
 
 
 def worker_task(tool: str | None, queue: str, invocation: Mapping[str, Any], result: Mapping[str, Any]) -> None:
@@ -393,7 +410,7 @@ def worker_task(tool: str | None, queue: str, invocation: Mapping[str, Any], res
     m = _m
     if m is None:
         return
-    label = tool if tool is not None else declared.UNKNOWN_TOOL
+    label = m.bounded(tool)
     _inc(m, declared.WORKER_TASKS, (label, str(result.get("status", ""))))
     started, finished = result.get("started_at"), result.get("finished_at")
     if isinstance(started, (int, float)) and isinstance(finished, (int, float)):
