@@ -6,9 +6,9 @@ with the official SDK that exports its own span under the `_meta.traceparent` th
 host sent it. The test plays the orchestrator: each call carries a `TraceContext` standing for its
 `execute_tool` span, signed with the rest of the invocation.
 
-The workers' batch processor waits 10 minutes between exports here (OTEL_BSP_SCHEDULE_DELAY), so
-a span arrives only because the worker flushed it: at the task's end, or before a pool child
-exits (`--max-tasks-per-child 1`).
+The workers export on the batch processor's schedule (200 ms here), except where a child is
+replaced after each call (`--max-tasks-per-child 1`): there the schedule is 10 minutes away
+(OTEL_BSP_SCHEDULE_DELAY), so a span arrives only because the child exported it before it exited.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def dump(spans: list[SinkSpan]) -> str:
 
 
 def otel_env(receiver: OtlpSink, **more: str) -> dict[str, str]:
-    return {**WORKER_ENV, **receiver.env(), "OTEL_BSP_SCHEDULE_DELAY": "600000", **more}
+    """Traces to the sink, exported on the batch processor's schedule (the sink's 200 ms)."""
+    return {**WORKER_ENV, **receiver.env(), **more}
 
 
 class RecyclingWorker(WorkerProcess):
@@ -224,7 +225,8 @@ def test_no_span_is_lost_when_each_pool_child_is_replaced_after_its_task(receive
     schedule is 10 minutes away); with content capture on, the command's text is in its span."""
     server = RedisServer().__enter__()  # its own: the module's traced worker takes no call of this test
     w = RecyclingWorker(server.url, name="recycling@test", queues=["toolq"], concurrency=2,
-                        tools=[TEST_TOOLS], env=otel_env(receiver, OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT="true"),
+                        tools=[TEST_TOOLS], env=otel_env(receiver, OTEL_BSP_SCHEDULE_DELAY="600000",
+                                     OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT="true"),
                         logdir=tmp_path)
     spec = next(s for s in load_catalog([TEST_TOOLS]) if s.name == "noop")
     w.start()

@@ -8,9 +8,9 @@ workspace file, a variable a command set, an MCP server's reply or a model's arg
 
 Off (no OTEL_* turning traces on), every function here returns at its first test of
 `tracing.on()`: nothing of OpenTelemetry is imported. A pool child sets up its own provider after
-the fork (`child_started`), and exports what it holds at each task's end and before it exits
-(`call_ended`, `child_exiting`), so a child replaced after its task (`--max-tasks-per-child`)
-loses no span.
+the fork (`child_started`); its batch processor exports on its schedule, and what the child still
+holds goes before it exits (`child_exiting`), so a child replaced after its task
+(`--max-tasks-per-child`) loses no span.
 """
 
 from __future__ import annotations
@@ -47,13 +47,8 @@ EXIT_CODE = "process.exit.code"
 SESSION_ID = "toolq.session.id"
 SESSION_HOST = "toolq.session_host"
 
-#: How long a task's end waits for its spans to be exported (the result is stored already).
-FLUSH_TIMEOUT = 1.0
-#: How long a pool child on its way out waits for them.
+#: How long a pool child on its way out waits for its spans' export.
 EXIT_FLUSH_TIMEOUT = 5.0
-#: After a task's flush timed out, how long the next tasks' ends do not wait for the collector.
-FLUSH_BACKOFF = 30.0
-_skip_flush_until = 0.0
 
 #: States that end a call (Celery's), the stores `toolq.result.store` times (not STARTED).
 _READY = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
@@ -155,19 +150,13 @@ def result_store(state: str) -> Iterator[None]:
 
 
 def call_ended() -> None:
-    """At the task's end (after its result is stored): export this call's spans, forget its parent.
-    A collector that did not take them in time (down, slow) is not waited for again at each task's
-    end for `FLUSH_BACKOFF` seconds: the batch processor and the exit's flush still send them."""
-    global _parent, _traced, _skip_flush_until
-    if not _traced:
-        return
+    """At the task's end: forget the call's parent. Its spans are not exported here: they leave with
+    the batch processor's next export (`OTEL_BSP_SCHEDULE_DELAY`, 5 s by default), many calls' in
+    one request, and what a child still holds goes before it exits (`child_exiting`). An export
+    per call, waited for at each task's end, cost the fleet 25-30% of its calls/s on the bench
+    (docs/benchmarks.md, telemetry), and a collector that was down held every call's end ~7 s."""
+    global _parent, _traced
     _parent, _traced = None, False
-    if time.monotonic() < _skip_flush_until:
-        return
-    if not _flush_within(FLUSH_TIMEOUT):
-        _skip_flush_until = time.monotonic() + FLUSH_BACKOFF
-        log.warning("traces: the collector did not take this call's spans in %gs; not waiting for it at each "
-                    "call's end for %gs", FLUSH_TIMEOUT, FLUSH_BACKOFF)
 
 
 def child_exiting() -> None:
@@ -179,7 +168,7 @@ def child_exiting() -> None:
 def _flush_within(timeout: float) -> bool:
     """Export what this process holds, waiting at most `timeout`; whether it was done by then. The
     SDK's force_flush exports in the caller's thread and ignores its timeout: against a collector
-    that is down it retried for ~7 s, so it runs in a thread of its own, which a child's exit ends."""
+    that is down it retried for ~7 s, so it runs in a thread of its own, which the child's exit ends."""
     done = threading.Event()
 
     def flush() -> None:
