@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import time
 import urllib.request
 from collections import Counter
@@ -178,3 +179,29 @@ async def _ledger_calls(url: str, turn_id: str) -> list[dict[str, str]]:
 
 def _queue(ledger: list[dict[str, str]], tool: str) -> str:
     return next(c["queue"] for c in ledger if c["tool"] == tool)
+
+
+def test_a_cancelled_command_is_timed_until_its_process_is_gone(metrics_worker, own_redis, tmp_path) -> None:
+    _, wport = metrics_worker
+    before = value(scrape(wport), "toolq_cancel_to_dead_seconds_count", tool="exec_command")
+    script = [[b.function_call("exec_command", {"cmd": "sleep 120.25", "yield_time_ms": 60000}, "call_long")],
+              [b.message("done")]]
+    with FakeModel(script) as fake:
+        settings = settings_for(own_redis.url, fake, tmp_path)
+
+        async def during(session, runtime) -> None:
+            while not _running("sleep 120.25"):  # the command runs on the worker: then the turn is cancelled
+                await asyncio.sleep(0.05)
+            session.cancel()
+
+        (outcome,), _ = asyncio.run(asyncio.wait_for(run_session(settings, ["go"], [], during), 120))
+    assert outcome.status == "cancelled"
+    deadline = time.monotonic() + 30
+    while (value(scrape(wport), "toolq_cancel_to_dead_seconds_count", tool="exec_command") == before
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+    assert value(scrape(wport), "toolq_cancel_to_dead_seconds_count", tool="exec_command") == before + 1
+
+
+def _running(command: str) -> bool:
+    return subprocess.run(["pgrep", "-f", command], capture_output=True).returncode == 0

@@ -34,7 +34,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextvars import ContextVar
 from typing import Any
 
 from toolq.core import metrics as declared
@@ -51,7 +50,9 @@ OTLP_ENV = "OTEL_METRICS_EXPORTER"
 #: A source read at scrape time: label values -> value; None, or raising, gives no sample.
 Source = Callable[[], Mapping[tuple[str, ...], float] | None]
 
-_tool: ContextVar[str] = ContextVar("toolq_metrics_tool", default=declared.UNKNOWN_TOOL)
+_tool: str = declared.UNKNOWN_TOOL
+"""The tool of the call this process runs now (`calling`): a pool child runs one at a time, and
+its handler may run on an executor's thread, which a context variable would not reach."""
 
 #: At most this many distinct `tool` label values per process. The catalog does not bound them by
 #: itself: an MCP server lists what tools it likes (thousands, or new names at each list_changed),
@@ -400,8 +401,9 @@ def calling(tool: str | None) -> None:
     """Worker: the call this pool child runs now is of `tool` (the catalog's name, None: not
     declared), for what records without knowing it (cancel-to-dead). A pool child runs one call
     at a time; the session host's calls say their tool themselves."""
+    global _tool
     if _m is not None:
-        _tool.set(_m.bounded(tool))
+        _tool = _m.bounded(tool)
 
 
 def worker_task(tool: str | None, queue: str, invocation: Mapping[str, Any], result: Mapping[str, Any]) -> None:
@@ -430,7 +432,7 @@ def cancel_to_dead(seconds: float, tool: str | None = None) -> None:
     """Worker: from the cancel seen to the call's process reaped."""
     m = _m
     if m is not None:
-        _observe(m, declared.CANCEL_TO_DEAD, (m.tool(tool) if tool is not None else _tool.get(),), seconds)
+        _observe(m, declared.CANCEL_TO_DEAD, (m.bounded(tool) if tool is not None else _tool,), seconds)
 
 
 def sessions_in_flight(n: int) -> None:

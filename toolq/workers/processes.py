@@ -84,10 +84,30 @@ def install_sigterm_handler() -> bool:
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
+    seen, leaders = time.monotonic(), live_process_groups()
     kill_live_groups()
+    if leaders and metrics.on():  # a revoke (terminate=True): cancel-to-dead, until each leader is reaped
+        if _reap_within(leaders, seen + 1.0):  # SIGKILLed: at once; never held up past a second
+            metrics.cancel_to_dead(time.monotonic() - seen)
     previous = _previous_sigterm if _previous_sigterm is not None else signal.SIG_DFL
     signal.signal(signal.SIGTERM, previous)  # type: ignore[arg-type]
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _reap_within(leaders: frozenset[int], deadline: float) -> bool:
+    """Reap each group's leader (this process dies next: nothing else waits for them); False if
+    one is still there at the deadline."""
+    for pgid in leaders:
+        while True:
+            try:
+                if os.waitpid(pgid, os.WNOHANG)[0]:
+                    break
+            except (ChildProcessError, InterruptedError):  # reaped already, or not ours
+                break
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+    return True
 
 
 def _killpg(pgid: int) -> None:

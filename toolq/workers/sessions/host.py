@@ -114,6 +114,8 @@ class Process:
     last_used: float = field(default_factory=time.monotonic)
     pending: HeadTailBuffer = field(default_factory=lambda: HeadTailBuffer(DEFAULT_OUTPUT_CAP))
     exit_code: int | None = None
+    exited_at: float | None = None
+    """When its leader was seen gone (monotonic), before its output is drained."""
     done: bool = False
     """Exited and its output fully read."""
     session_id: int | None = None
@@ -269,7 +271,7 @@ class Host:
         reading = {p.fd: p.stream} | ({p.err_fd: "stderr"} if p.err_fd is not None else {})
         while True:
             if exited_at is None and _has_exited(p.proc):
-                exited_at = time.monotonic()
+                exited_at = p.exited_at = time.monotonic()
                 _kill_group(p.proc)  # leftovers of the group (background children) go with it
             timeout = STEP if exited_at is None else max(0.0, min(STEP, exited_at + DRAIN_TIMEOUT - time.monotonic()))
             if exited_at is None and (flooded(p.pending) or p.front_door and p.watchers[0].size > FRONT_DOOR_BACKLOG):
@@ -465,7 +467,12 @@ class Host:
         if req.front_door:
             return _with_spawn(self._run_front_door(p, req, conn, started), spawned)
         if not self.collect(p, req.yield_ms / 1000, conn, stream=req.stream):
-            p.kill()
+            seen = time.monotonic()
+            p.kill()  # its call was cancelled (or its pool child died): the caller hung up
+            if metrics.on():  # cancel-to-dead: from the hang-up seen until the process is gone
+                with p.cond:
+                    if p.cond.wait_for(lambda: p.done, timeout=DRAIN_TIMEOUT + REAP_INTERVAL) and p.exited_at:
+                        metrics.cancel_to_dead(max(0.0, p.exited_at - seen), "exec_command")
             return None
         return _with_spawn(self.reply_for(p, started), spawned)
 
