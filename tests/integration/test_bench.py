@@ -23,8 +23,12 @@ def test_pipeline_bench_measures_both_paths():
 
 
 def test_steps_bench_reports_each_size():
-    res = steps.run(io.StringIO(), sizes=(2,), steps=2)
+    out = io.StringIO()
+    res = steps.run(out, sizes=(2,), steps=2, telemetry_rounds=1)
     assert res[2]["p50"] > 0
+    # the telemetry comparison: traces reached the loopback receiver, both modes timed
+    assert res["telemetry"]["spans"] > 0 and res["telemetry"]["2"]["on"] > 0 and res["telemetry"]["2"]["off"] > 0
+    assert "telemetry on" in out.getvalue() and isinstance(res["telemetry"]["goal_met"], bool)
 
 
 def test_streaming_bench_measures_both_modes_in_one_run():
@@ -38,10 +42,12 @@ def test_limits_bench_counts_the_limited_tool_running_and_both_rates():
 
 def test_throughput_bench_measures_both_paths_at_each_k():
     out = io.StringIO()
-    res = throughput.run(out, ks=(1, 2), rounds=1, calls_per_round=8)
+    res = throughput.run(out, ks=(1, 2), rounds=1, calls_per_round=8, telemetry_rounds=1)
     assert set(res["ks"]) == {1, 2} and res["ks"][2]["toolq"]["calls"] == 2 * 2 * 4
     assert res["ks"][2]["bare"]["calls_per_s"] > 0 and isinstance(res["goal_met"], bool)
     assert "toolq/bare  : calls/s" in out.getvalue() and "per turn over K=1" in out.getvalue()
+    telemetry = res["telemetry"]
+    assert telemetry["spans"] > 0 and telemetry["ks"][2]["on"]["calls"] == telemetry["ks"][2]["off"]["calls"] > 0
 
 
 def test_cancel_bench_cancels_every_run():
