@@ -20,7 +20,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from toolq.core import tracing as names
@@ -169,17 +169,23 @@ def _flush_within(timeout: float) -> bool:
     """Export what this process holds, waiting at most `timeout`; whether it was done by then. The
     SDK's force_flush exports in the caller's thread and ignores its timeout: against a collector
     that is down it retried for ~7 s, so it runs in a thread of its own, which the child's exit ends."""
+    return within(lambda: tracing.flush(timeout), timeout)
+
+
+def within(work: Callable[[], object], timeout: float) -> bool:
+    """Run `work` (an exporter's flush) in a thread of its own, waiting for it at most `timeout`;
+    whether it finished by then (and did not answer False). Its failure is logged, never raised."""
     done = threading.Event()
 
-    def flush() -> None:
+    def run() -> None:
         try:
-            if tracing.flush(timeout):
+            if work() is not False:
                 done.set()
         except Exception as e:  # an exporter's failure never fails a call
-            log.debug("trace flush: %s", e)
+            log.debug("flush: %s", e)
 
     try:
-        threading.Thread(target=flush, name="toolq-trace-flush", daemon=True).start()
+        threading.Thread(target=run, name="toolq-flush", daemon=True).start()
     except RuntimeError:  # no thread to be had (the pool child's bound on processes): not waited for
         return False
     return done.wait(timeout)
