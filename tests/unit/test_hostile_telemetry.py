@@ -196,3 +196,23 @@ def test_reason_is_a_known_statement_or_empty_whatever_the_tool_wrote(served):
     for output in ("aborted by user after 1.0s", "not run: x", LEAK, "stopped by toolq" + "!" * 500, "\n" * 10):
         metrics.call_settled("t", "completed", output, 0.0)
     assert label_values(served, "reason") <= {"", *(k.value for k in Known)}
+
+
+# --- 5. faults: a collector that never answers ---------------------------------------------------------
+
+def test_an_exporters_flush_that_never_returns_is_waited_for_only_its_bound():
+    """A pool child's exit flushes its spans and its OTLP metric points; the SDK's force_flush
+    ignores its own timeout (a black-holed collector held each recycled child ~10 s for metrics):
+    each flush runs in a thread of its own, waited for at most its bound."""
+    import threading
+
+    from toolq.workers import spans as worker_spans
+
+    release = threading.Event()
+    try:
+        assert worker_spans.within(lambda: release.wait(600), 0.2) is False  # not waited for past 0.2 s
+        assert worker_spans.within(lambda: None, 30) is True  # metrics.flush returns None when done
+        assert worker_spans.within(lambda: False, 0.2) is False  # tracing.flush: not all exported
+        assert worker_spans.within(lambda: 1 / 0, 0.2) is False  # a failing exporter: logged, never raised
+    finally:
+        release.set()
