@@ -432,7 +432,7 @@ def cancel_to_dead(seconds: float, tool: str | None = None) -> None:
     """Worker: from the cancel seen to the call's process reaped."""
     m = _m
     if m is not None:
-        _observe(m, declared.CANCEL_TO_DEAD, (m.bounded(tool) if tool is not None else _tool,), seconds)
+        _observe(m, declared.CANCEL_TO_DEAD, (m.tool(tool) if tool is not None else _tool,), seconds)
 
 
 def sessions_in_flight(n: int) -> None:

@@ -740,7 +740,9 @@ def main() -> None:
                 r, key=sys.stdin.buffer.readline().strip())
     if not host.key:
         sys.exit("session host: no key on its standard input (start it with toolq.workers.sessions.start)")
-    if metrics.join_worker():  # the worker serves metrics: its sessions are counted in its directory
+    # The worker serves metrics: its sessions are counted in its directory, and the one tool this
+    # host names (cancel-to-dead of exec_command's commands) is a label value.
+    if metrics.join_worker(tools=["exec_command"]):
         metrics.sessions_in_flight(0)
 
     def stop(signum: int, frame: object) -> None:
