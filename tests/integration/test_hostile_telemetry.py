@@ -326,34 +326,106 @@ CALLS = 20
 SERIES_BOUND = 150.0
 
 
-@pytest.mark.parametrize("collector", ["black hole", "refusing"])
+class RecyclingWorker(WorkerProcess):
+    """`toolq worker --max-tasks-per-child 1`: each call's pool child exits after it, flushing first."""
+
+    def argv(self) -> list[str]:
+        return [*super().argv(), "--max-tasks-per-child", "1"]
+
+
+@pytest.mark.parametrize("collector", ["black hole", "refusing", "black hole, recycled children"])
 def test_a_collector_that_is_down_or_never_answers_costs_no_call_its_output(collector, tmp_path):
+    """Traces and OTLP metrics both go to a collector that never answers (or refuses): every call
+    gets its own output, and a series of calls is not held by the exporter (nor, recycled, by each
+    child's exit: its flushes are waited for at most 5 s each)."""
     hole = BlackHole()
-    refusing = free_port()  # nothing listens there
-    taken = socket.socket()
-    taken.bind(("0.0.0.0", 0))
-    taken.listen(1)
-    endpoint = f"http://127.0.0.1:{hole.port if collector == 'black hole' else refusing}"
+    endpoint = f"http://127.0.0.1:{free_port() if collector == 'refusing' else hole.port}"
     server = RedisServer().__enter__()
-    w = WorkerProcess(server.url, name="faults@test", queues=["toolq"], concurrency=1, tools=[TEST_TOOLS],
-                      env={**WORKER_ENV, "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-                           "OTEL_METRICS_EXPORTER": "otlp",
-                           # the metrics port is taken: the worker says so and goes on
-                           "TOOLQ_METRICS_PORT": str(taken.getsockname()[1])},
-                      logdir=tmp_path)
+    recycled = "recycled" in collector
+    calls, bound = (4, 240.0) if recycled else (CALLS, SERIES_BOUND)
+    port = free_port()
+    w = (RecyclingWorker if recycled else WorkerProcess)(
+        server.url, name="faults@test", queues=["toolq"], concurrency=1, tools=[TEST_TOOLS],
+        env={**WORKER_ENV, "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+             "OTEL_METRICS_EXPORTER": "otlp", "OTEL_METRIC_EXPORT_INTERVAL": "500", "OTEL_BSP_SCHEDULE_DELAY": "100",
+             "TOOLQ_METRICS_PORT": str(port)}, logdir=tmp_path)
     spec = next(s for s in load_catalog([TEST_TOOLS]) if s.name == "sleep_echo")
     try:
         w.start()
         began = time.monotonic()
-        for i in range(CALLS):  # one pool child: each call's end is the next call's wait
+        for i in range(calls):  # one pool child: each call's end is the next call's wait
             result = send(server.url, spec, {"ms": 1, "text": f"n{i}"}, tmp_path, parent_context(), timeout=120)
             assert result["status"] == "completed" and json.loads(result["output"])["text"] == f"n{i}"
-            assert time.monotonic() - began < SERIES_BOUND, f"{i + 1} calls took too long: the collector stalls them"
+            assert time.monotonic() - began < bound, f"{i + 1} calls took too long: the collector stalls them"
+        assert "toolq_worker_tasks_total" in scrape(port, timeout=30)  # Prometheus goes on
+    finally:
+        w.stop(grace=30)
+        server.__exit__(None, None, None)
+        hole.close()
+
+
+def test_a_metrics_port_already_taken_costs_the_worker_nothing_but_its_metrics(receiver, tmp_path):
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen(1)
+    server = RedisServer().__enter__()
+    w = WorkerProcess(server.url, name="taken@test", queues=["toolq"], concurrency=1, tools=[TEST_TOOLS],
+                      env={**WORKER_ENV, **receiver.env(), "TOOLQ_METRICS_PORT": str(taken.getsockname()[1])},
+                      logdir=tmp_path)
+    spec = next(s for s in load_catalog([TEST_TOOLS]) if s.name == "sleep_echo")
+    try:
+        w.start()
+        for i in range(3):
+            result = send(server.url, spec, {"ms": 1, "text": f"still{i}"}, tmp_path, parent_context())
+            assert json.loads(result["output"])["text"] == f"still{i}"
+        assert w.proc is not None and w.proc.poll() is None  # the worker goes on
     finally:
         w.stop(grace=10)
         server.__exit__(None, None, None)
-        hole.close()
         taken.close()
+
+
+# --- 6. off ------------------------------------------------------------------------------------------
+
+def _mapped(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return ""
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            found += [int(c) for c in Path(task).read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def test_with_telemetry_off_a_pool_child_loads_no_exporter_and_opens_no_socket_to_a_collector(tmp_path):
+    """No OTEL_* and no metrics port: after a call, the worker and its pool children have not loaded
+    the OTLP exporter's protobuf runtime (what turning traces on loads), and hold no connection but
+    to Redis."""
+    server = RedisServer().__enter__()
+    w = WorkerProcess(server.url, name="off@test", queues=["toolq"], concurrency=2, tools=[TEST_TOOLS],
+                      env=dict(WORKER_ENV), logdir=tmp_path)
+    spec = next(s for s in load_catalog([TEST_TOOLS]) if s.name == "sleep_echo")
+    try:
+        w.start()
+        send(server.url, spec, {"ms": 1, "text": "off"}, tmp_path, None)
+        assert w.pid is not None
+        pids = [w.pid, *_children(w.pid)]
+        assert len(pids) >= 3
+        for pid in pids:
+            maps = _mapped(pid)
+            assert maps, pid
+            assert "_upb" not in maps and "grpc" not in maps, pid
+        assert not [d for d in glob.glob("/tmp/toolq-metrics-*") if str(w.pid) in d]
+    finally:
+        w.stop(grace=10)
+        server.__exit__(None, None, None)
 
 
 def test_a_scrape_while_redis_does_not_answer_answers_without_the_queue_depth(receiver, tmp_path):
