@@ -216,3 +216,28 @@ def test_an_exporters_flush_that_never_returns_is_waited_for_only_its_bound():
         assert worker_spans.within(lambda: 1 / 0, 0.2) is False  # a failing exporter: logged, never raised
     finally:
         release.set()
+
+
+def test_after_an_exit_flush_that_did_not_finish_the_next_exits_do_not_wait(monkeypatch):
+    """Children replaced after each call against a collector that never answers: the first exit
+    waits its bound, and the next ones (other processes of the worker: the state is a shared page)
+    do not wait at all for EXIT_BACKOFF."""
+    import mmap
+    import os
+    import threading
+
+    from toolq.workers import spans as worker_spans
+
+    monkeypatch.setattr(worker_spans, "EXIT_FLUSH_TIMEOUT", 0.2)
+    monkeypatch.setattr(worker_spans, "_down_until", mmap.mmap(-1, 8))
+    release = threading.Event()
+    started: list[int] = []
+    try:
+        assert worker_spans.exit_flush(lambda: release.wait(600)) is False  # waited 0.2 s, then the backoff
+        pid = os.fork()
+        if pid == 0:  # a child forked afterwards, as a replaced pool child is
+            os._exit(0 if worker_spans.exit_flush(lambda: started.append(1)) is False and not started else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "a later exit waited for its export"
+    finally:
+        release.set()

@@ -135,10 +135,10 @@ def _child_init(**_: Any) -> None:
 # `exit_without_lingering` (connected later, in the child), so a replaced child loses none.
 task_postrun.connect(lambda **_: spans.call_ended(), weak=False)
 worker_process_shutdown.connect(lambda **_: spans.child_exiting(), weak=False)
-# Its OTLP metric points, if on, waited for at most as long as its spans: the SDK's force_flush
-# ignores its timeout, and against a collector that never answers held each recycled child ~10 s.
-worker_process_shutdown.connect(lambda **_: metrics.on() and spans.within(metrics.flush, spans.EXIT_FLUSH_TIMEOUT),
-                                weak=False)
+# Its OTLP metric points, if on, waited for as its spans are (at most 5 s, and not at all for a while
+# after an exit's export did not finish): the SDK's force_flush ignores its timeout, and against a
+# collector that never answers it held each recycled child ~10 s.
+worker_process_shutdown.connect(lambda **_: metrics.on() and spans.exit_flush(metrics.flush), weak=False)
 
 
 @celeryd_after_setup.connect

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +51,12 @@ SESSION_HOST = "toolq.session_host"
 
 #: How long a pool child on its way out waits for its spans' export.
 EXIT_FLUSH_TIMEOUT = 5.0
+#: After a child's exit did not see its export done in time (a collector down, or one that never
+#: answers), how long the children exiting next do not wait for theirs. Shared by the worker's
+#: processes (a page mapped before the pool forks): children replaced after each call
+#: (--max-tasks-per-child 1) would otherwise each hold the next call EXIT_FLUSH_TIMEOUT.
+EXIT_BACKOFF = 30.0
+_down_until = mmap.mmap(-1, 8)  # MAP_SHARED | MAP_ANONYMOUS: the pool children forked later share it
 
 #: States that end a call (Celery's), the stores `toolq.result.store` times (not STARTED).
 _READY = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
@@ -162,14 +170,22 @@ def call_ended() -> None:
 def child_exiting() -> None:
     """A pool child on its way out (replaced, or its pool closing): what it holds goes out first."""
     if tracing.on():
-        _flush_within(EXIT_FLUSH_TIMEOUT)
+        exit_flush(lambda: tracing.flush(EXIT_FLUSH_TIMEOUT))
 
 
-def _flush_within(timeout: float) -> bool:
-    """Export what this process holds, waiting at most `timeout`; whether it was done by then. The
-    SDK's force_flush exports in the caller's thread and ignores its timeout: against a collector
-    that is down it retried for ~7 s, so it runs in a thread of its own, which the child's exit ends."""
-    return within(lambda: tracing.flush(timeout), timeout)
+def exit_flush(work: Callable[[], object]) -> bool:
+    """An exporter's flush as a pool child exits (its spans, its OTLP metric points), waited for at
+    most EXIT_FLUSH_TIMEOUT; not at all for EXIT_BACKOFF after one, in any process of this
+    worker, that did not finish in time. Whether it finished."""
+    now = time.monotonic()  # CLOCK_MONOTONIC: one clock for all the machine's processes
+    if now < struct.unpack("d", _down_until[:8])[0]:
+        return False
+    if within(work, EXIT_FLUSH_TIMEOUT):
+        return True
+    _down_until[:8] = struct.pack("d", time.monotonic() + EXIT_BACKOFF)
+    log.warning("telemetry: the collector did not take a pool child's export in %gs; children exiting in the "
+                "next %gs do not wait for theirs", EXIT_FLUSH_TIMEOUT, EXIT_BACKOFF)
+    return False
 
 
 def within(work: Callable[[], object], timeout: float) -> bool:
