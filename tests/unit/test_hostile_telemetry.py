@@ -241,3 +241,37 @@ def test_after_an_exit_flush_that_did_not_finish_the_next_exits_do_not_wait(monk
         assert os.waitstatus_to_exitcode(status) == 0, "a later exit waited for its export"
     finally:
         release.set()
+
+
+def test_a_flush_against_a_collector_that_never_answers_returns_by_its_timeout(monkeypatch):
+    """`toolq run` flushes its spans at its end: against a collector that accepts and never answers,
+    the SDK's force_flush held it the exporter's 10 s whatever the timeout asked."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import textwrap
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    try:
+        code = textwrap.dedent("""
+            import time
+            from toolq.telemetry import tracing
+            assert tracing.setup()
+            tracing.tracer().start_span("x").end()
+            t = time.monotonic()
+            ok = tracing.flush(0.5)
+            print(ok, time.monotonic() - t, flush=True)
+            import os; os._exit(0)  # as toolq run exits
+        """)
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, "OTEL_TRACES_EXPORTER": "otlp",
+               "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{hole.getsockname()[1]}"}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        ok, took = done.stdout.split()
+        assert ok == "False"
+        assert float(took) < 8.0  # the exporter's own timeout is 10 s; the bound asked was 0.5 s
+    finally:
+        hole.close()

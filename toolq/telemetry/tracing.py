@@ -205,11 +205,25 @@ def flush(timeout_s: float = 5.0) -> bool:
     True when there is nothing left; a cheap no-op when off."""
     if not on() or _provider is None:
         return True
+    provider, done = _provider, threading.Event()
+    result: list[bool] = []
+
+    def run() -> None:
+        try:
+            result.append(bool(provider.force_flush(int(timeout_s * 1000))))
+        except Exception as e:  # an exporter's failure never fails a call
+            log.debug("trace flush failed: %s", e)
+        finally:
+            done.set()
+
+    # In a thread of its own, waited for at most `timeout_s`: the SDK's force_flush exports in the
+    # caller's thread and ignores its timeout (a collector that never answers held it 10 s, the
+    # exporter's own timeout, at `toolq run`'s end).
     try:
-        return bool(_provider.force_flush(int(timeout_s * 1000)))
-    except Exception as e:  # an exporter's failure never fails a call
-        log.debug("trace flush failed: %s", e)
+        threading.Thread(target=run, name="toolq-trace-flush", daemon=True).start()
+    except RuntimeError:
         return False
+    return done.wait(timeout_s) and result == [True]
 
 
 def capture_content() -> bool:
