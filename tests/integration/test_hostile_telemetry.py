@@ -45,6 +45,8 @@ from toolq.local.embedded import RedisServer, WorkerProcess, free_port
 from toolq.orchestrator.binding import StepContext
 from toolq.orchestrator.registry import Registry
 from toolq.workers import isolation
+from toolq.workers.isolation import choose
+from toolq.workers.isolation.policy import Policy
 from toolq.workers.loader import load_catalog
 
 pytestmark = pytest.mark.integration
@@ -121,16 +123,21 @@ class Fleet:
         self.url, self.w, self.port, self.workspace = url, w, port, workspace
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["root", "unprivileged"])
+@pytest.fixture(scope="module", params=[("auto", False), ("auto", True), ("landlock", False)],
+                ids=["root", "unprivileged", "landlock"])
 def worker(request, receiver, tmp_path_factory) -> Iterator[Fleet]:
-    """A worker with traces and metrics on, on a Redis of its own (no other worker takes its calls)."""
-    user = request.param
+    """A worker with traces and metrics on, on a Redis of its own (no other worker takes its calls):
+    as root and as `nobody` with this host's sandbox, and as root under Landlock."""
+    backend, user = request.param
+    if backend != "auto" and (why := choose(Policy.from_settings(Settings(sandbox=backend))).unavailable):
+        pytest.skip(f"the {backend} sandbox cannot run on this machine: {why}")
     folder = unprivileged.worker_folder(user, tmp_path_factory, "telemetry")
     cls = unprivileged.UserWorkerProcess if user else WorkerProcess
     port = free_port()
     with RedisServer() as server:
-        w = cls(server.url, name=f"telemetry-{'user' if user else 'root'}@test", queues=["toolq"], concurrency=2,
-                tools=[TEST_TOOLS], env=telemetry_env(receiver, port), logdir=folder)
+        w = cls(server.url, name=f"telemetry-{backend}-{'user' if user else 'root'}@test",
+                queues=["toolq"], concurrency=2, tools=[TEST_TOOLS],
+                env={**telemetry_env(receiver, port), "TOOLQ_SANDBOX": backend}, logdir=folder)
         w.start()
         workspace = unprivileged.owned_dir("toolq-telemetry-ws-") if user else tmp_path_factory.mktemp("ws")
         try:
