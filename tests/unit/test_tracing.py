@@ -130,6 +130,22 @@ def test_a_broken_exporter_setting_leaves_tracing_off_with_one_line():
     assert out.split("\n")[0] == "False False"
 
 
+def test_traces_asked_for_without_the_otel_extra_leave_tracing_off_with_one_line_naming_it():
+    # The SDK is the `otel` extra: a process where it cannot be imported (None in sys.modules makes
+    # its import fail, as an install without the extra does) says what to install, once, and runs on.
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import logging, sys
+        sys.modules["opentelemetry.sdk"] = None
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        from toolq.telemetry import tracing
+        print(tracing.setup(), tracing.on())
+    """)], env={**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, "OTEL_TRACES_EXPORTER": "otlp"},
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split("\n")[0] == "False False", done
+    said = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(said) == 1 and "pip install 'toolq[otel]'" in said[0], said
+
+
 def test_the_content_switch_is_the_standard_variable_and_only_true_turns_it_on(monkeypatch):
     monkeypatch.delenv(names.CAPTURE_CONTENT_ENV, raising=False)
     assert not tracing.capture_content()

@@ -506,6 +506,9 @@ class _Otel:
                                         "service.instance.id": f"{os.uname().nodename}-{os.getpid()}"})
             provider = MeterProvider(resource=resource, metric_readers=[PeriodicExportingMetricReader(exporter)],
                                      views=views)
+        except ImportError as e:
+            log.warning("metrics: OTLP export not started: the OpenTelemetry SDK is not installed "
+                        "(pip install 'toolq[otel]'): %s", e)
         except Exception as e:  # OTLP is extra: one line, Prometheus goes on
             log.warning("metrics: OTLP export not started: %s", e)
             return None

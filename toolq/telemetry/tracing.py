@@ -72,6 +72,11 @@ def setup(service: str = ORCHESTRATOR) -> bool:
             return False
         try:
             provider = _make_provider(service)
+        except ImportError as e:
+            log.warning("tracing is off: OTEL_TRACES_EXPORTER asks for traces but the OpenTelemetry SDK is not "
+                        "installed (pip install 'toolq[otel]'): %s", e)
+            _provider, _pid, _on = None, os.getpid(), False
+            return False
         except Exception as e:  # a bad variable must not stop a worker or a turn
             log.warning("tracing is off: %s", e)
             _provider, _pid, _on = None, os.getpid(), False
