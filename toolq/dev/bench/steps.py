@@ -13,6 +13,7 @@ against toolq's workers with TOOLQ_SANDBOX=none. Without it, the reference's fix
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 import subprocess
@@ -130,9 +131,20 @@ def run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32), steps: i
                 results[n]["unsandboxed"] = {"toolq": step_times(unsandboxed, n, steps),
                                              "codex": codex_step_times(path, n, steps, sandboxed=False)}
     print("\n".join(report(results, steps, path, sandbox)), file=out)
-    if telemetry_rounds:
+    if telemetry_rounds and telemetry_installed(out):
         results["telemetry"] = telemetry_run(out, sizes, steps, telemetry_rounds)
     return results
+
+
+def telemetry_installed(out: IO[str]) -> bool:
+    """Whether the `otel` extra is here (the comparison traces over OTLP); if not, one line says so."""
+    try:
+        found = all(importlib.util.find_spec(m) for m in ("opentelemetry.sdk", "opentelemetry.proto"))
+    except ImportError:  # no `opentelemetry` package at all
+        found = False
+    if not found:
+        print("telemetry comparison skipped: it needs the OpenTelemetry SDK (pip install 'toolq[otel]')", file=out)
+    return found
 
 
 # --- telemetry on against off (issue 30) ---------------------------------------------------------

@@ -33,7 +33,7 @@ from toolq.core.items import FunctionCallItem
 from toolq.core.settings import Settings
 from toolq.dev.bench.harness import BENCH_QUEUE, BENCH_TOOLS, goal, median, ms, pct, stack, workspace
 from toolq.dev.bench.pipeline import baseline_client
-from toolq.dev.bench.steps import orchestrator_telemetry, telemetry_stacks
+from toolq.dev.bench.steps import orchestrator_telemetry, telemetry_installed, telemetry_stacks
 from toolq.orchestrator.fleet import Fleet, new_turn_id
 from toolq.orchestrator.registry import StepContext
 from toolq.orchestrator.turn_events import ItemCompleted, ToolCallView
@@ -184,7 +184,7 @@ def run(out: IO[str] = sys.stdout, ks: tuple[int, ...] = KS, rounds: int = 2,
     with stack(workers=2, concurrency=4, queues=(BENCH_QUEUE,)) as settings:
         res = asyncio.run(_measure(settings, ks, rounds, calls_per_round))
     print("\n".join(report(res)), file=out)
-    if telemetry_rounds:
+    if telemetry_rounds and telemetry_installed(out):
         res["telemetry"] = telemetry_run(out, tuple(k for k in ks if k <= 32), telemetry_rounds, calls_per_round)
     return res
 
