@@ -562,7 +562,7 @@ def test_a_stopped_server_tells_each_client_how_its_processes_ended(fleet, redis
     listed = subprocess.run([sys.executable, "-m", "toolq.cli.main", "turns", "--json"],
                             env=server_env(redis_server.url), capture_output=True, text=True, timeout=TIMEOUT)
     (row,) = [row for row in map(json.loads, listed.stdout.splitlines()) if turn in row.values()]
-    assert "cancelled" in row.values(), row
+    assert "cancelled" in row.values() and row["prompt"] == "(exec-server: processes)", row
 
 
 def test_upload_on_a_cold_embedded_stack_waits_for_its_workers(tmp_path):

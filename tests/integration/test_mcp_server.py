@@ -358,6 +358,10 @@ def test_toolq_cancel_from_a_shell_ends_a_running_call(fleet, redis_server, tmp_
             # The MCP call is a turn of its own, its call id made from the turn's (`toolq calls` shows both).
             (turn_id,) = [row["turn_id"] for row in map(json.loads, listed.splitlines())
                           if row["tool"] == "exec_command" and row["call_id"] == "call_" + row["turn_id"][5:]]
+            turns = subprocess.run([sys.executable, "-m", "toolq.cli.main", "turns", "--json"], env=env, check=True,
+                                   capture_output=True, text=True, timeout=60).stdout
+            assert [row["prompt"] for row in map(json.loads, turns.splitlines()) if row["turn_id"] == turn_id] == [
+                "(mcp-server: exec_command)"]  # `toolq turns` says which front door, not "(Fleet.run_calls)"
             subprocess.run([sys.executable, "-m", "toolq.cli.main", "cancel", turn_id], env=env, check=True,
                            capture_output=True, timeout=60)
             result = await call

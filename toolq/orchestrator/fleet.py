@@ -189,7 +189,7 @@ class Fleet:
 
     async def run_calls(self, items: Iterable[Any], turn_id: str | None = None, *, emit: Emit = ignore,
                         environment: Environment | EnvironmentRecord | None = None,
-                        conversation: str | None = None) -> list[dict[str, Any]]:
+                        conversation: str | None = None, label: str | None = None) -> list[dict[str, Any]]:
         """Run every call among one response's output items; one output item per call, in call order.
 
         `items`: the response's `output`, as the openai SDK returns it (objects or `model_dump()`s)
@@ -200,7 +200,9 @@ class Fleet:
         contract (a tool invoked with a payload kind it does not take). `environment`: the calls run
         in it, on its host (`fleet.environment(...)`), instead of in the shared workspace.
         `conversation`: the conversation (a `ConversationLease`'s id, held by the caller) the calls
-        belong to: their sessions (exec_command's, a front door's processes) live as long as it."""
+        belong to: their sessions (exec_command's, a front door's processes) live as long as it.
+        `label`: what `toolq turns` shows for the turn where a turn of `Session` shows its prompt
+        (set by the first call of the turn; "(Fleet.run_calls)" by default)."""
         turn_id = turn_id or self.turn_id
         env = environment_record(environment)
         # As `Session` refuses it; the calls of an environment never run in the shared workspace.
@@ -208,7 +210,7 @@ class Fleet:
             raise ConfigurationError(problem)
         decoded = [decode_item(_as_wire(i)) for i in items]
         if turn_id not in self._open_turns:
-            await self.ledger.start_turn(turn_id, "(Fleet.run_calls)", str(self.settings.workspace),
+            await self.ledger.start_turn(turn_id, label or "(Fleet.run_calls)", str(self.settings.workspace),
                                          driver=FLEET_DRIVER, lease=self.settings.turn_lease)
             self._open_turns.add(turn_id)
             if self._toucher is None or self._toucher.done():

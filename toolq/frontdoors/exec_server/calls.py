@@ -70,7 +70,9 @@ class Calls:
         item = {"type": "function_call", "call_id": call_id or new_call_id(), "name": tool,
                 "arguments": json.dumps(args, separators=(",", ":"))}
         outputs = await self.fleet.run_calls([item], turn_id=self.control_turn if control else self.turn_id,
-                                             conversation=self.conversation, environment=self.environment)
+                                             conversation=self.conversation, environment=self.environment,
+                                             label="(exec-server: file operations and stdin)" if control
+                                             else "(exec-server: processes)")
         output = outputs[0].get("output", "") if outputs else "(toolq gave this call no output)"
         text = output if isinstance(output, str) else json.dumps(output)
         try:

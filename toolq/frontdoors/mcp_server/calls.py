@@ -102,7 +102,7 @@ async def _run_call(fleet: Fleet, offered: Offered, arguments: dict[str, Any], *
     ending: Ending = "completed"
     try:
         outputs = await fleet.run_calls([item], turn_id=turn_id, emit=watch, conversation=conversation,
-                                        environment=environment)
+                                        environment=environment, label=f"(mcp-server: {offered.tool.name})")
     except Exception as e:
         await fleet.end_turn(turn_id, status="failed", error=f"{type(e).__name__}: {e}")
         outputs = getattr(e, "outputs", None) or []  # a broken contract (`Fatal`) still answers the call
