@@ -392,10 +392,10 @@ def test_a_metrics_port_already_taken_costs_the_worker_nothing_but_its_metrics(r
         taken.close()
 
 
-@pytest.mark.xfail(strict=True, reason="prometheus_client's multiprocess mode keeps each dead pool child's counter "
-                   "and histogram files (to keep its counts): under --max-tasks-per-child 1 the directory and each "
-                   "scrape's work grow by two files a call; see the issue 30 red-team report")
 def test_recycled_pool_children_do_not_grow_the_metrics_directory_without_bound(tmp_path):
+    """prometheus_client's multiprocess mode keeps a dead child's counter and histogram files (its
+    counts): under --max-tasks-per-child 1 the directory, and each scrape's work, grew by two files
+    a call. A scrape archives them: the counts stay, the files go."""
     server = RedisServer().__enter__()
     port = free_port()
     w = RecyclingWorker(server.url, name="recycled@test", queues=["toolq"], concurrency=1, tools=[TEST_TOOLS],
@@ -407,8 +407,12 @@ def test_recycled_pool_children_do_not_grow_the_metrics_directory_without_bound(
             send(server.url, spec, {"ms": 1, "text": f"n{i}"}, tmp_path, None)
         directory = metrics_dir(w)
         assert directory is not None
-        text = scrape(port)  # where dead children's files would be merged or dropped
+        text = scrape(port)  # where dead children's files are archived
         assert 'toolq_worker_tasks_total{outcome="completed",tool="sleep_echo"} 10.0' in text  # counts kept
+        send(server.url, spec, {"ms": 1, "text": "more"}, tmp_path, None)
+        text = scrape(port)  # the archive is added to, its counts read once
+        assert 'toolq_worker_tasks_total{outcome="completed",tool="sleep_echo"} 11.0' in text
+        assert 'toolq_queue_wait_seconds_count{queue="toolq",tool="sleep_echo"} 11.0' in text
         dead = [n for n in os.listdir(directory)
                 if not Path(f"/proc/{n.rsplit('_', 1)[-1].removesuffix('.db')}").exists()]
         assert len(dead) <= 4, f"{len(dead)} files of dead children: {sorted(dead)}"

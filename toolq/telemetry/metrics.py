@@ -273,21 +273,49 @@ def _remove_dir(directory: str, pid: int) -> None:
 _LIVE_FILE = re.compile(r"gauge_live\w*?_(\d+)\.db")
 
 
+_DEAD_FILE = re.compile(r"(counter|histogram)_(\d+)\.db")
+
+
 class _Reaper:
-    """Registered first: before the files are merged, a dead process's live gauges are dropped."""
+    """Registered first: before the files are merged, a dead process's live gauges are dropped, and
+    its counters and histograms are added into one archive file per kind (`counter_archive.db`),
+    its own files removed: children replaced after each call (--max-tasks-per-child 1) would
+    otherwise leave two files a call, which the directory and each scrape's work kept forever."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
+        self.lock = threading.Lock()  # scrapes may come at once: a dead file is archived once
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.multiprocess import mark_process_dead
 
-        with contextlib.suppress(OSError):
+        with self.lock, contextlib.suppress(OSError):
+            dead: dict[str, list[str]] = {}
             for name in os.listdir(self.directory):
                 found = _LIVE_FILE.fullmatch(name)
                 if found and not _alive(int(found.group(1))):
                     mark_process_dead(int(found.group(1)), self.directory)
+                found = _DEAD_FILE.fullmatch(name)
+                if found and not _alive(int(found.group(2))):
+                    dead.setdefault(found.group(1), []).append(os.path.join(self.directory, name))
+            for kind, files in dead.items():
+                _archive(os.path.join(self.directory, f"{kind}_archive.db"), files)
         return iter(())
+
+
+def _archive(archive_path: str, files: list[str]) -> None:
+    """Add the values of dead processes' files into the archive, then remove them (a counter's and a
+    histogram's bucket counts add up; the merge at scrape time reads the archive as one more file)."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    archive = MmapedDict(archive_path)
+    try:
+        for f in files:
+            for key, value, timestamp, _ in MmapedDict.read_all_values_from_file(f):
+                archive.write_value(key, archive.read_value(key)[0] + value, timestamp)
+            os.remove(f)
+    finally:
+        archive.close()
 
 
 def _alive(pid: int) -> bool:
