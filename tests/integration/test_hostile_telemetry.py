@@ -465,21 +465,27 @@ def test_with_telemetry_off_a_pool_child_loads_no_exporter_and_opens_no_socket_t
 
 
 def test_a_scrape_while_redis_does_not_answer_answers_without_the_queue_depth(receiver, tmp_path):
+    """Redis stops answering (SIGSTOP): a scrape still answers, without the gauges read from it
+    (queue depth, and environments by state, which this host has one of on disk)."""
     server = RedisServer().__enter__()
     port = free_port()
+    root = tmp_path / "envroot"
     w = WorkerProcess(server.url, name="stalled@test", queues=["toolq"], concurrency=1, tools=[TEST_TOOLS],
-                      env={**WORKER_ENV, "TOOLQ_METRICS_PORT": str(port)}, logdir=tmp_path)
+                      env={**WORKER_ENV, "TOOLQ_METRICS_PORT": str(port), "TOOLQ_ENV_ROOT": str(root)},
+                      logdir=tmp_path)
     try:
         w.start()
         assert "toolq_queue_depth" in scrape(port)
         assert server.proc is not None
+        (root / "envs" / "env-stalled").mkdir(parents=True, exist_ok=True)  # read by MGET at scrape
+        assert 'toolq_environments{state="unknown"} 1.0' in scrape(port)  # Redis answers: the gauge is there
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
             text = scrape(port, timeout=30)  # the source's socket times out; the scrape answers
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
         assert "toolq_worker_tasks_total" in text or "# HELP" in text
-        assert 'toolq_queue_depth{' not in text
+        assert 'toolq_queue_depth{' not in text and 'toolq_environments{' not in text
     finally:
         w.stop(grace=5)
         server.__exit__(None, None, None)
