@@ -19,13 +19,10 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
 
-from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS, WORKER_ENV
-from toolq.core import keys
+from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
+from tests.integration.signed import SIGNER, bound, run_signed
 from toolq.core.advert import tool_queue
-from toolq.core.calls import FunctionPayload, ToolCall, ToolName
-from toolq.core.contracts import TASK
 from toolq.core.environments import (
     EnvironmentRecord,
     EnvReply,
@@ -40,11 +37,8 @@ from toolq.core.environments import (
     reply_key,
 )
 from toolq.core.session_records import conversation_key
-from toolq.core.settings import Settings
 from toolq.core.signing import Signer
 from toolq.local.embedded import WorkerProcess
-from toolq.orchestrator.binding import StepContext
-from toolq.orchestrator.registry import Registry
 from toolq.workers.environments import archive
 from toolq.workers.environments.host import _mount_points
 from toolq.workers.loader import load_catalog
@@ -52,7 +46,6 @@ from toolq.workers.store.redis_store import RedisStore
 
 pytestmark = pytest.mark.integration
 
-SIGNER = Signer(SIGNING_KEY)
 HOSTS = ("h1", "h2")
 
 
@@ -103,35 +96,11 @@ def ask(r: redis.Redis, op: str, env: EnvironmentRecord, timeout: float = 60) ->
 def exec_on(redis_url: str, host: str, env: EnvironmentRecord | Any, cmd: str, *,
             conversation: str | None = None, timeout: float = 60, yield_ms: int = 10_000) -> dict[str, Any]:
     """One exec_command call of `env`, signed and sent to `host`'s queue of the tool; its result."""
-    catalog = load_catalog([TEST_TOOLS])
-    spec = next(s for s in catalog if s.name == "exec_command")
-    call = ToolCall(tool_name=ToolName.plain("exec_command"), call_id="call_" + secrets.token_hex(4),
-                    payload=FunctionPayload(arguments=json.dumps({"cmd": cmd, "yield_time_ms": yield_ms})))
-    inv = Registry(catalog).bind(call, StepContext("turn-env" + secrets.token_hex(4), 0, time.time() + timeout,
-                                                   "/nonexistent-shared-workspace"), 0)
-    inv = inv.model_copy(update={"environment": env.ref() if isinstance(env, EnvironmentRecord) else env,
-                                 "conversation": conversation})
-    body = inv.model_dump(mode="json")
-    app = Celery("envtest", broker=redis_url, set_as_current=False)
-    try:
-        app.send_task(TASK, args=[body], kwargs={"signature": SIGNER.sign_invocation(TASK, inv.task_id, body)},
-                      task_id=inv.task_id, queue=host_queue(host, tool_queue(spec)))
-    finally:
-        app.close()
-    results = redis.Redis.from_url(Settings(redis_url=redis_url).result_backend_url())
-    try:
-        end = time.monotonic() + timeout
-        while (raw := results.get(keys.celery_meta(inv.task_id))) is None or json.loads(raw)["status"] not in (
-                "SUCCESS", "FAILURE"):
-            assert time.monotonic() < end, "the call never ended"
-            time.sleep(0.1)
-    finally:
-        results.close()
-    meta = json.loads(raw)
-    result = meta["result"]
-    if meta["status"] == "FAILURE":  # ToolCallFailed carries the ToolResult
-        result = result["exc_message"][0] if isinstance(result.get("exc_message"), list) else result
-    return result
+    spec = next(s for s in load_catalog([TEST_TOOLS]) if s.name == "exec_command")
+    inv = bound(spec, {"cmd": cmd, "yield_time_ms": yield_ms}, timeout=timeout,
+                workspace="/nonexistent-shared-workspace", turn_prefix="turn-env",
+                environment=env.ref() if isinstance(env, EnvironmentRecord) else env, conversation=conversation)
+    return run_signed(redis_url, inv, host_queue(host, tool_queue(spec)), timeout=timeout)
 
 
 def live_conversation(r: redis.Redis) -> str:

@@ -26,24 +26,18 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
 
 from tests.integration import unprivileged
-from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS, WORKER_ENV
+from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
+from tests.integration.signed import bound, run_signed
 from tests.integration.test_traces_worker import by_name, dump, exec_spec, parent_context, wait_for
-from toolq.core import keys
 from toolq.core.advert import tool_queue
-from toolq.core.calls import FunctionPayload, ToolCall
-from toolq.core.catalog import Catalog, ToolSpec
-from toolq.core.contracts import TASK
+from toolq.core.catalog import ToolSpec
 from toolq.core.session_records import conversation_key
 from toolq.core.settings import Settings
-from toolq.core.signing import Signer
 from toolq.core.tracing import TraceContext
 from toolq.dev.otlp_sink import OtlpSink
 from toolq.local.embedded import RedisServer, WorkerProcess, free_port
-from toolq.orchestrator.binding import StepContext
-from toolq.orchestrator.registry import Registry
 from toolq.workers import isolation
 from toolq.workers.isolation import choose
 from toolq.workers.isolation.policy import Policy
@@ -51,7 +45,6 @@ from toolq.workers.loader import load_catalog
 
 pytestmark = pytest.mark.integration
 
-SIGNER = Signer(SIGNING_KEY)
 LEAK = "sk-vendor-" + secrets.token_hex(8)
 """The tracing vendor's API key, in the worker's OTEL_EXPORTER_OTLP_HEADERS."""
 MARKER = "zq-hostile-" + secrets.token_hex(4)
@@ -65,32 +58,9 @@ def sandboxed() -> bool:
 def send(redis_url: str, spec: ToolSpec, arguments: dict[str, Any], workspace: Path, trace: TraceContext | None,
          *, conversation: str | None = None, queue: str | None = None, timeout: float = 90) -> dict[str, Any]:
     """One call signed and sent as the orchestrator sends it (to `queue`, else its declaration's); its result."""
-    call = ToolCall(tool_name=spec.tool_name, call_id="call_" + secrets.token_hex(4),
-                    payload=FunctionPayload(arguments=json.dumps(arguments)))
-    inv = Registry(Catalog([spec])).bind(call, StepContext("turn-ht" + secrets.token_hex(4), 0, time.time() + timeout,
-                                                           str(workspace)), 0)
-    inv = inv.model_copy(update={"trace": trace, "sent_at": time.time(), "conversation": conversation})
-    body = inv.model_dump(mode="json")
-    app = Celery("hostiletelemetry", broker=redis_url, set_as_current=False)
-    try:
-        app.send_task(TASK, args=[body], kwargs={"signature": SIGNER.sign_invocation(TASK, inv.task_id, body)},
-                      task_id=inv.task_id, queue=queue or tool_queue(spec))
-    finally:
-        app.close()
-    results = redis.Redis.from_url(Settings(redis_url=redis_url).result_backend_url() or redis_url)
-    try:
-        end = time.monotonic() + timeout
-        while (raw := results.get(keys.celery_meta(inv.task_id))) is None or json.loads(raw)["status"] not in (
-                "SUCCESS", "FAILURE"):
-            assert time.monotonic() < end, "the call never ended"
-            time.sleep(0.05)
-    finally:
-        results.close()
-    meta = json.loads(raw)
-    result = meta["result"]
-    if meta["status"] == "FAILURE":
-        result = result["exc_message"][0] if isinstance(result.get("exc_message"), list) else result
-    return result
+    inv = bound(spec, arguments, timeout=timeout, workspace=str(workspace), turn_prefix="turn-ht",
+                trace=trace, sent_at=time.time(), conversation=conversation)
+    return run_signed(redis_url, inv, queue or tool_queue(spec), timeout=timeout)
 
 
 def scrape(port: int, timeout: float = 10) -> str:

@@ -24,29 +24,22 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
 
-from tests.integration.conftest import SIGNING_KEY, TEST_TOOLS, WORKER_ENV
-from toolq.core import keys
+from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
+from tests.integration.signed import bound, run_signed
 from toolq.core.advert import tool_queue
-from toolq.core.calls import FunctionPayload, ToolCall, ToolName
-from toolq.core.catalog import Catalog, ToolSpec
-from toolq.core.contracts import TASK
+from toolq.core.calls import ToolName
+from toolq.core.catalog import ToolSpec
 from toolq.core.session_records import conversation_key
-from toolq.core.settings import Settings
-from toolq.core.signing import Signer
 from toolq.core.tracing import TraceContext
 from toolq.dev.bench.mcp import McpWorkerProcess
 from toolq.dev.otlp_sink import OtlpSink, SinkSpan
 from toolq.local.embedded import RedisServer, WorkerProcess
-from toolq.orchestrator.binding import StepContext
-from toolq.orchestrator.registry import Registry
 from toolq.workers import isolation
 from toolq.workers.loader import load_catalog
 
 pytestmark = pytest.mark.integration
 
-SIGNER = Signer(SIGNING_KEY)
 MARKER = "zq-secret-marker"
 """In every command: no span may hold it unless content capture is on."""
 
@@ -95,32 +88,9 @@ def parent_context() -> TraceContext:
 def send(redis_url: str, spec: ToolSpec, name: ToolName, arguments: dict[str, Any], workspace: Path,
          trace: TraceContext | None, timeout: float = 60, conversation: str | None = None) -> dict[str, Any]:
     """One call, signed and sent to its declaration's queue as the orchestrator sends it; its result."""
-    call = ToolCall(tool_name=name, call_id="call_" + secrets.token_hex(4),
-                    payload=FunctionPayload(arguments=json.dumps(arguments)))
-    inv = Registry(Catalog([spec])).bind(call, StepContext("turn-tr" + secrets.token_hex(4), 0, time.time() + timeout,
-                                                           str(workspace)), 0)
-    inv = inv.model_copy(update={"trace": trace, "sent_at": time.time(), "conversation": conversation})
-    body = inv.model_dump(mode="json")
-    app = Celery("tracetest", broker=redis_url, set_as_current=False)
-    try:
-        app.send_task(TASK, args=[body], kwargs={"signature": SIGNER.sign_invocation(TASK, inv.task_id, body)},
-                      task_id=inv.task_id, queue=tool_queue(spec))
-    finally:
-        app.close()
-    results = redis.Redis.from_url(Settings(redis_url=redis_url).result_backend_url() or redis_url)
-    try:
-        end = time.monotonic() + timeout
-        while (raw := results.get(keys.celery_meta(inv.task_id))) is None or json.loads(raw)["status"] not in (
-                "SUCCESS", "FAILURE"):
-            assert time.monotonic() < end, "the call never ended"
-            time.sleep(0.05)
-    finally:
-        results.close()
-    meta = json.loads(raw)
-    result = meta["result"]
-    if meta["status"] == "FAILURE":
-        result = result["exc_message"][0] if isinstance(result.get("exc_message"), list) else result
-    return result
+    inv = bound(spec, arguments, name=name, timeout=timeout, workspace=str(workspace), turn_prefix="turn-tr",
+                trace=trace, sent_at=time.time(), conversation=conversation)
+    return run_signed(redis_url, inv, tool_queue(spec), timeout=timeout)
 
 
 def exec_spec() -> ToolSpec:

@@ -206,14 +206,14 @@ def test_an_exporters_flush_that_never_returns_is_waited_for_only_its_bound():
     each flush runs in a thread of its own, waited for at most its bound."""
     import threading
 
-    from toolq.workers import spans as worker_spans
+    from toolq.telemetry.tracing import within
 
     release = threading.Event()
     try:
-        assert worker_spans.within(lambda: release.wait(600), 0.2) is False  # not waited for past 0.2 s
-        assert worker_spans.within(lambda: None, 30) is True  # metrics.flush returns None when done
-        assert worker_spans.within(lambda: False, 0.2) is False  # tracing.flush: not all exported
-        assert worker_spans.within(lambda: 1 / 0, 0.2) is False  # a failing exporter: logged, never raised
+        assert within(lambda: release.wait(600), 0.2) is False  # not waited for past 0.2 s
+        assert within(lambda: None, 30) is True  # metrics.flush returns None when done
+        assert within(lambda: False, 0.2) is False  # tracing.flush: not all exported
+        assert within(lambda: 1 / 0, 0.2) is False  # a failing exporter: logged, never raised
     finally:
         release.set()
 
@@ -257,21 +257,20 @@ def test_a_flush_against_a_collector_that_never_answers_returns_by_its_timeout(m
     hole.listen(16)
     try:
         code = textwrap.dedent("""
-            import time
+            import threading
             from toolq.telemetry import tracing
             assert tracing.setup()
             tracing.tracer().start_span("x").end()
-            t = time.monotonic()
             ok = tracing.flush(0.5)
-            print(ok, time.monotonic() - t, flush=True)
+            # Returned while the export it asked for still waits on the collector (never by timing).
+            exporting = any(t.name == "toolq-within" and t.is_alive() for t in threading.enumerate())
+            print(ok, exporting, flush=True)
             import os; os._exit(0)  # as toolq run exits
         """)
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, "OTEL_TRACES_EXPORTER": "otlp",
                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{hole.getsockname()[1]}"}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        ok, took = done.stdout.split()
-        assert ok == "False"
-        assert float(took) < 8.0  # the exporter's own timeout is 10 s; the bound asked was 0.5 s
+        assert done.stdout.split() == ["False", "True"]  # not finished, and not waited for
     finally:
         hole.close()

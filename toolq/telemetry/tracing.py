@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from toolq.core.tracing import CAPTURE_CONTENT_ENV, TRACEPARENT, TraceContext
@@ -210,25 +210,29 @@ def flush(timeout_s: float = 5.0) -> bool:
     True when there is nothing left; a cheap no-op when off."""
     if not on() or _provider is None:
         return True
-    provider, done = _provider, threading.Event()
-    result: list[bool] = []
+    provider = _provider
+    return within(lambda: provider.force_flush(int(timeout_s * 1000)), timeout_s)
+
+
+def within(work: Callable[[], object], timeout: float) -> bool:
+    """Run `work` (an exporter's flush) in a thread of its own, waiting for it at most `timeout`;
+    whether it finished by then (and did not answer False). Its failure is logged, never raised.
+    The SDK's force_flush exports in the caller's thread and ignores its timeout: a collector that
+    never answers held `toolq run`'s end, and each pool child's exit, the exporter's own 10 s."""
+    done = threading.Event()
 
     def run() -> None:
         try:
-            result.append(bool(provider.force_flush(int(timeout_s * 1000))))
+            if work() is not False:
+                done.set()
         except Exception as e:  # an exporter's failure never fails a call
-            log.debug("trace flush failed: %s", e)
-        finally:
-            done.set()
+            log.debug("flush: %s", e)
 
-    # In a thread of its own, waited for at most `timeout_s`: the SDK's force_flush exports in the
-    # caller's thread and ignores its timeout (a collector that never answers held it 10 s, the
-    # exporter's own timeout, at `toolq run`'s end).
     try:
-        threading.Thread(target=run, name="toolq-trace-flush", daemon=True).start()
-    except RuntimeError:
+        threading.Thread(target=run, name="toolq-within", daemon=True).start()
+    except RuntimeError:  # no thread to be had (a pool child's bound on processes): not waited for
         return False
-    return done.wait(timeout_s) and result == [True]
+    return done.wait(timeout)
 
 
 def capture_content() -> bool:

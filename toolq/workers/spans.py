@@ -20,7 +20,6 @@ import logging
 import mmap
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -180,31 +179,12 @@ def exit_flush(work: Callable[[], object]) -> bool:
     now = time.monotonic()  # CLOCK_MONOTONIC: one clock for all the machine's processes
     if now < struct.unpack("d", _down_until[:8])[0]:
         return False
-    if within(work, EXIT_FLUSH_TIMEOUT):
+    if tracing.within(work, EXIT_FLUSH_TIMEOUT):
         return True
     _down_until[:8] = struct.pack("d", time.monotonic() + EXIT_BACKOFF)
     log.warning("telemetry: the collector did not take a pool child's export in %gs; children exiting in the "
                 "next %gs do not wait for theirs", EXIT_FLUSH_TIMEOUT, EXIT_BACKOFF)
     return False
-
-
-def within(work: Callable[[], object], timeout: float) -> bool:
-    """Run `work` (an exporter's flush) in a thread of its own, waiting for it at most `timeout`;
-    whether it finished by then (and did not answer False). Its failure is logged, never raised."""
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            if work() is not False:
-                done.set()
-        except Exception as e:  # an exporter's failure never fails a call
-            log.debug("flush: %s", e)
-
-    try:
-        threading.Thread(target=run, name="toolq-flush", daemon=True).start()
-    except RuntimeError:  # no thread to be had (the pool child's bound on processes): not waited for
-        return False
-    return done.wait(timeout)
 
 
 # --- spans inside a handler: children of whatever span is current (the call's `toolq.tool`) ------
