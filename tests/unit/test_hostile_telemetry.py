@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
 from toolq.core import tracing as names
@@ -27,19 +23,7 @@ from toolq.workers import hardening
 from toolq.workers.isolation.policy import Policy
 
 LEAK = "sk-vendor-LEAKED-0123456789"
-OTEL = ("OTEL_TRACES_EXPORTER", "OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_ENDPOINT", names.CAPTURE_CONTENT_ENV)
 
-
-@pytest.fixture
-def memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
-    for var in OTEL:
-        monkeypatch.delenv(var, raising=False)
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.install(provider)
-    yield exporter
-    tracing.reset_for_tests()
 
 
 # --- 1. secrets: a command's environment ---------------------------------------------------------------
@@ -152,15 +136,6 @@ def test_an_oversized_tracestate_is_dropped():
 
 
 # --- 4. cardinality: label values stay bounded ----------------------------------------------------------
-
-@pytest.fixture
-def served() -> Iterator[int]:
-    port = metrics.serve_orchestrator(0, host="127.0.0.1")
-    assert port
-    try:
-        yield port
-    finally:
-        metrics.stop()
 
 
 def label_values(port: int, label: str) -> set[str]:

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,16 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from toolq.core import metrics as declared
 from toolq.core.honest import Known, not_run
 from toolq.telemetry import metrics
-
-
-@pytest.fixture
-def served() -> Iterator[int]:
-    port = metrics.serve_orchestrator(0, host="127.0.0.1")
-    assert port
-    try:
-        yield port
-    finally:
-        metrics.stop()
 
 
 def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:

@@ -16,10 +16,8 @@ import time
 import urllib.request
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tests.unit.conftest import OTEL_VARIABLES
 from toolq.core import tracing as names
 from toolq.core.calls import FunctionPayload, ToolInvocation, ToolName, ToolResult
 from toolq.core.catalog import ToolSpec
@@ -35,20 +33,7 @@ from toolq.telemetry import tracing
 from .test_barrier import Harness, sync
 
 TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-OTEL = ("OTEL_TRACES_EXPORTER", "OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_ENDPOINT", names.CAPTURE_CONTENT_ENV)
 
-
-@pytest.fixture
-def memory(monkeypatch):
-    """Tracing on in this process, into memory."""
-    for var in OTEL:
-        monkeypatch.delenv(var, raising=False)
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.install(provider)
-    yield exporter
-    tracing.reset_for_tests()
 
 
 def run_python(code: str, env: dict[str, str]) -> str:
@@ -253,7 +238,7 @@ async def test_with_the_content_switch_a_call_span_holds_its_arguments_and_outpu
 
 @sync
 async def test_off_the_invocation_carries_no_trace(tmp_path, monkeypatch):
-    for var in OTEL:
+    for var in OTEL_VARIABLES:
         monkeypatch.delenv(var, raising=False)
     tracing.reset_for_tests()
     h = Harness(tmp_path)

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from toolq.core import import_path
+from toolq.core.libc import pid_exists
 from toolq.local.embedded import ChildProcess, RedisServer, WorkerProcess, die_with_parent, wait_for
 
 PREFIX = "toolq-"
@@ -97,15 +98,6 @@ def harness_namespaces() -> list[str]:
     return [line.split()[0] for line in listed if line and NAME_RE.match(line.split()[0])]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def _delete_namespace(name: str) -> None:
     """Kill what still runs in it (a sandboxed command out of its worker's group), then delete it:
@@ -120,7 +112,7 @@ def _delete_namespace(name: str) -> None:
 
 def sweep_stale() -> list[str]:
     """Delete the namespaces of harnesses whose process is dead; returns their names."""
-    stale = [n for n in harness_namespaces() if not _alive(int(NAME_RE.match(n).group(1)))]  # type: ignore[union-attr]
+    stale = [n for n in harness_namespaces() if not pid_exists(int(NAME_RE.match(n).group(1)))]  # type: ignore[union-attr]
     for name in stale:
         _delete_namespace(name)
     return stale

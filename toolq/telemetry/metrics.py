@@ -38,6 +38,7 @@ from typing import Any
 
 from toolq.core import metrics as declared
 from toolq.core.honest import known_form
+from toolq.core.libc import pid_exists
 
 log = logging.getLogger("toolq.metrics")
 
@@ -293,10 +294,10 @@ class _Reaper:
             dead: dict[str, list[str]] = {}
             for name in os.listdir(self.directory):
                 found = _LIVE_FILE.fullmatch(name)
-                if found and not _alive(int(found.group(1))):
+                if found and not pid_exists(int(found.group(1))):
                     mark_process_dead(int(found.group(1)), self.directory)
                 found = _DEAD_FILE.fullmatch(name)
-                if found and not _alive(int(found.group(2))):
+                if found and not pid_exists(int(found.group(2))):
                     dead.setdefault(found.group(1), []).append(os.path.join(self.directory, name))
             for kind, files in dead.items():
                 _archive(os.path.join(self.directory, f"{kind}_archive.db"), files)
@@ -317,15 +318,6 @@ def _archive(archive_path: str, files: list[str]) -> None:
     finally:
         archive.close()
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _SourceCollector:
