@@ -6,6 +6,7 @@ children's samples merged in the worker's one endpoint. No timing is asserted.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import time
@@ -18,6 +19,9 @@ import redis
 
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV, catalog_of, run_session, settings_for
 from toolq.core import metrics as declared
+from toolq.core.advert import broker_lists, tool_queue
+from toolq.core.catalog import Catalog
+from toolq.core.environments import host_queue
 from toolq.dev.fake_model import builders as b
 from toolq.dev.fake_model.server import FakeModel
 from toolq.local.embedded import RedisServer, WorkerProcess, free_port
@@ -154,17 +158,26 @@ def test_a_turn_is_counted_by_the_orchestrator_and_the_worker(metrics_worker, ow
     assert value(scrape(wport), "toolq_sessions_in_flight") == 0
 
 
-def test_queue_depth_is_the_brokers_list_lengths(own_redis) -> None:
+def test_queue_depth_is_the_brokers_list_lengths_by_declared_queue(own_redis) -> None:
+    # Calls wait in their tool's own list (`toolq.t.<tool>.<digest>`) or its host's, never in the
+    # declared queue's: each declared queue counts every list behind it (the worker's broker_lists).
+    # A declaration on a queue of its own: the module's worker, on `toolq`, takes nothing from it.
+    probe = dataclasses.replace(next(s for s in catalog_of([TEST_TOOLS]) if s.name == "exec_command"),
+                                queue="toolq.probe")
+    lists = broker_lists(["toolq.probe", "toolq.none"], Catalog([probe]), "probe-host")
+    exec_list = tool_queue(probe)
+    assert exec_list in lists["toolq.probe"] and host_queue("probe-host", exec_list) in lists["toolq.probe"]
     r = redis.Redis.from_url(own_redis.url)
     try:
-        r.lpush("toolq.metrics-probe", "a", "b")
-        r.lpush("toolq.metrics-probe\x06\x163", "c")  # kombu's list for priority step 3
-        depth = metrics.queue_depth_source(own_redis.url, ["toolq.metrics-probe", "toolq.none"])()
-        assert depth == {("toolq.metrics-probe",): 3.0, ("toolq.none",): 0.0}
+        r.lpush(exec_list, "a", "b")
+        r.lpush(exec_list + "\x06\x163", "c")  # kombu's list for priority step 3
+        r.lpush(host_queue("probe-host", exec_list), "d")
+        depth = metrics.queue_depth_source(own_redis.url, lists)()
+        assert depth == {("toolq.probe",): 4.0, ("toolq.none",): 0.0}
     finally:
-        r.delete("toolq.metrics-probe", "toolq.metrics-probe\x06\x163")
+        r.delete(exec_list, exec_list + "\x06\x163", host_queue("probe-host", exec_list))
         r.close()
-    gone = metrics.queue_depth_source(f"redis://127.0.0.1:{free_port()}/0", ["toolq"])
+    gone = metrics.queue_depth_source(f"redis://127.0.0.1:{free_port()}/0", {"toolq": ["toolq"]})
     with pytest.raises(redis.ConnectionError):  # the collector turns this into no sample
         gone()
 

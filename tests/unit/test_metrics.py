@@ -104,7 +104,7 @@ def test_a_port_in_use_is_one_line_and_no_crash(capsys: pytest.CaptureFixture[st
 WORKER = textwrap.dedent("""
     import os, sys, time, json, urllib.request
     from toolq.telemetry import metrics
-    port = metrics.serve_worker(0, host="127.0.0.1", queues=["q1"], redis="redis://127.0.0.1:1/0")
+    port = metrics.serve_worker(0, host="127.0.0.1", queues={"q1": ["q1"]}, redis="redis://127.0.0.1:1/0")
     directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
     children = []
     for i in range(3):  # prefork children: each records, one keeps a live gauge and dies

@@ -127,11 +127,14 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         print(banner, file=sys.stderr, flush=True)
     port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
     if port is not None:  # before the pool forks: its children record into the directory it makes
+        from toolq.core.advert import broker_lists
         from toolq.telemetry import metrics
         from toolq.workers import config, redis_clients
+        from toolq.workers.environments.agent import host_id
 
         target = config.broker_target(app.conf)  # the broker's lists, where the queues wait
-        metrics.serve_worker(port, queues=queues, tools=[str(s.tool_name) for s in catalog()],
+        metrics.serve_worker(port, queues=broker_lists(queues, catalog(), host_id(settings)),
+                             tools=[str(s.tool_name) for s in catalog()],
                              redis=lambda: redis_clients.sync_client(target, socket_timeout=1.0,
                                                                      socket_connect_timeout=1.0,
                                                                      client_name="toolq-metrics"))

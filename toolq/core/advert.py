@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from toolq.core.calls import PayloadKind, ToolName
 from toolq.core.catalog import DEFAULT_QUEUE, Catalog, ToolSpec
+from toolq.core.environments import host_queue
 
 TOOL_QUEUE_PREFIX = "toolq.t."
 
@@ -31,6 +32,13 @@ def consumer_queues(catalog: Catalog, consumed: Iterable[str]) -> list[str]:
     declared on one of them, so `--queues X` still restricts a worker to X's tools."""
     wanted = set(consumed)
     return sorted({tool_queue(s) for s in catalog if s.queue in wanted})
+
+
+def broker_lists(queues: Iterable[str], catalog: Catalog, host: str) -> dict[str, list[str]]:
+    """Each declared queue and the broker lists its calls wait in: itself, its tools' own queues
+    (where calls are sent, `tool_queue`) and those queues on `host` (an environment's calls)."""
+    return {q: [q, *(tool_queue(s) for s in catalog if s.queue == q),
+                *(host_queue(host, tool_queue(s)) for s in catalog if s.queue == q)] for q in queues}
 
 
 class ToolRef(BaseModel):

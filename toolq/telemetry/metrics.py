@@ -137,7 +137,8 @@ def serve_orchestrator(port: int | None, *, host: str = "0.0.0.0", tools: Iterab
     return m.port
 
 
-def serve_worker(port: int | None, *, queues: Iterable[str] = (), redis: Callable[[], Any] | str | None = None,
+def serve_worker(port: int | None, *, queues: Mapping[str, Iterable[str]] | None = None,
+                 redis: Callable[[], Any] | str | None = None,
                  host: str = "0.0.0.0", tools: Iterable[str] = ()) -> int | None:
     """The worker's `/metrics`, from its main process before the pool forks (the children inherit
     the instruments and write to the shared directory). None: off, or the port could not be bound
@@ -167,7 +168,7 @@ def serve_worker(port: int | None, *, queues: Iterable[str] = (), redis: Callabl
         m.otel = _Otel.start("toolq-worker")
     know_tools(tools)
     if redis is not None and queues:
-        add_source(declared.QUEUE_DEPTH.name, queue_depth_source(redis, list(queues)))
+        add_source(declared.QUEUE_DEPTH.name, queue_depth_source(redis, queues))
     return m.port
 
 
@@ -346,14 +347,18 @@ class _SourceCollector:
             yield family
 
 
-def queue_depth_source(redis: Callable[[], Any] | str, queues: list[str]) -> Source:
-    """LLEN of each queue the worker consumes, as Celery's Redis transport keeps them: the queue's
-    list, plus one list per priority step (`<queue>\\x06\\x16<n>`), summed. `redis`: a URL, or
-    what makes the client (the worker's own, which follows a Sentinel-managed primary)."""
+def queue_depth_source(redis: Callable[[], Any] | str, queues: Mapping[str, Iterable[str]]) -> Source:
+    """Calls waiting, by declared queue: the LLEN of every broker list behind it, as Celery's Redis
+    transport keeps them, summed. `queues`: each declared queue the worker consumes and its lists
+    (itself, its tools' own queues `toolq.t.<tool>.<digest>` where calls are sent, and those on this
+    host `toolq.h.<host>.…`: `broker_lists`); each list counts with one list per priority step
+    (`<list>\\x06\\x16<n>`). `redis`: a URL, or what makes the client (the worker's own, which follows
+    a Sentinel-managed primary)."""
     from kombu.transport.redis import PRIORITY_STEPS, Channel
 
     sep = Channel.sep
     client: list[Any] = []
+    behind = {q: list(dict.fromkeys(lists)) for q, lists in queues.items()}
 
     def read() -> Mapping[tuple[str, ...], float] | None:
         if not client:
@@ -364,13 +369,14 @@ def queue_depth_source(redis: Callable[[], Any] | str, queues: list[str]) -> Sou
             else:
                 client.append(redis())
         pipe = client[0].pipeline(transaction=False)
-        for q in queues:
-            pipe.llen(q)
-            for step in PRIORITY_STEPS[1:]:
-                pipe.llen(f"{q}{sep}{step}")
-        lengths = pipe.execute()
+        for lists in behind.values():
+            for name in lists:
+                pipe.llen(name)
+                for step in PRIORITY_STEPS[1:]:
+                    pipe.llen(f"{name}{sep}{step}")
+        lengths = iter(pipe.execute())
         per = len(PRIORITY_STEPS)
-        return {(q,): float(sum(lengths[i * per:(i + 1) * per])) for i, q in enumerate(queues)}
+        return {(q,): float(sum(next(lengths) for _ in range(per * len(lists)))) for q, lists in behind.items()}
 
     return read
 
