@@ -13,8 +13,12 @@ Listens on 127.0.0.1 only, on a free port. Not a collector: no retries asked, no
 from __future__ import annotations
 
 import gzip
+import json
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,7 +123,11 @@ def decode_metrics(body: bytes) -> list[SinkPoint]:
 class OtlpSink:
     """A threaded HTTP server on 127.0.0.1 taking OTLP/HTTP protobuf exports."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, lazy: bool = False) -> None:
+        self.lazy = lazy
+        """Keep the bodies and decode them only when counted (`/count`): the bench's receiver, which
+        must cost the machine no more than a collector elsewhere would."""
+        self._raw: list[tuple[str, bytes]] = []
         self.spans: list[SinkSpan] = []
         self.points: list[SinkPoint] = []
         self.requests = 0
@@ -142,7 +150,10 @@ class OtlpSink:
                     elif encoding == "deflate":
                         body = zlib.decompress(body)
                     path = self.path.split("?")[0]
-                    if path.endswith("/v1/traces"):
+                    if sink.lazy and path.endswith(("/v1/traces", "/v1/metrics")):
+                        with sink._cond:
+                            sink._raw.append((path, body))
+                    elif path.endswith("/v1/traces"):
                         sink._add(spans=decode_traces(body))
                     elif path.endswith("/v1/metrics"):
                         sink._add(points=decode_metrics(body))
@@ -154,6 +165,21 @@ class OtlpSink:
                     self._answer(400)
                     return
                 self._answer(200)
+
+            def do_GET(self) -> None:
+                """`/count`: how many spans, points and errors came (what a sink in another process tells)."""
+                if self.path.split("?")[0] != "/count":
+                    self._answer(404)
+                    return
+                sink.decode_kept()
+                with sink._cond:
+                    body = json.dumps({"spans": len(sink.spans), "points": len(sink.points),
+                                       "errors": len(sink.errors)}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             def _answer(self, code: int) -> None:
                 self.send_response(code)
@@ -211,6 +237,19 @@ class OtlpSink:
             self.points.extend(points or [])
             self._cond.notify_all()
 
+    def decode_kept(self) -> None:
+        """Decode what a lazy sink kept."""
+        with self._cond:
+            kept, self._raw = self._raw, []
+        for path, body in kept:
+            try:
+                if path.endswith("/v1/traces"):
+                    self._add(spans=decode_traces(body))
+                else:
+                    self._add(points=decode_metrics(body))
+            except Exception as e:
+                self._error(f"{path}: {type(e).__name__}: {e}")
+
     def _error(self, message: str) -> None:
         with self._cond:
             self.errors.append(message)
@@ -240,3 +279,50 @@ class OtlpSink:
         with self._cond:
             self.spans.clear()
             self.points.clear()
+
+
+class SinkProcess:
+    """A lazy `OtlpSink` in a process of its own (`python -m toolq.dev.otlp_sink`): what it takes is
+    decoded only when counted, after the measured rounds, so the bench's machine pays for sending
+    spans as it would to a collector elsewhere, not for receiving them."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[str] | None = None
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": self.endpoint,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+
+    def counts(self) -> dict[str, int]:
+        with urllib.request.urlopen(f"{self.endpoint}/count", timeout=30) as answer:
+            return dict(json.loads(answer.read()))
+
+    def __enter__(self) -> SinkProcess:
+        self._proc = subprocess.Popen([sys.executable, "-m", "toolq.dev.otlp_sink"], stdout=subprocess.PIPE,
+                                      text=True)
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line.strip().isdigit():
+            self.__exit__()
+            raise RuntimeError(f"the OTLP sink did not start (it said {line!r})")
+        self.port = int(line)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(10)
+            self._proc = None
+
+
+if __name__ == "__main__":  # SinkProcess: the port on the first line, then serve until terminated
+    import signal
+
+    with OtlpSink(lazy=True) as server:
+        print(server.port, flush=True)
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})

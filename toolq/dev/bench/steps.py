@@ -167,10 +167,10 @@ def telemetry_stacks(**shape: Any) -> Iterator[tuple[Settings, Settings, Any]]:
     """Two embedded stacks of the same shape, one started with tracing (to a loopback OTLP sink) and
     metrics on in its workers, one with both off, and the sink. With REDIS_URL set both are that
     fleet, and only this process's telemetry changes."""
-    from toolq.dev.otlp_sink import OtlpSink
+    from toolq.dev.otlp_sink import SinkProcess
 
     with ExitStack() as stacks:
-        sink = stacks.enter_context(OtlpSink())
+        sink = stacks.enter_context(SinkProcess())  # a process of its own, as a collector is
         with environment({"OTEL_TRACES_EXPORTER": "none"}):
             off = stacks.enter_context(stack(**(shape or STACK)))
         with environment(telemetry_env(sink)):
@@ -208,7 +208,7 @@ def telemetry_run(out: IO[str] = sys.stdout, sizes: tuple[int, ...] = (1, 8, 32)
                 for mode in ((True, False) if k % 2 == 0 else (False, True)):
                     with orchestrator_telemetry(mode, sink):
                         samples[mode, n] += step_times(on if mode else off, n, steps)["samples"]
-        spans = len(sink.snapshot())
+        spans = sink.counts()["spans"]
     results: dict[str, Any] = {"spans": spans}
     print(f"time per model step, telemetry on (traces over OTLP to a loopback receiver, {spans} spans; metrics "
           f"served) vs off, p50 of {rounds}x{steps} interleaved steps:", file=out)

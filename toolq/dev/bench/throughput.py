@@ -223,7 +223,7 @@ def telemetry_run(out: IO[str] = sys.stdout, ks: tuple[int, ...] = (1, 8, 32), r
     same shape, in interleaved rounds."""
     with telemetry_stacks(workers=2, concurrency=4, queues=(BENCH_QUEUE,)) as (off, on, sink):
         phases = asyncio.run(_telemetry_rounds(off, on, sink, ks, rounds, calls_per_round))
-        spans = len(sink.snapshot())
+        spans = sink.counts()["spans"]
     res: dict[str, Any] = {"spans": spans, "ks": {}}
     print(f"throughput, telemetry on (traces over OTLP to a loopback receiver, {spans} spans; metrics served) vs "
           f"off, {rounds} interleaved rounds:", file=out)
