@@ -162,3 +162,52 @@ def test_the_same_instruments_go_over_otlp_when_asked(monkeypatch: pytest.Monkey
     assert got[("toolq_turns_in_flight", ())] == 1
     assert got[("toolq_limit_wait_seconds", (("limit", "rate"), ("tool", "exec_command")))] == 1
     assert {p.service for p in sink.points} == {"toolq-orchestrator"}
+
+
+def test_otlp_metrics_asked_for_without_the_otel_extra_serve_prometheus_and_say_so_in_one_line():
+    # The SDK is the `otel` extra: where it cannot be imported (None in sys.modules, as an install
+    # without the extra), OTEL_METRICS_EXPORTER=otlp costs one line and /metrics is served anyway.
+    code = textwrap.dedent("""
+        import logging, sys, urllib.request
+        sys.modules["opentelemetry.sdk"] = None
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        from toolq.telemetry import metrics
+        port = metrics.serve_orchestrator(0, host="127.0.0.1")
+        metrics.turn_started()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+            print("toolq_turns_in_flight 1.0" in answer.read().decode())
+    """)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, "OTEL_METRICS_EXPORTER": "otlp"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["True"], done
+    said = [line for line in done.stderr.splitlines() if "OTLP" in line]
+    assert len(said) == 1 and "pip install 'toolq[otel]'" in said[0], done.stderr
+
+
+def test_an_otlp_metric_exporter_sends_only_from_the_process_that_made_it():
+    """A pool child inherits its worker's periodic reader (the SDK restarts its thread after a
+    fork): that copy must send nothing, or each child pushes the worker's points as the worker."""
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics.export import MetricExportResult
+
+    sent: list[int] = []
+
+    class Inner(OTLPMetricExporter):
+        def export(self, metrics_data, timeout_millis=10_000, **kwargs):  # type: ignore[no-untyped-def]
+            sent.append(os.getpid())
+            return MetricExportResult.SUCCESS
+
+    own = metrics._own_process(Inner(endpoint="http://127.0.0.1:1"))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: export, then say how many reached the inner exporter
+        try:
+            own.export(None)
+            os.write(write, str(len(sent)).encode())
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    os.close(write)
+    assert os.read(read, 16) == b"0"
+    os.close(read)
+    assert own.export(None) == MetricExportResult.SUCCESS and sent == [os.getpid()]

@@ -562,3 +562,76 @@ def test_a_cancel_during_the_wait_before_a_retry_ends_the_turn_at_once(redis_url
     assert [t for t in cancelled.types() if t in TERMINAL] == ["turn.aborted"]
     assert cancelled.errors() == ["Reconnecting... 1/5 (exceeded retry limit, last status: 429 Too Many Requests)"]
     assert second.outcome.status == "completed" and len(requests) == 2
+
+
+# --- metrics: what a turn counts, whatever ends it --------------------------------------------------
+
+
+def scraped(port: int, name: str, **labels: str) -> float:
+    """One sample of this process's orchestrator metrics, scraped over HTTP (0 when absent)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def test_a_turn_leaves_the_in_flight_gauge_even_when_its_callers_emit_raises_at_the_end(
+        redis_url, tmp_path, served):
+    tools = Tools()
+
+    async def go() -> None:
+        async with driver(redis_url, fake, tmp_path, tools) as d:
+            def emit(event: Any) -> None:
+                if event.to_json()["type"] == "turn.completed":
+                    raise RuntimeError("the caller's own emit broke")
+
+            with pytest.raises(RuntimeError, match="emit broke"):
+                await d.session.run_turn("hello", emit)
+
+    with FakeModel([[b.message("hi")]]) as fake:
+        run_async(go)
+    assert scraped(served, "toolq_turns_in_flight") == 0
+    assert scraped(served, "toolq_turns_total", state="completed") == 1
+
+
+def test_a_cancelled_turn_task_leaves_the_in_flight_gauge(redis_url, tmp_path, served):
+    """The task that runs a turn cancelled from outside (asyncio's CancelledError, which the loop's
+    `except Exception` does not see): the turn still counts as ended."""
+    tools = Tools()
+
+    async def go() -> None:
+        async with driver(redis_url, fake, tmp_path, tools) as d:
+            task = d.start("wait for it")
+            await wait_until(lambda: "call_slow" in tools.hanging, "the call to run")
+            assert scraped(served, "toolq_turns_in_flight") == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    with FakeModel([[b.function_call("hang", {}, "call_slow")], [b.message("never")]]) as fake:
+        run_async(go)
+    assert scraped(served, "toolq_turns_in_flight") == 0
+
+
+def test_model_requests_count_retried_only_what_the_turn_retries(redis_url, tmp_path, served):
+    """TOOLQ_STREAM_MAX_RETRIES=1 and two cut streams: the first is retried, the second fails the turn."""
+    tools = Tools()
+    script = [[b.function_call("echo", {"text": "first"}, "call_first"), b.cut_after(clean=False)],
+              [b.function_call("echo", {"text": "second"}, "call_second"), b.cut_after(clean=False)]]
+
+    async def go() -> Turn:
+        async with driver(redis_url, fake, tmp_path, tools, stream_max_retries=1) as d:
+            return await d.run("try hard")
+
+    with FakeModel(script) as fake:
+        turn = run_async(go)
+    assert turn.outcome.status == "failed"
+    assert scraped(served, "toolq_model_requests_total", outcome="retried") == 1
+    assert scraped(served, "toolq_model_requests_total", outcome="failed") == 1

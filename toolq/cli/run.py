@@ -315,11 +315,18 @@ async def _run(settings: Settings, prompt: str, json_events: bool, history: Hist
 
 
 def flush_traces() -> None:
-    """Export the run's spans before the process exits (a no-op when tracing is off)."""
+    """Export the run's spans, and its OTLP metric points, before the process exits (no-ops when
+    off): the command line exits with os._exit, so neither SDK's exit hook runs; each is waited for
+    at most 5 s against a collector that does not answer."""
     if "toolq.telemetry.tracing" in sys.modules:  # imported by the turn: never loaded here for nothing
         from toolq.telemetry import tracing
 
         tracing.flush()
+        if "toolq.telemetry.metrics" in sys.modules:
+            from toolq.telemetry import metrics
+
+            if metrics.on():
+                tracing.within(metrics.flush, 5.0)
 
 
 class _WithTraceLink:

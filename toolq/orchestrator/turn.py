@@ -199,6 +199,8 @@ class Session:
         self.conversation = ConversationLease(runtime.fleet.ledger.r, new_conversation_id())
         """Its exec_command sessions live while it is held: from the first turn to `close()`."""
         self._turn_span: Any = None
+        self._in_flight = False
+        """This turn counts in toolq_turns_in_flight and its span is open (`_close_telemetry`)."""
         """The running turn's root span (spans.py) when tracing is on."""
         # --- environments (issue 28): the calls run in an environment on one worker host
         self._handle = environment if isinstance(environment, Environment) else None
@@ -243,6 +245,15 @@ class Session:
         tracing.setup(tracing.ORCHESTRATOR)  # once per process; off unless OTEL_* turn it on
         self._turn_span = spans.start_turn(turn_id, self.conversation.id)
         metrics.turn_started()
+        self._in_flight = True
+        try:
+            return await self._start(turn_id, prompt, outcome, emit, deadline)
+        finally:  # whatever escaped (a bug, a cancelled task): the span ended, the gauge down, once
+            self._close_telemetry(outcome)
+
+    async def _start(self, turn_id: str, prompt: str, outcome: TurnOutcome, emit: Emit,
+                     deadline: float) -> TurnOutcome:
+        settings = self.rt.settings
         try:
             await self.fleet.follow_fleet_tools()  # MCP hook: this turn offers the MCP tools live workers host now
             await self.fleet.ledger.start_turn(turn_id, prompt, self.workspace)
@@ -297,16 +308,20 @@ class Session:
         tracing.setup(tracing.ORCHESTRATOR)
         self._turn_span = spans.start_turn(turn_id, self.conversation.id, resumed=True)
         metrics.turn_started()
-        emit(TurnStarted(turn_id=turn_id, trace_id=spans.trace_id(self._turn_span)))
-        await self.fleet.follow_fleet_tools()  # MCP hook: the resumed turn offers what live workers host now
-        await self._hold_conversation(turn_id)  # a new conversation: the dead one's sessions died with its lease
-        if saved.environment:
-            await self._take_up_environment(turn_id, saved.environment)
-        await self._open_scope(turn_id)
-        pending = unanswered(committed)
-        first_step = 1 + max((c.step for c in committed if c.step is not None), default=-1)
-        return await self._drive(turn_id, outcome, emit,
-                                 self._loop(turn_id, outcome, emit, saved.deadline, first_step, pending))
+        self._in_flight = True
+        try:
+            emit(TurnStarted(turn_id=turn_id, trace_id=spans.trace_id(self._turn_span)))
+            await self.fleet.follow_fleet_tools()  # MCP hook: the resumed turn offers what live workers host now
+            await self._hold_conversation(turn_id)  # a new conversation: the dead one's sessions died with its lease
+            if saved.environment:
+                await self._take_up_environment(turn_id, saved.environment)
+            await self._open_scope(turn_id)
+            pending = unanswered(committed)
+            first_step = 1 + max((c.step for c in committed if c.step is not None), default=-1)
+            return await self._drive(turn_id, outcome, emit,
+                                     self._loop(turn_id, outcome, emit, saved.deadline, first_step, pending))
+        finally:
+            self._close_telemetry(outcome)
 
     def _turn_settings(self, deadline: float) -> TurnSettings:
         s = self.rt.settings
@@ -387,8 +402,8 @@ class Session:
 
     async def _end(self, turn_id: str, outcome: TurnOutcome, emit: Emit) -> TurnOutcome:
         """Exactly one terminal event, then the ledger's record of the end."""
-        span, self._turn_span = self._turn_span, None
-        trace_id = spans.trace_id(span)
+        trace_id = spans.trace_id(self._turn_span)
+        self._close_telemetry(outcome)  # before the emits: a caller's `emit` that raises leaks nothing
         if outcome.status == "failed":
             emit(ErrorEvent(message=outcome.error or ""))
             emit(TurnFailed(turn_id=turn_id, error=TurnError(message=outcome.error or ""), trace_id=trace_id))
@@ -397,12 +412,21 @@ class Session:
             emit(TurnCompleted(turn_id=turn_id, usage=outcome.usage.model_dump(), environment=outcome.environment,
                                checkpoint=diff.checkpoint if diff is not None else None, diff=diff,
                                trace_id=trace_id))
-        spans.end_turn(span, outcome.status, outcome.usage, outcome.requests)
-        metrics.turn_ended(outcome.status)
         # Not recorded when the Redis to record it in is away, or when the turn's new orchestrator will.
         if not (outcome.could_not_start or self._superseded):
             await self._finish(turn_id, outcome)
         return outcome
+
+    def _close_telemetry(self, outcome: TurnOutcome) -> None:
+        """The turn's span ended and the turns-in-flight gauge down, once, whatever ended the turn
+        (`_end`, or an exception that escaped before it: then the turn counts as failed)."""
+        if not self._in_flight:
+            return
+        self._in_flight = False
+        span, self._turn_span = self._turn_span, None
+        status = "failed" if outcome.status == "running" else outcome.status
+        spans.end_turn(span, status, outcome.usage, outcome.requests)
+        metrics.turn_ended(status)
 
     async def _keep_environment(self, *, durable: bool = True) -> None:
         """Make the Session's own environment at its first turn; recreate the environment from its
@@ -560,7 +584,9 @@ class Session:
             if error is not None:
                 max_retries = self.rt.client.settings.stream_max_retries
                 if not error.retryable or retries >= max_retries:
+                    metrics.model_request("failed")
                     raise error
+                metrics.model_request("retried")
                 retries += 1
                 emit(ErrorEvent(message=f"Reconnecting... {retries}/{max_retries} ({error.message})"))
                 delay = error.delay if error.delay is not None else backoff(retries)
@@ -578,8 +604,7 @@ class Session:
         whether the deadline stopped it)."""
         try:
             await self._sample(body, step, outcome, emit, deadline)
-        except ModelError as e:
-            metrics.model_request("retried" if e.retryable else "failed")
+        except ModelError as e:  # counted where the loop decides whether it is retried
             return e, False
         except DeadlinePassed:
             metrics.model_request("cancelled")

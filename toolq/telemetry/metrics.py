@@ -535,6 +535,7 @@ class _Otel:
         except ImportError as e:
             log.warning("metrics: OTLP export not started: the OpenTelemetry SDK is not installed "
                         "(pip install 'toolq[otel]'): %s", e)
+            return None
         except Exception as e:  # OTLP is extra: one line, Prometheus goes on
             log.warning("metrics: OTLP export not started: %s", e)
             return None
@@ -593,10 +594,38 @@ def _otlp_exporter() -> Any:
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Grpc
 
-        return Grpc()
+        return _own_process(Grpc())
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as Http
 
-    return Http()
+    return _own_process(Http())
+
+
+def _own_process(inner: Any) -> Any:
+    """`inner`, exporting only in the process that made it. The SDK restarts a periodic reader's
+    thread in a forked child (its at-fork hook), so each pool child of a worker would otherwise push
+    the main process's copied points every interval under the main's instance id, beside its own
+    provider's (`after_fork`): N+1 writers of one series."""
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+
+    class OwnProcess(MetricExporter):
+        def __init__(self) -> None:
+            super().__init__(preferred_temporality=inner._preferred_temporality,
+                             preferred_aggregation=inner._preferred_aggregation)
+            self.pid = os.getpid()
+
+        def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:
+            if os.getpid() != self.pid:
+                return MetricExportResult.SUCCESS  # the parent's points: its own process sends them
+            return inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return os.getpid() != self.pid or bool(inner.force_flush(timeout_millis=timeout_millis))
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            if os.getpid() == self.pid:
+                inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+
+    return OwnProcess()
 
 
 def elapsed_since(start: float) -> float:

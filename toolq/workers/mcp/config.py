@@ -27,7 +27,9 @@ SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: What a server inherits from the worker, whatever its config says: enough to find programs
 #: and read its own home, never the fleet's secrets (REDIS_URL, TOOLQ_*, OPENAI_API_KEY, FLOWER_*).
 BASIC_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "USER", "LOGNAME", "SHELL", "TMPDIR", "TZ")
-_SECRET_ENV = re.compile(r"(REDIS_URL|CELERY_.*|TOOLQ_.*|OPENAI_.*|FLOWER_.*)")
+#: ... nor a tracing vendor's key (the OTLP exporter's headers) or the worker's metrics directory.
+_SECRET_ENV = re.compile(r"(REDIS_URL|CELERY_.*|TOOLQ_.*|OPENAI_.*|FLOWER_.*|OTEL_EXPORTER_OTLP.*_HEADERS|"
+                         r"PROMETHEUS_MULTIPROC_DIR)")
 
 # Codex's defaults (codex-mcp mcp_connection_manager.rs).
 DEFAULT_STARTUP_TIMEOUT = 30.0
