@@ -211,3 +211,45 @@ def test_an_otlp_metric_exporter_sends_only_from_the_process_that_made_it():
     assert os.read(read, 16) == b"0"
     os.close(read)
     assert own.export(None) == MetricExportResult.SUCCESS and sent == [os.getpid()]
+
+
+CONCURRENT_SCRAPES = textwrap.dedent("""
+    import os, json, threading, urllib.request
+    from toolq.telemetry import metrics
+    port = metrics.serve_worker(0, host="127.0.0.1", queues={"q1": ["q1"]}, redis="redis://127.0.0.1:1/0")
+    children = []
+    for i in range(12):  # recycled pool children: each leaves files the next scrape archives
+        pid = os.fork()
+        if pid == 0:
+            metrics.worker_task("exec_command", "q1", {"sent_at": 1.0}, {"status": "completed",
+                                "started_at": 2.0, "finished_at": 2.5})
+            os._exit(0)
+        children.append(pid)
+    for pid in children:
+        os.waitpid(pid, 0)
+    answers = []
+
+    def scrape():
+        try:
+            answers.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode())
+        except Exception as e:
+            answers.append(f"ERROR {e}")
+
+    threads = [threading.Thread(target=scrape) for _ in range(8)]  # two Prometheus replicas, and more
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(json.dumps(answers))
+""")
+
+
+def test_scrapes_at_once_each_see_every_dead_childs_count_once() -> None:
+    done = subprocess.run([sys.executable, "-c", CONCURRENT_SCRAPES], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(answers) == 8 and not [a for a in answers if a.startswith("ERROR")], answers
+    for text in answers:
+        tasks = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "toolq_worker_tasks_total" and s.labels.get("outcome") == "completed"]
+        assert tasks == [12], tasks

@@ -155,10 +155,7 @@ def serve_worker(port: int | None, *, queues: Mapping[str, Iterable[str]] | None
         atexit.register(_remove_dir, directory, os.getpid())
         _check_value_class()
         m = _Metrics("worker", multiprocess=True)
-        from prometheus_client.multiprocess import MultiProcessCollector
-
         m.registry.register(_Reaper(directory))
-        MultiProcessCollector(m.registry, path=directory)
         m.registry.register(_SourceCollector(m))
         _serve(m, port, host, "toolq worker")
         if m.port is None:
@@ -279,30 +276,37 @@ _DEAD_FILE = re.compile(r"(counter|histogram)_(\d+)\.db")
 
 
 class _Reaper:
-    """Registered first: before the files are merged, a dead process's live gauges are dropped, and
-    its counters and histograms are added into one archive file per kind (`counter_archive.db`),
-    its own files removed: children replaced after each call (--max-tasks-per-child 1) would
-    otherwise leave two files a call, which the directory and each scrape's work kept forever."""
+    """The directory's merge, each scrape: first a dead process's live gauges are dropped, and its
+    counters and histograms added into one archive file per kind (`counter_archive.db`), its own
+    files removed (children replaced after each call, --max-tasks-per-child 1, would otherwise
+    leave two files a call, which the directory and each scrape's work kept forever); then the
+    files are merged. Both under one lock: two scrapes at once (a pair of Prometheus replicas)
+    would otherwise merge a file the other had just archived and removed (a failed scrape), or
+    count it twice."""
 
     def __init__(self, directory: str) -> None:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
         self.directory = directory
-        self.lock = threading.Lock()  # scrapes may come at once: a dead file is archived once
+        self.lock = threading.Lock()
+        self.merged = MultiProcessCollector(None, path=directory)
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.multiprocess import mark_process_dead
 
-        with self.lock, contextlib.suppress(OSError):
-            dead: dict[str, list[str]] = {}
-            for name in os.listdir(self.directory):
-                found = _LIVE_FILE.fullmatch(name)
-                if found and not pid_exists(int(found.group(1))):
-                    mark_process_dead(int(found.group(1)), self.directory)
-                found = _DEAD_FILE.fullmatch(name)
-                if found and not pid_exists(int(found.group(2))):
-                    dead.setdefault(found.group(1), []).append(os.path.join(self.directory, name))
-            for kind, files in dead.items():
-                _archive(os.path.join(self.directory, f"{kind}_archive.db"), files)
-        return iter(())
+        with self.lock:
+            with contextlib.suppress(OSError):
+                dead: dict[str, list[str]] = {}
+                for name in os.listdir(self.directory):
+                    found = _LIVE_FILE.fullmatch(name)
+                    if found and not pid_exists(int(found.group(1))):
+                        mark_process_dead(int(found.group(1)), self.directory)
+                    found = _DEAD_FILE.fullmatch(name)
+                    if found and not pid_exists(int(found.group(2))):
+                        dead.setdefault(found.group(1), []).append(os.path.join(self.directory, name))
+                for kind, files in dead.items():
+                    _archive(os.path.join(self.directory, f"{kind}_archive.db"), files)
+            return iter(list(self.merged.collect()))
 
 
 def _archive(archive_path: str, files: list[str]) -> None:
