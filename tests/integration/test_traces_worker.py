@@ -185,7 +185,12 @@ def test_a_call_without_a_trace_context_takes_no_parent_from_what_it_runs(traced
     (tmp_path / "traceparent").write_text(planted.traceparent)
     send(redis_env.url, exec_spec(), ToolName.plain("exec_command"),
          {"cmd": f"export TRACEPARENT={planted.traceparent}; echo traceparent: {planted.traceparent}"}, tmp_path, None)
-    receiver.wait_for(lambda spans: any(s.name == "toolq.tool exec_command" and not s.parent_id for s in spans))
+    spans = receiver.wait_for(lambda spans: any(s.name == "toolq.tool exec_command" and not s.parent_id
+                                                for s in spans))
+    (root,) = [s for s in spans if s.name == "toolq.tool exec_command" and not s.parent_id]
+    # One trace for the call, its tool span the root: no queue wait or result store of their own.
+    receiver.wait_for(lambda spans: any(s.name == "toolq.command" and s.trace_id == root.trace_id for s in spans))
+    assert not [s.name for s in receiver.snapshot() if not s.parent_id and s.name != "toolq.tool exec_command"]
     assert receiver.trace(planted.trace_id) == []
     assert planted.traceparent[36:52] not in {s.parent_id for s in receiver.snapshot()}
 

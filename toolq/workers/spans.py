@@ -91,7 +91,7 @@ def begin_call(inv: ToolInvocation) -> bool:
 def queue_wait(inv: ToolInvocation, picked_at: float, queue: str | None = None) -> None:
     """`toolq.queue_wait`: from the orchestrator's send (`sent_at`) to this worker taking the call.
     Hosts' clocks differ: a send that looks later than the take is a span of no length."""
-    if not _traced or inv.sent_at is None:
+    if not _traced or inv.sent_at is None or inv.trace is None:  # untraced: the tool span is the one root
         return
     try:
         start = min(inv.sent_at, picked_at)
@@ -145,7 +145,7 @@ def ended(span: Span | None, state: CallState) -> None:
 @contextlib.contextmanager
 def result_store(state: str) -> Iterator[None]:
     """`toolq.result.store` around Celery's store of the call's final meta (not its STARTED one)."""
-    if not _traced or state not in _READY:
+    if not _traced or state not in _READY or _parent is None:  # untraced: the tool span is the one root
         yield
         return
     span = tracing.tracer().start_span(RESULT_STORE, context=tracing.context_of(_parent),
