@@ -12,6 +12,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,16 +90,27 @@ def r(redis_env) -> Iterator[redis.Redis]:
 @pytest.fixture(scope="session")
 def fleet(redis_server, tmp_path_factory):
     """Two worker processes x 2 pool children on the default queue, shared by most tests."""
-    logdir = tmp_path_factory.mktemp("workers")
-    workers = [WorkerProcess(redis_server.url, queues=["toolq"], concurrency=2, tools=[TEST_TOOLS],
-                             env=WORKER_ENV, logdir=logdir, name=f"fleet{i}@test") for i in range(2)]
+    with worker_pair(redis_server.url, tmp_path_factory.mktemp("workers"), "fleet") as workers:
+        yield workers
+
+
+@contextmanager
+def worker_pair(redis_url: str, logdir: Path, name: str, env: dict[str, str] | None = None
+                ) -> Iterator[list[WorkerProcess]]:
+    """Two worker processes x 2 pool children on the default queue (`NAME0@test`, `NAME1@test`),
+    started together, stopped at the end."""
+    workers = [WorkerProcess(redis_url, queues=["toolq"], concurrency=2, tools=[TEST_TOOLS],
+                             env={**WORKER_ENV, **(env or {})}, logdir=logdir, name=f"{name}{i}@test")
+               for i in range(2)]
     for w in workers:
         w.start(wait=False)
-    for w in workers:
-        w.wait_ready()
-    yield workers
-    for w in workers:
-        w.stop()
+    try:
+        for w in workers:
+            w.wait_ready()
+        yield workers
+    finally:
+        for w in workers:
+            w.stop()
 
 
 @pytest.fixture

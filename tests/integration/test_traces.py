@@ -23,7 +23,7 @@ from toolq.core import tracing as names
 from toolq.dev.fake_model import FakeModel
 from toolq.dev.fake_model.builders import function_call, message, response
 from toolq.dev.otlp_sink import OtlpSink, SinkSpan
-from toolq.local.embedded import RedisServer, WorkerProcess
+from toolq.local.embedded import RedisServer
 from toolq.telemetry import tracing
 
 pytestmark = pytest.mark.integration
@@ -47,19 +47,9 @@ def sink() -> Iterator[OtlpSink]:
 @pytest.fixture(scope="module")
 def traced(sink, tmp_path_factory) -> Iterator[RedisServer]:
     """A Redis of this module's own and two traced workers on it (no untraced worker takes a call)."""
-    logdir = tmp_path_factory.mktemp("traced-workers")
-    with RedisServer() as server:
-        workers = [WorkerProcess(server.url, queues=["toolq"], concurrency=2, tools=[c.TEST_TOOLS],
-                                 env={**c.WORKER_ENV, **sink.env(), "TOOLQ_TRACE_URL": TRACE_URL}, logdir=logdir,
-                                 name=f"traced{i}@test")
-                   for i in range(2)]
-        for w in workers:
-            w.start(wait=False)
-        for w in workers:
-            w.wait_ready()
+    with RedisServer() as server, c.worker_pair(server.url, tmp_path_factory.mktemp("traced-workers"), "traced",
+                                                 {**sink.env(), "TOOLQ_TRACE_URL": TRACE_URL}):
         yield server
-        for w in workers:
-            w.stop()
 
 
 def toolq(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:

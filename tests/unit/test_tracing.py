@@ -183,17 +183,23 @@ def test_the_reason_is_a_known_statement_only_when_toolq_wrote_the_output(state,
     assert spans.output_reason(state) == reason
 
 
-@sync
-async def test_each_call_is_an_execute_tool_span_and_its_invocation_carries_that_span(memory, tmp_path):
-    h = Harness(tmp_path)
+def recording(h: Harness) -> list[ToolInvocation]:
+    """The invocations the harness's step sends, as they leave it (the list fills as they go)."""
     sent: list[ToolInvocation] = []
     send = h.transport.send
 
-    async def keep(inv, spec):
+    async def keep(inv, spec):  # type: ignore[no-untyped-def]
         sent.append(inv)
         await send(inv, spec)
 
     h.transport.send = keep  # type: ignore[method-assign]
+    return sent
+
+
+@sync
+async def test_each_call_is_an_execute_tool_span_and_its_invocation_carries_that_span(memory, tmp_path):
+    h = Harness(tmp_path)
+    sent = recording(h)
     turn = spans.start_turn("turn-mem", "conv-1")
     h.step.trace_parent = turn
     # The model's arguments name a trace: it is an argument, nothing more.
@@ -242,14 +248,7 @@ async def test_off_the_invocation_carries_no_trace(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     tracing.reset_for_tests()
     h = Harness(tmp_path)
-    sent: list[ToolInvocation] = []
-    send = h.transport.send
-
-    async def keep(inv, spec):
-        sent.append(inv)
-        await send(inv, spec)
-
-    h.transport.send = keep  # type: ignore[method-assign]
+    sent = recording(h)
     h.add("call_ok", seconds=0.0)
     await h.step.wait()
     assert [inv.trace for inv in sent] == [None] and h.step.entries[0].span is None

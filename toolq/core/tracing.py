@@ -42,6 +42,13 @@ class TraceContext(BaseModel):
 INVOKE_AGENT = "invoke_agent toolq"  # a turn: the root span
 CHAT = "chat"  # a model request: "chat {model}"
 EXECUTE_TOOL = "execute_tool"  # a tool call: "execute_tool {tool}"
+# on the worker, under a call's execute_tool span
+QUEUE_WAIT = "toolq.queue_wait"
+TOOL = "toolq.tool"  # "toolq.tool {tool}"
+SANDBOX_START = "toolq.sandbox.start"
+COMMAND = "toolq.command"
+RESULT_STORE = "toolq.result.store"
+MCP_CALL = "tools/call"  # "tools/call {server}.{tool}", the MCP convention's name
 
 # --- GenAI semantic-convention attributes ---------------------------------------------------------
 OPERATION = "gen_ai.operation.name"
@@ -60,6 +67,8 @@ TOOL_TYPE = "gen_ai.tool.type"
 TOOL_ARGUMENTS = "gen_ai.tool.call.arguments"  # content: only with capture on
 TOOL_RESULT = "gen_ai.tool.call.result"  # content: only with capture on
 ERROR_TYPE = "error.type"
+COMMAND_LINE = "process.command_line"  # content: only with capture on
+EXIT_CODE = "process.exit.code"
 
 # --- toolq's own ----------------------------------------------------------------------------------
 TURN_ID = "toolq.turn.id"
@@ -70,6 +79,9 @@ OUTPUT_REASON = "toolq.output.reason"  # why toolq, not the tool, wrote the outp
 WORKER = "toolq.worker"
 HOST = "toolq.host"
 ENVIRONMENT_ID = "toolq.environment.id"
+SANDBOX_BACKEND = "toolq.sandbox.backend"
+SESSION_ID = "toolq.session.id"
+SESSION_HOST = "toolq.session_host"
 
 #: The standard switch for prompt, output and argument text in spans (off unless "true").
 CAPTURE_CONTENT_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"

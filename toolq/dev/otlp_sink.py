@@ -120,6 +120,12 @@ def decode_metrics(body: bytes) -> list[SinkPoint]:
     return out
 
 
+def sink_env(endpoint: str) -> dict[str, str]:
+    """The variables that send a process's traces to a sink at `endpoint`, exported promptly."""
+    return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+
+
 class OtlpSink:
     """A threaded HTTP server on 127.0.0.1 taking OTLP/HTTP protobuf exports."""
 
@@ -207,8 +213,7 @@ class OtlpSink:
 
     def env(self) -> dict[str, str]:
         """The variables that send a process's traces here (metrics too, with OTEL_METRICS_EXPORTER=otlp)."""
-        return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": self.endpoint,
-                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+        return sink_env(self.endpoint)
 
     def start(self) -> OtlpSink:
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
@@ -295,8 +300,7 @@ class SinkProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def env(self) -> dict[str, str]:
-        return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": self.endpoint,
-                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+        return sink_env(self.endpoint)
 
     def counts(self) -> dict[str, int]:
         with urllib.request.urlopen(f"{self.endpoint}/count", timeout=30) as answer:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from toolq.core import tracing as names
 from toolq.telemetry import metrics
 from toolq.workers import spans
 from toolq.workers.isolation import reaper
@@ -224,7 +225,7 @@ def run_command(
     except BaseException as e:
         spans.end(span, error=type(e).__name__)
         raise
-    spans.end(span, **{spans.EXIT_CODE: result.exit_code},
+    spans.end(span, **{names.EXIT_CODE: result.exit_code},
               error="timeout" if result.timed_out else "cancelled" if result.cancelled else None)
     return result
 

@@ -26,7 +26,18 @@ from typing import TYPE_CHECKING, Any
 
 from toolq.core import tracing as names
 from toolq.core.states import CallState
-from toolq.core.tracing import TraceContext
+from toolq.core.tracing import (
+    COMMAND,
+    COMMAND_LINE,
+    MCP_CALL,
+    QUEUE_WAIT,
+    RESULT_STORE,
+    SANDBOX_BACKEND,
+    SANDBOX_START,
+    SESSION_HOST,
+    TOOL,
+    TraceContext,
+)
 from toolq.telemetry import tracing
 
 if TYPE_CHECKING:
@@ -36,17 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("toolq.worker")
 
-QUEUE_WAIT = "toolq.queue_wait"
-TOOL = "toolq.tool"
-SANDBOX_START = "toolq.sandbox.start"
-COMMAND = "toolq.command"
-RESULT_STORE = "toolq.result.store"
-MCP_CALL = "tools/call"
-SANDBOX_BACKEND = "toolq.sandbox.backend"
-COMMAND_LINE = "process.command_line"  # content: only with capture on
-EXIT_CODE = "process.exit.code"
-SESSION_ID = "toolq.session.id"
-SESSION_HOST = "toolq.session_host"
 
 #: How long a pool child on its way out waits for its spans' export.
 EXIT_FLUSH_TIMEOUT = 5.0

@@ -8,6 +8,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+from toolq.core import tracing as names
 from toolq.core.catalog import ToolContext, ToolReturn
 from toolq.core.errors import RespondToModel
 from toolq.core.honest import InfrastructureLost
@@ -97,7 +98,7 @@ def _call(request: Request, ctx: ToolContext, yield_ms: float, tool: str,
     if span is not None and reply.spawn_started is not None and reply.sandbox not in (None, "none"):
         spans.sandbox_started(reply.sandbox or "", reply.spawn_started, reply.spawn_ended)
     spans.end(span, error="spawn_failed" if reply.spawn_errno is not None else None,
-              **{spans.EXIT_CODE: reply.exit_code, spans.SESSION_ID: reply.session_id})
+              **{names.EXIT_CODE: reply.exit_code, names.SESSION_ID: reply.session_id})
     if reply.error is not None:
         raise RespondToModel(reply.error)
     return reply
