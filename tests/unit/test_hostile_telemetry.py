@@ -249,3 +249,14 @@ def test_a_flush_against_a_collector_that_never_answers_returns_by_its_timeout(m
         assert done.stdout.split() == ["False", "True"]  # not finished, and not waited for
     finally:
         hole.close()
+
+
+def test_the_bench_sink_process_imports_nothing_from_the_folder_it_is_started_in(tmp_path, monkeypatch):
+    """`toolq bench` may run in a workspace: its receiver process must not import a planted `toolq`."""
+    from toolq.dev.otlp_sink import SinkProcess
+
+    (tmp_path / "toolq").mkdir()
+    (tmp_path / "toolq" / "__init__.py").write_text('raise SystemExit("planted toolq imported")\n')
+    monkeypatch.chdir(tmp_path)
+    with SinkProcess() as sink:
+        assert sink.counts() == {"spans": 0, "points": 0, "errors": 0}

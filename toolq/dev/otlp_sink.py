@@ -15,7 +15,6 @@ from __future__ import annotations
 import gzip
 import json
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -24,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from toolq.core.import_path import NEUTRAL_CWD, python_argv
 
 #: The largest request body taken (an exporter's batch is far below it).
 MAX_BODY = 64 * 1024 * 1024
@@ -307,8 +308,9 @@ class SinkProcess:
             return dict(json.loads(answer.read()))
 
     def __enter__(self) -> SinkProcess:
-        self._proc = subprocess.Popen([sys.executable, "-m", "toolq.dev.otlp_sink"], stdout=subprocess.PIPE,
-                                      text=True)
+        # As every toolq process starts: never importing from the current directory (a workspace).
+        self._proc = subprocess.Popen(python_argv("-m", "toolq.dev.otlp_sink"), cwd=NEUTRAL_CWD,
+                                      stdout=subprocess.PIPE, text=True)
         assert self._proc.stdout is not None
         line = self._proc.stdout.readline()
         if not line.strip().isdigit():
