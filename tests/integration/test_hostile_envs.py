@@ -17,7 +17,7 @@ import redis
 from tests.integration import unprivileged
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
 from tests.integration.test_env_worker import ask, exec_on, live_conversation, output, record_of
-from toolq.core.environments import EnvironmentRecord, EnvSource, env_key, host_key, new_environment_id
+from toolq.core.environments import EnvironmentRecord, EnvSource, HostAdvert, env_key, host_key, new_environment_id
 from toolq.local.embedded import WorkerProcess
 from toolq.workers.environments import archive
 from toolq.workers.environments.host import _mount_points
@@ -26,24 +26,30 @@ from toolq.workers.store.redis_store import RedisStore
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module", params=["root", "nobody"])
+@pytest.fixture(scope="module", params=["root", "nobody", "user"])
 def host(request, redis_env, tmp_path_factory):
-    """One host, one worker process: as root (overlay) or as nobody (a copy). Yields (host id, root)."""
-    user = request.param == "nobody"
-    top = unprivileged.worker_folder(user, tmp_path_factory, "hostile-envs")
+    """One host, one worker process: as root (overlay in the machine's namespace), as nobody (a
+    copy: its uid is the overflow uid) or as a user of its own (overlay in the host's namespace).
+    Yields (host id, root)."""
+    user = request.param != "root"
+    as_ids = unprivileged.OWN_IDS if request.param == "user" else None
+    top = unprivileged.worker_folder(user, tmp_path_factory, "hostile-envs", as_ids)
     root, name = top / "envroot", f"hx-{request.param}"
-    cls = unprivileged.UserWorkerProcess if user else WorkerProcess
     (top / "logs").mkdir(exist_ok=True)
+    kw = {"as_ids": as_ids} if user else {}
+    cls = unprivileged.UserWorkerProcess if user else WorkerProcess
     w = cls(redis_env.url, queues=["toolq"], concurrency=2, tools=[TEST_TOOLS],
             env={**WORKER_ENV, "TOOLQ_HOST_ID": name, "TOOLQ_ENV_ROOT": str(root)}, logdir=top / "logs",
-            name=f"{name}@hostile")
+            name=f"{name}@hostile", **kw)
     w.start()
     client = redis.Redis.from_url(redis_env.url)
     end = time.monotonic() + 60
     while not client.exists(host_key(name)):
         assert time.monotonic() < end, "the host never advertised environments"
         time.sleep(0.1)
+    advert = HostAdvert.model_validate_json(client.get(host_key(name)) or b"")
     client.close()
+    assert advert.mode == ("copy" if request.param == "nobody" else "overlay"), advert
     yield name, root
     w.stop(grace=3)
     for point in sorted(_mount_points(), reverse=True):

@@ -30,6 +30,10 @@ from toolq.local.embedded import WorkerProcess
 USER = "nobody"
 #: A second unprivileged uid, for "another local user runs what the worker's command left".
 OTHER_UID = 4243
+#: A worker user of its own, with no entry in /etc/passwd (as in many containers): unlike nobody,
+#: whose uid is the kernel's overflow uid, it mounts its environments' overlays in its host's
+#: namespace (toolq/workers/environments/namespace.py).
+OWN_IDS = (4244, 4244)
 
 
 def unavailable() -> str | None:
@@ -71,11 +75,11 @@ def _needed() -> list[str]:
     return sorted(paths)
 
 
-def wrap(argv: list[str], keep: str) -> list[str]:
-    """`argv` run as the user, in a mount namespace of its own where it can reach `_needed()`.
-    `keep`: an empty directory of the caller's, where the needed paths wait while a tmpfs covers
-    their closed ancestor."""
-    uid, gid = ids()
+def wrap(argv: list[str], keep: str, as_ids: tuple[int, int] | None = None) -> list[str]:
+    """`argv` run as the user (`as_ids`: another uid and gid), in a mount namespace of its own
+    where it can reach `_needed()`. `keep`: an empty directory of the caller's, where the needed
+    paths wait while a tmpfs covers their closed ancestor."""
+    uid, gid = as_ids or ids()
     steps = ["set -e"]
     covers: dict[str, list[str]] = {}
     for path in _needed():
@@ -98,38 +102,39 @@ def wrap(argv: list[str], keep: str) -> list[str]:
             *argv]
 
 
-def owned_dir(prefix: str) -> Path:
-    """A new directory the user owns (mode 0700), where the user can reach it (under /tmp)."""
-    uid, gid = ids()
+def owned_dir(prefix: str, as_ids: tuple[int, int] | None = None) -> Path:
+    """A new directory the user (or `as_ids`) owns (mode 0700), where it can reach it (under /tmp)."""
+    uid, gid = as_ids or ids()
     d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     os.chown(d, uid, gid)
     return d
 
 
-def worker_folder(user: bool, tmp_path_factory: Any, name: str) -> Path:
-    """A folder for a worker's files: one the user owns for an unprivileged worker (skipped where
-    there can be none), else a pytest folder of root's."""
+def worker_folder(user: bool, tmp_path_factory: Any, name: str, as_ids: tuple[int, int] | None = None) -> Path:
+    """A folder for a worker's files: one the user (or `as_ids`) owns for an unprivileged worker
+    (skipped where there can be none), else a pytest folder of root's."""
     if user and (why := unavailable()):
         pytest.skip(f"no unprivileged worker here: {why}")
-    return owned_dir(f"toolq-{name}-") if user else tmp_path_factory.mktemp(name)
+    return owned_dir(f"toolq-{name}-", as_ids) if user else tmp_path_factory.mktemp(name)
 
 
 class UserWorkerProcess(WorkerProcess):
-    """A `WorkerProcess` run as `USER` (see the module's docstring)."""
+    """A `WorkerProcess` run as `USER`, or as `as_ids` (see the module's docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, as_ids: tuple[int, int] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        uid, gid = ids()
-        os.chown(self.logdir, uid, gid)
+        self.user_ids = as_ids or ids()
+        os.chown(self.logdir, *self.user_ids)
         self._keep = tempfile.mkdtemp(prefix="toolq-as-user-")
 
     def argv(self) -> list[str]:
-        return wrap(super().argv(), self._keep)
+        return wrap(super().argv(), self._keep, self.user_ids)
 
     def start(self, wait: bool = True) -> WorkerProcess:
-        self.env = {**self.env, "HOME": "/nonexistent", "USER": USER, "LOGNAME": USER}
+        name = USER if self.user_ids == ids() else f"u{self.user_ids[0]}"
+        self.env = {**self.env, "HOME": "/nonexistent", "USER": name, "LOGNAME": name}
         self.log.write_text("")
-        os.chown(self.log, *ids())
+        os.chown(self.log, *self.user_ids)
         return super().start(wait)
 
     def stop(self, *args: Any, **kwargs: Any) -> Any:

@@ -257,7 +257,8 @@ def test_tree_delta_reads_a_real_overlay_upper_dir(tmp_path, how):
     if done.returncode == 3 or "unshare" in done.stderr and done.returncode:
         pytest.skip(f"overlay cannot be mounted here: {(done.stdout + done.stderr).strip()[:200]}")
     assert done.returncode == 0, done.stdout + done.stderr
-    delta = tree_delta(packed.manifest, tmp_path / "merged", upper=tmp_path / "upper")
+    delta = tree_delta(packed.manifest, tmp_path / "merged", upper=tmp_path / "upper",
+                       xattrs="trusted" if how == "root" else "user")
     assert delta.added == ["new/pkg/mod.py"]
     assert delta.changed == ["src/app.py"]
     assert delta.deleted == ["docs", "src/data.bin", "src/link.md"]  # src is opaque: its old members are gone
@@ -285,6 +286,29 @@ def test_tree_delta_reads_whiteouts_and_opaque_dirs_made_by_hand(tmp_path):
     assert delta.added == ["docs/fresh.txt"]
     assert delta.changed == ["src/app.py"]
     assert delta.deleted == ["docs/a", "run.sh"]
+
+
+def test_only_the_mounts_own_overlay_attributes_are_read(tmp_path):
+    """Through a root's overlay (trusted.* attributes) a command may set user.overlay.* on its
+    files: they mean nothing to overlayfs, so they are neither whiteouts, nor opaque, nor refused."""
+    packed = pack_dir(_project(tmp_path / "p"))
+    upper = tmp_path / "upper"
+    _write(upper, {"README.md": "", "src/app.py": "print('v2')\n"})
+    (upper / "docs").mkdir()
+    try:
+        os.setxattr(upper / "docs", "user.overlay.opaque", b"y")
+        os.setxattr(upper / "README.md", "user.overlay.whiteout", b"")
+        os.setxattr(upper / "src/app.py", "user.overlay.metacopy", b"")
+    except OSError as e:
+        pytest.skip(f"no user.* attributes on this filesystem: {e.strerror}")
+    delta = tree_delta(packed.manifest, tmp_path / "merged-unused", upper=upper)  # a root's mount
+    assert delta.deleted == [] and delta.changed == ["README.md", "src/app.py"]
+    # With `userxattr` they are the mount's own: an opaque docs/, a whiteout, a refused metacopy.
+    with pytest.raises(ArchiveError, match="src/app.py with user.overlay.metacopy"):
+        tree_delta(packed.manifest, tmp_path / "merged-unused", upper=upper, xattrs="user")
+    os.removexattr(upper / "src/app.py", "user.overlay.metacopy")
+    delta = tree_delta(packed.manifest, tmp_path / "merged-unused", upper=upper, xattrs="user")
+    assert delta.deleted == ["README.md", "docs/a"] and delta.changed == ["src/app.py"]
 
 
 @needs_root

@@ -102,6 +102,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from toolq.workers import hardening
 
     required_signer(settings.signing_key, "a worker")
+    from toolq.workers.environments import agent as environments
+
+    environments.enter_namespace(settings)  # while this process has no thread: its children start inside
     hardening.harden()  # before any tool runs: its pool children, forked from here, keep it
 
     os.environ["REDIS_URL"] = settings.redis_url  # pool children and the app read the same settings

@@ -40,7 +40,7 @@ from toolq.core.environments import (
 from toolq.core.settings import Settings, mask_url_password
 from toolq.core.signing import Signer
 from toolq.telemetry import metrics
-from toolq.workers.environments import archive
+from toolq.workers.environments import archive, namespace
 from toolq.workers.environments.host import EnvError, EnvHost, update_record
 from toolq.workers.store import StoreError, open_store
 
@@ -86,6 +86,16 @@ def limits(settings: Settings) -> archive.Limits:
     return archive.Limits(max_bytes=settings.upload_max_mb * 1024 * 1024, max_files=settings.upload_max_files)
 
 
+_namespace: str | None = None
+
+
+def enter_namespace(settings: Settings) -> None:
+    """At the worker's start, before it has threads: an unprivileged worker joins (or makes) its
+    host's namespace, where it may mount its environments' overlays (`namespace.py`)."""
+    global _namespace
+    _namespace = namespace.enter(env_root(settings))
+
+
 def setup(settings: Settings, r: redis.Redis | None = None) -> EnvHost | None:
     """At worker setup, before the pool forks (children inherit it): this host's environments, or
     None (logged once) if its root cannot be used."""
@@ -104,7 +114,10 @@ def setup(settings: Settings, r: redis.Redis | None = None) -> EnvHost | None:
                     getattr(e, "strerror", None) or e)
         _host = None
         return None
-    log.info("environments: host %s, %s mode, root %s", _host.host, _host.mode, root)
+    if _host.mode == "copy" and _namespace is not None and not namespace.inside():  # why copies
+        log.info("environments: host %s, copy mode (%s), root %s", _host.host, _namespace, root)
+    else:
+        log.info("environments: host %s, %s mode, root %s", _host.host, _host.mode, root)
     return _host
 
 

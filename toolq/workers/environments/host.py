@@ -58,7 +58,7 @@ from toolq.core.environments import (
 )
 from toolq.core.libc import libc
 from toolq.core.signing import canonical
-from toolq.workers.environments import archive
+from toolq.workers.environments import archive, namespace
 from toolq.workers.store import BlobStore
 
 log = logging.getLogger("toolq.worker.environments")
@@ -97,10 +97,21 @@ def _base_id(base: str) -> str:
 
 # ---- mounts ---------------------------------------------------------------------------------------
 
-def _mount(*args: str) -> None:
-    done = subprocess.run(["mount", *args], capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        raise OSError(errno.EPERM, (done.stderr.strip() or f"mount exited {done.returncode}").splitlines()[-1])
+def _overlay_xattrs() -> str:
+    """The namespace of the attributes overlayfs keeps in the upper dirs this process mounts: the
+    trusted.* ones are the initial namespace's root's alone, so in the host's namespace `user`."""
+    return "user" if namespace.inside() else "trusted"
+
+
+def _mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
+    """mount(2) itself, not the mount command: in the host's namespace (`namespace.py`) only this
+    process holds the capability, and an exec'd command as a user other than root loses it."""
+    options = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    if _overlay_xattrs() == "user":
+        options += ",userxattr"
+    if libc.mount(b"overlay", str(target).encode(), b"overlay", 0, options.encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount overlay on {target}: {os.strerror(err)}")
 
 
 def _is_mount(path: Path) -> bool:
@@ -130,10 +141,6 @@ def _unmount(path: Path) -> None:
         libc.umount2(str(path).encode(), _MNT_DETACH)
 
 
-def _overlay_options(lower: Path, upper: Path, work: Path) -> str:
-    return f"lowerdir={lower},upperdir={upper},workdir={work}"
-
-
 def _plain_path(path: Path) -> bool:
     """Whether a path can go in overlay's options (a comma or colon would split them)."""
     return not any(c in str(path) for c in ",:\\\n")
@@ -151,9 +158,8 @@ def can_mount_overlay(scratch: Path) -> bool:
         for d in ("lower", "upper", "work", "merged"):
             (top / d).mkdir()
         (top / "lower" / "f").write_bytes(b"")
-        _mount("-t", "overlay", "overlay", "-o", _overlay_options(top / "lower", top / "upper", top / "work"),
-               str(top / "merged"))
-    except (OSError, subprocess.SubprocessError):
+        _mount_overlay(top / "lower", top / "upper", top / "work", top / "merged")
+    except OSError:
         return False
     else:
         ok = (top / "merged" / "f").exists()
@@ -608,8 +614,7 @@ class EnvHost:
             if self.mode == "overlay":
                 for sub in ("upper", "work", "merged"):
                     (d / sub).mkdir(mode=0o755)
-                _mount("-t", "overlay", "overlay", "-o",
-                       _overlay_options(base_dir / "tree", d / "upper", d / "work"), str(d / "merged"))
+                _mount_overlay(base_dir / "tree", d / "upper", d / "work", d / "merged")
             else:
                 # A copy, never a hard link: a command must not reach a base file.
                 shutil.copytree(base_dir / "tree", d / "tree", symlinks=True)
@@ -617,7 +622,7 @@ class EnvHost:
             if record.start:
                 self._lay_checkpoint(record.start, base, workspace)
             (d / "env.json").write_text(json.dumps({"mode": self.mode, "base": base, "created_at": time.time(),
-                                                    "fleet": self.fleet}))
+                                                    "fleet": self.fleet, "xattrs": _overlay_xattrs()}))
         except BaseException as e:
             self._remove(record.id)
             if isinstance(e, OSError):
@@ -665,7 +670,7 @@ class EnvHost:
             workspace = d / ("merged" if overlay else "tree")
             manifest = self.manifest(base)
             delta = archive.tree_delta(manifest, workspace, upper=d / "upper" if overlay else None,
-                                       limits=self.limits)
+                                       xattrs=meta.get("xattrs", "trusted"), limits=self.limits)
         delta_id = self.store.put(delta.tar) if delta.tar else None
         cp = Checkpoint(base=base, delta=delta_id, added=sorted(delta.added), changed=sorted(delta.changed),
                         deleted=sorted(delta.deleted))
@@ -772,9 +777,8 @@ class EnvHost:
             if self._meta(d) is None or str(d / "merged") in _mount_points():
                 return False
             try:
-                _mount("-t", "overlay", "overlay", "-o", _overlay_options(base_dir / "tree", d / "upper", d / "work"),
-                       str(d / "merged"))
-            except (OSError, subprocess.SubprocessError) as e:
+                _mount_overlay(base_dir / "tree", d / "upper", d / "work", d / "merged")
+            except OSError as e:
                 log.warning("environment %s could not be mounted again: %s", env_id, e)
                 return False
         log.info("environment %s mounted again", env_id)

@@ -40,18 +40,14 @@ from toolq.workers.environments.archive.walk import (
 )
 from toolq.workers.workspace import PROTECTED_DIR
 
-#: The names overlayfs marks an upper directory opaque with (as root; unprivileged, `userxattr`).
-_OPAQUE = ("trusted.overlay.opaque", "user.overlay.opaque")
-
-
-#: Marks a file as a whiteout (newer kernels, beside the 0/0 character device).
-_XWHITEOUT = ("trusted.overlay.whiteout", "user.overlay.whiteout")
-
-
+#: What overlayfs marks in an upper dir, by the namespace of its attributes: `trusted` as root,
+#: `user` where it is mounted with `userxattr` (unprivileged, in the host's namespace). Only the
+#: mount's own are read: the other names are a command's to set (`user.*` through a root's overlay)
+#: and mean nothing to overlayfs.
+_OPAQUE, _WHITEOUT = "overlay.opaque", "overlay.whiteout"
 #: A metacopy file holds no data and a redirected directory holds another's: the upper dir alone
 #: would not tell the changes, so an overlay with them is refused (the host mounts without both).
-_UNSUPPORTED_XATTRS = ("trusted.overlay.metacopy", "user.overlay.metacopy",
-                       "trusted.overlay.redirect", "user.overlay.redirect")
+_METACOPY, _REDIRECT = "overlay.metacopy", "overlay.redirect"
 
 
 @dataclass
@@ -76,19 +72,20 @@ class Delta:
                    tar=tar, entries=manifest_of(tar) if tar else {})
 
 
-def tree_delta(base: Manifest, env_dir: Path, *, upper: Path | None = None,
+def tree_delta(base: Manifest, env_dir: Path, *, upper: Path | None = None, xattrs: str = "trusted",
                limits: Limits = DEFAULT_LIMITS) -> Delta:
     """The environment's changes against its base manifest. Copy mode (`upper` None): `env_dir` is
     walked whole and compared with the base (size first, then sha256). Overlay mode: only the
     overlay's upper dir is walked: a 0/0 character device (or a file marked so) is a whiteout, an
-    opaque directory hides the base under it, a file copied up unchanged is no change. Nothing is
-    followed; the caps count what the delta carries."""
+    opaque directory hides the base under it, a file copied up unchanged is no change; `xattrs`
+    names the namespace of the mount's own attributes ("trusted", or "user" with `userxattr`).
+    Nothing is followed; the caps count what the delta carries."""
     top = upper if upper is not None else env_dir
     try:
         root = os.open(top, _DIR_FLAGS)
     except OSError as e:
         raise ArchiveError(f"cannot open {top}: {e.strerror}") from None
-    scan = _Scan(base, _Budget(limits, "the environment's changes"))
+    scan = _Scan(base, _Budget(limits, "the environment's changes"), f"{xattrs}.")
     most = len(base) + limits.max_files  # what a base and a delta within the caps can hold
     try:
         # The workspace's own `.git` is never a change: no upload carries it, and the sandbox keeps
@@ -111,8 +108,10 @@ def tree_delta(base: Manifest, env_dir: Path, *, upper: Path | None = None,
 
 
 class _Scan:
-    def __init__(self, base: Manifest, budget: _Budget) -> None:
+    def __init__(self, base: Manifest, budget: _Budget, xattrs: str = "trusted.") -> None:
         self.base, self.budget = base, budget
+        self.opaque_name, self.whiteout_name = xattrs + _OPAQUE, xattrs + _WHITEOUT
+        self.redirect_name, self.metacopy_name = xattrs + _REDIRECT, xattrs + _METACOPY
         self.present: set[str] = set()
         self.whiteouts: set[str] = set()
         self.opaque: list[str] = []
@@ -136,16 +135,16 @@ class _Scan:
             self.whiteouts.add(node.path)
             return
         if node.fd is not None:
-            _refuse_xattrs(node.fd, node.path, _UNSUPPORTED_XATTRS[2:])
-            if any(_xattr(node.fd, name) == b"y" for name in _OPAQUE):
+            _refuse_xattrs(node.fd, node.path, (self.redirect_name,))
+            if _xattr(node.fd, self.opaque_name) == b"y":
                 self.opaque.append(node.path)
         elif stat.S_ISREG(mode):
             fd = os.open(node.name, _READ_FLAGS, dir_fd=node.parent)
             try:
-                if node.status.st_size == 0 and any(_xattr(fd, name) is not None for name in _XWHITEOUT):
+                if node.status.st_size == 0 and _xattr(fd, self.whiteout_name) is not None:
                     self.whiteouts.add(node.path)
                     return
-                _refuse_xattrs(fd, node.path, _UNSUPPORTED_XATTRS)
+                _refuse_xattrs(fd, node.path, (self.metacopy_name, self.redirect_name))
             finally:
                 os.close(fd)
         self.node(node)
