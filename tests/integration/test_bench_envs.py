@@ -1,5 +1,5 @@
-"""`toolq bench envs --quick --json` runs end to end (its own Redis and workers; overlay as root,
-then copy): every figure is there and no run failed. No timing is asserted."""
+"""`toolq bench envs --quick --json` runs end to end (its own Redis and workers; overlay, then
+copy): every figure is there and no run failed. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ def test_bench_envs_quick_gives_every_figure_in_each_mode():
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads(done.stdout)
     assert res["failed"] == [], res["runs"]
-    modes = ["overlay", "copy"] if os.geteuid() == 0 else ["copy"]
-    assert sorted(res["runs"]) == sorted(modes)
-    for mode in modes:
+    assert sorted(res["runs"]) == ["copy", "overlay"]
+    for mode in ("overlay", "copy"):
         got = res["runs"][mode]
-        assert got["mode"] == mode
+        # Not root, a host mounts its overlays in a namespace of its own where the kernel allows one.
+        assert got["mode"] == mode or (os.geteuid() != 0 and got["mode"] == "copy"), got.get("note")
         for figure, fields in FIGURES.items():
             assert set(fields) <= set(got[figure]), (mode, figure, got[figure])
         alive = got["alive"]
