@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import time
 from pathlib import Path
 
@@ -155,3 +156,42 @@ def test_the_namespace_ends_with_the_hosts_last_worker_and_a_later_worker_mounts
         assert ask(r, "destroy", env).ok
     finally:
         again.stop(grace=3)
+
+
+def test_a_holder_killed_under_live_workers_makes_no_second_namespace(redis_env, r, top):
+    """SIGTERM is a worker's stop, not the host's: the holder ignores it. SIGKILLed while a worker
+    lives, a worker started then copies (and says why) rather than mount that worker's
+    environments a second time in a namespace of its own."""
+    root = top / "envroot"
+    (first,) = start_workers(redis_env.url, top, 1)
+    second = None
+    try:
+        holder = holder_of(root)
+        assert holder is not None
+        os.kill(holder, signal.SIGTERM)
+        time.sleep(1)
+        assert os.path.exists(f"/proc/{holder}") and holder_of(root) == holder
+        os.kill(holder, signal.SIGKILL)
+        end = time.monotonic() + 30
+        while _alive(holder):
+            assert time.monotonic() < end, "the holder outlived SIGKILL"
+            time.sleep(0.1)
+        (second,) = start_workers(redis_env.url, top, 1)
+        assert holder_of(root) in (None, holder)  # no new holder
+        assert mount_namespace(second.pid) != mount_namespace(first.pid)
+        end = time.monotonic() + 30
+        while "lost its holder" not in second.log.read_text():
+            assert time.monotonic() < end, second.log.read_text()[-2000:]
+            time.sleep(0.2)
+    finally:
+        for w in (first, second):
+            if w is not None:
+                w.stop(grace=3)
+
+
+def _alive(pid: int) -> bool:
+    """Alive and not a zombie (the holder's parent may not have reaped it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -12,7 +12,10 @@ is the host's, not a process's:
   lock on `locks/namespace-members.lock` for its life; everything it starts is inside too;
 - the holder leaves once no worker holds that lock, so the namespace, and its mounts, end with
   the host's last worker; a worker started later makes a new one, and the host's reaper mounts
-  the environments found whole on disk again (`EnvHost.remount`);
+  the environments found whole on disk again (`EnvHost.remount`). The holder ignores the signals
+  that stop a worker; killed outright while workers live, it leaves their namespace joinable by
+  none: a worker started then copies (the reason logged) rather than mount their environments
+  a second time;
 - joining or making happens under `locks/namespace.lock`, so two workers starting at once never
   make two namespaces (two mounts of one environment).
 
@@ -98,6 +101,11 @@ def enter(root: Path) -> str:
             made = False
             holder = _live_holder(root)
             if holder is None:
+                if _members_left(root):
+                    # Its workers still mount there: a second namespace would mount their
+                    # environments a second time, over the same upper dirs.
+                    return ("the host's namespace lost its holder while workers still use it: stop the host's "
+                            "workers, then start them again")
                 holder = _start_holder(root)
                 made = True
             try:
@@ -126,11 +134,26 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def _members_left(root: Path) -> bool:
+    """Whether a worker still holds its share of `namespace-members.lock` (called under
+    `namespace.lock`, where no other worker takes it)."""
+    fd = os.open(root / "locks" / "namespace-members.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def _start_time(pid: int) -> str | None:
-    """The process's start time (stat's 22nd field): a pid reused by another process differs."""
+    """The process's start time (stat's 22nd field): a pid reused by another process differs.
+    None for a process that is gone, or a zombie (a holder killed before its parent reaped it)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return None if fields[0] == b"Z" else fields[19].decode()
     except (OSError, IndexError):
         return None
 

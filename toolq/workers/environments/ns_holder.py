@@ -12,6 +12,7 @@ the namespace and its mounts end with the last process in them.
 import ctypes
 import fcntl
 import os
+import signal
 import sys
 import time
 
@@ -22,6 +23,10 @@ CHECK_EVERY = 2.0
 
 
 def main(root):
+    # A worker's stop (SIGTERM, SIGINT, SIGHUP: `pkill toolq`, a terminal closed) is not the
+    # host's: the holder leaves with the last worker, by its lock, and only then.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_IGN)
     libc = ctypes.CDLL(None, use_errno=True)
     uid, gid = os.getuid(), os.getgid()
     if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
