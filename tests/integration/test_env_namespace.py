@@ -83,6 +83,8 @@ def test_a_hosts_unprivileged_workers_share_one_namespace_and_each_call_sees_the
         root = top / "envroot"
         holder = holder_of(root)
         assert holder is not None
+        # Not dumpable: /proc/<holder>/* is root's, so no process of its user opens its ns/* or ptraces it.
+        assert os.stat(f"/proc/{holder}").st_uid == unprivileged.OWN_IDS[0] and os.stat(f"/proc/{holder}/fd").st_uid == 0
         # Both workers and their pool children live in the holder's mount namespace, not ours.
         family = [pid for w in workers for pid in (w.pid, *children(w.pid))]
         assert len(family) >= 6, family

@@ -1,18 +1,28 @@
-"""The host's namespace's pure parts (toolq/workers/environments/namespace.py): who stays out, and
-which `namespace.pid` names a holder. Joining and making one run on real workers as a user of
-their own in tests/integration/test_env_namespace.py."""
+"""The host's namespace (toolq/workers/environments/namespace.py): who stays out, and the holder's
+handshake. Joining one runs on real workers as a user of their own in
+tests/integration/test_env_namespace.py; here a real holder serves this (root) process, which
+takes the descriptors and never joins."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
 
 from toolq.workers.environments import namespace
+
+KEY = bytes(range(32))
 
 
 def test_root_and_the_overflow_uid_stay_in_their_own_namespace(monkeypatch, tmp_path):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     assert "root" in (namespace.why_not(tmp_path) or "")
-    assert namespace.enter(tmp_path) == namespace.why_not(tmp_path)
+    assert namespace.enter(tmp_path, KEY) == namespace.why_not(tmp_path)
     assert not namespace.inside()
     monkeypatch.setattr(os, "geteuid", lambda: namespace.overflow_uid())
     monkeypatch.setattr(os, "getuid", lambda: namespace.overflow_uid())
@@ -23,16 +33,78 @@ def test_root_and_the_overflow_uid_stay_in_their_own_namespace(monkeypatch, tmp_
     assert "overlay's options" in (namespace.why_not(tmp_path / "a,b") or "")
 
 
-def test_a_pid_file_names_a_holder_only_while_that_process_lives_in_another_namespace(tmp_path):
-    (tmp_path / "locks").mkdir()
-    pid_file = tmp_path / "locks" / "namespace.pid"
-    assert namespace._live_holder(tmp_path) is None  # none yet
-    for text in ("", "garbage", "12 x y", f"{2**22 + 7} 100"):
-        pid_file.write_text(text)
-        assert namespace._live_holder(tmp_path) is None, text
-    started = namespace._start_time(os.getpid())
-    assert started is not None
-    pid_file.write_text(f"{os.getpid()} {int(started) + 1}")  # a reused pid: another start time
-    assert namespace._live_holder(tmp_path) is None
-    pid_file.write_text(f"{os.getpid()} {started}")  # alive, but in our own user namespace
-    assert namespace._live_holder(tmp_path) is None
+@pytest.fixture
+def root(tmp_path):
+    (tmp_path / "locks").mkdir(mode=0o700)
+    return tmp_path
+
+
+def test_no_holder_listening_is_none(root):
+    assert namespace._ask_holder(root, KEY) is None
+    (root / "locks" / "namespace.sock").write_text("")  # a stale name, nothing listening
+    assert namespace._ask_holder(root, KEY) is None
+
+
+def test_a_squatter_on_the_holders_socket_is_never_joined(root):
+    """A process of the user that took the socket's name and hands over descriptors of its own
+    namespaces does not know the key: its proof is refused and its descriptors closed."""
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(root / "locks" / "namespace.sock"))
+    server.listen(1)
+    offered = [os.open("/proc/self/ns/user", os.O_RDONLY), os.open("/proc/self/ns/mnt", os.O_RDONLY)]
+
+    def squat() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(os.urandom(32))
+            conn.recv(64)
+            socket.send_fds(conn, [b"\0" * 32], offered)
+
+    t = threading.Thread(target=squat)
+    t.start()
+    with pytest.raises(RuntimeError, match="does not prove this fleet's key"):
+        namespace._ask_holder(root, KEY)
+    t.join()
+    server.close()
+    for fd in offered:
+        os.close(fd)
+
+
+def test_a_holder_hands_its_namespaces_only_to_the_key_and_leaves_with_its_last_member(root):
+    if (why := _no_user_namespaces()) is not None:
+        pytest.skip(why)
+    pid = namespace._start_holder(root, KEY)
+    try:
+        assert int((root / "locks" / "namespace.pid").read_text()) == pid
+        with pytest.raises(RuntimeError, match="does not prove"):  # another fleet's key
+            namespace._ask_holder(root, bytes(32))
+        fds = namespace._ask_holder(root, KEY)
+        assert fds is not None and len(fds) == 2
+        theirs = {os.fstat(fd).st_ino for fd in fds}
+        ours = {os.stat(f"/proc/self/ns/{ns}").st_ino for ns in ("user", "mnt")}
+        assert theirs.isdisjoint(ours)
+        for fd in fds:
+            os.close(fd)
+        # No worker took its share of the members' lock: it leaves.
+        end = time.monotonic() + 30
+        while _alive(pid):
+            assert time.monotonic() < end, "the holder stayed with no worker in its namespace"
+            time.sleep(0.1)
+        assert not (root / "locks" / "namespace.sock").exists() and not (root / "locks" / "namespace.pid").exists()
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pid, 9)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+def _no_user_namespaces() -> str | None:
+    r = os.system("unshare -U true >/dev/null 2>&1")
+    return None if r == 0 else "user namespaces are not allowed here"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

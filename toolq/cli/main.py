@@ -104,8 +104,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     required_signer(settings.signing_key, "a worker")
     from toolq.workers.environments import agent as environments
 
-    environments.enter_namespace(settings)  # while this process has no thread: its children start inside
     hardening.harden()  # before any tool runs: its pool children, forked from here, keep it
+    environments.enter_namespace(settings)  # while this process has no thread: its children start inside
 
     os.environ["REDIS_URL"] = settings.redis_url  # pool children and the app read the same settings
     # The key lives on in the app's conf (pool children fork with it); commands get no copy of it.

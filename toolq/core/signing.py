@@ -42,6 +42,7 @@ _OUTPUT = "toolq.call-output.v1"
 _ENV_REQUEST = "envreq"
 _ENV_REPLY = "envrep"
 _PROCESS_EVENT = "toolq.process-event.v1"
+_HOST_NAMESPACE = "toolq.host-namespace.v1"
 
 
 def _reduce(o: Any) -> Any:
@@ -80,6 +81,11 @@ class Signer:
         expected = self._mac(purpose, task_id, body)
         # Constant time: a mismatch must not tell an attacker how many leading characters were right.
         return hmac.compare_digest(signature.encode("utf-8", "replace"), expected.encode())
+
+    def host_namespace_key(self) -> bytes:
+        """The key a host's namespace holder and the workers joining it prove themselves with
+        (`workers/environments/namespace.py`): derived, so that process never holds the fleet's."""
+        return bytes.fromhex(self._mac(_HOST_NAMESPACE, "", {}))
 
     # --- invocations: the orchestrator signs, the worker checks -------------------------------
 

@@ -38,7 +38,7 @@ from toolq.core.environments import (
     reply_key,
 )
 from toolq.core.settings import Settings, mask_url_password
-from toolq.core.signing import Signer
+from toolq.core.signing import Signer, signer_for
 from toolq.telemetry import metrics
 from toolq.workers.environments import archive, namespace
 from toolq.workers.environments.host import EnvError, EnvHost, update_record
@@ -93,7 +93,9 @@ def enter_namespace(settings: Settings) -> None:
     """At the worker's start, before it has threads: an unprivileged worker joins (or makes) its
     host's namespace, where it may mount its environments' overlays (`namespace.py`)."""
     global _namespace
-    _namespace = namespace.enter(env_root(settings))
+    signer = signer_for(settings.signing_key)
+    _namespace = (namespace.enter(env_root(settings), signer.host_namespace_key()) if signer is not None
+                  else "no fleet key to prove the host's namespace with")
 
 
 def setup(settings: Settings, r: redis.Redis | None = None) -> EnvHost | None:

@@ -8,8 +8,13 @@ is the host's, not a process's:
 
 - a holder process (`ns_holder.py`) makes it: a user namespace mapping the worker's uid and gid
   to themselves, and a mount namespace owned by it;
-- each worker process joins it (setns) at its start, before it has threads, and holds a shared
-  lock on `locks/namespace-members.lock` for its life; everything it starts is inside too;
+- each worker process joins it (setns) at its start, before it has threads, with descriptors the
+  holder hands over `locks/namespace.sock` once the worker proved the fleet's key (and the holder
+  proved it back): whoever holds that user namespace holds every capability in it, enough to
+  mount over the code the workers load, so no process of the user may enter it without the key
+  (the holder is not dumpable: its `/proc/<pid>/ns/*` cannot be opened, nor can it be ptraced);
+- each worker holds a shared lock on `locks/namespace-members.lock` for its life; everything it
+  starts is inside too;
 - the holder leaves once no worker holds that lock, so the namespace, and its mounts, end with
   the host's last worker; a worker started later makes a new one, and the host's reaper mounts
   the environments found whole on disk again (`EnvHost.remount`). The holder ignores the signals
@@ -34,9 +39,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import hmac
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -50,16 +57,17 @@ log = logging.getLogger("toolq.environments")
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
 
-#: The namespace this process joined (holder's pid), if any: the host mounts with `userxattr` then.
-_joined: int | None = None
+#: Whether this process joined its host's namespace: the host mounts with `userxattr` then.
+_joined = False
 #: The members lock, held open for the life of the process (its pool children share it).
 _member_fd: int | None = None
 _SOURCE: str | None = None
+_NONCE = 32
 
 
 def inside() -> bool:
     """Whether this process works in a host namespace of this module's making."""
-    return _joined is not None
+    return _joined
 
 
 def overflow_uid() -> int:
@@ -83,44 +91,50 @@ def why_not(root: Path) -> str | None:
     return None
 
 
-def enter(root: Path) -> str:
-    """Join the host's namespace under `root` (the environments' root), making it if there is none.
-    Returns what was done, for the worker's log: "joined", "made", or why not (the worker then
-    stays where it is and its environments are copies)."""
+def enter(root: Path, key: bytes) -> str:
+    """Join the host's namespace under `root` (the environments' root), making it if there is none;
+    `key` is the fleet key's `host_namespace_key`. Returns what was done, for the worker's log:
+    "joined", "made", or why not (the worker then stays where it is and its environments are
+    copies)."""
     global _joined, _member_fd
-    if _joined is not None:
+    if _joined:
         return "joined"
     root = root.absolute()
     reason = why_not(root)
     if reason is not None:
         return reason
+    holder = None
     try:
         (root / "locks").mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(root, 0o700)
         with _locked(root / "locks" / "namespace.lock"):
             made = False
-            holder = _live_holder(root)
-            if holder is None:
+            namespaces = _ask_holder(root, key)
+            if namespaces is None:
                 if _members_left(root):
                     # Its workers still mount there: a second namespace would mount their
                     # environments a second time, over the same upper dirs.
                     return ("the host's namespace lost its holder while workers still use it: stop the host's "
                             "workers, then start them again")
-                holder = _start_holder(root)
+                holder = _start_holder(root, key)
                 made = True
+                namespaces = _ask_holder(root, key)
+                if namespaces is None:
+                    raise RuntimeError("the namespace's new holder did not answer")
             try:
-                _setns(holder)
-            except OSError:
-                if made:  # nobody will join it: end it now rather than leave it to its check
-                    with contextlib.suppress(OSError):
-                        os.kill(holder, signal.SIGKILL)
-                        os.waitpid(holder, 0)
-                raise
+                _setns(namespaces)
+            finally:
+                for fd in namespaces:
+                    os.close(fd)
             member = os.open(root / "locks" / "namespace-members.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             fcntl.flock(member, fcntl.LOCK_SH)  # inherited by the pool children: released with the last
-        _joined, _member_fd = holder, member
+        _joined, _member_fd = True, member
         return "made" if made else "joined"
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        if holder is not None:  # nobody will join it: end it now rather than leave it to its check
+            with contextlib.suppress(OSError):
+                os.kill(holder, signal.SIGKILL)
+                os.waitpid(holder, 0)
         return f"no host namespace ({getattr(e, 'strerror', None) or e})"
 
 
@@ -147,32 +161,43 @@ def _members_left(root: Path) -> bool:
     return False
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time (stat's 22nd field): a pid reused by another process differs.
-    None for a process that is gone, or a zombie (a holder killed before its parent reaped it)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return None if fields[0] == b"Z" else fields[19].decode()
-    except (OSError, IndexError):
-        return None
+def _mac(key: bytes, tag: bytes, nonce: bytes) -> bytes:
+    return hmac.digest(key, tag + nonce, "sha256")
 
 
-def _live_holder(root: Path) -> int | None:
-    """The holder `namespace.pid` names, if that process still lives and holds a namespace."""
+def _ask_holder(root: Path, key: bytes) -> list[int] | None:
+    """The holder's user and mount namespaces (descriptors), or None where no holder listens.
+    Both sides prove the key: a process that took the socket's name is never joined."""
+    locks = os.open(root / "locks", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        pid_text, started = (root / "locks" / "namespace.pid").read_text().split()[:2]
-        pid = int(pid_text)
-    except (OSError, ValueError):
-        return None
-    if _start_time(pid) != started:
-        return None
-    try:
-        if os.stat(f"/proc/{pid}/ns/user").st_ino == os.stat("/proc/self/ns/user").st_ino:
-            return None
-    except OSError:
-        return None
-    return pid
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as conn:
+            conn.settimeout(10)
+            try:
+                conn.connect(f"/proc/self/fd/{locks}/namespace.sock")
+            except (FileNotFoundError, ConnectionRefusedError):
+                return None
+            theirs = _read(conn, _NONCE)
+            ours = os.urandom(_NONCE)
+            conn.sendall(_mac(key, b"join", theirs) + ours)
+            proof, fds, _, _ = socket.recv_fds(conn, 32, 2)
+    finally:
+        os.close(locks)
+    if len(theirs) != _NONCE or not hmac.compare_digest(proof, _mac(key, b"holder", ours)) or len(fds) != 2:
+        for fd in fds:
+            os.close(fd)
+        raise RuntimeError("what answers on namespace.sock does not prove this fleet's key (another fleet's holder, "
+                           "or no holder)")
+    return fds
+
+
+def _read(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def _holder_source() -> str:
@@ -184,37 +209,34 @@ def _holder_source() -> str:
     return _SOURCE
 
 
-def _start_holder(root: Path) -> int:
-    """Start a holder for `root` (its own session: it outlives this worker while others live) and
-    wait for its "ready"."""
+def _start_holder(root: Path, key: bytes) -> int:
+    """Start a holder for `root` (its own session: it outlives this worker while others live),
+    its key on its stdin, and wait for its "ready"."""
     proc = subprocess.Popen(
         [os.path.realpath(sys.executable), "-I", "-S", "-c", _holder_source(), str(root)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/",
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd="/",
         env={"PATH": "/usr/bin:/bin"}, start_new_session=True, close_fds=True)
-    assert proc.stdout is not None
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(key.hex().encode() + b"\n")
+    proc.stdin.close()
     line = proc.stdout.readline().decode(errors="replace").strip()
     proc.stdout.close()
     if line != "ready":
         proc.wait(timeout=5)
         raise RuntimeError(line or f"the namespace's holder exited {proc.returncode}")
-    started = _start_time(proc.pid)
     tmp = root / "locks" / f"namespace.pid.{os.getpid()}"
-    tmp.write_text(f"{proc.pid} {started}\n")
+    tmp.write_text(f"{proc.pid}\n")  # for its operator: the process to look for
     os.replace(tmp, root / "locks" / "namespace.pid")
-    # Not waited for by this process: it is the host's. Popen's own reaping is left to the kernel
+    # Not waited for by this process: it is the host's, and outlives it while other workers live
     # (it becomes a child of init when this worker exits).
     proc.returncode = 0
     return proc.pid
 
 
-def _setns(pid: int) -> None:
+def _setns(namespaces: list[int]) -> None:
     cwd = os.getcwd()  # setns(mnt) moves the cwd to the namespace's root; the same path is there
-    for ns, kind in (("user", _CLONE_NEWUSER), ("mnt", _CLONE_NEWNS)):
-        fd = os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            if libc.setns(fd, kind) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"setns({ns}): {os.strerror(err)}")
-        finally:
-            os.close(fd)
+    for fd, kind, ns in zip(namespaces, (_CLONE_NEWUSER, _CLONE_NEWNS), ("user", "mnt"), strict=True):
+        if libc.setns(fd, kind) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({ns}): {os.strerror(err)}")
     os.chdir(cwd)
