@@ -103,6 +103,10 @@ def setup(settings: Settings, r: redis.Redis | None = None) -> EnvHost | None:
     None (logged once) if its root cannot be used."""
     global _host
     root = env_root(settings)
+    if namespace.stranded():
+        log.warning("environments: this worker serves none (%s)", _namespace)
+        _host = None
+        return None
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         probe = root / f".probe-{os.getpid()}"

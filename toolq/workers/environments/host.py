@@ -103,11 +103,12 @@ def _overlay_xattrs() -> str:
     return "user" if namespace.inside() else "trusted"
 
 
-def _mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
+def _mount_overlay(lower: Path, upper: Path, work: Path, target: Path, xattrs: str | None = None) -> None:
     """mount(2) itself, not the mount command: in the host's namespace (`namespace.py`) only this
-    process holds the capability, and an exec'd command as a user other than root loses it."""
+    process holds the capability, and an exec'd command as a user other than root loses it.
+    `xattrs`: the attribute names overlay keeps its marks in (default: this process's)."""
     options = f"lowerdir={lower},upperdir={upper},workdir={work}"
-    if _overlay_xattrs() == "user":
+    if (xattrs or _overlay_xattrs()) == "user":
         options += ",userxattr"
     if libc.mount(b"overlay", str(target).encode(), b"overlay", 0, options.encode()) != 0:
         err = ctypes.get_errno()
@@ -419,6 +420,7 @@ class EnvHost:
         if self.mode == "overlay" and not _plain_path(root):
             self.mode = "copy"
         self._sizes: dict[str, tuple[float, int]] = {}
+        self._unmountable: set[str] = set()
         self._manifests: dict[str, archive.Manifest] = {}
 
     # --- paths and locks ---
@@ -596,9 +598,16 @@ class EnvHost:
             record.base = self.git_base(record.source.git)
         base = _base_id(record.base)
         with self._locked(record.id):
+            meta = self._meta(d)
             if self.present(record.id):
-                meta = self._meta(d) or {}
-                return meta.get("mode", self.mode)
+                return (meta or {}).get("mode", self.mode)
+            if meta is not None and meta.get("mode") == "overlay":
+                # Whole on disk (env.json is written last), only not mounted where this worker
+                # runs: mount it again, never remove a live environment's files as half-made.
+                if self._remount_locked(record.id, d):
+                    return "overlay"
+                raise EnvError(f"host {self.host}: environment {record.id} is on this host's disk but this worker "
+                               "cannot mount it; not made again")
             if d.exists():
                 self._remove(record.id)  # half-made by a process that died
             with self._base_in_use(base) as base_dir:
@@ -773,11 +782,28 @@ class EnvHost:
         if self.mode != "overlay" or meta is None or meta.get("mode") != "overlay" or str(
                 d / "merged") in _mount_points():
             return False
-        with self._locked(env_id), self._base_in_use(meta["base"]) as base_dir:
-            if self._meta(d) is None or str(d / "merged") in _mount_points():
-                return False
+        with self._locked(env_id):
+            return self._remount_locked(env_id, d)
+
+    def _remount_locked(self, env_id: str, d: Path) -> bool:
+        """`remount` under the environment's lock. It mounts as the environment was made: overlay's
+        marks in its upper dir are in the attribute names it was made with (`trusted.` as root,
+        `user.` in an unprivileged host's namespace); read with the other names, a command's own
+        `user.overlay.*` would be taken for overlay's, or overlay's missed."""
+        meta = self._meta(d)
+        if self.mode != "overlay" or meta is None or meta.get("mode") != "overlay" or str(
+                d / "merged") in _mount_points():
+            return False
+        xattrs = meta.get("xattrs", "trusted")
+        if xattrs not in ("trusted", "user") or (xattrs == "trusted" and namespace.inside()):
+            if env_id not in self._unmountable:  # said once: the reaper asks every few seconds
+                self._unmountable.add(env_id)
+                log.warning("environment %s was made by a root worker (trusted.overlay.* marks): this worker, in "
+                            "its host's namespace, cannot mount it again", env_id)
+            return False
+        with self._base_in_use(meta["base"]) as base_dir:
             try:
-                _mount_overlay(base_dir / "tree", d / "upper", d / "work", d / "merged")
+                _mount_overlay(base_dir / "tree", d / "upper", d / "work", d / "merged", xattrs)
             except OSError as e:
                 log.warning("environment %s could not be mounted again: %s", env_id, e)
                 return False

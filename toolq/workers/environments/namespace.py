@@ -59,10 +59,18 @@ _CLONE_NEWUSER = 0x10000000
 
 #: Whether this process joined its host's namespace: the host mounts with `userxattr` then.
 _joined = False
+_stranded = False
 #: The members lock, held open for the life of the process (its pool children share it).
 _member_fd: int | None = None
 _SOURCE: str | None = None
 _NONCE = 32
+
+
+def stranded() -> bool:
+    """Whether this process found its host's workers in a namespace it cannot join (the holder
+    gone): it must then serve none of the host's environments, which it can neither see mounted
+    nor mount again without mounting them twice."""
+    return _stranded
 
 
 def inside() -> bool:
@@ -114,6 +122,8 @@ def enter(root: Path, key: bytes) -> str:
                 if _members_left(root):
                     # Its workers still mount there: a second namespace would mount their
                     # environments a second time, over the same upper dirs.
+                    global _stranded
+                    _stranded = True
                     return ("the host's namespace lost its holder while workers still use it: stop the host's "
                             "workers, then start them again")
                 holder = _start_holder(root, key)
