@@ -27,11 +27,12 @@ pytestmark = pytest.mark.integration
 HOST = "hns"
 
 
-def start_workers(redis_url: str, top: Path, n: int) -> list[unprivileged.UserWorkerProcess]:
+def start_workers(redis_url: str, top: Path, n: int, host: str = HOST, tag: str = "") -> list[unprivileged.UserWorkerProcess]:
+    """`n` workers of one host as `unprivileged.OWN_IDS`, its environments under `top/envroot`."""
     workers = [unprivileged.UserWorkerProcess(
         redis_url, queues=["toolq"], concurrency=2, tools=[TEST_TOOLS], as_ids=unprivileged.OWN_IDS,
-        env={**WORKER_ENV, "TOOLQ_HOST_ID": HOST, "TOOLQ_ENV_ROOT": str(top / "envroot")}, logdir=top / "logs",
-        name=f"{HOST}{i}-{secrets.token_hex(2)}@ns") for i in range(n)]
+        env={**WORKER_ENV, "TOOLQ_HOST_ID": host, "TOOLQ_ENV_ROOT": str(top / "envroot")}, logdir=top / "logs",
+        name=f"{host}{tag}{i}-{secrets.token_hex(2)}@ns") for i in range(n)]
     for w in workers:
         w.start(wait=False)
     for w in workers:
@@ -39,12 +40,12 @@ def start_workers(redis_url: str, top: Path, n: int) -> list[unprivileged.UserWo
     return workers
 
 
-def advert(r: redis.Redis) -> HostAdvert:
+def advert(r: redis.Redis, host: str = HOST) -> HostAdvert:
     end = time.monotonic() + 60
-    while not r.exists(host_key(HOST)):
+    while not r.exists(host_key(host)):
         assert time.monotonic() < end, "the host never advertised environments"
         time.sleep(0.1)
-    return HostAdvert.model_validate_json(r.get(host_key(HOST)) or b"")
+    return HostAdvert.model_validate_json(r.get(host_key(host)) or b"")
 
 
 def holder_of(root: Path) -> int | None:
@@ -60,7 +61,10 @@ def printed(result: dict) -> list[str]:
 
 
 def children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def mount_namespace(pid: int) -> int:

@@ -20,6 +20,8 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,8 +30,10 @@ import redis
 import toolq
 from tests.integration import unprivileged
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV
+from tests.integration.test_env_namespace import advert, children, holder_of, mount_namespace
+from tests.integration.test_env_namespace import start_workers as _start_workers
 from tests.integration.test_env_worker import ask, exec_on, output, record_of
-from toolq.core.environments import HostAdvert, host_key
+from toolq.core.environments import host_key
 from toolq.workers.environments.host import _mount_points
 
 pytestmark = pytest.mark.integration
@@ -54,34 +58,54 @@ def top(tmp_path_factory):
 
 
 def start_workers(redis_url: str, top: Path, host: str, n: int, tag: str = "") -> list[unprivileged.UserWorkerProcess]:
-    workers = [unprivileged.UserWorkerProcess(
-        redis_url, queues=["toolq"], concurrency=2, tools=[TEST_TOOLS], as_ids=unprivileged.OWN_IDS,
-        env={**WORKER_ENV, "TOOLQ_HOST_ID": host, "TOOLQ_ENV_ROOT": str(top / "envroot")}, logdir=top / "logs",
-        name=f"{host}{tag}{i}-{secrets.token_hex(2)}@hns") for i in range(n)]
-    for w in workers:
-        w.start(wait=False)
-    for w in workers:
-        w.wait_ready()
-    return workers
+    return _start_workers(redis_url, top, n, host, tag)
 
 
-def advert(r: redis.Redis, host: str) -> HostAdvert:
-    end = time.monotonic() + 60
-    while not r.exists(host_key(host)):
-        assert time.monotonic() < end, "the host never advertised environments"
-        time.sleep(0.1)
-    return HostAdvert.model_validate_json(r.get(host_key(host)) or b"")
+def root_worker_of(redis_url: str, top: Path, host: str):  # -> WorkerProcess
+    """The host's files given to root (`chown -R`, as an operator would), and a root worker of it."""
+    from toolq.local.embedded import WorkerProcess
+
+    subprocess.run(["chown", "-R", "0:0", str(top)], check=True)
+    logs = top / "root-logs"
+    logs.mkdir(exist_ok=True)
+    worker = WorkerProcess(redis_url, queues=["toolq"], concurrency=2, tools=[TEST_TOOLS],
+                           env={**WORKER_ENV, "TOOLQ_HOST_ID": host, "TOOLQ_ENV_ROOT": str(top / "envroot")},
+                           logdir=logs, name=f"{host}root-{secrets.token_hex(2)}@hns")
+    worker.start()
+    return worker
 
 
-def holder_of(root: Path) -> int | None:
+def made_on(r: redis.Redis, host: str, tmp_path: Path, text: str):  # -> EnvironmentRecord
+    """An environment of a project holding a.txt (`text`), made on `host` (an overlay host)."""
+    assert advert(r, host).mode == "overlay"
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "a.txt").write_text(text)
+    env = record_of(r, folder, host)
+    assert ask(r, "create", env).ok
+    return env
+
+
+@contextmanager
+def stranded(redis_url: str, r: redis.Redis, top: Path, host: str, tmp_path: Path) -> Iterator[tuple]:
+    """A host's first worker with an environment whose command left kept.txt, its holder then
+    SIGKILLed, and a second worker started after: yields (first, second, environment)."""
+    root = top / "envroot"
+    (first,) = start_workers(redis_url, top, host, 1, "a")
+    second = None
     try:
-        return int((root / "locks" / "namespace.pid").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def mount_namespace(pid: int) -> int:
-    return os.stat(f"/proc/{pid}/ns/mnt").st_ino
+        env = made_on(r, host, tmp_path, "from the base\n")
+        made = exec_on(redis_url, host, env, "echo kept > kept.txt && echo DONE")
+        assert "DONE" in output(made), made
+        holder = holder_of(root)
+        assert holder is not None
+        os.kill(holder, signal.SIGKILL)
+        (second,) = start_workers(redis_url, top, host, 1, "b")
+        yield first, second, env
+    finally:
+        for w in (first, second):
+            if w is not None:
+                w.stop(grace=3)
 
 
 def overlay_lines(pid: int, merged: Path) -> list[str]:
@@ -91,13 +115,6 @@ def overlay_lines(pid: int, merged: Path) -> list[str]:
     except OSError:
         return []
     return [line for line in text.splitlines() if f" {merged} " in line and " - overlay " in line]
-
-
-def children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def cmdline(pid: int) -> bytes:
@@ -281,23 +298,9 @@ def test_a_process_inside_the_namespace_cannot_borrow_the_holders_capabilities(r
 # ---- the holder dies while a worker lives -------------------------------------------------------------
 
 def test_a_holder_that_died_early_never_leaves_an_environment_mounted_twice(redis_env, r, top, tmp_path):
-    host, root = "hnsd", top / "envroot"
-    (first,) = start_workers(redis_env.url, top, host, 1, "a")
-    second = None
-    try:
-        assert advert(r, host).mode == "overlay"
-        folder = tmp_path / "project"
-        folder.mkdir()
-        (folder / "a.txt").write_text("from the base\n")
-        env = record_of(r, folder, host)
-        assert ask(r, "create", env).ok
-        made = exec_on(redis_env.url, host, env, "echo kept > kept.txt && echo DONE")
-        assert "DONE" in output(made), made
-        merged = root / "envs" / env.id / "merged"
-        holder = holder_of(root)
-        assert holder is not None and overlay_lines(first.pid, merged)
-        os.kill(holder, signal.SIGKILL)
-        (second,) = start_workers(redis_env.url, top, host, 1, "b")
+    with stranded(redis_env.url, r, top, "hnsd", tmp_path) as (first, second, env):
+        merged = top / "envroot" / "envs" / env.id / "merged"
+        assert overlay_lines(first.pid, merged)
         end = time.monotonic() + 30  # the reaper runs every 5 s
         while not overlay_lines(second.pid, merged) and time.monotonic() < end:
             time.sleep(0.5)
@@ -314,10 +317,6 @@ def test_a_holder_that_died_early_never_leaves_an_environment_mounted_twice(redi
                                    capture_output=True, text=True, timeout=30)
             evidence["first_mount_write"] = (wrote.stdout, wrote.stderr)
         assert not mounted_twice, evidence
-    finally:
-        for w in (first, second):
-            if w is not None:
-                w.stop(grace=3)
 
 
 # ---- a model's commands ---------------------------------------------------------------------------------
@@ -489,14 +488,7 @@ def test_an_environment_made_in_the_namespace_and_remounted_by_root_is_checkpoin
         time.sleep(0.2)
     r.delete(host_key(host))
     # The operator gives the host's files to the new worker's user, root.
-    subprocess.run(["chown", "-R", "0:0", str(top)], check=True)
-    from toolq.local.embedded import WorkerProcess
-    logs = top / "root-logs"
-    logs.mkdir()
-    root_worker = WorkerProcess(redis_env.url, queues=["toolq"], concurrency=2, tools=[TEST_TOOLS],
-                                env={**WORKER_ENV, "TOOLQ_HOST_ID": host, "TOOLQ_ENV_ROOT": str(root)}, logdir=logs,
-                                name=f"{host}root-{secrets.token_hex(2)}@hns")
-    root_worker.start()
+    root_worker = root_worker_of(redis_env.url, top, host)
     try:
         merged = root / "envs" / env.id / "merged"
         end = time.monotonic() + 30  # the reaper mounts it again within 5 s
@@ -525,14 +517,7 @@ def test_an_environment_made_by_root_is_not_mounted_again_in_the_namespace_with_
     command removed and made again showed the base's files once more. Such a worker does not
     mount it again: its calls are answered not run and its files stay as the commands left them."""
     host, root = "hnsr", top / "envroot"
-    subprocess.run(["chown", "-R", "0:0", str(top)], check=True)  # root's host first
-    from toolq.local.embedded import WorkerProcess
-    logs = top / "root-logs"
-    logs.mkdir()
-    root_worker = WorkerProcess(redis_env.url, queues=["toolq"], concurrency=2, tools=[TEST_TOOLS],
-                                env={**WORKER_ENV, "TOOLQ_HOST_ID": host, "TOOLQ_ENV_ROOT": str(root)}, logdir=logs,
-                                name=f"{host}root-{secrets.token_hex(2)}@hns")
-    root_worker.start()
+    root_worker = root_worker_of(redis_env.url, top, host)  # root's host first
     try:
         assert advert(r, host).mode == "overlay"
         folder = tmp_path / "project"
@@ -571,21 +556,7 @@ def test_a_worker_stranded_beside_the_namespaces_workers_neither_refuses_nor_end
     request of one that exists (idempotent: an orchestrator's retry), reach the namespace's
     workers and never take the environment for lost or half-made."""
     host, root = "hnsx", top / "envroot"
-    (first,) = start_workers(redis_env.url, top, host, 1, "a")
-    second = None
-    try:
-        assert advert(r, host).mode == "overlay"
-        folder = tmp_path / "project"
-        folder.mkdir()
-        (folder / "a.txt").write_text("from the base\n")
-        env = record_of(r, folder, host)
-        assert ask(r, "create", env).ok
-        made = exec_on(redis_env.url, host, env, "echo kept > kept.txt && echo DONE")
-        assert "DONE" in output(made), made
-        holder = holder_of(root)
-        assert holder is not None
-        os.kill(holder, signal.SIGKILL)
-        (second,) = start_workers(redis_env.url, top, host, 1, "b")
+    with stranded(redis_env.url, r, top, host, tmp_path) as (_, second, env):
         end = time.monotonic() + 30
         while "this worker serves none" not in second.log.read_text():
             assert time.monotonic() < end, second.log.read_text()[-2000:]
@@ -603,10 +574,6 @@ def test_a_worker_stranded_beside_the_namespaces_workers_neither_refuses_nor_end
         assert not refused and all(a.ok for a in again) and printed(after).split() == ["kept", "from", "the", "base"], (
             refused, [(a.ok, a.mode, a.error) for a in again], output(after), upper.exists())
         assert ask(r, "destroy", env).ok
-    finally:
-        for w in (first, second):
-            if w is not None:
-                w.stop(grace=3)
 
 
 #: JOIN_AND_OVERMOUNT through whichever of the given processes lets this process of the uid open
@@ -657,12 +624,7 @@ def test_while_a_session_runs_no_process_in_the_hosts_namespace_lets_a_local_pro
     host = "hnso"
     (worker,) = start_workers(redis_env.url, top, host, 1)
     try:
-        assert advert(r, host).mode == "overlay"
-        folder = tmp_path / "project"
-        folder.mkdir()
-        (folder / "a.txt").write_text("a\n")
-        env = record_of(r, folder, host)
-        assert ask(r, "create", env).ok
+        env = made_on(r, host, tmp_path, "a\n")
         from tests.integration.test_env_worker import live_conversation
 
         started = exec_on(redis_env.url, host, env, "sleep 60", conversation=live_conversation(r), yield_ms=500)

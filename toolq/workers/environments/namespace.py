@@ -51,6 +51,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from toolq.core.libc import libc
+from toolq.workers.environments import ns_holder
 
 log = logging.getLogger("toolq.environments")
 
@@ -63,7 +64,6 @@ _stranded = False
 #: The members lock, held open for the life of the process (its pool children share it).
 _member_fd: int | None = None
 _SOURCE: str | None = None
-_NONCE = 32
 
 
 def stranded() -> bool:
@@ -171,10 +171,6 @@ def _members_left(root: Path) -> bool:
     return False
 
 
-def _mac(key: bytes, tag: bytes, nonce: bytes) -> bytes:
-    return hmac.digest(key, tag + nonce, "sha256")
-
-
 def _ask_holder(root: Path, key: bytes) -> list[int] | None:
     """The holder's user and mount namespaces (descriptors), or None where no holder listens.
     Both sides prove the key: a process that took the socket's name is never joined."""
@@ -186,13 +182,14 @@ def _ask_holder(root: Path, key: bytes) -> list[int] | None:
                 conn.connect(f"/proc/self/fd/{locks}/namespace.sock")
             except (FileNotFoundError, ConnectionRefusedError):
                 return None
-            theirs = _read(conn, _NONCE)
-            ours = os.urandom(_NONCE)
-            conn.sendall(_mac(key, b"join", theirs) + ours)
+            theirs = ns_holder.read_exactly(conn, ns_holder.NONCE)
+            ours = os.urandom(ns_holder.NONCE)
+            conn.sendall(ns_holder.mac(key, b"join", theirs) + ours)
             proof, fds, _, _ = socket.recv_fds(conn, 32, 2)
     finally:
         os.close(locks)
-    if len(theirs) != _NONCE or not hmac.compare_digest(proof, _mac(key, b"holder", ours)) or len(fds) != 2:
+    if len(theirs) != ns_holder.NONCE or not hmac.compare_digest(proof, ns_holder.mac(key, b"holder", ours)) \
+            or len(fds) != 2:
         for fd in fds:
             os.close(fd)
         raise RuntimeError("what answers on namespace.sock does not prove this fleet's key (another fleet's holder, "
@@ -200,21 +197,9 @@ def _ask_holder(root: Path, key: bytes) -> list[int] | None:
     return fds
 
 
-def _read(conn: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
 def _holder_source() -> str:
     global _SOURCE
     if _SOURCE is None:
-        from toolq.workers.environments import ns_holder
-
         _SOURCE = Path(ns_holder.__file__).read_text()
     return _SOURCE
 

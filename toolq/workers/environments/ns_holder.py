@@ -1,6 +1,7 @@
 """The process that holds a host's namespace for unprivileged overlays (`namespace.py`).
 
-It reaches its process as `python -I -S -c SOURCE ROOT`, with no environment but PATH, and its key
+Importing it runs nothing (the worker's side takes `mac`, `read_exactly` and `NONCE` from it). It
+reaches its process as `python -I -S -c SOURCE ROOT`, with no environment but PATH, and its key
 (the fleet key's derived `host_namespace_key`, hex) as the first line of stdin: it imports only the
 standard library. It is not dumpable, so no process of its user can ptrace it or open its
 `/proc/<pid>/ns/*`: the namespace's user namespace is the user's own, and whoever entered it would
@@ -82,15 +83,16 @@ def _serve(conn, key, namespaces):
     try:
         nonce = os.urandom(NONCE)
         conn.sendall(nonce)
-        got = _read(conn, 32 + NONCE)
-        if len(got) != 32 + NONCE or not hmac.compare_digest(got[:32], _mac(key, b"join", nonce)):
+        got = read_exactly(conn, 32 + NONCE)
+        if len(got) != 32 + NONCE or not hmac.compare_digest(got[:32], mac(key, b"join", nonce)):
             return
-        socket.send_fds(conn, [_mac(key, b"holder", got[32:])], namespaces)
+        socket.send_fds(conn, [mac(key, b"holder", got[32:])], namespaces)
     except OSError:
         return
 
 
-def _read(conn, n):
+def read_exactly(conn, n):
+    """`n` bytes from `conn`, or fewer where it closed (the worker's side reads with this too)."""
     data = b""
     while len(data) < n:
         chunk = conn.recv(n - len(data))
@@ -100,7 +102,7 @@ def _read(conn, n):
     return data
 
 
-def _mac(key, tag, nonce):
+def mac(key, tag, nonce):
     return hmac.digest(key, tag + nonce, "sha256")
 
 
