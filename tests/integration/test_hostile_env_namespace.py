@@ -41,7 +41,7 @@ pytestmark = pytest.mark.integration
 UID, GID = unprivileged.OWN_IDS
 PYTHON = "/usr/bin/python3"
 #: A string only the holder's command line holds (its source is its `-c` argument).
-HOLDER_MARK = "namespace-members.lock"
+HOLDER_MARK = "a process traces the holder"
 
 
 @pytest.fixture
@@ -399,38 +399,60 @@ print("END")
         worker.stop(grace=3)
 
 
-# ---- a planted namespace.pid ----------------------------------------------------------------------------
+# ---- a squatter on the holder's socket -------------------------------------------------------------------
 
-def test_a_worker_never_joins_a_namespace_of_another_users_process_named_in_namespace_pid(redis_env, r, top):
-    """Whoever may write the host's locks (root, a process of the uid) names a process of another
-    uid that holds a user and mount namespace of its own: the worker must not end up in it. (At
-    492d8ca the worker read namespace.pid and its setns was refused by the kernel; since ef14672 the
-    file is only for the operator, and the namespace comes over namespace.sock, with the key.)"""
-    host, root = "hnsf", top / "envroot"
-    other = subprocess.Popen(["setpriv", f"--reuid={unprivileged.OTHER_UID}", f"--regid={unprivileged.OTHER_UID}",
-                              "--clear-groups", "--inh-caps=-all", "--", "unshare", "--user", "--mount",
-                              "--map-current-user", "--", "sleep", "120"], cwd="/")
-    worker = None
+SQUAT = r"""
+import os, socket, sys
+path = sys.argv[1]
+os.unlink(path) if os.path.exists(path) else None
+server = socket.socket(socket.AF_UNIX)
+server.bind(path)
+server.listen(4)
+print("listening", flush=True)
+mine = [os.open("/proc/self/ns/user", os.O_RDONLY), os.open("/proc/self/ns/mnt", os.O_RDONLY)]
+while True:
+    conn, _ = server.accept()
+    with conn:
+        conn.sendall(os.urandom(32))
+        conn.recv(64)
+        socket.send_fds(conn, [b"\0" * 32], mine)
+"""
+
+
+def test_a_squatter_on_the_holders_socket_strands_the_next_worker_and_is_never_joined(redis_env, r, top):
+    """The holder killed, a process of the uid takes its socket's name and answers every join with
+    descriptors of its own namespaces and a proof it cannot make (no fleet key). A worker started
+    then is neither joined to the squatter's namespaces nor made a second namespace beside the
+    living worker's: it is stranded (serves no environment) and says so."""
+    host, root = "hnsq", top / "envroot"
+    (first,) = start_workers(redis_env.url, top, host, 1, "a")
+    squatter = second = None
     try:
-        end = time.monotonic() + 10
-        while os.stat(f"/proc/{other.pid}/ns/user").st_ino == os.stat("/proc/self/ns/user").st_ino:
-            assert time.monotonic() < end, "the other user's namespace was never made"
-            time.sleep(0.05)
-        started = Path(f"/proc/{other.pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[19].decode()
-        (root / "locks").mkdir(parents=True, mode=0o700)
-        for d in (root, root / "locks"):
-            os.chown(d, UID, GID)
-        (root / "locks" / "namespace.pid").write_text(f"{other.pid} {started}\n")
-        os.chown(root / "locks" / "namespace.pid", UID, GID)
-        (worker,) = start_workers(redis_env.url, top, host, 1)
-        advert(r, host)
-        assert mount_namespace(worker.pid) != mount_namespace(other.pid)
-        assert os.stat(f"/proc/{worker.pid}/ns/user").st_ino != os.stat(f"/proc/{other.pid}/ns/user").st_ino
+        assert advert(r, host).mode == "overlay"
+        holder = holder_of(root)
+        assert holder is not None
+        (sock,) = (root / "locks").glob("namespace-*.sock")
+        os.kill(holder, signal.SIGKILL)
+        squatter = subprocess.Popen(["setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups",
+                                     "--inh-caps=-all", "--", "unshare", "--user", "--mount", "--map-current-user", "--",
+                                     PYTHON, "-I", "-S", "-c", SQUAT, str(sock)],
+                                    stdout=subprocess.PIPE, text=True, cwd="/", env={"PATH": "/usr/bin:/bin"})
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "listening"
+        (second,) = start_workers(redis_env.url, top, host, 1, "b")
+        end = time.monotonic() + 30
+        while "this worker serves none" not in second.log.read_text():
+            assert time.monotonic() < end, second.log.read_text()[-2000:]
+            time.sleep(0.2)
+        assert "does not prove this fleet's key" in second.log.read_text()
+        assert mount_namespace(second.pid) != mount_namespace(squatter.pid)
+        assert os.stat(f"/proc/{second.pid}/ns/user").st_ino != os.stat(f"/proc/{squatter.pid}/ns/user").st_ino
     finally:
-        if worker is not None:
-            worker.stop(grace=3)
-        other.kill()
-        other.wait()
+        for w in (first, second):
+            if w is not None:
+                w.stop(grace=3)
+        if squatter is not None:
+            squatter.kill()
+            squatter.wait()
 
 
 # ---- the holder's end --------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ takes the descriptors and never joins."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import threading
@@ -17,12 +18,14 @@ import pytest
 from toolq.workers.environments import namespace
 
 KEY = bytes(range(32))
+FLEET = "f" * 16
+NAME = namespace.name_of(FLEET)
 
 
 def test_root_and_the_overflow_uid_stay_in_their_own_namespace(monkeypatch, tmp_path):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     assert "root" in (namespace.why_not(tmp_path) or "")
-    assert namespace.enter(tmp_path, KEY) == namespace.why_not(tmp_path)
+    assert namespace.enter(tmp_path, KEY, FLEET) == namespace.why_not(tmp_path)
     assert not namespace.inside()
     monkeypatch.setattr(os, "geteuid", lambda: namespace.overflow_uid())
     monkeypatch.setattr(os, "getuid", lambda: namespace.overflow_uid())
@@ -40,16 +43,16 @@ def root(tmp_path):
 
 
 def test_no_holder_listening_is_none(root):
-    assert namespace._ask_holder(root, KEY) is None
-    (root / "locks" / "namespace.sock").write_text("")  # a stale name, nothing listening
-    assert namespace._ask_holder(root, KEY) is None
+    assert namespace._ask_holder(root, NAME, KEY) is None
+    (root / "locks" / f"{NAME}.sock").write_text("")  # a stale name, nothing listening
+    assert namespace._ask_holder(root, NAME, KEY) is None
 
 
 def test_a_squatter_on_the_holders_socket_is_never_joined(root):
     """A process of the user that took the socket's name and hands over descriptors of its own
     namespaces does not know the key: its proof is refused and its descriptors closed."""
     server = socket.socket(socket.AF_UNIX)
-    server.bind(str(root / "locks" / "namespace.sock"))
+    server.bind(str(root / "locks" / f"{NAME}.sock"))
     server.listen(1)
     offered = [os.open("/proc/self/ns/user", os.O_RDONLY), os.open("/proc/self/ns/mnt", os.O_RDONLY)]
 
@@ -63,7 +66,7 @@ def test_a_squatter_on_the_holders_socket_is_never_joined(root):
     t = threading.Thread(target=squat)
     t.start()
     with pytest.raises(RuntimeError, match="does not prove this fleet's key"):
-        namespace._ask_holder(root, KEY)
+        namespace._ask_holder(root, NAME, KEY)
     t.join()
     server.close()
     for fd in offered:
@@ -73,12 +76,12 @@ def test_a_squatter_on_the_holders_socket_is_never_joined(root):
 def test_a_holder_hands_its_namespaces_only_to_the_key_and_leaves_with_its_last_member(root):
     if (why := _no_user_namespaces()) is not None:
         pytest.skip(why)
-    pid = namespace._start_holder(root, KEY)
+    pid = namespace._start_holder(root, NAME, KEY)
     try:
-        assert int((root / "locks" / "namespace.pid").read_text()) == pid
+        assert int((root / "locks" / f"{NAME}.pid").read_text()) == pid
         with pytest.raises(RuntimeError, match="does not prove"):  # another fleet's key
-            namespace._ask_holder(root, bytes(32))
-        fds = namespace._ask_holder(root, KEY)
+            namespace._ask_holder(root, NAME, bytes(32))
+        fds = namespace._ask_holder(root, NAME, KEY)
         assert fds is not None and len(fds) == 2
         theirs = {os.fstat(fd).st_ino for fd in fds}
         ours = {os.stat(f"/proc/self/ns/{ns}").st_ino for ns in ("user", "mnt")}
@@ -90,7 +93,7 @@ def test_a_holder_hands_its_namespaces_only_to_the_key_and_leaves_with_its_last_
         while _alive(pid):
             assert time.monotonic() < end, "the holder stayed with no worker in its namespace"
             time.sleep(0.1)
-        assert not (root / "locks" / "namespace.sock").exists() and not (root / "locks" / "namespace.pid").exists()
+        assert not (root / "locks" / f"{NAME}.sock").exists() and not (root / "locks" / f"{NAME}.pid").exists()
     finally:
         with contextlib.suppress(OSError):
             os.kill(pid, 9)
@@ -108,3 +111,43 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_join_that_fails_while_the_hosts_workers_live_strands_this_one(monkeypatch, root):
+    """Whatever keeps it out (no holder, a holder that does not prove the key, one that is
+    silent), a worker that finds others still in the namespace serves no environment."""
+    monkeypatch.setattr(namespace, "why_not", lambda _: None)
+    monkeypatch.setattr(namespace, "_stranded", False)
+    member = os.open(root / "locks" / f"{NAME}-members.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(member, fcntl.LOCK_SH)  # a worker inside
+    try:
+        def refused(*_):
+            raise RuntimeError("what answers on the namespace's socket does not prove this fleet's key")
+
+        monkeypatch.setattr(namespace, "_ask_holder", refused)
+        said = namespace.enter(root, KEY, FLEET)
+        assert namespace.stranded() and not namespace.inside()
+        assert "cannot be joined while workers still use it" in said and "does not prove" in said
+    finally:
+        os.close(member)
+    # With nobody inside, the same refusal is no stranding: a new holder is made (here: refused too).
+    monkeypatch.setattr(namespace, "_stranded", False)
+    def no_holder(*_):
+        raise RuntimeError("no holder")
+
+    monkeypatch.setattr(namespace, "_start_holder", no_holder)
+    assert namespace.enter(root, KEY, FLEET).startswith("no host namespace") and not namespace.stranded()
+
+
+def test_a_process_half_in_its_hosts_namespace_stops(monkeypatch):
+    calls = []
+
+    class Libc:
+        def setns(self, fd, kind):
+            calls.append(kind)
+            return 0 if len(calls) == 1 else -1
+
+    monkeypatch.setattr(namespace, "libc", Libc())
+    with pytest.raises(namespace.HalfJoined, match="user namespace but not its mount namespace"):
+        namespace._setns([10, 11])
+    assert len(calls) == 2

@@ -94,8 +94,8 @@ def enter_namespace(settings: Settings) -> None:
     host's namespace, where it may mount its environments' overlays (`namespace.py`)."""
     global _namespace
     signer = signer_for(settings.signing_key)
-    _namespace = (namespace.enter(env_root(settings), signer.host_namespace_key()) if signer is not None
-                  else "no fleet key to prove the host's namespace with")
+    _namespace = (namespace.enter(env_root(settings), signer.host_namespace_key(), fleet_of(settings))
+                  if signer is not None else "no fleet key to prove the host's namespace with")
 
 
 def setup(settings: Settings, r: redis.Redis | None = None) -> EnvHost | None:

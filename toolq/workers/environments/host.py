@@ -142,14 +142,9 @@ def _unmount(path: Path) -> None:
         libc.umount2(str(path).encode(), _MNT_DETACH)
 
 
-def _plain_path(path: Path) -> bool:
-    """Whether a path can go in overlay's options (a comma or colon would split them)."""
-    return not any(c in str(path) for c in ",:\\\n")
-
-
 def can_mount_overlay(scratch: Path) -> bool:
     """Whether this process may mount an overlay here (root, or CAP_SYS_ADMIN): tried once."""
-    if not _plain_path(scratch):
+    if not namespace.plain_path(scratch):
         return False
     try:
         top = Path(tempfile.mkdtemp(dir=scratch, prefix=".probe-"))
@@ -417,7 +412,7 @@ class EnvHost:
             (root / d).mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(root, 0o700)
         self.mode: EnvMode = mode or ("overlay" if can_mount_overlay(root / "tmp") else "copy")
-        if self.mode == "overlay" and not _plain_path(root):
+        if self.mode == "overlay" and not namespace.plain_path(root):
             self.mode = "copy"
         self._sizes: dict[str, tuple[float, int]] = {}
         self._unmountable: set[str] = set()
@@ -795,6 +790,8 @@ class EnvHost:
                 d / "merged") in _mount_points():
             return False
         xattrs = meta.get("xattrs", "trusted")
+        if xattrs == "user" and not namespace.inside() and namespace.members_left(self.root, self.fleet):
+            return False  # a root worker beside the namespace's workers: they hold it mounted there
         if xattrs not in ("trusted", "user") or (xattrs == "trusted" and namespace.inside()):
             if env_id not in self._unmountable:  # said once: the reaper asks every few seconds
                 self._unmountable.add(env_id)

@@ -21,6 +21,7 @@ from typing import IO, TYPE_CHECKING
 
 from toolq.core import import_path, trusted_files
 from toolq.core.errors import ConfigurationError
+from toolq.workers.environments import namespace
 from toolq.workers.mcp.backoff import Backoff
 from toolq.workers.mcp.wire import Listing
 
@@ -58,7 +59,8 @@ class HostProcess:
             try:
                 proc = subprocess.Popen(import_path.python_argv("-m", "toolq.workers.mcp.host", self.path),
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_to, env=self.env,
-                                        cwd=import_path.NEUTRAL_CWD, start_new_session=True)
+                                        cwd=import_path.NEUTRAL_CWD, start_new_session=True,
+                                        pass_fds=namespace.member_fds())  # keeps its host's namespace
             finally:
                 if log_to is not None:
                     log_to.close()

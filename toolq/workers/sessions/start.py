@@ -18,6 +18,7 @@ import threading
 
 from toolq.core import import_path
 from toolq.core.libc import die_with_parent
+from toolq.workers.environments import namespace
 from toolq.workers.isolation import limits
 from toolq.workers.sessions import host_client
 from toolq.workers.sessions.host_client import SOCKET_ENV
@@ -46,7 +47,7 @@ def _launch(path: str, env: dict[str, str]) -> subprocess.Popen:
         os.unlink(path)
     host = subprocess.Popen(import_path.python_argv("-m", "toolq.workers.sessions.host"), env=env,
                             cwd=import_path.NEUTRAL_CWD, stdout=subprocess.PIPE, stdin=subprocess.PIPE,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=_die_with_parent, pass_fds=namespace.member_fds())
     assert host.stdin is not None
     try:
         host.stdin.write(_key + b"\n")
