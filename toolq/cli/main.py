@@ -85,6 +85,18 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     )
 
 
+def _enter_host_namespace(settings: Settings) -> None:
+    """An unprivileged worker joins its host's namespace, where its environments' overlays are
+    mounted (`workers/environments/namespace.py`). A worker package of an older release under
+    this command line (a mixed-version fleet, tests/integration/test_mixed_versions.py) has no
+    environments, and nothing to join."""
+    try:
+        from toolq.workers.environments import agent
+    except ModuleNotFoundError:
+        return
+    agent.enter_namespace(settings)
+
+
 def _cmd_worker(args: argparse.Namespace) -> int:
     from toolq.core.settings import Settings
 
@@ -102,10 +114,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from toolq.workers import hardening
 
     required_signer(settings.signing_key, "a worker")
-    from toolq.workers.environments import agent as environments
-
     hardening.harden()  # before any tool runs: its pool children, forked from here, keep it
-    environments.enter_namespace(settings)  # while this process has no thread: its children start inside
+    _enter_host_namespace(settings)  # while this process has no thread: its children start inside
 
     os.environ["REDIS_URL"] = settings.redis_url  # pool children and the app read the same settings
     # The key lives on in the app's conf (pool children fork with it); commands get no copy of it.
