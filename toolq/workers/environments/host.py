@@ -773,12 +773,17 @@ class EnvHost:
         """An overlay environment whose mount is gone (the machine restarted, or the worker runs in a
         new mount namespace) while its files are whole on disk is mounted again. True if it was."""
         d = self.env_dir(env_id)
-        meta = self._meta(d)
-        if self.mode != "overlay" or meta is None or meta.get("mode") != "overlay" or str(
-                d / "merged") in _mount_points():
+        if not self._unmounted_overlay(d, self._meta(d)):
             return False
         with self._locked(env_id):
             return self._remount_locked(env_id, d)
+
+    def _unmounted_overlay(self, d: Path, meta: dict[str, Any] | None) -> bool:
+        """An overlay environment whole on this host's disk, not mounted where this process runs.
+        Asked of every environment at each reap: two stats, not a read of mountinfo (which grows
+        with every environment mounted)."""
+        return (self.mode == "overlay" and meta is not None and meta.get("mode") == "overlay"
+                and not _is_mount(d / "merged"))
 
     def _remount_locked(self, env_id: str, d: Path) -> bool:
         """`remount` under the environment's lock. It mounts as the environment was made: overlay's
@@ -786,8 +791,7 @@ class EnvHost:
         `user.` in an unprivileged host's namespace); read with the other names, a command's own
         `user.overlay.*` would be taken for overlay's, or overlay's missed."""
         meta = self._meta(d)
-        if self.mode != "overlay" or meta is None or meta.get("mode") != "overlay" or str(
-                d / "merged") in _mount_points():
+        if meta is None or not self._unmounted_overlay(d, meta):
             return False
         xattrs = meta.get("xattrs", "trusted")
         if xattrs == "user" and not namespace.inside() and namespace.members_left(self.root, self.fleet):

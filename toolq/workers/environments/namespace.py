@@ -41,7 +41,6 @@ import contextlib
 import ctypes
 import fcntl
 import hmac
-import logging
 import os
 import select
 import signal
@@ -55,8 +54,6 @@ from pathlib import Path
 
 from toolq.core.libc import libc
 from toolq.workers.environments import ns_holder
-
-log = logging.getLogger("toolq.environments")
 
 #: Whether this process joined its host's namespace: the host mounts with `userxattr` then.
 _joined = False
