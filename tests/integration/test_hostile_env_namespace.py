@@ -75,6 +75,19 @@ def root_worker_of(redis_url: str, top: Path, host: str):  # -> WorkerProcess
     return worker
 
 
+@contextmanager
+def overlay_worker(redis_url: str, r: redis.Redis, top: Path, host: str) -> Iterator[tuple]:
+    """One worker of `host` in its host's namespace (an overlay host), and the namespace's holder."""
+    (worker,) = start_workers(redis_url, top, host, 1)
+    try:
+        assert advert(r, host).mode == "overlay"
+        holder = holder_of(top / "envroot")
+        assert holder is not None
+        yield worker, holder
+    finally:
+        worker.stop(grace=3)
+
+
 def made_on(r: redis.Redis, host: str, tmp_path: Path, text: str):  # -> EnvironmentRecord
     """An environment of a project holding a.txt (`text`), made on `host` (an overlay host)."""
     assert advert(r, host).mode == "overlay"
@@ -181,11 +194,7 @@ def test_a_local_process_of_the_uid_cannot_mount_in_the_hosts_namespace_nor_run_
     key. Closed by ef14672 (the holder not dumpable, the namespace handed over a socket only to a
     worker that proves the fleet's key)."""
     host = "hnsj"
-    (worker,) = start_workers(redis_env.url, top, host, 1)
-    try:
-        assert advert(r, host).mode == "overlay"
-        holder = holder_of(top / "envroot")
-        assert holder is not None
+    with overlay_worker(redis_env.url, r, top, host) as (worker, holder):
         session_hosts = [c for c in children(worker.pid) if b"toolq.workers.sessions.host" in cmdline(c)]
         assert session_hosts, "the worker's session host was not found"
         # The attacker's own files, where its uid reaches them.
@@ -202,8 +211,6 @@ def test_a_local_process_of_the_uid_cannot_mount_in_the_hosts_namespace_nor_run_
         stolen = json.loads(marker.read_text()) if marker.exists() else None
         assert "MOUNTED" not in done.stdout and stolen is None, (done.stdout, done.stderr, stolen)
         shutil.rmtree(mine, ignore_errors=True)
-    finally:
-        worker.stop(grace=3)
 
 
 #: From inside the host's user namespace (where an MCP server of the worker runs, with no
@@ -267,11 +274,7 @@ def test_a_process_inside_the_namespace_cannot_borrow_the_holders_capabilities(r
     it them through ptrace; the kernel refuses a tracer whose permitted capabilities are not a
     superset of the tracee's (commoncap), so the attach fails and nothing is mounted."""
     host = "hnsp"
-    (worker,) = start_workers(redis_env.url, top, host, 1)
-    try:
-        assert advert(r, host).mode == "overlay"
-        holder = holder_of(top / "envroot")
-        assert holder is not None
+    with overlay_worker(redis_env.url, r, top, host) as (worker, holder):
         mine = unprivileged.owned_dir("toolq-ns-attacker-", unprivileged.OWN_IDS)
         (mine / "planted").write_text("planted by a process of the uid\n")
         os.chown(mine / "planted", UID, GID)
@@ -291,8 +294,6 @@ def test_a_process_inside_the_namespace_cannot_borrow_the_holders_capabilities(r
                               capture_output=True, text=True, timeout=30)
         assert holder_of(top / "envroot") == holder and os.path.exists(f"/proc/{holder}")
         assert "MOUNTED" not in done.stdout and "planted" not in seen.stdout, (done.stdout, done.stderr, seen.stdout)
-    finally:
-        worker.stop(grace=3)
 
 
 # ---- the holder dies while a worker lives -------------------------------------------------------------
@@ -324,11 +325,7 @@ def test_a_holder_that_died_early_never_leaves_an_environment_mounted_twice(redi
 def test_a_command_neither_sees_nor_joins_the_holder_and_overlays_marks_it_sets_mean_nothing(redis_env, r, top,
                                                                                            tmp_path):
     host, root = "hnsc", top / "envroot"
-    (worker,) = start_workers(redis_env.url, top, host, 1)
-    try:
-        assert advert(r, host).mode == "overlay"
-        holder = holder_of(root)
-        assert holder is not None
+    with overlay_worker(redis_env.url, r, top, host) as (worker, holder):
         folder = tmp_path / "project"
         (folder / "dir").mkdir(parents=True)
         (folder / "dir" / "b.txt").write_text("b\n")
@@ -395,8 +392,6 @@ print("END")
         seen = exec_on(redis_env.url, host, env, "cat a.txt dir/b.txt gone.txt")
         assert printed(seen).split() == ["a", "b", "gone"], seen
         assert ask(r, "destroy", env).ok
-    finally:
-        worker.stop(grace=3)
 
 
 # ---- a squatter on the holder's socket -------------------------------------------------------------------
