@@ -4,6 +4,7 @@ by a second environment, destroyed to nothing, refused past the disk cap, reaped
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from toolq.core.environments import (
     new_environment_id,
 )
 from toolq.workers.environments import archive
-from toolq.workers.environments.host import EnvError, EnvHost, _mount_points
+from toolq.workers.environments.host import EnvBusy, EnvError, EnvHost, _mount_points
 from toolq.workers.store.redis_store import RedisStore
 
 LIMITS = archive.Limits(max_bytes=64 << 20, max_files=10_000)
@@ -274,3 +275,54 @@ def test_what_no_checkpoint_carries_is_named_in_the_diff(
     assert any(line.startswith("pw") for line in diff.skipped), diff.skipped
     assert any(line.startswith("pipe") for line in diff.skipped), diff.skipped
     assert "passwd" not in diff.patch
+
+
+def test_a_child_forked_while_a_lock_is_held_does_not_keep_it(tmp_path: Path, r: redis.Redis, store: RedisStore,
+                                                               hosts: list[EnvHost]) -> None:
+    """The worker's main process forks its pool's children while the agent's threads hold
+    environments' locks. An flock lives while any copy of its descriptor is open: a child that kept
+    one held the environment's lock for its whole life, and the next destroy waited for ever."""
+    h = make_host(hosts, tmp_path / "root", store, r, "copy")
+    rec = record(r, EMPTY_BASE)
+    h.create(rec)
+    go_on, done = os.pipe()
+    started, says = os.pipe()
+    with h._locked(rec.id) as mine:
+        assert mine
+        child = os.fork()
+        if child == 0:  # lives on past the parent's release, as a pool child does
+            os.close(done)
+            os.write(says, b"1")  # its fork hooks ran before this
+            os.read(go_on, 1)
+            os._exit(0)
+    os.close(go_on)
+    os.close(says)
+    assert os.read(started, 1) == b"1"
+    os.close(started)
+    try:
+        with h._locked(rec.id, fcntl.LOCK_EX | fcntl.LOCK_NB) as free:
+            assert free, "the forked child still holds the environment's lock"
+        assert h.destroy(rec.id, wait=False)
+    finally:
+        os.close(done)
+        os.waitpid(child, 0)
+
+
+def test_the_reaper_passes_over_an_environment_a_request_holds(tmp_path: Path, r: redis.Redis, store: RedisStore,
+                                                                hosts: list[EnvHost]) -> None:
+    """The reaper runs on the agent's request loop: waiting there for a lock would hold up every
+    request of the host. It leaves a busy environment to its next pass."""
+    r.delete(host_envs_key("h1"))
+    h = make_host(hosts, tmp_path / "root", store, r, "copy")
+    busy, free = record(r, EMPTY_BASE, owner="owner:busy"), record(r, EMPTY_BASE, owner="owner:free")
+    for rec in (busy, free):
+        h.create(rec)
+    r.delete(busy.owner, free.owner)
+    other = make_host(hosts, tmp_path / "root", store, r, "copy")  # another process's request, as far as flock goes
+    with other._locked(busy.id):
+        assert h.reap() == [free.id]
+        assert h.env_ids() == [busy.id]
+        with pytest.raises(EnvBusy):
+            h.destroy(busy.id, wait=False)
+    assert h.reap() == [busy.id]
+    assert h.env_ids() == []

@@ -58,7 +58,7 @@ from toolq.core.environments import (
 )
 from toolq.core.libc import libc
 from toolq.core.signing import canonical
-from toolq.workers.environments import archive, namespace
+from toolq.workers.environments import archive, locks, namespace
 from toolq.workers.store import BlobStore
 
 log = logging.getLogger("toolq.worker.environments")
@@ -81,6 +81,10 @@ class EnvError(Exception):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.split()))
+
+
+class EnvBusy(EnvError):
+    """Another request holds the environment's lock (asked not to wait)."""
 
 
 def _env_id(env_id: str) -> str:
@@ -443,19 +447,9 @@ class EnvHost:
             return _is_mount(d / "merged")
         return (d / "tree").is_dir()
 
-    @contextlib.contextmanager
-    def _locked(self, name: str, how: int = fcntl.LOCK_EX) -> Iterator[bool]:
+    def _locked(self, name: str, how: int = fcntl.LOCK_EX) -> contextlib.AbstractContextManager[bool]:
         """flock on `locks/<name>.lock`; with LOCK_NB in `how`, yields False if it is held."""
-        fd = os.open(self.root / "locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            try:
-                fcntl.flock(fd, how)
-            except BlockingIOError:
-                yield False
-                return
-            yield True
-        finally:
-            os.close(fd)
+        return locks.locked(self.root / "locks" / f"{name}.lock", how)
 
     @contextlib.contextmanager
     def _base_in_use(self, base: str) -> Iterator[Path]:
@@ -688,10 +682,14 @@ class EnvHost:
 
     # --- destroy ---
 
-    def destroy(self, env_id: str) -> bool:
-        """Kill what runs in it, unmount, remove. True if there was something to destroy."""
+    def destroy(self, env_id: str, *, wait: bool = True) -> bool:
+        """Kill what runs in it, unmount, remove. True if there was something to destroy. `wait`
+        False: EnvBusy while another request holds it (the reaper, on the agent's request loop,
+        comes back at its next pass rather than hold up every request)."""
         d = self.env_dir(env_id)
-        with self._locked(env_id):
+        with self._locked(env_id, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB)) as mine:
+            if not mine:
+                raise EnvBusy(f"environment {env_id} is busy")
             if not d.exists():
                 return False
             self._remove(env_id)
@@ -758,8 +756,10 @@ class EnvHost:
                 self.remount(env_id)
                 continue
             try:
-                if self.destroy(env_id):
+                if self.destroy(env_id, wait=False):
                     log.info("environment %s destroyed: %s", env_id, why)
+            except EnvBusy:
+                continue  # a request holds it now: the next pass
             except Exception as e:  # one environment that resists must not keep the others alive
                 log.warning("environment %s could not be destroyed (%s): %s", env_id, why, e)
                 continue
@@ -775,8 +775,8 @@ class EnvHost:
         d = self.env_dir(env_id)
         if not self._unmounted_overlay(d, self._meta(d)):
             return False
-        with self._locked(env_id):
-            return self._remount_locked(env_id, d)
+        with self._locked(env_id, fcntl.LOCK_EX | fcntl.LOCK_NB) as mine:  # busy: the reaper's next pass
+            return mine and self._remount_locked(env_id, d)
 
     def _unmounted_overlay(self, d: Path, meta: dict[str, Any] | None) -> bool:
         """An overlay environment whole on this host's disk, not mounted where this process runs.
