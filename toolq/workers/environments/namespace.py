@@ -49,10 +49,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from toolq.core.libc import libc
+from toolq.workers.environments import locks as lock_files
 from toolq.workers.environments import ns_holder
 
 #: Whether this process joined its host's namespace: the host mounts with `userxattr` then.
@@ -138,7 +138,7 @@ def enter(root: Path, key: bytes, fleet: str) -> str:
     holder = None
     try:
         locks.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with _locked(locks / f"{name}.lock"):
+        with lock_files.locked(locks / f"{name}.lock"):
             made, refused = False, ""
             try:
                 namespaces = _ask_holder(root, name, key)
@@ -171,31 +171,17 @@ def enter(root: Path, key: bytes, fleet: str) -> str:
         return f"no host namespace ({' '.join(str(getattr(e, 'strerror', None) or e).split())})"
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def members_left(root: Path, fleet: str) -> bool:
     """Whether a worker of `fleet` holds its share of the namespace's members lock under `root`
     (called under the namespace's lock, where no other worker takes it; and by a root worker,
     which must not mount again an environment that such workers hold mounted)."""
-    try:
-        fd = os.open(root / "locks" / f"{name_of(fleet)}-members.lock", os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
+    path = root / "locks" / f"{name_of(fleet)}-members.lock"
+    if not path.exists():
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    # Through lock_files: asked on the agent's threads, and a pool child forked meanwhile must not
+    # keep this probe's lock, which would read as members for the child's whole life.
+    with lock_files.locked(path, fcntl.LOCK_EX | fcntl.LOCK_NB) as free:
+        return not free
 
 
 def _ask_holder(root: Path, name: str, key: bytes) -> list[int] | None:
