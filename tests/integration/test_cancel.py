@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import tests.integration.conftest as c
+from tests import markers
 from toolq.cli.cancel import UnknownTarget, cancel
 from toolq.cli.exits import exit_status
 from toolq.dev.fake_model import builders as b
@@ -56,7 +57,7 @@ def family_command(tag: str) -> str:
 
 
 def test_cancelling_a_turn_kills_every_process_and_leaves_a_paired_history(fleet, tmp_path):
-    tag = str(os.getpid() % 1000)
+    tag = f"{markers.PROCESS}1"  # its own digit: the signal test's sleeps are `30.<PROCESS>0...`
     script = [
         [b.function_call("sleep_echo", {"text": "finished first"}, "call_done"),
          b.function_call("exec_command", {"cmd": family_command(tag)}, "call_sleep")],
@@ -195,7 +196,7 @@ def test_a_cancel_with_no_worker_online_prevents_the_call_from_running(worker, d
 def test_a_signal_to_toolq_run_cancels_the_turn_and_the_session_continues(fleet, tmp_path, sig):
     """Ctrl-C, `kill`/`timeout`/systemd (SIGTERM) and a closed terminal (SIGHUP) all end the turn
     cleanly: durable cancel record, command killed, aborted output, session written, exit 130."""
-    tag = str(os.getpid() % 1000 + 1) + str(sig.value)
+    tag = f"{markers.PROCESS}0{sig.value}"
     session_file = tmp_path.with_name(tmp_path.name + "-session.json")  # outside the workspace, as it must be
     script = [[b.function_call("exec_command", {"cmd": f"sleep 30.{tag}9"}, "call_int")], [b.message("resumed")]]
     with FakeModel(script) as fake:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import markers
 from tests.integration.codex_cli import codex_or_skip, environments_toml, running, turn
 from tests.integration.conftest import SIGNING_KEY, WORKER_ENV
 from tests.integration.test_environments import unmount_under
@@ -221,7 +222,7 @@ def test_big_output_reaches_codex_whole_enough_for_its_truncation(codex, serve, 
 @BOTH
 def test_a_session_left_running_at_the_turn_end_is_terminated(codex, serve, kind):
     s = serve(kind)
-    marker = f"{os.getpid() % 1000 + 42000}{int(time.time()) % 1000:03d}"
+    marker = f"42{markers.PROCESS}{int(time.time()) % 1000:03d}"
     t = turn(codex, [[ex("c_left", f"echo started; sleep {marker}; echo never", yield_time_ms=1500)],
                      [b.message("leaving it running")]], s.workspace, url=s.url)
     assert t.proc.returncode == 0, t.why()
@@ -345,7 +346,7 @@ def _until(what: Callable[[], bool], timeout: float) -> bool:
 
 def test_codex_killed_mid_command_leaves_nothing_running_after_the_reap_window(codex, serve):
     s = serve("toolq", env={"TOOLQ_EXEC_SERVER_RESUME": "2"})
-    marker = f"{os.getpid() % 1000 + 31000}{int(time.time()) % 1000:03d}"
+    marker = f"31{markers.PROCESS}{int(time.time()) % 1000:03d}"
     with running(codex, [[ex("c_long", f"echo started; sleep {marker}; echo never", yield_time_ms=30000)],
                          [b.message("never reached")]], s.workspace, url=s.url) as t:
         assert _until(lambda: bool(_running_with(f"sleep\0{marker}".encode())), 60), s.log()
@@ -357,7 +358,7 @@ def test_codex_killed_mid_command_leaves_nothing_running_after_the_reap_window(c
 
 def test_toolq_cancel_of_the_session_turn_ends_its_processes(codex, serve, redis_env):
     s = serve("toolq")
-    marker = f"{os.getpid() % 1000 + 43000}{int(time.time()) % 1000:03d}"
+    marker = f"43{markers.PROCESS}{int(time.time()) % 1000:03d}"
     with running(codex, [[ex("c_long", f"echo started; sleep {marker}; echo never", yield_time_ms=30000)],
                          [b.message("cancelled")]], s.workspace, url=s.url) as t:
         assert _until(lambda: bool(_running_with(f"sleep\0{marker}".encode())), 60), s.log()
@@ -403,7 +404,7 @@ def test_stdio_eof_ends_the_session_at_once(codex, request, redis_env, tmp_path)
     request.getfixturevalue("host")
     ws = tmp_path / "ws"
     ws.mkdir()
-    marker = f"{os.getpid() % 1000 + 44000}{int(time.time()) % 1000:03d}"
+    marker = f"44{markers.PROCESS}{int(time.time()) % 1000:03d}"
     args = ["-P", "-m", "toolq.cli.main", "exec-server", "--listen", "stdio", "--upload", str(ws)]
     env = {**WORKER_ENV, "REDIS_URL": redis_env.url, "TOOLQ_SIGNING_KEY": SIGNING_KEY,
            "TOOLQ_EXEC_SERVER_RESUME": "600"}

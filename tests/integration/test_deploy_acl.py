@@ -22,6 +22,7 @@ import redis
 import yaml
 
 import tests.integration.conftest as c
+from tests import markers
 from tests.integration.test_cancel import pids_matching
 from tests.unit.test_deploy import COMPOSE, K8S
 from toolq.cli.flower import FlowerProcess
@@ -80,7 +81,7 @@ def url(server: RedisServer, user: str) -> str:
 
 
 def test_the_roles_run_a_whole_turn_and_nothing_that_could_wipe_or_stop_the_server(tmp_path):
-    marker = f"sleep 30.{os.getpid() % 1000}5"
+    marker = f"sleep 30.{markers.PROCESS}5"
     script = [[b.function_call("exec_command", {"cmd": "echo ok"}, "call_ok"),
                b.function_call("read_file", {"file_path": "missing.txt"}, "call_missing"),
                b.function_call("exec_command", {"cmd": marker}, "call_long")],

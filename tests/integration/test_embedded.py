@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests import markers
 from tests.integration.conftest import ROOT
 from tests.integration.test_cancel import pids_matching
 from toolq.cli.cancel import UnknownTarget, cancel
@@ -90,7 +91,7 @@ def read_events_until(proc: subprocess.Popen, predicate, timeout: float = 90) ->
 
 
 def test_cancel_status_and_turns_find_a_running_embedded_run_from_another_shell(tmp_path):
-    marker = f"sleep 120.{os.getpid() % 1000}7"
+    marker = f"sleep 120.{markers.PROCESS}7"
     script = [[b.function_call("exec_command", {"cmd": marker}, "call_long")], [b.message("after the cancel")]]
     with FakeModel(script) as fake:
         shell = Shell(tmp_path, fake)
@@ -150,7 +151,7 @@ def test_a_run_leaves_nothing_behind_and_a_failed_run_keeps_its_logs_and_says_wh
 
 def test_a_killed_run_takes_its_embedded_stack_with_it(tmp_path):
     """SIGKILL leaves no handler to run: the server and the workers die by their parent-death signal."""
-    marker = f"sleep 120.{os.getpid() % 1000}9"
+    marker = f"sleep 120.{markers.PROCESS}9"
     with FakeModel([[b.function_call("exec_command", {"cmd": marker}, "call_long")], [b.message("x")]]) as fake:
         shell = Shell(tmp_path, fake)
         run = shell.start_run("sleep a long time")

@@ -9,7 +9,6 @@ are the attacks; each asserts on the outputs the model got back and on the machi
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import shutil
 import socket
@@ -21,6 +20,7 @@ import psutil
 import pytest
 
 import tests.integration.conftest as c
+from tests import markers
 from tests.integration import unprivileged
 from tests.integration.test_builtin_tools import exec_parts, outputs
 from tests.integration.test_cancel import pids_matching, wait_until
@@ -201,14 +201,14 @@ def assert_gone(tag: str) -> None:
 
 
 def test_nothing_outlives_a_call_that_exits(drive, hostile_worker, tmp_path):
-    tag = f"{os.getpid() % 1000}1"
+    tag = f"{markers.PROCESS}1"
     out = attack(drive, hostile_worker, tmp_path, {"call_escape": escapes(tag) + "; echo left"})
     assert out["call_escape"] == (0, "left\n")
     assert_gone(tag)
 
 
 def test_nothing_outlives_a_call_that_times_out(drive, hostile_worker, tmp_path):
-    tag = f"{os.getpid() % 1000}2"
+    tag = f"{markers.PROCESS}2"
     script = [[b.function_call("exec_command", {"cmd": escapes(tag) + "; sleep 100"}, "call_slow")],
               [b.message("done")]]
     drive(script, redis_url=hostile_worker.redis.url, workspace=tmp_path, turn_timeout=4)
@@ -216,7 +216,7 @@ def test_nothing_outlives_a_call_that_times_out(drive, hostile_worker, tmp_path)
 
 
 def test_nothing_outlives_a_cancelled_call(hostile_worker, tmp_path):
-    tag = f"{os.getpid() % 1000}3"
+    tag = f"{markers.PROCESS}3"
     script = [[b.function_call("exec_command", {"cmd": escapes(tag) + "; sleep 100"}, "call_cancel")],
               [b.message("never")]]
 
@@ -233,7 +233,7 @@ def test_nothing_outlives_a_cancelled_call(hostile_worker, tmp_path):
 
 
 def test_limits_stop_a_fork_bomb_a_big_allocation_a_cpu_hog_and_a_big_file(drive, hostile_worker, tmp_path):
-    tag = f"{os.getpid() % 1000}4"
+    tag = f"{markers.PROCESS}4"
     bomb = ("import os, sys, time\n"
             "for i in range(500):\n"
             "    if os.fork() == 0:\n"
@@ -262,7 +262,7 @@ def test_limits_stop_a_fork_bomb_a_big_allocation_a_cpu_hog_and_a_big_file(drive
 def test_nothing_outlives_a_pool_process_killed_mid_call(hostile_worker, tmp_path):
     if hostile_worker.backend == "landlock" and limits.pids_cgroup_base() is None:
         pytest.skip("without a pid namespace or a pids cgroup, a killed pool process's orphans escape")
-    tag = f"{os.getpid() % 1000}5"
+    tag = f"{markers.PROCESS}5"
     script = [[b.function_call("exec_command", {"cmd": escapes(tag) + "; sleep 100"}, "call_killed")],
               [b.message("never")]]
     main = psutil.Process(hostile_worker.proc.proc.pid)

@@ -25,6 +25,7 @@ import redis
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
+from tests import markers
 from tests.integration import test_exec_server as es
 from tests.integration import test_hostile_exec as he
 from tests.integration import unprivileged
@@ -463,7 +464,7 @@ def test_an_mcp_client_reaches_neither_another_clients_sessions_nor_the_front_do
 def test_one_clients_long_processes_do_not_starve_another_clients_calls(server, workspace):
     """The shared fleet has 2 workers x 2 pool children. One client starts 4 processes that run on
     (Codex's dev servers, watchers); another client's `echo` must be served while all 4 still run."""
-    marker = f"sleep 25.{os.getpid() % 1000}7"  # long enough to be seen running; short, as the test waits it out
+    marker = f"sleep 25.{markers.PROCESS}7"  # long enough to be seen running; short, as the test waits it out
     with Client.connect(server.url) as hog, Client.connect(server.url) as other:
         hog.initialize()
         other.initialize()

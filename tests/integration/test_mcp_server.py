@@ -26,6 +26,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import McpError
 
 import tests.integration.conftest as c
+from tests import markers
 from tests.integration.test_cancel import pids_matching, wait_until
 from tests.integration.test_environments import unmount_under
 from toolq.local.embedded import free_port
@@ -97,7 +98,7 @@ async def over_http(url: str, headers: dict[str, str] | None = None) -> AsyncIte
 
 def long_sleep(k: int) -> str:
     """A command found in /proc by its own text (this test run's pid in it) while it runs."""
-    return f"sleep 300.{os.getpid() % 1000}{k}"
+    return f"sleep 300.{markers.PROCESS}{k}"
 
 
 def text_of(result: types.CallToolResult) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 
+from tests import markers
 from tests.integration.conftest import TEST_TOOLS, WORKER_ENV, catalog_of, run_session, settings_for
 from toolq.core import metrics as declared
 from toolq.core.advert import broker_lists, tool_queue
@@ -197,13 +198,14 @@ def _queue(ledger: list[dict[str, str]], tool: str) -> str:
 def test_a_cancelled_command_is_timed_until_its_process_is_gone(metrics_worker, own_redis, tmp_path) -> None:
     _, wport = metrics_worker
     before = value(scrape(wport), "toolq_cancel_to_dead_seconds_count", tool="exec_command")
-    script = [[b.function_call("exec_command", {"cmd": "sleep 120.25", "yield_time_ms": 60000}, "call_long")],
+    marker = f"sleep 120.{markers.PROCESS}5"
+    script = [[b.function_call("exec_command", {"cmd": marker, "yield_time_ms": 60000}, "call_long")],
               [b.message("done")]]
     with FakeModel(script) as fake:
         settings = settings_for(own_redis.url, fake, tmp_path)
 
         async def during(session, runtime) -> None:
-            while not _running("sleep 120.25"):  # the command runs on the worker: then the turn is cancelled
+            while not _running(marker):  # the command runs on the worker: then the turn is cancelled
                 await asyncio.sleep(0.05)
             session.cancel()
 

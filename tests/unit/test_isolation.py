@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from tests import markers
 from toolq.core.errors import ConfigurationError
 from toolq.core.settings import Settings
 from toolq.workers import isolation
@@ -485,7 +486,7 @@ def test_a_worker_with_shell_tools_refuses_to_start_when_no_sandbox_works(tmp_pa
 
 def test_the_subreaper_sweep_kills_what_left_the_process_group(tmp_path):
     # In a child process: a sweep kills every child of the process that runs it.
-    marker = f"300.{os.getpid() % 1000}9"
+    marker = f"300.{markers.PROCESS}9"
     script = textwrap.dedent(f"""
         import subprocess, time
         from toolq.workers.isolation import reaper

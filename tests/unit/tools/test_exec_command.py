@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -11,6 +10,7 @@ import time
 import psutil
 import pytest
 
+from tests import markers
 from tests.unit.tools import call
 from toolq.core.catalog import ToolReturn
 from toolq.core.errors import RespondToModel
@@ -108,7 +108,7 @@ def test_missing_workdir_gives_codex_spawn_failure_text(tmp_path):
 
 def test_timeout_kills_the_group_and_reports_exit_124(tmp_path):
     # A marker, not a pid: inside the sandbox's pid namespace `$!` is not the host's pid.
-    marker = f"30.{os.getpid() % 1000}7"
+    marker = f"30.{markers.PROCESS}7"
     started = time.monotonic()
     r = run_with_deadline(tmp_path, f"sleep {marker} & echo started; sleep 30", deadline_in=0.5)
     assert time.monotonic() - started < 10
