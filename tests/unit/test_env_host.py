@@ -297,14 +297,14 @@ def test_a_child_forked_while_a_lock_is_held_does_not_keep_it(tmp_path: Path, r:
             os._exit(0)
     os.close(go_on)
     os.close(says)
-    assert os.read(started, 1) == b"1"
-    os.close(started)
     try:
+        assert os.read(started, 1) == b"1"
         with h._locked(rec.id, fcntl.LOCK_EX | fcntl.LOCK_NB) as free:
             assert free, "the forked child still holds the environment's lock"
         assert h.destroy(rec.id, wait=False)
     finally:
-        os.close(done)
+        os.close(started)
+        os.close(done)  # the child's read ends: it exits
         os.waitpid(child, 0)
 
 

@@ -49,5 +49,6 @@ def locked(path: Path, how: int = fcntl.LOCK_EX) -> Iterator[bool]:
         yield True
     finally:
         with _guard:
-            _open.discard(fd)
-            os.close(fd)
+            if fd in _open:  # not in a child forked inside the `with`, which closed its copy already
+                _open.discard(fd)
+                os.close(fd)
