@@ -37,8 +37,7 @@ from tests.integration.test_hostile_exec import hostile_workers, locked_redis_se
 from toolq.dev.fake_model import builders as b
 from toolq.workers.isolation import limits
 
-# Alone: it fills the machine with `nobody`'s processes, which every `nobody` worker's RLIMIT_NPROC counts.
-pytestmark = [pytest.mark.integration, pytest.mark.alone]
+pytestmark = pytest.mark.integration
 
 BACKENDS = ("bwrap", "landlock")
 #: Root workers (cgroups) and workers running as `nobody` (RLIMIT_NPROC), on each backend.

@@ -90,7 +90,6 @@ def test_masks_hold_against_nested_namespaces_and_sys_stays_out(drive, sbx_worke
 
 
 @needs_root
-@pytest.mark.alone  # it compares the machine's whole mount table, which other tests' workers change
 def test_the_slot_threads_namespaces_do_not_leak_into_the_hosts(drive, sbx_worker, tmp_path):
     """The slot threads unmount /sys and mask /etc/shadow in their own namespaces: the worker's,
     the session host's main thread and this process keep theirs."""
