@@ -198,10 +198,10 @@ def test_the_reaper_goes_on_past_an_environment_it_cannot_destroy(tmp_path, r, m
                                    owner=f"owner:{env_id}"))
     real = EnvHost.destroy
 
-    def resisting(self: EnvHost, env_id: str) -> bool:
+    def resisting(self: EnvHost, env_id: str, *, wait: bool = True) -> bool:
         if env_id == ids[0]:
             raise RecursionError("maximum recursion depth exceeded")
-        return real(self, env_id)
+        return real(self, env_id, wait=wait)
 
     monkeypatch.setattr(EnvHost, "destroy", resisting)
     assert h.reap() == [ids[1]]
