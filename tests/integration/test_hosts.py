@@ -341,7 +341,7 @@ def test_a_namespace_a_dead_harness_left_is_swept(hosts: Hosts) -> None:
     dead.wait()
     name = f"toolq-{dead.pid}x{'0' * 6}-w9"
     subprocess.run(["ip", "netns", "add", name], check=True)
-    sweep_stale()  # this one, or another test's harness beside this one (each sweeps at its start)
+    assert name in sweep_stale()
     assert name not in harness_namespaces()
     assert set(hosts.names()) <= set(harness_namespaces())  # a live harness's are kept
 

@@ -22,10 +22,8 @@ from toolq.local.embedded import RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-#: What a checkout holds that a build must not see (the dev venv, caches, earlier builds). The
-#: caches are written while this copies them (mypy, ruff and hypothesis in the tests beside it).
-NOT_SOURCE = shutil.ignore_patterns(".venv", ".git", "*.egg-info", "build", "dist", "__pycache__", ".pytest_cache",
-                                    ".mypy_cache", ".ruff_cache", ".hypothesis")
+#: What a checkout holds that a build must not see (the dev venv, caches, earlier builds).
+NOT_SOURCE = shutil.ignore_patterns(".venv", ".git", "*.egg-info", "build", "dist", "__pycache__", ".pytest_cache")
 
 PROJECT_TOOL = '''
 import json
